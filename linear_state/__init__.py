@@ -1,0 +1,33 @@
+"""linear_state: slots of linear-attention state on a device, each with exactly one owner,
+and the streams and fences that order every read and write of them.
+
+Nothing here imports :mod:`radixcache`.
+"""
+
+from .errors import PoolError, PoolExhausted, SlotMisuse
+from .fingerprint import Fingerprint
+from .layout import StateLayout
+from .owners import NodeOwner, Owner, RequestOwner, SlotId
+from .pool import LinearStatePool, SlotWrite
+from .stream import COMPLETE, CudaStream, DeferredStream, Fence, ImmediateStream, Stream, device_synchronize
+
+__all__ = [
+    "COMPLETE",
+    "CudaStream",
+    "DeferredStream",
+    "Fence",
+    "Fingerprint",
+    "ImmediateStream",
+    "LinearStatePool",
+    "NodeOwner",
+    "Owner",
+    "PoolError",
+    "PoolExhausted",
+    "RequestOwner",
+    "SlotId",
+    "SlotMisuse",
+    "SlotWrite",
+    "StateLayout",
+    "Stream",
+    "device_synchronize",
+]

@@ -1,0 +1,47 @@
+"""Typed errors of the slot pool, split by cause.
+
+``PoolExhausted`` is a capacity condition a scheduler handles (evict, queue, refuse).
+``SlotMisuse`` is a bug in the caller: the message names the slot and both owners involved.
+"""
+
+from __future__ import annotations
+
+from .owners import Owner
+
+__all__ = ["PoolError", "PoolExhausted", "SlotMisuse"]
+
+
+class PoolError(Exception):
+    """Base class of every error raised by :mod:`linear_state`."""
+
+
+class PoolExhausted(PoolError, MemoryError):
+    """No free slot is left. Nothing was allocated.
+
+    :ivar capacity: the pool's capacity.
+    :ivar requested: how many slots the call needed.
+    :ivar owner: who asked.
+    """
+
+    def __init__(self, capacity: int, requested: int, owner: Owner) -> None:
+        self.capacity = capacity
+        self.requested = requested
+        self.owner = owner
+        super().__init__(f"slot pool exhausted: {owner} asked for {requested} slot(s), all {capacity} are owned")
+
+
+class SlotMisuse(PoolError, RuntimeError):
+    """The caller broke the ownership rule; the pool is unchanged.
+
+    :ivar slot: the slot involved.
+    :ivar owner: who owns it now (``None`` when free).
+    :ivar actor: who tried the operation (``None`` when the call names nobody).
+    """
+
+    def __init__(self, message: str, *, slot: int, owner: Owner | None, actor: Owner | None) -> None:
+        self.slot = slot
+        self.owner = owner
+        self.actor = actor
+        held = "free" if owner is None else f"owned by {owner}"
+        by = "" if actor is None else f"; attempted by {actor}"
+        super().__init__(f"{message}: slot {slot} is {held}{by}")

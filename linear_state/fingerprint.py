@@ -1,0 +1,84 @@
+"""Fingerprints of slot contents: a 64-bit digest that changes when any element changes.
+
+The digest is a random linear form over the slot's raw 64-bit words, modulo 2**64::
+
+    fp = sum_t sum_l M[t, l] * (sum_i w[t, l, i] * r[i])      (mod 2**64)
+
+with ``r`` and ``M`` fixed odd 64-bit weights (seeded, so the same layout fingerprints the same on
+every run). Because every weight is odd, it is invertible modulo 2**64: changing any *one* word
+always changes the fingerprint (exact detection). Several changed words collide only if a random
+linear form vanishes on the difference vector, which happens with probability at most 2**-32 for
+differences of 32-bit or wider words; bit flips anywhere are caught with the same bound.
+
+Cost: one pass over the slot's bytes, layer by layer (each layer's product lands in a scratch
+buffer small enough to stay in cache), all on the slot's device, then a single 8-byte transfer
+to the host. ``benchmarks/bench_pool.py`` measures it against a clone of the same slot.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["Fingerprint", "SlotHasher", "WORD_WEIGHT_SEED"]
+
+Fingerprint = int
+"""A 64-bit fingerprint, as a non-negative Python int."""
+
+WORD_WEIGHT_SEED = 0x5EED_F1A9
+_MASK = (1 << 64) - 1
+
+
+def _odd_weights(n: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
+    lo = torch.randint(-(2**62), 2**62, (n,), dtype=torch.int64, generator=generator)
+    return (lo * 2 + 1).to(device)  # odd, hence invertible mod 2**64
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of a contiguous tensor as int64 words (narrower words widened: still exact)."""
+    flat = t.reshape(-1)
+    nbytes = flat.numel() * flat.element_size()
+    if nbytes % 8 == 0:
+        return flat.view(torch.int64)
+    if nbytes % 4 == 0:
+        return flat.view(torch.int32).to(torch.int64)
+    if nbytes % 2 == 0:
+        return flat.view(torch.int16).to(torch.int64)
+    return flat.view(torch.uint8).to(torch.int64)
+
+
+class SlotHasher:
+    """Fingerprints rows of layer-major state tensors ``[L, S, ...]`` (one row = one slot).
+
+    Build one per pool; :meth:`fingerprint` is called per slot.
+    """
+
+    def __init__(self, tensors: list[torch.Tensor], seed: int = WORD_WEIGHT_SEED) -> None:
+        if not tensors:
+            raise ValueError("SlotHasher needs at least one tensor")
+        gen = torch.Generator().manual_seed(seed)
+        self._tensors = tensors
+        self.device = tensors[0].device
+        widest = max(_words(t[0, 0]).numel() for t in tensors)
+        self._r = _odd_weights(widest, gen, self.device)
+        self._scratch = torch.empty(widest, dtype=torch.int64, device=self.device)
+        num_rows = sum(t.shape[0] for t in tensors)
+        self._m = _odd_weights(num_rows, gen, self.device)
+        self._partials = torch.empty(num_rows, dtype=torch.int64, device=self.device)
+
+    def fingerprint(self, slot: int) -> Fingerprint:
+        """Fingerprint of ``slot`` across all tensors and layers.
+
+        Runs on the tensors' device with one host transfer; O(slot bytes). Only meaningful once
+        every write into the slot has landed (wait its fence first).
+        """
+        row = 0
+        for t in self._tensors:
+            for layer in range(t.shape[0]):
+                words = _words(t[layer, slot])
+                n = words.numel()
+                scratch = self._scratch[:n]
+                torch.mul(words, self._r[:n], out=scratch)
+                torch.sum(scratch, dim=0, out=self._partials[row])
+                row += 1
+        total = torch.dot(self._partials, self._m)
+        return int(total.item()) & _MASK

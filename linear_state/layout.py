@@ -1,0 +1,121 @@
+"""The shape of one sequence's linear-attention state: what a slot of the pool holds."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["StateLayout"]
+
+
+@dataclass(frozen=True, slots=True)
+class StateLayout:
+    """Per-sequence linear-attention state of a hybrid model, across all its linear layers.
+
+    A slot of :class:`~linear_state.LinearStatePool` holds, for each of ``num_layers`` linear
+    layers, one conv window of ``conv_shape`` (``conv_dtype``) and one recurrent state of
+    ``recurrent_shape`` (``recurrent_dtype``).
+
+    :raises ValueError: a non-positive layer count or dimension, or a non-floating dtype.
+    """
+
+    num_layers: int
+    conv_shape: tuple[int, ...]
+    recurrent_shape: tuple[int, ...]
+    conv_dtype: torch.dtype = torch.bfloat16
+    recurrent_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        if self.num_layers <= 0:
+            raise ValueError(f"num_layers must be positive, got {self.num_layers}")
+        for name, shape in (("conv_shape", self.conv_shape), ("recurrent_shape", self.recurrent_shape)):
+            if not shape or any(int(d) <= 0 for d in shape):
+                raise ValueError(f"{name} must be non-empty with positive dims, got {shape}")
+            object.__setattr__(self, name, tuple(int(d) for d in shape))
+        for name, dtype in (("conv_dtype", self.conv_dtype), ("recurrent_dtype", self.recurrent_dtype)):
+            if not dtype.is_floating_point:
+                raise ValueError(f"{name} must be a floating dtype, got {dtype}")
+
+    @property
+    def conv_bytes_per_layer(self) -> int:
+        """Bytes of one layer's conv window."""
+        return math.prod(self.conv_shape) * self.conv_dtype.itemsize
+
+    @property
+    def recurrent_bytes_per_layer(self) -> int:
+        """Bytes of one layer's recurrent state."""
+        return math.prod(self.recurrent_shape) * self.recurrent_dtype.itemsize
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one slot: every layer's conv window plus recurrent state."""
+        return self.num_layers * (self.conv_bytes_per_layer + self.recurrent_bytes_per_layer)
+
+    @classmethod
+    def for_gdn(
+        cls,
+        num_layers: int,
+        num_k_heads: int,
+        num_v_heads: int,
+        head_k_dim: int,
+        head_v_dim: int,
+        conv_kernel: int = 4,
+        *,
+        conv_dtype: torch.dtype = torch.bfloat16,
+        recurrent_dtype: torch.dtype = torch.float32,
+    ) -> StateLayout:
+        """Layout of Gated DeltaNet layers (Qwen3-Next, Qwen3.5).
+
+        The causal conv runs over q, k and v together, so it has
+        ``2 * num_k_heads * head_k_dim + num_v_heads * head_v_dim`` channels and keeps the last
+        ``conv_kernel - 1`` inputs. The recurrent state is one ``[head_k_dim, head_v_dim]`` matrix per
+        value head.
+
+        >>> StateLayout.for_gdn(1, 1, 1, 2, 2, 4).conv_shape
+        (6, 3)
+
+        :raises ValueError: ``conv_kernel < 2`` or any non-positive size.
+        """
+        if conv_kernel < 2:
+            raise ValueError(f"conv_kernel must be >= 2 (the state keeps conv_kernel - 1 inputs), got {conv_kernel}")
+        channels = 2 * num_k_heads * head_k_dim + num_v_heads * head_v_dim
+        return cls(
+            num_layers=num_layers,
+            conv_shape=(channels, conv_kernel - 1),
+            recurrent_shape=(num_v_heads, head_k_dim, head_v_dim),
+            conv_dtype=conv_dtype,
+            recurrent_dtype=recurrent_dtype,
+        )
+
+    @classmethod
+    def for_mamba2(
+        cls,
+        num_layers: int,
+        num_heads: int,
+        head_dim: int,
+        state_size: int,
+        n_groups: int = 1,
+        conv_kernel: int = 4,
+        *,
+        conv_dtype: torch.dtype = torch.bfloat16,
+        recurrent_dtype: torch.dtype = torch.float32,
+    ) -> StateLayout:
+        """Layout of Mamba2 layers (Nemotron-H, Jamba-style hybrids).
+
+        The conv runs over x, B and C: ``num_heads * head_dim + 2 * n_groups * state_size`` channels,
+        keeping ``conv_kernel - 1`` inputs; the SSM state is ``[num_heads, head_dim, state_size]``.
+
+        :raises ValueError: ``conv_kernel < 2`` or any non-positive size.
+        """
+        if conv_kernel < 2:
+            raise ValueError(f"conv_kernel must be >= 2 (the state keeps conv_kernel - 1 inputs), got {conv_kernel}")
+        channels = num_heads * head_dim + 2 * n_groups * state_size
+        return cls(
+            num_layers=num_layers,
+            conv_shape=(channels, conv_kernel - 1),
+            recurrent_shape=(num_heads, head_dim, state_size),
+            conv_dtype=conv_dtype,
+            recurrent_dtype=recurrent_dtype,
+        )

@@ -1,0 +1,379 @@
+"""The slot pool: device tensors of linear state, and the one rule that every slot has one owner.
+
+Slot lifecycle (see docs/linear_state.md for who may read and write in each state)::
+
+    FREE --alloc(RequestOwner)--> request slot   (the request's forward passes write it)
+    request slot --clone(after producer's fence)--> NEW slot owned by a NodeOwner (frozen)
+    node slot --copy(after its fence)--> a request's slot          (restore on a hit)
+    any slot --free(by its owner, after its last writer's fence)--> FREE
+
+NOTE: ownership is checked on every pool operation; the pool cannot see raw writes a host's
+kernels make into ``conv``/``recurrent``, so a host asserts them with :meth:`check_writable`
+before its forward, and fingerprints catch whatever slips through.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
+
+import torch
+
+from .errors import PoolExhausted, SlotMisuse
+from .fingerprint import Fingerprint, SlotHasher
+from .layout import StateLayout
+from .owners import NodeOwner, Owner, RequestOwner, SlotId
+from .stream import COMPLETE, Fence, ImmediateStream, Stream
+
+__all__ = ["LinearStatePool", "SlotWrite"]
+
+
+class SlotWrite(NamedTuple):
+    """A slot that was just written and the fence after which its contents are valid."""
+
+    slot: SlotId
+    fence: Fence
+
+
+class LinearStatePool:
+    """A fixed number of linear-state slots on one device, each FREE or owned by exactly one owner.
+
+    Tensors are layer-major: ``conv`` is ``[L, S, *layout.conv_shape]`` and ``recurrent`` is
+    ``[L, S, *layout.recurrent_shape]`` (``S`` = ``num_slots``), so a batched kernel of layer ``l``
+    indexes ``conv[l, slot_ids]``.
+
+    Every write the pool performs (``copy``, ``clone``, ``zero``, ``write``) is submitted on a
+    :class:`~linear_state.Stream` (the call's ``stream``, else the pool's default) and ordered
+    behind the ``after`` fences the caller passes; it returns the fence of that write. The pool
+    remembers the fence of its own last write into each slot and orders later pool work on the
+    slot behind it, so pool operations never race each other; ordering against a host's own kernels
+    is the caller's: pass their fences.
+
+    :param layout: what one slot holds.
+    :param num_slots: capacity.
+    :param device: where the tensors live.
+    :param stream: default stream for pool work (an :class:`ImmediateStream` when omitted).
+    :raises ValueError: ``num_slots`` not positive.
+    """
+
+    def __init__(
+        self,
+        layout: StateLayout,
+        num_slots: int,
+        device: torch.device | str = "cpu",
+        *,
+        stream: Stream | None = None,
+    ) -> None:
+        if num_slots <= 0:
+            raise ValueError(f"num_slots must be positive, got {num_slots}")
+        self.layout = layout
+        self.device = torch.device(device)
+        self.stream: Stream = stream if stream is not None else ImmediateStream()
+        L = layout.num_layers
+        self.conv = torch.zeros((L, num_slots, *layout.conv_shape), dtype=layout.conv_dtype, device=self.device)
+        self.recurrent = torch.zeros(
+            (L, num_slots, *layout.recurrent_shape), dtype=layout.recurrent_dtype, device=self.device
+        )
+        self._owner: list[Owner | None] = [None] * num_slots
+        # Popped from the end: the lowest ids are handed out first, which keeps demos readable.
+        self._free: list[SlotId] = [SlotId(i) for i in reversed(range(num_slots))]
+        self._last_use: list[Fence] = [COMPLETE] * num_slots
+        self._owned_by: dict[Owner, set[SlotId]] = {}
+        self._hasher = SlotHasher([self.conv, self.recurrent])
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def capacity(self) -> int:
+        """Total number of slots."""
+        return len(self._owner)
+
+    @property
+    def num_free(self) -> int:
+        """Slots owned by nobody. O(1)."""
+        return len(self._free)
+
+    def num_owned_by(self, kind: type[RequestOwner] | type[NodeOwner]) -> int:
+        """Slots held by owners of one kind (requests or tree nodes). O(owners)."""
+        return sum(len(s) for o, s in self._owned_by.items() if isinstance(o, kind))
+
+    def slots_of(self, owner: Owner) -> frozenset[SlotId]:
+        """The slots ``owner`` holds now."""
+        return frozenset(self._owned_by.get(owner, ()))
+
+    def owner_of(self, slot: int) -> Owner | None:
+        """Current owner of ``slot``; ``None`` when FREE.
+
+        :raises IndexError: ``slot`` outside ``[0, capacity)``.
+        """
+        return self._owner[self._index(slot)]
+
+    def is_frozen(self, slot: int) -> bool:
+        """Whether ``slot`` is a tree snapshot (owned by a :class:`NodeOwner`): never written again."""
+        return isinstance(self.owner_of(slot), NodeOwner)
+
+    def last_use(self, slot: int) -> Fence:
+        """Fence of the pool's last operation reading or writing ``slot``.
+
+        A host that writes ``slot`` with its own kernels orders them behind this fence (a clone
+        may still be reading the slot it was donated from).
+        """
+        return self._last_use[self._index(slot)]
+
+    # --------------------------------------------------------------- ownership
+    def can_alloc(self, n: int = 1) -> bool:
+        """Whether :meth:`alloc_many` of ``n`` slots would succeed now."""
+        return n <= len(self._free)
+
+    def alloc(self, owner: Owner) -> SlotId:
+        """Take a FREE slot for ``owner``. O(1). Contents are whatever the last owner left.
+
+        :raises PoolExhausted: no slot is free; nothing changed.
+        """
+        return self.alloc_many(owner, 1)[0]
+
+    def alloc_many(self, owner: Owner, n: int) -> list[SlotId]:
+        """Take ``n`` FREE slots for ``owner``, all or none. O(n).
+
+        :raises PoolExhausted: fewer than ``n`` are free; nothing changed.
+        :raises ValueError: ``n`` negative.
+        """
+        if n < 0:
+            raise ValueError(f"cannot allocate a negative number of slots ({n})")
+        if n > len(self._free):
+            raise PoolExhausted(self.capacity, n, owner)
+        slots = [self._free.pop() for _ in range(n)]
+        held = self._owned_by.setdefault(owner, set())
+        for s in slots:
+            self._owner[s] = owner
+            held.add(s)
+        return slots
+
+    def free(self, slot: int, owner: Owner, *, after: Iterable[Fence] = ()) -> None:
+        """Return ``slot`` to the pool. The host waits ``after`` (the last writer's fences) and the
+        pool's own last write first, so the next owner never sees a late write land.
+
+        :raises SlotMisuse: ``slot`` is already free (double free) or owned by someone else;
+            nothing changed.
+        """
+        s = self._index(slot)
+        current = self._owner[s]
+        if current is None:
+            raise SlotMisuse("double free", slot=s, owner=None, actor=owner)
+        if current != owner:
+            raise SlotMisuse("free by a non-owner", slot=s, owner=current, actor=owner)
+        for fence in after:
+            fence.wait()
+        self._last_use[s].wait()
+        self._last_use[s] = COMPLETE
+        self._release(s, current)
+
+    def transfer(self, slot: int, owner: Owner, new_owner: RequestOwner) -> None:
+        """Hand a request's slot to another request (for example a host re-queuing a request
+        under a new id). Tree snapshots can never be transferred: they are cloned.
+
+        :raises SlotMisuse: ``slot`` not owned by ``owner``, or owned by a tree node.
+        """
+        s = self._index(slot)
+        current = self._owner[s]
+        if current != owner or current is None:
+            raise SlotMisuse("transfer by a non-owner", slot=s, owner=current, actor=owner)
+        if isinstance(current, NodeOwner):
+            raise SlotMisuse("a tree snapshot cannot change owner", slot=s, owner=current, actor=owner)
+        self._release_owner_entry(s, current)
+        self._owner[s] = new_owner
+        self._owned_by.setdefault(new_owner, set()).add(SlotId(s))
+
+    # ------------------------------------------------------------------ writes
+    def check_writable(self, slot: int, owner: Owner | None = None) -> None:
+        """Raise unless ``slot`` may be written now (by ``owner``, when given).
+
+        Hosts call this for the slots of a batch before launching kernels that write them.
+
+        :raises SlotMisuse: the slot is free, frozen (a tree snapshot), or owned by someone else.
+        """
+        s = self._index(slot)
+        current = self._owner[s]
+        if current is None:
+            raise SlotMisuse("write into a free slot", slot=s, owner=None, actor=owner)
+        if isinstance(current, NodeOwner):
+            raise SlotMisuse("write into a frozen tree snapshot", slot=s, owner=current, actor=owner)
+        if owner is not None and current != owner:
+            raise SlotMisuse("write into a slot owned by someone else", slot=s, owner=current, actor=owner)
+
+    def _check_readable(self, slot: int, actor: Owner | None) -> int:
+        s = self._index(slot)
+        if self._owner[s] is None:
+            raise SlotMisuse("read of a free slot", slot=s, owner=None, actor=actor)
+        return s
+
+    def copy(
+        self,
+        src: int,
+        dst: int,
+        *,
+        dst_owner: Owner | None = None,
+        stream: Stream | None = None,
+        after: Iterable[Fence] = (),
+    ) -> Fence:
+        """Copy the state of ``src`` into ``dst`` (for example a snapshot restored on a hit).
+
+        Ordered behind ``after`` and the pool's pending writes into either slot. O(slot bytes).
+
+        :param dst_owner: when given, ``dst`` must be owned by it (a restore into someone else's
+            slot raises).
+        :returns: the fence after which ``dst`` holds the copy.
+        :raises SlotMisuse: ``src`` free, ``dst`` not writable (free, frozen, or not
+            ``dst_owner``'s), or ``src == dst``; nothing was queued.
+        """
+        s = self._check_readable(src, dst_owner)
+        self.check_writable(dst, dst_owner)
+        d = self._index(dst)
+        if s == d:
+            raise SlotMisuse("copy of a slot onto itself", slot=s, owner=self._owner[s], actor=dst_owner)
+        return self._submit_copy(s, d, stream, after, label=f"copy {s}->{d}")
+
+    def clone(self, src: int, owner: Owner, *, stream: Stream | None = None, after: Iterable[Fence] = ()) -> SlotWrite:
+        """Allocate a new slot for ``owner`` and copy ``src`` into it, behind ``after``.
+
+        This is copy-on-donate: the tree gets a private slot; the donor keeps ``src``. O(slot bytes).
+
+        :returns: the new slot and the fence after which it holds the copy.
+        :raises SlotMisuse: ``src`` is free; nothing changed.
+        :raises PoolExhausted: no slot is free; nothing changed.
+        """
+        s = self._check_readable(src, owner)
+        d = self.alloc(owner)
+        return SlotWrite(d, self._submit_copy(s, d, stream, after, label=f"clone {s}->{d}"))
+
+    def zero(
+        self, slot: int, *, owner: Owner | None = None, stream: Stream | None = None, after: Iterable[Fence] = ()
+    ) -> Fence:
+        """Reset ``slot`` to the all-zero initial state (a fresh sequence).
+
+        :raises SlotMisuse: the slot is not writable (see :meth:`check_writable`).
+        """
+        self.check_writable(slot, owner)
+        s = self._index(slot)
+
+        def work() -> None:
+            self.conv[:, s].zero_()
+            self.recurrent[:, s].zero_()
+
+        return self._submit(work, (s,), stream, after, label=f"zero {s}")
+
+    def write(
+        self,
+        slot: int,
+        conv: torch.Tensor,
+        recurrent: torch.Tensor,
+        *,
+        owner: Owner | None = None,
+        stream: Stream | None = None,
+        after: Iterable[Fence] = (),
+    ) -> Fence:
+        """Write a whole state (``conv`` ``[L, *conv_shape]``, ``recurrent`` ``[L, *recurrent_shape]``)
+        into ``slot``: what a forward pass does, as one pool operation.
+
+        :raises SlotMisuse: the slot is not writable.
+        :raises ValueError: a shape does not match the layout.
+        """
+        self.check_writable(slot, owner)
+        s = self._index(slot)
+        want_c = (self.layout.num_layers, *self.layout.conv_shape)
+        want_r = (self.layout.num_layers, *self.layout.recurrent_shape)
+        if tuple(conv.shape) != want_c or tuple(recurrent.shape) != want_r:
+            raise ValueError(
+                f"state shapes {tuple(conv.shape)}, {tuple(recurrent.shape)} "
+                f"do not match the layout's {want_c}, {want_r}"
+            )
+
+        def work() -> None:
+            self.conv[:, s].copy_(conv)
+            self.recurrent[:, s].copy_(recurrent)
+
+        return self._submit(work, (s,), stream, after, label=f"write {s}")
+
+    # ------------------------------------------------------------------- reads
+    def read(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host copies of ``slot``'s conv and recurrent state, after the pool's own pending work on
+        it (writes by a host's kernels are seen only once their fences were waited).
+
+        :raises SlotMisuse: the slot is free.
+        """
+        s = self._check_readable(slot, None)
+        self._last_use[s].wait()
+        return self.conv[:, s].clone(), self.recurrent[:, s].clone()
+
+    def fingerprint(self, slot: int) -> Fingerprint:
+        """64-bit fingerprint of ``slot``'s contents as they are now.
+
+        Exact for any single changed element, collision probability <= 2**-32 otherwise; one pass
+        over the slot on its device and one 8-byte host transfer (see :mod:`linear_state.fingerprint`).
+        The pool's own pending work on the slot is waited first; a host's kernels are seen only
+        once their fences were waited.
+
+        :raises IndexError: ``slot`` out of range.
+        """
+        s = self._index(slot)
+        self._last_use[s].wait()
+        return self._hasher.fingerprint(s)
+
+    # -------------------------------------------------------------- invariants
+    def check_invariants(self) -> None:
+        """Verify ownership bookkeeping; raise ``AssertionError`` naming the first broken rule.
+
+        free + owned == capacity; no slot both free and owned; the owner index agrees with the
+        per-slot owners. O(capacity).
+        """
+        n = self.capacity
+        free = self._free
+        free_set = set(free)
+        assert len(free_set) == len(free), f"free list has duplicates: {sorted(free)}"
+        for f in free:
+            assert 0 <= f < n, f"free list holds slot {f} outside [0, {n})"
+            assert self._owner[f] is None, f"slot {f} is on the free list but owned by {self._owner[f]}"
+        owned = 0
+        for s, owner in enumerate(self._owner):
+            if owner is None:
+                assert s in free_set, f"slot {s} has no owner and is not on the free list (leaked)"
+            else:
+                owned += 1
+                assert s in self._owned_by.get(owner, ()), f"slot {s} owned by {owner} is missing from its index"
+        indexed = sum(len(v) for v in self._owned_by.values())
+        assert indexed == owned, f"owner index holds {indexed} slots, per-slot owners say {owned}"
+        assert all(self._owned_by.values()), "owner index keeps an empty entry"
+        assert len(free) + owned == n, f"free {len(free)} + owned {owned} != capacity {n}"
+
+    # ----------------------------------------------------------------- helpers
+    def _index(self, slot: int) -> int:
+        s = int(slot)
+        if not 0 <= s < len(self._owner) or s != slot:
+            raise IndexError(f"slot {slot!r} outside [0, {len(self._owner)})")
+        return s
+
+    def _release(self, s: int, owner: Owner) -> None:
+        self._release_owner_entry(s, owner)
+        self._owner[s] = None
+        self._free.append(SlotId(s))
+
+    def _release_owner_entry(self, s: int, owner: Owner) -> None:
+        held = self._owned_by[owner]
+        held.discard(SlotId(s))
+        if not held:
+            del self._owned_by[owner]
+
+    def _submit_copy(self, s: int, d: int, stream: Stream | None, after: Iterable[Fence], label: str) -> Fence:
+        def work() -> None:
+            self.conv[:, d].copy_(self.conv[:, s])
+            self.recurrent[:, d].copy_(self.recurrent[:, s])
+
+        return self._submit(work, (s, d), stream, after, label=label)
+
+    def _submit(
+        self, work: Callable[[], None], slots: Sequence[int], stream: Stream | None, after: Iterable[Fence], label: str
+    ) -> Fence:
+        fences = [*after, *(self._last_use[s] for s in slots if not self._last_use[s].is_complete())]
+        fence = (stream or self.stream).submit(work, after=fences, label=label)
+        for s in slots:
+            self._last_use[s] = fence
+        return fence

@@ -1,0 +1,194 @@
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from linear_state import (
+    LinearStatePool,
+    NodeOwner,
+    PoolExhausted,
+    RequestOwner,
+    SlotMisuse,
+    StateLayout,
+)
+
+A, B, N = RequestOwner("A"), RequestOwner("B"), NodeOwner(7)
+
+
+@pytest.fixture
+def pool() -> LinearStatePool:
+    return LinearStatePool(StateLayout(3, (6, 3), (2, 4, 4)), 4)
+
+
+def test_tensors_are_layer_major(pool: LinearStatePool) -> None:
+    assert pool.conv.shape == (3, 4, 6, 3) and pool.conv.dtype == torch.bfloat16
+    assert pool.recurrent.shape == (3, 4, 2, 4, 4) and pool.recurrent.dtype == torch.float32
+
+
+def test_alloc_free_conserves(pool: LinearStatePool) -> None:
+    slots = [pool.alloc(A), pool.alloc(B), pool.alloc(A)]
+    assert len(set(slots)) == 3 and pool.num_free == 1
+    assert pool.owner_of(slots[0]) == A and pool.slots_of(A) == {slots[0], slots[2]}
+    assert pool.num_owned_by(RequestOwner) == 3
+    pool.free(slots[1], B)
+    assert pool.owner_of(slots[1]) is None and pool.num_free == 2
+    pool.check_invariants()
+
+
+def test_exhaustion_is_typed_and_changes_nothing(pool: LinearStatePool) -> None:
+    pool.alloc_many(A, 3)
+    with pytest.raises(PoolExhausted) as exc:
+        pool.alloc_many(B, 2)
+    assert exc.value.capacity == 4 and exc.value.requested == 2 and exc.value.owner == B
+    assert "4" in str(exc.value) and "'B'" in str(exc.value)
+    assert pool.num_free == 1 and not pool.slots_of(B)
+    assert not pool.can_alloc(2) and pool.can_alloc(1)
+    pool.check_invariants()
+
+
+def test_clone_when_full_raises_exhausted(pool: LinearStatePool) -> None:
+    s = pool.alloc_many(A, 4)
+    with pytest.raises(PoolExhausted):
+        pool.clone(s[0], N)
+    pool.check_invariants()
+
+
+def _misuses(pool: LinearStatePool) -> list[tuple[str, Callable[[], object], int]]:
+    a = pool.alloc(A)
+    b = pool.alloc(B)
+    snap = pool.clone(a, N).slot
+    free_slot = next(s for s in range(pool.capacity) if pool.owner_of(s) is None)
+    return [
+        ("double free", lambda: pool.free(free_slot, A), free_slot),
+        ("free by a non-owner", lambda: pool.free(b, A), b),
+        ("frozen", lambda: pool.zero(snap), snap),
+        ("frozen", lambda: pool.copy(a, snap), snap),
+        ("frozen", lambda: pool.write(snap, *pool.read(a)), snap),
+        ("frozen", lambda: pool.check_writable(snap, N), snap),
+        ("read of a free slot", lambda: pool.copy(free_slot, a), free_slot),
+        ("read of a free slot", lambda: pool.clone(free_slot, N), free_slot),
+        ("write into a free slot", lambda: pool.copy(a, free_slot), free_slot),
+        ("owned by someone else", lambda: pool.copy(snap, b, dst_owner=A), b),
+        ("onto itself", lambda: pool.copy(a, a), a),
+        ("transfer by a non-owner", lambda: pool.transfer(a, B, RequestOwner("C")), a),
+        ("cannot change owner", lambda: pool.transfer(snap, N, RequestOwner("C")), snap),
+    ]
+
+
+@pytest.mark.parametrize("case", range(13))
+def test_every_misuse_raises_typed_and_leaves_pool_intact(pool: LinearStatePool, case: int) -> None:
+    message, action, slot = _misuses(pool)[case]
+    owners_before = [pool.owner_of(s) for s in range(pool.capacity)]
+    fps_before = [pool.fingerprint(s) for s in range(pool.capacity)]
+    with pytest.raises(SlotMisuse, match=message) as exc:
+        action()
+    assert exc.value.slot == slot and f"slot {slot}" in str(exc.value)
+    assert [pool.owner_of(s) for s in range(pool.capacity)] == owners_before
+    assert [pool.fingerprint(s) for s in range(pool.capacity)] == fps_before
+    pool.check_invariants()
+
+
+def test_misuse_message_names_both_owners(pool: LinearStatePool) -> None:
+    b = pool.alloc(B)
+    with pytest.raises(SlotMisuse) as exc:
+        pool.free(b, A)
+    assert exc.value.owner == B and exc.value.actor == A
+    assert "request 'B'" in str(exc.value) and "request 'A'" in str(exc.value)
+
+
+@pytest.mark.parametrize("bad", [-1, 4, 1.5])
+def test_out_of_range_slot(pool: LinearStatePool, bad: float) -> None:
+    with pytest.raises(IndexError, match="outside"):
+        pool.owner_of(bad)  # type: ignore[arg-type]
+
+
+def test_write_shape_mismatch_raises(pool: LinearStatePool) -> None:
+    a = pool.alloc(A)
+    with pytest.raises(ValueError, match="do not match"):
+        pool.write(a, torch.zeros(3, 6, 2), torch.zeros(3, 2, 4, 4))
+
+
+def test_clone_is_private_and_donor_keeps_slot(pool: LinearStatePool) -> None:
+    a = pool.alloc(A)
+    pool.write(a, torch.full((3, 6, 3), 2.0), torch.full((3, 2, 4, 4), 3.0), owner=A)
+    snap = pool.clone(a, N).slot
+    assert snap != a and pool.owner_of(a) == A and pool.owner_of(snap) == N and pool.is_frozen(snap)
+    fp = pool.fingerprint(snap)
+    pool.zero(a, owner=A)  # the donor keeps writing its own slot
+    assert pool.fingerprint(snap) == fp
+    assert torch.all(pool.read(snap)[1] == 3.0)
+
+
+def test_restore_copy(pool: LinearStatePool) -> None:
+    a = pool.alloc(A)
+    pool.write(a, torch.full((3, 6, 3), 1.5), torch.full((3, 2, 4, 4), -2.0))
+    snap = pool.clone(a, N).slot
+    b = pool.alloc(B)
+    pool.copy(snap, b, dst_owner=B)
+    assert pool.fingerprint(b) == pool.fingerprint(snap) == pool.fingerprint(a)
+
+
+def test_transfer_between_requests(pool: LinearStatePool) -> None:
+    a = pool.alloc(A)
+    pool.transfer(a, A, B)
+    assert pool.owner_of(a) == B and not pool.slots_of(A)
+    pool.check_invariants()
+
+
+def test_fingerprint_detects_every_single_element_change() -> None:
+    layout = StateLayout(2, (5, 3), (2, 3, 3), conv_dtype=torch.bfloat16, recurrent_dtype=torch.float32)
+    pool = LinearStatePool(layout, 2)
+    a = pool.alloc(A)
+    gen = torch.Generator().manual_seed(0)
+    pool.write(a, torch.randn(2, 5, 3, generator=gen), torch.randn(2, 2, 3, 3, generator=gen))
+    base = pool.fingerprint(a)
+    seen = {base}
+    for tensor in (pool.conv, pool.recurrent):
+        for layer in range(2):
+            view = tensor[layer, a].view(-1)  # contiguous: writes land in the pool
+            for i in range(view.numel()):
+                old = view[i].item()
+                view[i] = old + 1.0
+                fp = pool.fingerprint(a)
+                assert fp != base, f"change at layer {layer} element {i} of {tuple(tensor.shape)} not detected"
+                seen.add(fp)
+                view[i] = old
+    assert pool.fingerprint(a) == base
+    assert len(seen) == 1 + 2 * 5 * 3 + 2 * 2 * 3 * 3, "every distinct change gives a distinct fingerprint"
+
+
+def test_fingerprint_tells_slots_and_layers_apart() -> None:
+    pool = LinearStatePool(StateLayout(2, (4, 3), (2, 2, 2)), 3)
+    s = pool.alloc_many(A, 3)
+    pool.recurrent[0, s[1], 0, 0, 0] = 1.0
+    pool.recurrent[1, s[2], 0, 0, 0] = 1.0  # same element, other layer
+    fps = [pool.fingerprint(x) for x in s]
+    assert len(set(fps)) == 3
+    assert 0 <= fps[0] < 2**64
+
+
+def test_fingerprint_odd_sized_rows() -> None:
+    pool = LinearStatePool(StateLayout(1, (3,), (1,), conv_dtype=torch.bfloat16), 2)  # 6 bytes, 4 bytes
+    a = pool.alloc(A)
+    base = pool.fingerprint(a)
+    pool.conv[0, a, 2] = 1.0
+    assert pool.fingerprint(a) != base
+
+
+def test_check_invariants_detects_corruption(pool: LinearStatePool) -> None:
+    a = pool.alloc(A)
+    pool._free.append(a)  # a slot both owned and free
+    with pytest.raises(AssertionError, match="owned by"):
+        pool.check_invariants()
+    pool._free.pop()
+    pool._owner[a] = None  # leaked: nobody owns it, not on the free list
+    with pytest.raises(AssertionError):
+        pool.check_invariants()
+    pool._owner[a] = A
+    pool._free.append(pool._free[0])  # duplicate on the free list
+    with pytest.raises(AssertionError, match="duplicates"):
+        pool.check_invariants()
+    pool._free.pop()
+    pool._owned_by[A].discard(a)  # owner index disagrees
+    with pytest.raises(AssertionError):
+        pool.check_invariants()
