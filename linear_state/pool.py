@@ -69,6 +69,7 @@ class LinearStatePool:
         self.layout = layout
         self.device = torch.device(device)
         self.stream: Stream = stream if stream is not None else ImmediateStream()
+        self._immediate = isinstance(self.stream, ImmediateStream)
         L = layout.num_layers
         self.conv = torch.zeros((L, num_slots, *layout.conv_shape), dtype=layout.conv_dtype, device=self.device)
         self.recurrent = torch.zeros(
@@ -80,6 +81,10 @@ class LinearStatePool:
         self._last_use: list[Fence] = [COMPLETE] * num_slots
         self._owned_by: dict[Owner, set[SlotId]] = {}
         self._hasher = SlotHasher([self.conv, self.recurrent])
+        # Per-slot views ([L, ...] each), made once: indexing a view per copy costs more than the
+        # copy of a small slot. Hot path of clone/restore; see benchmarks/bench_tree.py.
+        self._conv_rows = list(self.conv.unbind(1))
+        self._rec_rows = list(self.recurrent.unbind(1))
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -129,7 +134,16 @@ class LinearStatePool:
 
         :raises PoolExhausted: no slot is free; nothing changed.
         """
-        return self.alloc_many(owner, 1)[0]
+        if not self._free:
+            raise PoolExhausted(self.capacity, 1, owner)
+        s = self._free.pop()
+        self._owner[s] = owner
+        held = self._owned_by.get(owner)
+        if held is None:
+            self._owned_by[owner] = {s}
+        else:
+            held.add(s)
+        return s
 
     def alloc_many(self, owner: Owner, n: int) -> list[SlotId]:
         """Take ``n`` FREE slots for ``owner``, all or none. O(n).
@@ -230,7 +244,7 @@ class LinearStatePool:
         d = self._index(dst)
         if s == d:
             raise SlotMisuse("copy of a slot onto itself", slot=s, owner=self._owner[s], actor=dst_owner)
-        return self._submit_copy(s, d, stream, after, label=f"copy {s}->{d}")
+        return self._submit_copy(s, d, stream, after, "copy")
 
     def clone(self, src: int, owner: Owner, *, stream: Stream | None = None, after: Iterable[Fence] = ()) -> SlotWrite:
         """Allocate a new slot for ``owner`` and copy ``src`` into it, behind ``after``.
@@ -243,7 +257,7 @@ class LinearStatePool:
         """
         s = self._check_readable(src, owner)
         d = self.alloc(owner)
-        return SlotWrite(d, self._submit_copy(s, d, stream, after, label=f"clone {s}->{d}"))
+        return SlotWrite(d, self._submit_copy(s, d, stream, after, "clone"))
 
     def zero(
         self, slot: int, *, owner: Owner | None = None, stream: Stream | None = None, after: Iterable[Fence] = ()
@@ -256,8 +270,8 @@ class LinearStatePool:
         s = self._index(slot)
 
         def work() -> None:
-            self.conv[:, s].zero_()
-            self.recurrent[:, s].zero_()
+            self._conv_rows[s].zero_()
+            self._rec_rows[s].zero_()
 
         return self._submit(work, (s,), stream, after, label=f"zero {s}")
 
@@ -288,8 +302,8 @@ class LinearStatePool:
             )
 
         def work() -> None:
-            self.conv[:, s].copy_(conv)
-            self.recurrent[:, s].copy_(recurrent)
+            self._conv_rows[s].copy_(conv)
+            self._rec_rows[s].copy_(recurrent)
 
         return self._submit(work, (s,), stream, after, label=f"write {s}")
 
@@ -302,7 +316,7 @@ class LinearStatePool:
         """
         s = self._check_readable(slot, None)
         self._last_use[s].wait()
-        return self.conv[:, s].clone(), self.recurrent[:, s].clone()
+        return self._conv_rows[s].clone(), self._rec_rows[s].clone()
 
     def fingerprint(self, slot: int) -> Fingerprint:
         """64-bit fingerprint of ``slot``'s contents as they are now.
@@ -362,17 +376,28 @@ class LinearStatePool:
         if not held:
             del self._owned_by[owner]
 
-    def _submit_copy(self, s: int, d: int, stream: Stream | None, after: Iterable[Fence], label: str) -> Fence:
-        def work() -> None:
-            self.conv[:, d].copy_(self.conv[:, s])
-            self.recurrent[:, d].copy_(self.recurrent[:, s])
+    def _submit_copy(self, s: int, d: int, stream: Stream | None, after: Iterable[Fence], kind: str) -> Fence:
+        conv, rec = self._conv_rows, self._rec_rows
+        last = self._last_use
+        if stream is None and self._immediate and not after and last[s] is COMPLETE and last[d] is COMPLETE:
+            # NOTE: shortcut, same semantics: an immediate stream with nothing to wait runs the copy
+            # now. Worth ~1 us per clone on the tree's insert path (benchmarks/bench_tree.py).
+            torch._foreach_copy_((conv[d], rec[d]), (conv[s], rec[s]))
+            return COMPLETE
 
-        return self._submit(work, (s, d), stream, after, label=label)
+        def work() -> None:
+            torch._foreach_copy_((conv[d], rec[d]), (conv[s], rec[s]))  # one dispatch for both
+
+        return self._submit(work, (s, d), stream, after, label=f"{kind} {s}->{d}")
 
     def _submit(
         self, work: Callable[[], None], slots: Sequence[int], stream: Stream | None, after: Iterable[Fence], label: str
     ) -> Fence:
-        fences = [*after, *(self._last_use[s] for s in slots if not self._last_use[s].is_complete())]
+        fences = list(after)
+        for s in slots:
+            last = self._last_use[s]
+            if last is not COMPLETE and not last.is_complete():
+                fences.append(last)
         fence = (stream or self.stream).submit(work, after=fences, label=label)
         for s in slots:
             self._last_use[s] = fence

@@ -3,22 +3,40 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
+from dataclasses import asdict
 
 __all__ = ["main"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``radixcache`` console script. Returns the process exit status."""
-    parser = argparse.ArgumentParser(prog="radixcache", description=__doc__)
+    parser = argparse.ArgumentParser(prog="radixcache", description="radix prefix cache for hybrid LLMs")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="walk through the slot pool's ownership rule and fences")
+    stress = sub.add_parser("stress", help="seeded random actions on the tree, invariants checked after each")
+    stress.add_argument("--count", type=int, default=10_000, help="number of actions")
+    stress.add_argument("--seed", type=int, default=0)
+    stress.add_argument("--page-size", type=int, default=1)
+    stress.add_argument("--slots", type=int, default=64, help="pool capacity")
     args = parser.parse_args(argv)
     if args.command == "demo":
         from .demo import run_demo
 
         return 0 if run_demo() else 1
+    if args.command == "stress":
+        from .progress import progress_callback
+        from .stress import tree_stress
+
+        update, close = progress_callback(args.count, "stress")
+        try:
+            report = tree_stress(args.count, args.seed, page_size=args.page_size, slots=args.slots, progress=update)
+        finally:
+            close()
+        print(json.dumps(asdict(report)))
+        return 0
     parser.error(f"unknown command {args.command!r}")  # pragma: no cover - argparse rejects first
     return 2
 

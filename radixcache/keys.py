@@ -1,0 +1,85 @@
+"""Cache keys: validation and the canonical byte form the tree compares.
+
+A key is a 1-D sequence of token ids in ``[0, 2**31)``: text ids below ``2**30``, image-derived
+cache ids in ``[2**30, 2**31)`` (see DESIGN.md, "Multimodal keys"). Keys are stored as native
+``uint32`` bytes, so the tree compares edges with ``memcmp`` and indexes children by the bytes of
+their first page.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from typing import TypeAlias
+
+import numpy as np
+import torch
+
+__all__ = ["KeyLike", "MAX_ID", "IMAGE_ID_BASE", "key_bytes", "TOKEN_BYTES"]
+
+KeyLike: TypeAlias = "Sequence[int] | np.ndarray | torch.Tensor"
+"""What the tree accepts as a key: list, tuple, numpy or torch 1-D integer ids."""
+
+MAX_ID = 2**31
+"""Ids must be below this."""
+IMAGE_ID_BASE = 2**30
+"""Image-derived cache ids start here; text ids stay below."""
+TOKEN_BYTES = 4
+
+
+def _bad_position(values: np.ndarray) -> ValueError:
+    bad = np.flatnonzero((values < 0) | (values >= MAX_ID))
+    i = int(bad[0])
+    return ValueError(f"key id {int(values[i])} at position {i} is outside [0, 2**31)")
+
+
+def _from_array(arr: np.ndarray) -> bytes:
+    if arr.ndim != 1:
+        raise ValueError(f"a key must be 1-D, got shape {tuple(arr.shape)}")
+    kind = arr.dtype.kind
+    if kind not in "iu":
+        raise ValueError(f"key ids must be integers, got dtype {arr.dtype}")
+    if arr.size:
+        # int32 cannot exceed the bound, unsigned cannot go below it: one reduction each.
+        if kind == "i" and arr.min() < 0:
+            raise _bad_position(arr.astype(np.int64))
+        if not (kind == "i" and arr.itemsize <= 4) and arr.max() >= MAX_ID:
+            raise _bad_position(arr.astype(np.int64))
+    if arr.itemsize == TOKEN_BYTES:  # int32 or uint32, checked in range: same bytes, no copy
+        return arr.view(np.uint32).tobytes()
+    return arr.astype(np.uint32).tobytes()
+
+
+def key_bytes(key: KeyLike) -> bytes:
+    """Validate ``key`` and return its canonical bytes (native uint32 per token). O(len(key)).
+
+    >>> len(key_bytes([1, 2, 3]))
+    12
+
+    :raises ValueError: not 1-D, not integers, or an id outside ``[0, 2**31)`` (the message names
+        the first bad position).
+    """
+    if isinstance(key, np.ndarray):
+        return _from_array(key)
+    if isinstance(key, torch.Tensor):
+        if key.dtype.is_floating_point or key.dtype.is_complex or key.dtype == torch.bool:
+            raise ValueError(f"key ids must be integers, got dtype {key.dtype}")
+        return _from_array(key.detach().cpu().numpy())
+    if isinstance(key, (str, bytes)):
+        raise ValueError(f"a key is a sequence of token ids, got {type(key).__name__}")
+    try:
+        raw = array("I", key)
+    except (OverflowError, TypeError):
+        # Slow path only to build a precise message.
+        for i, v in enumerate(key):
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
+                raise ValueError(f"key id {v!r} at position {i} is not an integer") from None
+            if not 0 <= v < MAX_ID:
+                raise ValueError(f"key id {v} at position {i} is outside [0, 2**31)") from None
+        raise
+    b = raw.tobytes()
+    if raw.itemsize != TOKEN_BYTES:  # pragma: no cover - platforms where unsigned int is not 32-bit
+        return _from_array(np.asarray(raw, dtype=np.int64))
+    if b and np.frombuffer(b, dtype=np.uint32).max() >= MAX_ID:
+        raise _bad_position(np.frombuffer(b, dtype=np.uint32).astype(np.int64))
+    return b

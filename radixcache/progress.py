@@ -1,0 +1,35 @@
+"""A progress bar for long CLI runs: tqdm when installed, a plain counter on stderr otherwise."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+
+__all__ = ["progress_callback"]
+
+
+def progress_callback(total: int, desc: str) -> tuple[Callable[[int], None], Callable[[], None]]:
+    """Return ``(update(step), close())`` for a run of ``total`` steps."""
+    try:
+        from tqdm import tqdm  # type: ignore[import-untyped, unused-ignore]
+    except ImportError:
+        start = time.monotonic()
+        last = [0.0]
+
+        def update(step: int) -> None:
+            now = time.monotonic()
+            if now - last[0] >= 1.0 or step + 1 == total:
+                last[0] = now
+                print(f"\r{desc}: {step + 1}/{total} ({now - start:.0f}s)", end="", file=sys.stderr, flush=True)
+
+        def close() -> None:
+            print(file=sys.stderr)
+
+        return update, close
+    bar = tqdm(total=total, desc=desc, unit="step", mininterval=0.5)
+
+    def update_bar(step: int) -> None:
+        bar.update(1)
+
+    return update_bar, bar.close

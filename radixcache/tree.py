@@ -1,0 +1,737 @@
+"""HybridRadixCache: a radix tree of KV pages whose nodes own private linear-state snapshots.
+
+Picture (page_size 1, ``*`` = the node holds a snapshot of the state after its last token)::
+
+    root ── [1 2 3 4]* ──┬── [5 6]*        match([1,2,3,4,5,6,9]) -> token_length 6, length 6
+                         └── [7 8 9]       (a tombstone leaf cannot exist: see below)
+
+- Edges are page aligned; a node's value is the KV indices of its edge (1-D int64 tensor).
+- A snapshot sits at a node's end depth, in a pool slot owned by ``NodeOwner(node.id)``: a clone
+  of the donor's slot taken behind the donor's fence (copy-on-donate). Nobody writes it again.
+- Two currencies, evicted independently: KV tokens (leaves only, cascading through parents that
+  become tombstone leaves) and snapshots (any unlocked node; an inner node keeps its KV as a
+  *tombstone*). A leaf always holds a snapshot: a leaf without one could never serve a hit.
+- ``match`` never splits and only refreshes recency; ``insert`` splits where keys diverge.
+- Locks: ``lock(node)`` protects the KV of the path to the root and ``node``'s snapshot.
+
+Fields of :class:`TreeNode` are changed only by :class:`HybridRadixCache`.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Hashable
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from linear_state import COMPLETE, Fence, LinearStatePool, NodeOwner, Owner, SlotId, Stream
+
+from .keys import TOKEN_BYTES, KeyLike, key_bytes
+
+__all__ = ["EvictResult", "HybridRadixCache", "InsertResult", "MatchResult", "TreeNode"]
+
+_EMPTY_KV = torch.empty(0, dtype=torch.int64)
+
+
+class TreeNode:
+    """A node of the tree: one page-aligned edge of KV, and maybe a snapshot at its end.
+
+    :ivar id: unique for the life of the cache; the snapshot's owner is ``NodeOwner(id)``.
+    :ivar depth: tokens from the root to the end of this node's edge.
+    :ivar snapshot: the pool slot of the snapshot at ``depth``, or ``None`` (a tombstone).
+    """
+
+    __slots__ = (
+        "children",
+        "depth",
+        "id",
+        "key",
+        "kv_lock",
+        "last_access",
+        "parent",
+        "snap_lock",
+        "snapshot",
+        "snapshot_fence",
+        "value",
+    )
+
+    def __init__(self, node_id: int, key: bytes, value: torch.Tensor, parent: TreeNode | None, depth: int) -> None:
+        self.id = node_id
+        self.key = key  # edge key bytes (TOKEN_BYTES per token)
+        self.value = value  # KV indices of the edge
+        self.parent = parent  # None once removed (and for roots)
+        self.children: dict[bytes, TreeNode] = {}  # by the bytes of the child's first page
+        self.depth = depth
+        self.snapshot: SlotId | None = None
+        self.snapshot_fence: Fence = COMPLETE
+        self.kv_lock = 0  # locks on this node or below: protects this edge's KV
+        self.snap_lock = 0  # locks on this node itself: protects its snapshot
+        self.last_access = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens on this node's edge."""
+        return len(self.key) // TOKEN_BYTES
+
+    @property
+    def is_leaf(self) -> bool:
+        """No children."""
+        return not self.children
+
+    def __repr__(self) -> str:
+        snap = "tombstone" if self.snapshot is None else f"snapshot={self.snapshot}"
+        locks = f"{self.kv_lock}/{self.snap_lock}"
+        return f"<TreeNode {self.id} depth={self.depth} tokens={self.num_tokens} {snap} locks={locks}>"
+
+
+class MatchResult(NamedTuple):
+    """What ``match`` found. Safe to use only while ``node`` is locked (or before any eviction).
+
+    :ivar length: depth of the deepest snapshot on the matched path: the usable hit.
+    :ivar token_length: depth to which the key agrees with the tree (diagnostic; >= ``length``).
+    :ivar kv_indices: KV indices of the first ``length`` tokens (1-D int64).
+    :ivar node: the node at ``length`` (a root when ``length`` is 0); pass it to lock/restore.
+    :ivar snapshot_slot: its snapshot slot, or ``None`` when ``length`` is 0.
+    """
+
+    length: int
+    token_length: int
+    kv_indices: torch.Tensor
+    node: TreeNode
+    snapshot_slot: SlotId | None
+
+
+class InsertResult(NamedTuple):
+    """What ``insert`` did.
+
+    :ivar prefix_length: tokens of the (page-cut) key that were already cached. The caller's KV
+        indices for them that differ from the tree's are duplicates: released through ``on_free_kv``.
+    :ivar length: tokens of the key the tree now holds KV for: the cut key when a snapshot was
+        given, else ``prefix_length`` (the caller keeps the KV of the tail).
+    :ivar node: with a snapshot, the node ending at ``length`` (holding it); without, the deepest
+        node ending at or above ``length``.
+    :ivar snapshot_created: a clone was taken (False when the node already held a snapshot).
+    :ivar duplicates: how many caller KV indices were released as duplicates.
+    """
+
+    prefix_length: int
+    length: int
+    node: TreeNode
+    snapshot_created: bool
+    duplicates: int
+
+
+class EvictResult(NamedTuple):
+    """What ``evict`` freed."""
+
+    kv_tokens: int
+    snapshots: int
+    nodes_removed: int
+
+
+class HybridRadixCache:
+    """A radix prefix cache for hybrid models: KV pages plus linear-state snapshots.
+
+    :param pool: where snapshot slots live; the tree owns its slots as ``NodeOwner(node.id)``.
+        The pool should serve one tree (``check_invariants`` counts its node-owned slots).
+    :param page_size: tokens per KV page; keys are cut down to whole pages.
+    :param on_free_kv: receives KV indices the tree releases: evicted edges, and duplicates of KV
+        it already held (see :meth:`insert`). ``None``: the host does not track KV.
+    :param stream: stream for snapshot clones and restores (default: the pool's).
+    :raises ValueError: ``page_size`` not positive.
+    """
+
+    def __init__(
+        self,
+        pool: LinearStatePool,
+        *,
+        page_size: int = 1,
+        on_free_kv: Callable[[torch.Tensor], None] | None = None,
+        stream: Stream | None = None,
+    ) -> None:
+        if page_size <= 0:
+            raise ValueError(f"page_size must be positive, got {page_size}")
+        self.pool = pool
+        self.page_size = page_size
+        self.on_free_kv = on_free_kv
+        self.stream = stream
+        self._page_bytes = page_size * TOKEN_BYTES
+        self.reset_state()
+
+    def reset_state(self) -> None:
+        """(Re)initialise empty bookkeeping. Internal: use :meth:`reset` on a live cache."""
+        self._roots: dict[Hashable, TreeNode] = {}
+        self._null_root = TreeNode(-1, b"", _EMPTY_KV, None, 0)  # for namespaces never inserted
+        self._next_id = 1
+        self._tick = 0
+        # NOTE: eviction candidates live in two binary heaps (heapq, in C) with lazy deletion, keyed
+        # by (last_access, id). A touch pushes a fresh entry (O(log n) in C, no Python-level
+        # removal); pop skips entries that are stale (node gone, touched since, locked, no longer a
+        # leaf / no snapshot). Evicting a node is O(log n) amortised and never scans the tree;
+        # heaps are compacted when stale entries outnumber live nodes. sortedcontainers would give
+        # the same bounds with a Python-level remove+add on every touch, 3-5x slower per match.
+        self._kv_heap: list[tuple[int, int, TreeNode]] = []
+        self._snap_heap: list[tuple[int, int, TreeNode]] = []
+        self._num_nodes = 0
+        self._num_snapshots = 0
+        self._evictable_kv = 0
+        self._protected_kv = 0
+        self._protected_snapshots = 0
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def num_nodes(self) -> int:
+        """Nodes in the tree, roots excluded."""
+        return self._num_nodes
+
+    @property
+    def num_snapshots(self) -> int:
+        """Snapshots held (pool slots the tree owns)."""
+        return self._num_snapshots
+
+    @property
+    def evictable_kv_tokens(self) -> int:
+        """KV tokens no lock protects."""
+        return self._evictable_kv
+
+    @property
+    def protected_kv_tokens(self) -> int:
+        """KV tokens on the path of some lock."""
+        return self._protected_kv
+
+    @property
+    def evictable_snapshots(self) -> int:
+        """Snapshots of unlocked nodes."""
+        return self._num_snapshots - self._protected_snapshots
+
+    @property
+    def protected_snapshots(self) -> int:
+        """Snapshots of locked nodes."""
+        return self._protected_snapshots
+
+    @property
+    def total_kv_tokens(self) -> int:
+        """All KV tokens the tree holds."""
+        return self._evictable_kv + self._protected_kv
+
+    # ------------------------------------------------------------------ match
+    def _cut(self, kb: bytes) -> int:
+        return len(kb) - len(kb) % self._page_bytes
+
+    def _common_bytes(self, kb: bytes, pos: int, edge: bytes, limit: int) -> int:
+        """Bytes (a whole number of pages, >= 1 page) on which ``kb[pos:]`` and ``edge`` agree.
+
+        The first page is known to agree (it indexed the child). Binary search over pages: each
+        probe is one memcmp, O(log pages) probes.
+        """
+        pb = self._page_bytes
+        lo, hi = 1, limit // pb  # lo pages agree; answer in [lo, hi]
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if kb[pos : pos + mid * pb] == edge[: mid * pb]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo * pb
+
+    def match(self, key: KeyLike, *, namespace: Hashable = None) -> MatchResult:
+        """Find the longest usable prefix of ``key``: the deepest snapshot on the matched path.
+
+        Never splits nodes; refreshes the recency of the nodes it returns. O(nodes on the path +
+        log(key length)), no per-token Python work. The result is valid until the next eviction
+        unless ``result.node`` is locked.
+
+        :raises ValueError: a bad key (see :func:`radixcache.keys.key_bytes`).
+        """
+        kb = key_bytes(key)
+        end = self._cut(kb)
+        root = self._roots.get(namespace)
+        if root is None:
+            return MatchResult(0, 0, _EMPTY_KV, self._null_root, None)
+        pb = self._page_bytes
+        node, pos = root, 0
+        path: list[TreeNode] = []
+        snap_at = 0  # len(path) up to the deepest snapshot
+        while pos < end:
+            child = node.children.get(kb[pos : pos + pb])
+            if child is None:
+                break
+            edge = child.key
+            n = len(edge)
+            if n <= end - pos and kb[pos : pos + n] == edge:
+                pos += n
+                node = child
+                path.append(child)
+                if child.snapshot is not None:
+                    snap_at = len(path)
+                continue
+            pos += self._common_bytes(kb, pos, edge, min(n, end - pos))
+            break
+        if snap_at == 0:
+            return MatchResult(0, pos // TOKEN_BYTES, _EMPTY_KV, root, None)
+        used = path[:snap_at]
+        self._touch(used)
+        target = used[-1]
+        kv = used[0].value if snap_at == 1 else torch.cat([n.value for n in used])
+        return MatchResult(target.depth, pos // TOKEN_BYTES, kv, target, target.snapshot)
+
+    def kv_indices(self, node: TreeNode) -> torch.Tensor:
+        """KV indices from the root to the end of ``node`` (1-D int64). O(depth)."""
+        parts: list[torch.Tensor] = []
+        n: TreeNode | None = node
+        while n is not None and n.depth > 0:
+            parts.append(n.value)
+            n = n.parent
+        if not parts:
+            return _EMPTY_KV
+        parts.reverse()
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    # ----------------------------------------------------------------- insert
+    def insert(
+        self,
+        key: KeyLike,
+        kv_indices: torch.Tensor | np.ndarray | list[int],
+        *,
+        state_slot: int | None = None,
+        ready: Fence | None = None,
+        namespace: Hashable = None,
+    ) -> InsertResult:
+        """Insert ``key`` with its KV indices, and optionally donate the state after it.
+
+        The key is cut down to whole pages (the tail beyond stays the caller's). With
+        ``state_slot``, the snapshot of the state after exactly the cut key is donated: the tree
+        clones the slot into a new slot it owns, behind ``ready`` (the producer's fence); the caller
+        keeps ``state_slot``. If the node at that depth already holds a snapshot, nothing is cloned.
+        Without ``state_slot`` nothing new is stored (a leaf without a snapshot could never serve
+        a hit): the tree keeps only KV it already had, and the caller keeps the tail.
+
+        KV ownership: the tree takes the caller's indices for the tokens it stores new. For the
+        ``prefix_length`` tokens already cached, any caller index that differs from the tree's is
+        a duplicate and is released through ``on_free_kv``; use :meth:`kv_indices` of
+        ``result.node`` to get the tree's indices.
+
+        O(nodes on the path + key length / page size) plus one clone.
+
+        :raises ValueError: a bad key, ``kv_indices`` not 1-D integers of the key's length, or
+            ``ready`` without ``state_slot``. Nothing changed.
+        :raises linear_state.SlotMisuse: ``state_slot`` is free. Nothing changed.
+        :raises linear_state.PoolExhausted: no free slot for the clone (evict snapshots first).
+            Nothing changed.
+        """
+        kb = key_bytes(key)
+        kv = _as_kv(kv_indices, len(kb) // TOKEN_BYTES)
+        if ready is not None and state_slot is None:
+            raise ValueError("ready was given without a state_slot to donate")
+        end = self._cut(kb)
+        root = self._roots.get(namespace)
+        fresh_root = root is None
+        if root is None:  # registered only once something is stored
+            root = TreeNode(0, b"", _EMPTY_KV, None, 0)
+        pb = self._page_bytes
+        # Phase 1, read only: find where the key leaves the tree.
+        node, pos = root, 0
+        path: list[TreeNode] = []
+        split_child: TreeNode | None = None
+        split_at = 0  # bytes into split_child's edge
+        while pos < end:
+            child = node.children.get(kb[pos : pos + pb])
+            if child is None:
+                break
+            edge = child.key
+            n = len(edge)
+            if n <= end - pos and kb[pos : pos + n] == edge:
+                pos += n
+                node = child
+                path.append(child)
+                continue
+            split_at = self._common_bytes(kb, pos, edge, min(n, end - pos))
+            split_child = child
+            pos += split_at
+            break
+        prefix_len = pos // TOKEN_BYTES
+        if state_slot is None or end == 0:
+            # No snapshot to attach: a new leaf could never serve a hit, a split would add nothing.
+            dups = self._release_duplicates(kv, path, split_child, split_at)
+            self._touch(path)
+            return InsertResult(prefix_len, prefix_len, node, False, dups)
+        grows = pos < end  # a new leaf is needed
+        # The target node's id, known before anything changes: new nodes are numbered in order
+        # (the split's upper node first, then the new leaf).
+        if grows:
+            target_id = self._next_id + (1 if split_child is not None else 0)
+        elif split_child is not None:
+            target_id = self._next_id
+        else:
+            target_id = node.id
+        clone = None
+        if grows or split_child is not None or node.snapshot is None:
+            clone = self.pool.clone(
+                state_slot, NodeOwner(target_id), stream=self.stream, after=() if ready is None else (ready,)
+            )
+        # Phase 2: mutate. Nothing below raises.
+        if fresh_root:
+            self._roots[namespace] = root
+        dups = self._release_duplicates(kv, path, split_child, split_at)
+        if split_child is not None:
+            node = self._split(split_child, split_at)
+            path.append(node)
+        if grows:
+            leaf = TreeNode(self._next_id, kb[pos:end], kv[prefix_len : end // TOKEN_BYTES], node, end // TOKEN_BYTES)
+            self._next_id += 1
+            node.children[leaf.key[:pb]] = leaf
+            self._num_nodes += 1
+            self._evictable_kv += leaf.num_tokens
+            node = leaf
+            path.append(leaf)
+        assert node.id == target_id, f"snapshot target {target_id} but the key ends at node {node.id}"
+        if clone is not None:
+            node.snapshot = clone.slot
+            node.snapshot_fence = clone.fence
+            self._num_snapshots += 1
+            if node.snap_lock:
+                self._protected_snapshots += 1
+        self._touch(path)
+        return InsertResult(prefix_len, node.depth, node, clone is not None, dups)
+
+    def _release_duplicates(
+        self, kv: torch.Tensor, path: list[TreeNode], split_child: TreeNode | None, split_at: int
+    ) -> int:
+        """Release the caller's KV indices that duplicate ones the tree holds (same tokens, other
+        index). An index equal to the tree's is the tree's own (the caller got it from ``match``)."""
+        spans = [(n.value, n.value.numel()) for n in path]
+        if split_child is not None:
+            k = split_at // TOKEN_BYTES
+            spans.append((split_child.value[:k], k))
+        parts: list[torch.Tensor] = []
+        kvn = kv.numpy() if kv.is_cpu else None
+        start = 0
+        for theirs, k in spans:  # spans are consecutive from depth 0
+            if kvn is not None and theirs.is_cpu:
+                # NOTE: numpy on CPU tensors: a third of torch's per-op overhead on this hot path.
+                differ = np.not_equal(kvn[start : start + k], theirs.numpy())
+                n_differ = int(np.count_nonzero(differ))
+                if n_differ:
+                    mine = kv[start : start + k]
+                    parts.append(mine if n_differ == k else mine[torch.from_numpy(differ)])
+            else:
+                mine = kv[start : start + k]
+                theirs = theirs.to(mine.device)
+                if not torch.equal(mine, theirs):
+                    parts.append(mine[mine != theirs])
+            start += k
+        if not parts:
+            return 0
+        released = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if self.on_free_kv is not None:
+            self.on_free_kv(released)
+        return int(released.numel())
+
+    def _split(self, child: TreeNode, at: int) -> TreeNode:
+        """Split ``child``'s edge after ``at`` bytes; return the new upper node (no snapshot).
+        The snapshot stays on the deep side, at its depth."""
+        parent = child.parent
+        assert parent is not None
+        k = at // TOKEN_BYTES
+        upper = TreeNode(self._next_id, child.key[:at], child.value[:k], parent, child.depth - child.num_tokens + k)
+        self._next_id += 1
+        upper.kv_lock = child.kv_lock
+        upper.last_access = child.last_access
+        parent.children[upper.key[: self._page_bytes]] = upper
+        child.key = child.key[at:]
+        child.value = child.value[k:]
+        child.parent = upper
+        upper.children[child.key[: self._page_bytes]] = child
+        self._num_nodes += 1
+        return upper
+
+    # ---------------------------------------------------------------- restore
+    def restore(
+        self, node: TreeNode, dst_slot: int, *, stream: Stream | None = None, dst_owner: Owner | None = None
+    ) -> Fence:
+        """Copy ``node``'s snapshot into ``dst_slot`` (a slot the caller owns), ordered after the
+        snapshot's clone fence. The copy never aliases: the caller's slot gets its own bytes.
+
+        Returns the fence after which ``dst_slot`` holds the state; the consumer's next forward
+        pass must be ordered after it.
+
+        :raises ValueError: ``node`` holds no snapshot.
+        :raises linear_state.SlotMisuse: ``dst_slot`` is not writable (or not ``dst_owner``'s).
+        """
+        if node.snapshot is None:
+            raise ValueError(f"node {node.id} at depth {node.depth} holds no snapshot to restore")
+        return self.pool.copy(
+            node.snapshot,
+            dst_slot,
+            dst_owner=dst_owner,
+            stream=stream if stream is not None else self.stream,
+            after=(node.snapshot_fence,),
+        )
+
+    # ------------------------------------------------------------------ locks
+    def lock(self, node: TreeNode) -> None:
+        """Protect ``node``'s snapshot and the KV of its path to the root from eviction.
+
+        Locks nest (a counter). O(depth in nodes).
+
+        :raises ValueError: ``node`` was removed, or holds no snapshot (only a hit point is locked).
+        """
+        if node.parent is None and node.depth > 0:
+            raise ValueError(f"node {node.id} was evicted; it cannot be locked")
+        if node.snapshot is None and node.depth > 0:
+            raise ValueError(f"node {node.id} at depth {node.depth} holds no snapshot; lock a node match returned")
+        if node.snap_lock == 0 and node.snapshot is not None:
+            self._protected_snapshots += 1
+        node.snap_lock += 1
+        n: TreeNode | None = node
+        while n is not None:
+            if n.kv_lock == 0 and n.depth > 0:
+                self._evictable_kv -= n.num_tokens
+                self._protected_kv += n.num_tokens
+            n.kv_lock += 1
+            n = n.parent
+
+    def unlock(self, node: TreeNode) -> None:
+        """Undo one :meth:`lock` of ``node``. O(depth in nodes).
+
+        :raises RuntimeError: ``node`` is not locked (a caller bug: unlock without lock).
+        """
+        if node.snap_lock <= 0:
+            raise RuntimeError(f"unlock of node {node.id} at depth {node.depth}, which holds no lock")
+        node.snap_lock -= 1
+        if node.snap_lock == 0 and node.snapshot is not None:
+            self._protected_snapshots -= 1
+            heapq.heappush(self._snap_heap, (node.last_access, node.id, node))
+        n: TreeNode | None = node
+        while n is not None:
+            n.kv_lock -= 1
+            if n.kv_lock == 0 and n.depth > 0:
+                self._evictable_kv += n.num_tokens
+                self._protected_kv -= n.num_tokens
+                if not n.children:
+                    heapq.heappush(self._kv_heap, (n.last_access, n.id, n))
+            n = n.parent
+
+    # --------------------------------------------------------------- eviction
+    def evict(self, *, kv_tokens: int = 0, snapshots: int = 0) -> EvictResult:
+        """Free at least ``kv_tokens`` KV tokens and ``snapshots`` snapshots, least recently used
+        first, or as many as are evictable.
+
+        KV comes from unlocked leaves; a parent left as a tombstone leaf goes too (cascade).
+        Snapshots come from any unlocked node: a leaf goes whole (its KV too), an inner node stays
+        as a tombstone holding its KV. Freed KV goes to ``on_free_kv``; snapshot slots go back to the
+        pool after their clone fence. O(log n) amortised per evicted node; never scans the tree.
+
+        :raises ValueError: a negative amount.
+        """
+        if kv_tokens < 0 or snapshots < 0:
+            raise ValueError(f"evict amounts must be >= 0, got kv_tokens={kv_tokens}, snapshots={snapshots}")
+        freed_kv = freed_snaps = removed = 0
+        heap = self._kv_heap
+        while freed_kv < kv_tokens and heap:
+            tick, _, n = heapq.heappop(heap)
+            if n.parent is None or n.children or n.kv_lock or n.last_access != tick:
+                continue
+            k, s, r = self._remove_leaf(n)
+            freed_kv += k
+            freed_snaps += s
+            removed += r
+        heap = self._snap_heap
+        while freed_snaps < snapshots and heap:
+            tick, _, n = heapq.heappop(heap)
+            if n.parent is None or n.snapshot is None or n.snap_lock or n.last_access != tick:
+                continue
+            if n.children:
+                self._free_snapshot(n)
+                freed_snaps += 1
+            else:
+                k, s, r = self._remove_leaf(n)
+                freed_kv += k
+                freed_snaps += s
+                removed += r
+        self._maybe_compact()
+        return EvictResult(freed_kv, freed_snaps, removed)
+
+    def _remove_leaf(self, n: TreeNode) -> tuple[int, int, int]:
+        """Remove unlocked leaf ``n`` and every parent it leaves as an unlocked tombstone leaf."""
+        freed_kv = freed_snaps = removed = 0
+        while True:
+            parent = n.parent
+            assert parent is not None and not n.children and n.kv_lock == 0, f"cannot remove {n!r}"
+            if n.snapshot is not None:
+                self._free_snapshot(n)
+                freed_snaps += 1
+            del parent.children[n.key[: self._page_bytes]]
+            n.parent = None
+            self._evictable_kv -= n.num_tokens
+            self._num_nodes -= 1
+            freed_kv += n.num_tokens
+            removed += 1
+            if self.on_free_kv is not None:
+                self.on_free_kv(n.value)
+            if parent.depth == 0 or parent.children:
+                break
+            if parent.snapshot is not None:  # a leaf again, with a snapshot: a candidate
+                if parent.kv_lock == 0:
+                    heapq.heappush(self._kv_heap, (parent.last_access, parent.id, parent))
+                break
+            n = parent  # a tombstone leaf: cannot serve a hit, goes too (it holds no lock: see lock())
+        return freed_kv, freed_snaps, removed
+
+    def _free_snapshot(self, n: TreeNode) -> None:
+        slot = n.snapshot
+        assert slot is not None
+        self.pool.free(slot, NodeOwner(n.id), after=(n.snapshot_fence,))
+        n.snapshot = None
+        n.snapshot_fence = COMPLETE
+        self._num_snapshots -= 1
+
+    def _maybe_compact(self) -> None:
+        limit = 2 * self._num_nodes + 1024
+        if len(self._kv_heap) > limit:
+            self._kv_heap = [e for e in self._kv_heap if _kv_candidate(e)]
+            heapq.heapify(self._kv_heap)
+        if len(self._snap_heap) > limit:
+            self._snap_heap = [e for e in self._snap_heap if _snap_candidate(e)]
+            heapq.heapify(self._snap_heap)
+
+    def _touch(self, nodes: list[TreeNode]) -> None:
+        self._tick += 1
+        tick = self._tick
+        push = heapq.heappush
+        for n in nodes:
+            n.last_access = tick
+            if n.snapshot is not None and not n.snap_lock:
+                push(self._snap_heap, (tick, n.id, n))
+            if not n.children and not n.kv_lock:
+                push(self._kv_heap, (tick, n.id, n))
+        if len(self._kv_heap) + len(self._snap_heap) > 4 * self._num_nodes + 2048:
+            self._maybe_compact()
+
+    # ------------------------------------------------------------------ reset
+    def reset(self) -> None:
+        """Drop every node: KV to ``on_free_kv``, snapshot slots back to the pool.
+
+        :raises RuntimeError: some node is locked (a request still uses the tree); nothing changed.
+        """
+        if self._protected_kv or self._protected_snapshots or any(r.kv_lock for r in self._roots.values()):
+            raise RuntimeError(
+                f"reset while locked: {self._protected_kv} KV tokens, {self._protected_snapshots} snapshots protected"
+            )
+        for root in self._roots.values():
+            stack = list(root.children.values())
+            while stack:
+                n = stack.pop()
+                stack.extend(n.children.values())
+                if n.snapshot is not None:
+                    self._free_snapshot(n)
+                if self.on_free_kv is not None:
+                    self.on_free_kv(n.value)
+                n.parent = None
+        self.reset_state()
+
+    # ------------------------------------------------------------- invariants
+    def iter_nodes(self) -> list[TreeNode]:
+        """Every node (roots excluded), parents before children. O(n): for tests and tools."""
+        out: list[TreeNode] = []
+        for root in self._roots.values():
+            stack = list(root.children.values())
+            while stack:
+                n = stack.pop()
+                out.append(n)
+                stack.extend(n.children.values())
+        return out
+
+    def check_invariants(self) -> None:
+        """Walk everything and raise ``AssertionError`` naming the first offending node. O(n).
+
+        Checks: parent/child links and child index keys; page-aligned edges with matching KV
+        length and depths; no unlocked tombstone leaf; lock counts consistent along paths; every
+        snapshot slot owned by its node in the pool, none shared; size counters; every eviction
+        candidate present in its heap; the pool's own invariants.
+        """
+        pb = self._page_bytes
+        seen: set[int] = set()
+        slots: dict[int, int] = {}
+        nodes = snaps = ev_kv = pr_kv = pr_snaps = 0
+        kv_live: set[int] = set()
+        snap_live: set[int] = set()
+        for e in self._kv_heap:
+            if _kv_candidate(e):
+                kv_live.add(e[1])
+        for e in self._snap_heap:
+            if _snap_candidate(e):
+                snap_live.add(e[1])
+        for ns, root in self._roots.items():
+            assert root.depth == 0 and root.key == b"" and root.parent is None, f"root of {ns!r} is malformed"
+            assert root.snapshot is None, f"root of {ns!r} holds a snapshot"
+            assert root.kv_lock == root.snap_lock + sum(c.kv_lock for c in root.children.values()), (
+                f"root of {ns!r}: kv_lock {root.kv_lock} != own {root.snap_lock} + children"
+            )
+            stack = [root]
+            while stack:
+                p = stack.pop()
+                for first, n in p.children.items():
+                    assert id(n) not in seen, f"{n!r} reachable twice"
+                    seen.add(id(n))
+                    nodes += 1
+                    assert n.parent is p, f"{n!r} parent link broken"
+                    assert len(n.key) > 0 and len(n.key) % pb == 0, f"{n!r} edge of {len(n.key)} bytes not page aligned"
+                    assert first == n.key[:pb], f"{n!r} indexed under the wrong first page"
+                    assert n.value.dim() == 1 and n.value.numel() == n.num_tokens, (
+                        f"{n!r} holds {n.value.numel()} KV indices for {n.num_tokens} tokens"
+                    )
+                    assert n.depth == p.depth + n.num_tokens, f"{n!r} depth != parent depth {p.depth} + edge"
+                    own = n.snap_lock
+                    below = sum(c.kv_lock for c in n.children.values())
+                    assert n.kv_lock == own + below, f"{n!r} kv_lock {n.kv_lock} != own {own} + children {below}"
+                    assert n.snap_lock == 0 or n.snapshot is not None, f"{n!r} locked without a snapshot"
+                    assert n.children or n.snapshot is not None, f"{n!r} is a tombstone leaf"
+                    if n.kv_lock:
+                        pr_kv += n.num_tokens
+                    else:
+                        ev_kv += n.num_tokens
+                        if not n.children:
+                            assert n.id in kv_live, f"{n!r} is an evictable leaf missing from the KV heap"
+                    if n.snapshot is not None:
+                        snaps += 1
+                        assert n.snapshot not in slots, (
+                            f"slot {n.snapshot} held by nodes {slots.get(n.snapshot)} and {n.id}"
+                        )
+                        slots[n.snapshot] = n.id
+                        owner = self.pool.owner_of(n.snapshot)
+                        assert owner == NodeOwner(n.id), f"{n!r} snapshot slot {n.snapshot} is owned by {owner}"
+                        if n.snap_lock:
+                            pr_snaps += 1
+                        else:
+                            assert n.id in snap_live, f"{n!r} evictable snapshot missing from the snapshot heap"
+                    stack.append(n)
+        assert nodes == self._num_nodes, f"num_nodes {self._num_nodes} != {nodes} reachable"
+        assert snaps == self._num_snapshots, f"num_snapshots {self._num_snapshots} != {snaps}"
+        assert ev_kv == self._evictable_kv, f"evictable_kv {self._evictable_kv} != {ev_kv}"
+        assert pr_kv == self._protected_kv, f"protected_kv {self._protected_kv} != {pr_kv}"
+        assert pr_snaps == self._protected_snapshots, f"protected_snapshots {self._protected_snapshots} != {pr_snaps}"
+        pool_nodes = self.pool.num_owned_by(NodeOwner)
+        assert pool_nodes == snaps, f"pool has {pool_nodes} node-owned slots, the tree holds {snaps} snapshots"
+        self.pool.check_invariants()
+
+
+def _kv_candidate(e: tuple[int, int, TreeNode]) -> bool:
+    n = e[2]
+    return n.parent is not None and not n.children and not n.kv_lock and n.last_access == e[0]
+
+
+def _snap_candidate(e: tuple[int, int, TreeNode]) -> bool:
+    n = e[2]
+    return n.parent is not None and n.snapshot is not None and not n.snap_lock and n.last_access == e[0]
+
+
+def _as_kv(kv: torch.Tensor | np.ndarray | list[int], n_tokens: int) -> torch.Tensor:
+    t = kv if isinstance(kv, torch.Tensor) else torch.as_tensor(np.asarray(kv))
+    if t.dim() != 1 or t.dtype.is_floating_point or t.dtype == torch.bool or t.dtype.is_complex:
+        raise ValueError(f"kv_indices must be a 1-D integer tensor, got shape {tuple(t.shape)} dtype {t.dtype}")
+    if t.numel() != n_tokens:
+        raise ValueError(f"kv_indices has {t.numel()} entries for a key of {n_tokens} tokens")
+    return t.to(torch.int64) if t.dtype != torch.int64 else t

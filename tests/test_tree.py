@@ -1,0 +1,433 @@
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+
+from linear_state import COMPLETE, DeferredStream, NodeOwner, PoolExhausted, RequestOwner, SlotMisuse
+from radixcache import HybridRadixCache, TreeNode
+
+from .tree_helpers import make_cache, prefix_value, restored_value, state_for
+
+R = RequestOwner("r")
+
+
+def kv(start: int, n: int) -> torch.Tensor:
+    return torch.arange(start, start + n, dtype=torch.int64)
+
+
+def insert_with_state(cache: HybridRadixCache, key: list[int], kv_start: int = 0, **kw: object):  # type: ignore[no-untyped-def]
+    slot = state_for(cache, R, key[: len(key) - len(key) % cache.page_size])
+    res = cache.insert(key, kv(kv_start, len(key)), state_slot=slot, **kw)  # type: ignore[arg-type]
+    cache.pool.free(slot, R)
+    cache.check_invariants()
+    return res
+
+
+def test_empty_tree_matches_nothing() -> None:
+    cache, _ = make_cache()
+    m = cache.match([1, 2, 3])
+    assert (m.length, m.token_length, m.snapshot_slot) == (0, 0, None) and m.kv_indices.numel() == 0
+    cache.check_invariants()
+
+
+def test_insert_then_match_full_and_longer() -> None:
+    cache, _ = make_cache()
+    res = insert_with_state(cache, [5, 6, 7, 8])
+    assert (res.prefix_length, res.length, res.snapshot_created, res.duplicates) == (0, 4, True, 0)
+    m = cache.match([5, 6, 7, 8, 9, 10])
+    assert (m.length, m.token_length) == (4, 4) and m.kv_indices.tolist() == [0, 1, 2, 3]
+    assert m.node is res.node and m.snapshot_slot == res.node.snapshot
+    assert restored_value(cache, m.node, R) == prefix_value([5, 6, 7, 8])
+
+
+def test_match_partial_edge_reports_token_length_but_no_hit() -> None:
+    cache, _ = make_cache()
+    insert_with_state(cache, [1, 2, 3, 4, 5])
+    m = cache.match([1, 2, 3, 9])
+    assert m.length == 0 and m.token_length == 3
+    assert cache.num_nodes == 1, "a lookup must not split"
+    cache.check_invariants()
+
+
+def test_split_keeps_snapshot_on_the_deep_side() -> None:
+    cache, _ = make_cache()
+    first = insert_with_state(cache, [1, 2, 3, 4])
+    second = insert_with_state(cache, [1, 2, 9], kv_start=100)
+    assert second.prefix_length == 2 and cache.num_nodes == 3
+    upper = first.node.parent
+    assert isinstance(upper, TreeNode) and upper.depth == 2 and upper.snapshot is None
+    assert first.node.depth == 4 and first.node.snapshot is not None
+    assert restored_value(cache, cache.match([1, 2, 3, 4]).node, R) == prefix_value([1, 2, 3, 4])
+    assert restored_value(cache, cache.match([1, 2, 9]).node, R) == prefix_value([1, 2, 9])
+
+
+def test_deepest_snapshot_wins() -> None:
+    cache, _ = make_cache()
+    insert_with_state(cache, [1, 2])
+    insert_with_state(cache, [1, 2, 3, 4])
+    insert_with_state(cache, [1, 2, 3, 4, 5, 6])
+    m = cache.match([1, 2, 3, 4, 5, 7])
+    assert (m.length, m.token_length) == (4, 5)
+    assert restored_value(cache, m.node, R) == prefix_value([1, 2, 3, 4])
+    assert cache.match([1, 2, 3, 4, 5, 6, 7]).length == 6
+
+
+def test_identical_keys_dedup_the_second_donation() -> None:
+    cache, freed = make_cache()
+    insert_with_state(cache, [1, 2, 3])
+    free_before = cache.pool.num_free
+    res = insert_with_state(cache, [1, 2, 3], kv_start=50)
+    assert (res.prefix_length, res.length, res.snapshot_created, res.duplicates) == (3, 3, False, 3)
+    assert freed == [50, 51, 52], "the second copy's KV is released as duplicates"
+    assert cache.pool.num_free == free_before and cache.num_snapshots == 1
+    assert cache.match([1, 2, 3]).kv_indices.tolist() == [0, 1, 2]
+
+
+def test_reinserting_the_trees_own_kv_frees_nothing() -> None:
+    cache, freed = make_cache()
+    insert_with_state(cache, [1, 2, 3])
+    m = cache.match([1, 2, 3])
+    key = [1, 2, 3, 4, 5]
+    slot = state_for(cache, R, key)
+    res = cache.insert(key, torch.cat([m.kv_indices, kv(10, 2)]), state_slot=slot)
+    assert res.duplicates == 0 and freed == []
+    cache.pool.free(slot, R)
+    cache.check_invariants()
+
+
+def test_page_cutting() -> None:
+    cache, freed = make_cache(page_size=4)
+    res = insert_with_state(cache, list(range(1, 11)))  # 10 tokens -> 8
+    assert res.length == 8 and cache.total_kv_tokens == 8
+    assert cache.match(list(range(1, 11))).length == 8
+    assert cache.match(list(range(1, 8))).length == 0  # 7 tokens -> 4, no snapshot at 4
+    m = cache.match([1, 2, 3, 4, 5, 6, 0, 0, 9])  # diverges inside page 2
+    assert (m.length, m.token_length) == (0, 4)
+    short = cache.insert([1, 2, 3], kv(0, 3), state_slot=state_for(cache, R, []))
+    assert short.length == 0 and not short.snapshot_created
+    assert freed == []
+
+
+def test_paged_split_lands_on_a_page_boundary() -> None:
+    cache, _ = make_cache(page_size=2)
+    insert_with_state(cache, [1, 2, 3, 4, 5, 6])
+    res = insert_with_state(cache, [1, 2, 3, 9, 7, 7])  # diverges at token 3, inside page 2
+    assert res.prefix_length == 2
+    depths = sorted(n.depth for n in cache.iter_nodes())
+    assert depths == [2, 6, 6]
+
+
+def test_tombstone_creation_and_refill() -> None:
+    cache, _ = make_cache()
+    insert_with_state(cache, [1, 2])
+    insert_with_state(cache, [1, 2, 3, 4])
+    res = cache.evict(snapshots=1)  # LRU: the shallow one (touched first)
+    assert (res.snapshots, res.kv_tokens, res.nodes_removed) == (1, 0, 0)
+    inner = cache.match([1, 2, 3, 4]).node.parent
+    assert isinstance(inner, TreeNode) and inner.snapshot is None and inner.value.numel() == 2
+    assert cache.match([1, 2, 9]).length == 0
+    refill = insert_with_state(cache, [1, 2])
+    assert refill.snapshot_created and refill.node is inner
+    assert restored_value(cache, cache.match([1, 2, 9]).node, R) == prefix_value([1, 2])
+
+
+def test_snapshot_eviction_of_a_leaf_removes_it_and_cascades() -> None:
+    cache, freed = make_cache()
+    insert_with_state(cache, [1, 2, 3, 4])
+    insert_with_state(cache, [1, 2, 7], kv_start=10)  # splits: tombstone inner [1,2]
+    assert freed == [10, 11], "the caller's copy of [1,2] is a duplicate"
+    freed.clear()
+    cache.match([1, 2, 7])  # [1,2,3,4] is now least recent
+    res = cache.evict(snapshots=1)
+    assert (res.snapshots, res.kv_tokens, res.nodes_removed) == (1, 2, 1)
+    assert freed == [2, 3]
+    res = cache.evict(snapshots=1)  # the last leaf goes, and its tombstone parent with it
+    assert (res.snapshots, res.kv_tokens, res.nodes_removed) == (1, 3, 2)
+    assert cache.num_nodes == 0 and cache.pool.num_free == cache.pool.capacity
+    cache.check_invariants()
+
+
+def test_kv_eviction_lru_leaf_cascade() -> None:
+    cache, freed = make_cache()
+    insert_with_state(cache, [1, 2, 3])
+    insert_with_state(cache, [1, 2, 4], kv_start=10)
+    insert_with_state(cache, [5, 6], kv_start=20)
+    freed.clear()  # duplicates 10, 11
+    cache.match([5, 6])
+    cache.match([1, 2, 4])
+    res = cache.evict(kv_tokens=1)  # [1,2,3]'s leaf is least recent
+    assert (res.kv_tokens, res.nodes_removed) == (1, 1) and freed == [2]
+    res = cache.evict(kv_tokens=1)  # then [5,6]
+    assert res.kv_tokens == 2 and freed[-2:] == [20, 21]
+    res = cache.evict(kv_tokens=1)  # then leaf [4]: parent [1,2] becomes a tombstone leaf and goes too
+    assert (res.kv_tokens, res.nodes_removed) == (3, 2)
+    assert cache.num_nodes == 0 and cache.total_kv_tokens == 0
+    assert sorted(freed) == [0, 1, 2, 12, 20, 21]
+    cache.check_invariants()
+
+
+def test_locks_pin_path_and_snapshot() -> None:
+    cache, _ = make_cache()
+    insert_with_state(cache, [1, 2])
+    insert_with_state(cache, [1, 2, 3, 4])
+    insert_with_state(cache, [9, 9])
+    m = cache.match([1, 2, 3, 4])
+    cache.lock(m.node)
+    assert cache.protected_kv_tokens == 4 and cache.protected_snapshots == 1
+    assert cache.evictable_kv_tokens == 2 and cache.evictable_snapshots == 2
+    res = cache.evict(kv_tokens=100, snapshots=100)
+    assert res.snapshots == 2 and res.kv_tokens == 2  # [9,9] and the snapshot of [1,2]
+    assert cache.match([1, 2, 3, 4]).length == 4, "the locked snapshot survives"
+    assert cache.total_kv_tokens == 4
+    cache.check_invariants()
+    cache.unlock(m.node)
+    assert cache.evict(kv_tokens=100).kv_tokens == 4
+    cache.check_invariants()
+
+
+def test_nested_locks_and_unlock_misuse() -> None:
+    cache, _ = make_cache()
+    res = insert_with_state(cache, [1, 2])
+    cache.lock(res.node)
+    cache.lock(res.node)
+    cache.unlock(res.node)
+    assert cache.evict(snapshots=1).snapshots == 0
+    cache.unlock(res.node)
+    with pytest.raises(RuntimeError, match="holds no lock"):
+        cache.unlock(res.node)
+    cache.check_invariants()
+    assert cache.evict(snapshots=1).snapshots == 1
+    with pytest.raises(ValueError, match="evicted"):
+        cache.lock(res.node)
+
+
+def test_lock_requires_a_snapshot_node() -> None:
+    cache, _ = make_cache()
+    insert_with_state(cache, [1, 2, 3])
+    insert_with_state(cache, [1, 2, 4])
+    inner = cache.match([1, 2, 3]).node.parent
+    assert isinstance(inner, TreeNode)
+    with pytest.raises(ValueError, match="no snapshot"):
+        cache.lock(inner)
+    cache.check_invariants()
+    root = cache.match([7]).node
+    cache.lock(root)  # a miss locks the root: allowed, protects nothing
+    cache.unlock(root)
+    cache.check_invariants()
+
+
+def test_namespace_isolation() -> None:
+    cache, _ = make_cache()
+    insert_with_state(cache, [1, 2, 3], namespace="lora-a")
+    assert cache.match([1, 2, 3]).length == 0
+    assert cache.match([1, 2, 3], namespace="lora-b").length == 0
+    assert cache.match([1, 2, 3], namespace="lora-a").length == 3
+    insert_with_state(cache, [1, 2, 3], namespace="lora-b", kv_start=10)
+    assert cache.match([1, 2, 3], namespace="lora-b").kv_indices.tolist() == [10, 11, 12]
+    assert cache.num_nodes == 2
+
+
+def test_insert_without_state_stores_nothing_new() -> None:
+    cache, freed = make_cache()
+    insert_with_state(cache, [1, 2, 3])
+    res = cache.insert([1, 2, 3, 4, 5], kv(40, 5))
+    assert (res.prefix_length, res.length, res.snapshot_created) == (3, 3, False)
+    assert freed == [40, 41, 42] and cache.total_kv_tokens == 3 and cache.num_nodes == 1
+    res = cache.insert([1, 2], kv(0, 2))  # ends mid-edge: no split
+    assert cache.num_nodes == 1 and res.length == 2
+    cache.check_invariants()
+
+
+def test_key_types_are_equivalent() -> None:
+    cache, _ = make_cache()
+    insert_with_state(cache, [3, 1, 4, 1, 5])
+    for key in (
+        [3, 1, 4, 1, 5],
+        (3, 1, 4, 1, 5),
+        np.array([3, 1, 4, 1, 5], dtype=np.int32),
+        np.array([3, 1, 4, 1, 5]),
+        torch.tensor([3, 1, 4, 1, 5]),
+    ):
+        assert cache.match(key).length == 5
+
+
+def test_image_ids_are_valid_keys() -> None:
+    cache, _ = make_cache()
+    key = [1, 2**30, 2**30 + 5, 2**31 - 1]
+    insert_with_state(cache, key)
+    assert cache.match(key).length == 4
+
+
+@pytest.mark.parametrize(
+    ("key", "message"),
+    [
+        ([1, -1, 2], "position 1"),
+        ([1, 2, 2**31], "position 2"),
+        ([0, 1.5], "position 1"),
+        (np.array([[1, 2]]), "1-D"),
+        (np.array([1.0, 2.0]), "integers"),
+        (np.array([3, -7]), "-7 at position 1"),
+        (torch.tensor([1.0]), "integers"),
+        (torch.tensor([5, 2**31]), "position 1"),
+        ("abc", "sequence of token ids"),
+    ],
+)
+def test_bad_keys_raise_and_change_nothing(key: object, message: str) -> None:
+    cache, freed = make_cache()
+    insert_with_state(cache, [1, 2, 3])
+    slot = state_for(cache, R, [1])
+    before = (cache.num_nodes, cache.total_kv_tokens, cache.pool.num_free)
+    with pytest.raises(ValueError, match=message):
+        cache.match(key)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=message):
+        cache.insert(key, kv(0, 3), state_slot=slot)  # type: ignore[arg-type]
+    assert (cache.num_nodes, cache.total_kv_tokens, cache.pool.num_free) == before and freed == []
+    cache.check_invariants()
+
+
+def test_bad_insert_arguments_change_nothing() -> None:
+    cache, freed = make_cache(slots=3)
+    insert_with_state(cache, [1, 2, 3])
+    before = (cache.num_nodes, cache.total_kv_tokens, cache.pool.num_free)
+    with pytest.raises(ValueError, match="3 entries for a key of 4"):
+        cache.insert([1, 2, 3, 4], kv(0, 3))
+    with pytest.raises(ValueError, match="1-D integer"):
+        cache.insert([1, 2], torch.zeros(2))
+    with pytest.raises(ValueError, match="ready was given"):
+        cache.insert([1, 2], kv(0, 2), ready=COMPLETE)
+    with pytest.raises(SlotMisuse, match="read of a free slot"):
+        cache.insert([1, 2, 5], kv(0, 3), state_slot=2)
+    with pytest.raises(ValueError, match="evict amounts"):
+        cache.evict(kv_tokens=-1)
+    assert (cache.num_nodes, cache.total_kv_tokens, cache.pool.num_free) == before and freed == []
+    cache.check_invariants()
+    slot = cache.pool.alloc(R)
+    cache.pool.alloc(R)
+    with pytest.raises(PoolExhausted):
+        cache.insert([1, 2, 5, 6], kv(0, 4), state_slot=slot, namespace="new")
+    assert (cache.num_nodes, cache.total_kv_tokens) == before[:2] and freed == []
+    assert cache.match([1, 2, 5, 6], namespace="new").length == 0
+    cache.check_invariants()
+
+
+def test_restore_misuse() -> None:
+    cache, _ = make_cache()
+    res = insert_with_state(cache, [1, 2])
+    other = cache.pool.alloc(RequestOwner("other"))
+    with pytest.raises(SlotMisuse, match="someone else"):
+        cache.restore(res.node, other, dst_owner=R)
+    with pytest.raises(SlotMisuse, match="frozen"):
+        cache.restore(res.node, res.node.snapshot)
+    with pytest.raises(ValueError, match="no snapshot"):
+        cache.restore(cache.match([9]).node, other)
+    cache.check_invariants()
+
+
+def test_donation_waits_the_producers_fence() -> None:
+    """The clone is ordered behind ``ready``: a late write of the producer is captured, and a
+    write the producer makes after the clone ran is not."""
+    cache, _ = make_cache()
+    forward = DeferredStream("forward")
+    slot = cache.pool.alloc(R)
+    done = forward.submit(lambda: cache.pool.recurrent[:, slot].fill_(42.0))
+    cache.pool.conv[:, slot].fill_(42.0)
+    res = cache.insert([1, 2, 3], kv(0, 3), state_slot=slot, ready=done)
+    cache.pool.recurrent[:, slot].fill_(-1.0)  # the request keeps writing its own slot
+    assert restored_value(cache, res.node, R) == 42.0
+    cache.pool.free(slot, R)
+    cache.check_invariants()
+
+
+def test_restore_is_ordered_after_the_clone() -> None:
+    cache, _ = make_cache()
+    copies = DeferredStream("copies")
+    cache.stream = copies
+    slot = state_for(cache, R, [1, 2])
+    res = cache.insert([1, 2], kv(0, 2), state_slot=slot)
+    assert copies.pending == 1  # the clone has not run
+    dst = cache.pool.alloc(RequestOwner("hit"))
+    fence = cache.restore(res.node, dst, dst_owner=RequestOwner("hit"))
+    fence.wait()
+    assert float(cache.pool.read(dst)[1].flatten()[0]) == prefix_value([1, 2])
+
+
+def test_reset_releases_everything() -> None:
+    cache, freed = make_cache()
+    insert_with_state(cache, [1, 2, 3])
+    r = insert_with_state(cache, [1, 2, 4], kv_start=10)
+    cache.lock(r.node)
+    with pytest.raises(RuntimeError, match="reset while locked"):
+        cache.reset()
+    cache.unlock(r.node)
+    freed.clear()  # duplicates 10, 11
+    cache.reset()
+    assert cache.num_nodes == 0 and cache.pool.num_free == cache.pool.capacity
+    assert sorted(freed) == [0, 1, 2, 12]
+    cache.check_invariants()
+
+
+def test_heaps_stay_bounded_under_many_touches() -> None:
+    cache, _ = make_cache()
+    insert_with_state(cache, [1, 2, 3])
+    for _ in range(5000):
+        cache.match([1, 2, 3])
+    assert len(cache._kv_heap) + len(cache._snap_heap) < 5000
+    cache.check_invariants()
+
+
+# ---------------------------------------------------------------- corruption
+def _corrupt_tree() -> tuple[HybridRadixCache, TreeNode, TreeNode]:
+    cache, _ = make_cache()
+    insert_with_state(cache, [1, 2, 3, 4])
+    leaf = insert_with_state(cache, [1, 2, 5]).node
+    inner = leaf.parent
+    assert isinstance(inner, TreeNode)
+    return cache, inner, leaf
+
+
+def _lock_tombstone(cache: HybridRadixCache, inner: TreeNode) -> None:
+    inner.snap_lock = inner.kv_lock = 1
+    cache._roots[None].kv_lock = 1
+
+
+CORRUPTIONS: dict[str, Callable[[HybridRadixCache, TreeNode, TreeNode], object]] = {
+    "parent link": lambda c, i, leaf: setattr(leaf, "parent", None),
+    "page aligned": lambda c, i, leaf: setattr(leaf, "key", leaf.key[:3]),
+    "wrong first page": lambda c, i, leaf: setattr(leaf, "key", (9).to_bytes(4, "little")),
+    "KV indices": lambda c, i, leaf: setattr(leaf, "value", leaf.value[:0]),
+    "depth": lambda c, i, leaf: setattr(leaf, "depth", 7),
+    "kv_lock": lambda c, i, leaf: setattr(i, "kv_lock", 1),
+    "tombstone leaf": lambda c, i, leaf: c._free_snapshot(leaf),
+    "owned by": lambda c, i, leaf: setattr(leaf, "snapshot", c.pool.alloc(R)),
+    "held by nodes|is owned by": lambda c, i, leaf: setattr(i, "snapshot", leaf.snapshot),
+    "num_nodes": lambda c, i, leaf: setattr(c, "_num_nodes", 5),
+    "evictable_kv": lambda c, i, leaf: setattr(c, "_evictable_kv", 1),
+    "missing from the KV heap": lambda c, i, leaf: c._kv_heap.clear(),
+    "missing from the snapshot heap": lambda c, i, leaf: c._snap_heap.clear(),
+    "node-owned slots": lambda c, i, leaf: c.pool.alloc(NodeOwner(99)),
+    "locked without a snapshot": lambda c, i, leaf: _lock_tombstone(c, i),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CORRUPTIONS))
+def test_check_invariants_detects(kind: str) -> None:
+    cache, inner, leaf = _corrupt_tree()
+    cache.check_invariants()
+    CORRUPTIONS[kind](cache, inner, leaf)
+    with pytest.raises(AssertionError, match=kind):
+        cache.check_invariants()
+
+
+def test_key_bytes_of_strided_and_narrow_arrays() -> None:
+    from radixcache import key_bytes
+
+    want = key_bytes([0, 2, 4, 6, 8])
+    assert key_bytes(np.arange(10, dtype=np.int32)[::2]) == want
+    assert key_bytes(np.arange(10, dtype=np.int64)[::2]) == want
+    assert key_bytes(np.arange(10, dtype=np.uint8)[::2]) == want
+    assert key_bytes(np.arange(10, dtype=np.uint32)[::2]) == want
+    with pytest.raises(ValueError, match="position 1"):
+        key_bytes(np.array([1, 2**31], dtype=np.uint32))
+    with pytest.raises(ValueError, match="integers"):
+        key_bytes(np.array([True, False]))
