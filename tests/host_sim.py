@@ -1,0 +1,166 @@
+"""A toy host scheduler driving CacheManager, for tests: a deterministic recurrence stands in for
+the model, a deferred stream for the device, a counter for the KV allocator."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from linear_state import DeferredStream, Fence, LinearStatePool, StateLayout
+from radixcache import CacheManager, HybridRadixCache
+from radixcache.manager import Admission
+
+LAYOUT = StateLayout(1, (2, 3), (2, 2), recurrent_dtype=torch.float64)
+
+
+def token_input(tok: int) -> float:
+    return float(tok % 97) / 8.0 + 1.0
+
+
+def step(conv: torch.Tensor, rec: torch.Tensor, tok: int) -> None:
+    """One token of the toy model: in place, order-dependent, never rolls back."""
+    x = token_input(tok)
+    rec.mul_(0.5).add_(x)
+    conv.mul_(0.25).add_(x)
+
+
+def cold_state(ids: Sequence[int] | np.ndarray) -> torch.Tensor:
+    conv = torch.zeros(LAYOUT.num_layers, *LAYOUT.conv_shape, dtype=LAYOUT.conv_dtype)
+    rec = torch.zeros(LAYOUT.num_layers, *LAYOUT.recurrent_shape, dtype=LAYOUT.recurrent_dtype)
+    for t in ids:
+        step(conv, rec, int(t))
+    return rec
+
+
+@dataclass
+class HostReq:
+    rid: Hashable
+    ids: np.ndarray
+    adm: Admission
+    kv: torch.Tensor
+    done: int  # tokens computed
+    committed: int
+    last: Fence | None = None
+    restored_ok: bool = True
+
+
+@dataclass
+class Host:
+    slots: int = 16
+    page_size: int = 1
+    track_align: int = 64
+    track_slots: int = 2
+    chunk: int = 256
+    barrier: str = "fence"
+    forward: DeferredStream = field(default_factory=lambda: DeferredStream("forward"))
+    copies: DeferredStream = field(default_factory=lambda: DeferredStream("copies"))
+
+    def __post_init__(self) -> None:
+        self.pool = LinearStatePool(LAYOUT, self.slots)
+        self.kv_free: set[int] = set()
+        self.kv_next = 0
+        self.cache = HybridRadixCache(self.pool, page_size=self.page_size, on_free_kv=self.free_kv, stream=self.copies)
+        self.mgr = CacheManager(
+            self.cache,
+            track_align=self.track_align,
+            track_slots=self.track_slots,
+            barrier=self.barrier,  # type: ignore[arg-type]
+        )
+        self.reqs: dict[Hashable, HostReq] = {}
+
+    # KV allocator -------------------------------------------------------
+    def alloc_kv(self, n: int) -> torch.Tensor:
+        out = torch.arange(self.kv_next, self.kv_next + n)
+        self.kv_next += n
+        return out
+
+    def free_kv(self, t: torch.Tensor) -> None:
+        for x in t.tolist():
+            assert x not in self.kv_free, f"KV index {x} freed twice"
+            assert 0 <= x < self.kv_next
+            self.kv_free.add(x)
+
+    def tree_kv(self) -> set[int]:
+        out: set[int] = set()
+        for n in self.cache.iter_nodes():
+            out.update(n.value.tolist())
+        return out
+
+    def check_kv(self) -> None:
+        tree = self.tree_kv()
+        live: set[int] = set()
+        for r in self.reqs.values():
+            live.update(r.kv.tolist())
+        assert not (tree & self.kv_free), "KV both held by the tree and free"
+        assert not ((live - tree) & self.kv_free), "a live request's KV was freed"
+        assert tree | self.kv_free | live == set(range(self.kv_next)), "KV leaked"
+
+    # lifecycle ----------------------------------------------------------
+    def admit(
+        self, rid: Hashable, ids: Sequence[int], namespace: Hashable = None, verify: bool = True
+    ) -> HostReq | None:
+        arr = np.asarray(ids, dtype=np.int64)
+        adm = self.mgr.admit(rid, arr, namespace=namespace)
+        if not isinstance(adm, Admission):
+            return None
+        kv = torch.cat([adm.kv_indices, self.alloc_kv(len(arr) - adm.cached_length)])
+        req = HostReq(rid, arr, adm, kv, adm.cached_length, adm.cached_length, adm.ready)
+        if verify:
+            adm.ready.wait()
+            got = self.pool.read(adm.live_slot)[1]
+            req.restored_ok = torch.equal(got, cold_state(arr[: adm.cached_length]))
+        self.reqs[rid] = req
+        return req
+
+    def extend(self, rid: Hashable, end: int | None = None) -> list[int]:
+        """Prefill the next chunk; capture at track points; commit them. Returns committed depths."""
+        r = self.reqs[rid]
+        start = r.done
+        stop = min(len(r.ids), start + self.chunk) if end is None else end
+        points = self.mgr.track_points(rid, start, stop)
+        slot_for = dict(zip(points, r.adm.track_slots, strict=False))
+        pool, live, ids = self.pool, r.adm.live_slot, r.ids
+        after = [r.last] if r.last is not None else []
+        after += [pool.last_use(s) for s in slot_for.values()]
+
+        def forward_pass() -> None:
+            conv, rec = pool.conv[:, live], pool.recurrent[:, live]
+            for i in range(start, stop):
+                step(conv, rec, int(ids[i]))
+                if i + 1 in slot_for:
+                    t = slot_for[i + 1]
+                    pool.conv[:, t].copy_(conv)
+                    pool.recurrent[:, t].copy_(rec)
+
+        r.last = self.forward.submit(forward_pass, after=after, label=f"extend {rid} [{start},{stop})")
+        r.done = stop
+        for d in points:
+            res = self.mgr.commit(rid, d, slot_for[d], r.last, kv_indices=r.kv[:d])
+            r.kv = torch.cat([res.kv_indices, r.kv[d:]])
+            r.committed = res.kv_held
+        return points
+
+    def prefill(self, rid: Hashable) -> None:
+        while self.reqs[rid].done < len(self.reqs[rid].ids):
+            self.extend(rid)
+
+    def finish(self, rid: Hashable) -> int:
+        r = self.reqs.pop(rid)
+        assert r.done == len(r.ids)
+        res = self.mgr.finish(rid, r.last, kv_indices=r.kv[: r.done])
+        self.free_kv(r.kv[res.kv_held :])  # what the tree did not take stays the host's
+        return res.donated_depth
+
+    def abort(self, rid: Hashable) -> None:
+        r = self.reqs.pop(rid)
+        res = self.mgr.abort(rid, r.last)
+        self.free_kv(r.kv[res.kv_held :])  # the host's own KV beyond what the tree took
+
+    def final_state_ok(self, rid: Hashable) -> bool:
+        r = self.reqs[rid]
+        if r.last is not None:
+            r.last.wait()
+        return torch.equal(self.pool.read(r.adm.live_slot)[1], cold_state(r.ids[: r.done]))

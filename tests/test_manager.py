@@ -1,0 +1,275 @@
+from collections.abc import Hashable
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from linear_state import RequestOwner
+from radixcache import Admission, Refusal, image_cache_ids
+
+from .host_sim import Host
+
+RNG = np.random.default_rng(1234)
+
+
+def tokens(n: int) -> list[int]:
+    return [int(x) for x in RNG.integers(0, 5000, n)]
+
+
+def settle(h: Host) -> None:
+    h.forward.synchronize()
+    h.copies.synchronize()
+    h.check_kv()
+    h.mgr.check_invariants()
+
+
+def run_one(h: Host, rid: Hashable, ids: list[int]) -> int:
+    r = h.admit(rid, ids)
+    assert r is not None and r.restored_ok
+    h.prefill(rid)
+    assert h.final_state_ok(rid)
+    h.finish(rid)
+    settle(h)
+    return r.adm.cached_length
+
+
+def test_identical_resend_of_1000_tokens_hits() -> None:
+    h = Host()
+    p = tokens(1000)
+    assert run_one(h, "first", p) == 0
+    assert run_one(h, "again", p) >= 960
+
+
+def test_shared_prefix_ending_mid_block() -> None:
+    h = Host()
+    shared = tokens(1500)
+    hits = [run_one(h, i, shared + tokens(700)) for i in range(3)]
+    assert hits[0] == 0
+    assert hits[1] >= 1024
+    assert hits[2] >= 1472, "the third request hits the branch point the second one captured"
+
+
+def test_multi_turn_continuation_hits_the_finish_state() -> None:
+    h = Host()
+    turn1 = tokens(300)
+    run_one(h, "t1", turn1)
+    assert run_one(h, "t2", turn1 + tokens(120)) == 300
+
+
+def test_device_barrier_mode_is_equivalent_on_cpu() -> None:
+    h = Host(barrier="device")
+    p = tokens(500)
+    run_one(h, 1, p)
+    assert run_one(h, 2, p) == 499
+
+
+def test_track_points_priorities_and_budget() -> None:
+    h = Host(track_slots=2)
+    shared = tokens(300)
+    run_one(h, "donor", shared + tokens(100))
+    r = h.admit("x", shared + tokens(200))
+    assert r is not None and r.adm.cached_length == 256 and r.adm.token_length == 300
+    # branch point 300 first, then the re-send point 499, then aligned boundaries, deepest first;
+    # at most track_slots (2) of them, all beyond the committed depth (256)
+    assert h.mgr.track_points("x", 256, 500) == [300, 499]
+    assert h.mgr.track_points("x", 256, 400) == [300, 384]
+    assert h.mgr.track_points("x", 400, 500) == [448, 499]
+    assert h.mgr.track_points("x", 200, 256) == []
+    with pytest.raises(ValueError, match="empty"):
+        h.mgr.track_points("x", 10, 10)
+    with pytest.raises(KeyError, match="not admitted"):
+        h.mgr.track_points("nobody", 0, 10)
+
+
+def test_refusal_when_the_pool_is_exhausted_changes_nothing() -> None:
+    h = Host(slots=7, track_slots=2)
+    a = h.admit("a", tokens(50))
+    b = h.admit("b", tokens(50))
+    assert a is not None and b is not None
+    before = (h.pool.num_free, h.cache.protected_snapshots, h.cache.protected_kv_tokens)
+    res = h.mgr.admit("c", np.array(tokens(50)))
+    assert isinstance(res, Refusal) and not res.admitted
+    assert res.slots_needed == 3 and "3 state slots needed" in res.reason
+    assert (h.pool.num_free, h.cache.protected_snapshots, h.cache.protected_kv_tokens) == before
+    assert "c" not in h.mgr and not h.pool.slots_of(RequestOwner("c"))
+    settle(h)
+
+
+def test_admission_evicts_unlocked_snapshots_to_find_slots() -> None:
+    h = Host(slots=6, track_slots=2)
+    run_one(h, "a", tokens(300))
+    assert h.cache.num_snapshots >= 3
+    r = h.admit("b", tokens(10))
+    assert r is not None and isinstance(r.adm, Admission)
+    settle(h)
+
+
+def _abort_at(point: str) -> None:
+    h = Host()
+    shared = tokens(400)
+    run_one(h, "donor", shared + tokens(50))
+    ids = shared + tokens(300)
+    h.admit("x", ids, verify=False)  # restore left pending on the deferred stream
+    if point in ("extend", "commit", "prefill", "finish"):
+        h.extend("x")  # queued forward + clones, not run
+    if point in ("commit", "prefill", "finish"):
+        h.copies.run_next()
+    if point in ("prefill", "finish"):
+        h.prefill("x")
+    if point == "finish":
+        h.finish("x")
+        assert not h.mgr.finish("x").found, "finish is idempotent"
+        assert not h.mgr.abort("x").found
+    else:
+        h.abort("x")
+        assert not h.mgr.abort("x").found, "abort is idempotent"
+    settle(h)
+    snaps = h.cache.num_snapshots
+    assert h.pool.num_free + snaps == h.pool.capacity, "a slot leaked"
+    assert h.cache.protected_kv_tokens == 0 and h.cache.protected_snapshots == 0, "a lock leaked"
+    h.cache.evict(kv_tokens=10**9, snapshots=10**9)
+    assert h.pool.num_free == h.pool.capacity
+    assert h.kv_free == set(range(h.kv_next)), "KV leaked"
+
+
+@pytest.mark.parametrize("point", ["admit", "extend", "commit", "prefill", "finish"])
+def test_abort_at_every_lifecycle_point_leaks_nothing(point: str) -> None:
+    _abort_at(point)
+
+
+def test_misuse_raises_and_changes_nothing() -> None:
+    h = Host()
+    r = h.admit("x", tokens(200))
+    assert r is not None
+    with pytest.raises(ValueError, match="already admitted"):
+        h.mgr.admit("x", np.array(tokens(5)))
+    with pytest.raises(ValueError, match="no ids"):
+        h.mgr.admit("y", [])
+    with pytest.raises(ValueError, match="position 1"):
+        h.mgr.admit("y", [1, -2])
+    with pytest.raises(ValueError, match="not a slot of request"):
+        h.mgr.commit("x", 64, 15, None, kv_indices=r.kv[:64])
+    with pytest.raises(ValueError, match="positive multiple"):
+        h.mgr.commit("x", 0, r.adm.track_slots[0], None, kv_indices=r.kv[:0])
+    with pytest.raises(ValueError, match="within its 200 known ids"):
+        h.mgr.commit("x", 256, r.adm.track_slots[0], None, kv_indices=r.kv[:64])
+    with pytest.raises(ValueError, match="entries for commit depth"):
+        h.mgr.commit("x", 64, r.adm.track_slots[0], None, kv_indices=r.kv[:10])
+    with pytest.raises(ValueError, match="entries for 200 ids"):
+        h.mgr.finish("x", kv_indices=r.kv[:3])
+    with pytest.raises(KeyError):
+        h.mgr.commit("nobody", 64, 0, None, kv_indices=r.kv[:64])
+    assert "y" not in h.mgr and h.mgr.num_requests == 1
+    settle(h)
+
+
+def test_paged_commit_depth_must_be_page_aligned() -> None:
+    h = Host(page_size=16, track_align=64)
+    r = h.admit("x", tokens(100))
+    assert r is not None
+    with pytest.raises(ValueError, match="page_size 16"):
+        h.mgr.commit("x", 40, r.adm.track_slots[0], None, kv_indices=r.kv[:40])
+    h.prefill("x")
+    assert h.final_state_ok("x")
+    h.finish("x")  # 100 ids: not page aligned, nothing donated at the end
+    settle(h)
+    r2 = h.admit("y", h_ids := tokens(10))
+    assert r2 is not None and len(h_ids) == 10
+
+
+def test_bad_manager_options() -> None:
+    h = Host(page_size=16)
+    from radixcache import CacheManager
+
+    with pytest.raises(ValueError, match="multiple of page_size"):
+        CacheManager(h.cache, track_align=40)
+    with pytest.raises(ValueError, match="barrier"):
+        CacheManager(h.cache, barrier="sometimes")  # type: ignore[arg-type]
+
+
+def test_check_invariants_detects_a_slot_shared_by_tree_and_request() -> None:
+    h = Host()
+    run_one(h, "a", tokens(100))
+    r = h.admit("b", tokens(100))
+    assert r is not None
+    node = next(n for n in h.cache.iter_nodes() if n.snapshot is not None)
+    rec = h.mgr._requests["b"]
+    assert node.snapshot is not None
+    rec.tracks = (node.snapshot, *rec.tracks[1:])
+    with pytest.raises(AssertionError, match="held by the tree and by request"):
+        h.mgr.check_invariants()
+
+
+# ------------------------------------------------------------------ images
+PH = 7
+
+
+def image_prompt(img: bytes, text_before: list[int], text_after: list[int]) -> tuple[list[int], np.ndarray]:
+    ids = text_before + [PH] * 40 + text_after
+    return ids, image_cache_ids(ids, PH, [img])
+
+
+def test_same_image_hits_the_whole_prompt_different_image_stops_at_its_span() -> None:
+    h = Host()
+    before, after = [100 + (i % 50) for i in range(130)], [200 + (i % 40) for i in range(60)]
+    _, key_a = image_prompt(b"image A pixels", before, after)
+    _, key_b = image_prompt(b"image B pixels", before, after)
+    assert run_one(h, "a1", key_a.tolist()) == 0
+    assert run_one(h, "a2", key_a.tolist()) == len(key_a) - 1, "the same image hits the whole prompt"
+    assert run_one(h, "b1", key_b.tolist()) == 130, "a different image stops the hit at its first placeholder"
+
+
+def test_placeholder_prompt_without_image_bytes_raises() -> None:
+    with pytest.raises(ValueError, match="no image bytes"):
+        image_cache_ids([1, PH, PH, 2], PH, [])
+
+
+# ------------------------------------------------------ randomized interleaving
+@settings(max_examples=40)
+@given(data=st.data())
+def test_restored_state_equals_donor_state_under_random_interleavings(data: st.DataObject) -> None:
+    """Several requests over shared prefixes, with device work run in a random order: every hit
+    restores exactly the state the donor computed at that depth, every final state equals the
+    cold computation, and nothing leaks."""
+    h = Host(slots=24, chunk=data.draw(st.sampled_from([64, 96, 160])), track_slots=2, track_align=32)
+    bases = [tokens(data.draw(st.integers(40, 200))) for _ in range(2)]
+    active: list[Hashable] = []
+    n = 0
+    for _ in range(data.draw(st.integers(5, 25))):
+        op = data.draw(st.sampled_from(["admit", "extend", "run", "finish", "abort"]))
+        if op == "admit" or not active:
+            base = data.draw(st.sampled_from(bases))
+            cut = data.draw(st.integers(0, len(base)))
+            ids = base[:cut] + tokens(data.draw(st.integers(1, 80)))
+            r = h.admit(n, ids)
+            if r is not None:
+                assert r.restored_ok, f"request {n}: restored state differs from the donor's at {r.adm.cached_length}"
+                active.append(n)
+            n += 1
+        elif op == "extend":
+            rid = data.draw(st.sampled_from(active))
+            if h.reqs[rid].done < len(h.reqs[rid].ids):
+                h.extend(rid)
+        elif op == "run":
+            for _ in range(data.draw(st.integers(1, 4))):
+                stream = data.draw(st.sampled_from([h.forward, h.copies]))
+                stream.run_next()
+        else:
+            rid = data.draw(st.sampled_from(active))
+            active.remove(rid)
+            if op == "finish":
+                h.prefill(rid)
+                assert h.final_state_ok(rid)
+                h.finish(rid)
+            else:
+                h.abort(rid)
+        h.mgr.check_invariants()
+        h.check_kv()
+    for rid in active:
+        h.prefill(rid)
+        assert h.final_state_ok(rid)
+        h.finish(rid)
+    settle(h)
+    assert torch.is_tensor(h.pool.recurrent)
