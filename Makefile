@@ -1,4 +1,5 @@
-# Two commands a newcomer runs: `make demo` (the main job) and `make test` (the test suite).
+# Two commands a newcomer runs: `make demo` (the main job: the ground-truth hammer) and
+# `make test` (the test suite).
 # Each creates .venv and installs on first use; repeated runs skip the install.
 PYTHON ?= python3
 VENV ?= .venv
@@ -7,15 +8,18 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo walkthrough test lint bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check '$(TORCH_SPEC)'
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,dev]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,dev,hf]'
 	touch $(STAMP)
 
 demo: $(STAMP)
+	$(VENV)/bin/radixcache hammer
+
+walkthrough: $(STAMP)
 	$(VENV)/bin/radixcache demo
 
 test: $(STAMP)

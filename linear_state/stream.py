@@ -181,6 +181,16 @@ class DeferredStream(Stream):
         self.completed_seq = item.seq
         return True
 
+    def run_ready(self) -> int:
+        """Run pending items from the oldest while their fences are already complete, as a device
+        runs whatever its dependencies allow; stop at the first item that would have to wait.
+        Returns how many ran."""
+        n = 0
+        while self._queue and all(f.is_complete() for f in self._queue[0].after):
+            self.run_next()
+            n += 1
+        return n
+
     def run_until(self, seq: int) -> None:
         """Run pending items in order until item ``seq`` has run."""
         while self.completed_seq < seq and self.run_next():

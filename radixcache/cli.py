@@ -21,6 +21,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     stress.add_argument("--seed", type=int, default=0)
     stress.add_argument("--page-size", type=int, default=1)
     stress.add_argument("--slots", type=int, default=64, help="pool capacity")
+    hammer = sub.add_parser("hammer", help="serve a request mix concurrently and check every answer against cold")
+    hammer.add_argument("--requests", type=int, default=500)
+    hammer.add_argument("--concurrency", type=int, default=8)
+    hammer.add_argument("--seed", type=int, default=0)
+    hammer.add_argument("--chunk", type=int, default=256, help="prefill chunk size")
+    hammer.add_argument(
+        "--inject",
+        choices=["alias", "no-donate-fence", "no-restore-fence"],
+        default=None,
+        help="commit a historical bug on purpose; the hammer must catch it",
+    )
+    hammer.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
     args = parser.parse_args(argv)
     if args.command == "demo":
         from .demo import run_demo
@@ -37,6 +49,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             close()
         print(json.dumps(asdict(report)))
         return 0
+    if args.command == "hammer":
+        from .progress import progress_callback
+        from .testing.hammer import HammerConfig, format_report, run_hammer
+
+        cfg = HammerConfig(
+            requests=args.requests, concurrency=args.concurrency, seed=args.seed, inject=args.inject, chunk=args.chunk
+        )
+        update, close = progress_callback(cfg.requests, "hammer")
+        try:
+            hammered = run_hammer(cfg, progress=update)
+        finally:
+            close()
+        print(json.dumps(hammered.as_dict(), indent=2) if args.json else format_report(hammered))
+        return 0 if hammered.ok else 1
     parser.error(f"unknown command {args.command!r}")  # pragma: no cover - argparse rejects first
     return 2
 

@@ -259,8 +259,9 @@ class CacheManager:
         admission: the next request sharing this prefix hits there); the start of each image span
         (a different image with the same text hits up to it); the re-send point (the deepest
         page-aligned depth below the prompt length: an identical prompt matches all but its last
-        id); then multiples of ``track_align``, deepest first. Only page-aligned depths the tree
-        does not already hold a snapshot for on this request's path beyond its committed depth.
+        id); then multiples of ``track_align`` below the prompt length, deepest first (the state at
+        the prompt's end is donated at finish, after the answer, where continuations need it).
+        Only page-aligned depths beyond the request's committed depth.
 
         :raises KeyError: unknown rid. :raises ValueError: ``not 0 <= start < end``.
         """
@@ -273,7 +274,8 @@ class CacheManager:
         cands += [s for s in rec.image_starts if s % page == 0]
         cands.append(resend)
         first = (start // self.track_align + 1) * self.track_align
-        cands += range(end // self.track_align * self.track_align, first - 1, -self.track_align)
+        last = min(end, rec.prompt_len - 1) // self.track_align * self.track_align
+        cands += range(last, first - 1, -self.track_align)
         out: list[int] = []
         for d in cands:
             if start < d <= end and d > rec.committed and d % page == 0 and d not in out:

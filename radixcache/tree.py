@@ -26,7 +26,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from linear_state import COMPLETE, Fence, LinearStatePool, NodeOwner, Owner, SlotId, Stream
+from linear_state import COMPLETE, Fence, LinearStatePool, NodeOwner, Owner, SlotId, SlotWrite, Stream
 
 from .keys import TOKEN_BYTES, KeyLike, key_bytes
 
@@ -368,9 +368,7 @@ class HybridRadixCache:
             target_id = node.id
         clone = None
         if grows or split_child is not None or node.snapshot is None:
-            clone = self.pool.clone(
-                state_slot, NodeOwner(target_id), stream=self.stream, after=() if ready is None else (ready,)
-            )
+            clone = self._take_snapshot(state_slot, NodeOwner(target_id), ready)
         # Phase 2: mutate. Nothing below raises.
         if fresh_root:
             self._roots[namespace] = root
@@ -395,6 +393,10 @@ class HybridRadixCache:
                 self._protected_snapshots += 1
         self._touch(path)
         return InsertResult(prefix_len, node.depth, node, clone is not None, dups)
+
+    def _take_snapshot(self, state_slot: int, owner: NodeOwner, ready: Fence | None) -> SlotWrite:
+        """Copy-on-donate: a private clone of ``state_slot`` for ``owner``, ordered after ``ready``."""
+        return self.pool.clone(state_slot, owner, stream=self.stream, after=() if ready is None else (ready,))
 
     def _release_duplicates(
         self, kv: torch.Tensor, path: list[TreeNode], split_child: TreeNode | None, split_at: int

@@ -137,3 +137,15 @@ def test_cuda_stream_orders_clone_after_event() -> None:  # pragma: no cover - G
     snap = pool.clone(live, NodeOwner(1), stream=copies, after=[produced])
     snap.fence.wait()
     assert torch.all(pool.read(snap.slot)[1] == 2)
+
+
+def test_run_ready_stops_at_the_first_blocked_item() -> None:
+    producer, copies = DeferredStream("p"), DeferredStream("c")
+    log: list[str] = []
+    copies.submit(lambda: log.append("free-standing"))
+    pf = producer.submit(lambda: log.append("write"))
+    copies.submit(lambda: log.append("fenced"), after=[pf])
+    copies.submit(lambda: log.append("behind"))
+    assert copies.run_ready() == 1 and log == ["free-standing"], "in order: the fenced item blocks the rest"
+    producer.synchronize()
+    assert copies.run_ready() == 2 and log == ["free-standing", "write", "fenced", "behind"]

@@ -1,0 +1,306 @@
+"""A reference serving engine: continuous batching of the reference hybrid model on CacheManager.
+
+Each step: (1) prefill one chunk of every prefilling request, capturing states at the manager's
+track points and committing them; (2) admit waiting requests (hits restored); (3) one batched
+decode over every decoding request; then wait the forward passes, sample greedily, finish what
+is done. Forward passes run on a linear_state stream; with ``deferred=True`` (default) both the
+forward stream and the copy stream are :class:`~linear_state.DeferredStream`: forwards run when
+the engine needs their logits, copies run as soon as their fences allow (``run_ready``), so an
+unordered clone or restore really reads a slot before or after the write it should have waited.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+import torch
+
+from linear_state import DeferredStream, Fence, ImmediateStream, LinearStatePool, RequestOwner, Stream
+
+from ..manager import Admission, CacheManager
+from ..tree import HybridRadixCache
+from .inject import BUGS, make_cache
+from .model import HybridConfig, HybridModel, KVPool
+
+__all__ = ["EngineRequest", "KVAllocator", "ReferenceEngine", "generate_cold"]
+
+
+@dataclass
+class EngineRequest:
+    """One request and, once served, its results."""
+
+    rid: Hashable
+    prompt: list[int]
+    max_new_tokens: int
+    abort_after: int | None = None  # abort once this many tokens were generated (a dropped stream)
+    output: list[int] = field(default_factory=list)
+    first_logits: torch.Tensor | None = None
+    cached_length: int = 0
+    t_submit: float = 0.0
+    t_admit: float = 0.0
+    t_first: float = 0.0
+    aborted: bool = False
+    done: bool = False
+
+
+class KVAllocator:
+    """KV indices of the attention pool: a free list. The tree's ``on_free_kv`` returns them here."""
+
+    def __init__(self, num_tokens: int) -> None:
+        self.capacity = num_tokens
+        self._free: deque[int] = deque(range(num_tokens))
+        self._is_free = bytearray(b"\x01") * num_tokens
+
+    @property
+    def num_free(self) -> int:
+        """Indices not allocated."""
+        return len(self._free)
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """``n`` indices, or None (nothing taken) when fewer are free."""
+        if n > len(self._free):
+            return None
+        out = [self._free.popleft() for _ in range(n)]
+        for i in out:
+            self._is_free[i] = 0
+        return torch.tensor(out, dtype=torch.int64)
+
+    def free(self, idx: torch.Tensor) -> None:
+        """Return indices. :raises RuntimeError: an index freed twice (a KV ownership bug)."""
+        for i in idx.tolist():
+            if self._is_free[i]:
+                raise RuntimeError(f"KV index {i} freed twice")
+            self._is_free[i] = 1
+            self._free.append(i)
+
+
+@dataclass(eq=False)
+class _Running:
+    req: EngineRequest
+    adm: Admission
+    kv: torch.Tensor  # KV indices for every id the request will feed (prompt + outputs)
+    done: int  # tokens fed
+    kv_held: int
+    last: Fence | None = None
+    next_token: int | None = None
+
+
+class ReferenceEngine:
+    """Serves :class:`EngineRequest` s with the reference model and a radix prefix cache.
+
+    :param track_slots: captures per prefill chunk; 4 covers every multiple of 64 in a 256-token
+        chunk, so a later prompt sharing any aligned prefix hits it.
+    :param inject: commit one historical bug on purpose (see :mod:`radixcache.testing.inject`).
+    """
+
+    def __init__(
+        self,
+        model: HybridModel,
+        *,
+        max_running: int = 8,
+        snapshot_slots: int = 512,
+        kv_tokens: int = 65536,
+        chunk: int = 256,
+        page_size: int = 1,
+        track_align: int = 64,
+        track_slots: int = 4,
+        deferred: bool = True,
+        inject: str | None = None,
+        barrier: str = "fence",
+    ) -> None:
+        if inject is not None and inject not in BUGS:
+            raise ValueError(f"unknown inject mode {inject!r}; known: {sorted(BUGS)}")
+        self.model = model
+        cfg: HybridConfig = model.cfg
+        self.forward: Stream = DeferredStream("forward") if deferred else ImmediateStream()
+        self.copies: Stream = DeferredStream("copies") if deferred else ImmediateStream()
+        self.pool = LinearStatePool(cfg.state_layout(), max_running * (1 + track_slots) + snapshot_slots)
+        self.kv_pool = KVPool(cfg, kv_tokens)
+        self.kv = KVAllocator(kv_tokens)
+        self.cache: HybridRadixCache = make_cache(
+            inject, self.pool, page_size=page_size, on_free_kv=self.kv.free, stream=self.copies
+        )
+        self.manager = CacheManager(
+            self.cache,
+            track_align=track_align,
+            track_slots=track_slots,
+            barrier=barrier,  # type: ignore[arg-type]
+        )
+        self.max_running = max_running
+        self.chunk = chunk
+        self.waiting: deque[EngineRequest] = deque()
+        self.running: dict[Hashable, _Running] = {}
+        self.finished: list[EngineRequest] = []
+
+    # ---------------------------------------------------------------- public
+    def submit(self, req: EngineRequest, *, front: bool = False) -> None:
+        """Queue a request (at the head of the queue with ``front``)."""
+        req.t_submit = time.perf_counter()
+        if front:
+            self.waiting.appendleft(req)
+        else:
+            self.waiting.append(req)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing waiting or running."""
+        return not self.waiting and not self.running
+
+    def run(self) -> list[EngineRequest]:
+        """Step until idle; return the finished requests (in finishing order)."""
+        while not self.idle:
+            self.step()
+        self.drain()
+        return self.finished
+
+    def drain(self) -> None:
+        """Let all queued device work complete."""
+        self.forward.synchronize()
+        self.copies.synchronize()
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> None:
+        """One scheduler step (see the module docstring)."""
+        prefilling = [r for r in self.running.values() if r.done < len(r.req.prompt)]
+        decoding = [r for r in self.running.values() if r.next_token is not None]
+        ends = [(r, box) for r in prefilling if (box := self._prefill_chunk(r)) is not None]
+        self._device_progress()
+        self._admit()
+        decoded = self._decode(decoding) if decoding else None
+        self._device_progress()
+        for r, box in ends:  # the engine needs these logits now: their forwards must have run
+            assert r.last is not None
+            r.last.wait()
+            self._sample(r, box["logits"])
+        if decoded is not None:
+            fence, logits = decoded
+            fence.wait()
+            for i, r in enumerate(decoding):
+                self._sample(r, logits[i])
+        self._device_progress()
+
+    def _device_progress(self) -> None:
+        if isinstance(self.copies, DeferredStream):
+            self.copies.run_ready()
+
+    # ------------------------------------------------------------- admission
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_running:
+            req = self.waiting[0]
+            adm = self.manager.admit(req.rid, req.prompt)
+            if not isinstance(adm, Admission):
+                return
+            need = len(req.prompt) + req.max_new_tokens - adm.cached_length
+            fresh = self._alloc_kv(need)
+            if fresh is None:
+                self.manager.abort(req.rid)
+                return
+            self.waiting.popleft()
+            req.cached_length = adm.cached_length
+            req.t_admit = time.perf_counter()
+            kv = torch.cat([adm.kv_indices, fresh])
+            self.running[req.rid] = _Running(req, adm, kv, adm.cached_length, adm.cached_length, adm.ready)
+            self._device_progress()
+
+    def _alloc_kv(self, n: int) -> torch.Tensor | None:
+        if self.kv.num_free < n:
+            self.cache.evict(kv_tokens=n - self.kv.num_free)
+        return self.kv.alloc(n)
+
+    # --------------------------------------------------------------- forward
+    def _prefill_chunk(self, r: _Running) -> dict[str, torch.Tensor] | None:
+        """Submit the next prefill chunk and commit its captures. Returns the box its logits land
+        in when the chunk ends the prompt."""
+        rid, prompt = r.req.rid, r.req.prompt
+        start, end = r.done, min(len(prompt), r.done + self.chunk)
+        points = self.manager.track_points(rid, start, end)
+        captures = list(zip(points, r.adm.track_slots, strict=False))
+        after = [f for f in [r.last, *(self.pool.last_use(t) for _, t in captures)] if f is not None]
+        ids = torch.tensor(prompt[start:end])
+        kv_idx = r.kv[:end]
+        out: dict[str, torch.Tensor] = {}
+        model, pool, kvp, live = self.model, self.pool, self.kv_pool, r.adm.live_slot
+
+        def work() -> None:
+            out["logits"] = model.prefill(ids, start, pool, live, kvp, kv_idx, captures)
+
+        r.last = self.forward.submit(work, after=after, label=f"prefill {rid} [{start},{end})")
+        r.done = end
+        for d, slot in captures:
+            res = self.manager.commit(rid, d, slot, r.last, kv_indices=r.kv[:d])
+            if res.donated:  # the tree's pages replace this request's duplicates
+                r.kv = torch.cat([res.kv_indices, r.kv[d:]])
+                r.kv_held = max(r.kv_held, res.kv_held)
+            self._device_progress()
+        return out if end == len(prompt) else None
+
+    def _decode(self, batch: list[_Running]) -> tuple[Fence, torch.Tensor]:
+        ids = torch.tensor([r.next_token for r in batch])
+        positions = [r.done for r in batch]
+        slots = torch.tensor([r.adm.live_slot for r in batch])
+        kv_idx = [r.kv[: r.done + 1] for r in batch]
+        after = [r.last for r in batch if r.last is not None]
+        result = torch.empty(len(batch), self.model.cfg.vocab_size, dtype=self.model.cfg.dtype)
+        model, pool, kvp = self.model, self.pool, self.kv_pool
+
+        def work() -> None:
+            result.copy_(model.decode(ids, positions, pool, slots, kvp, kv_idx))
+
+        fence = self.forward.submit(work, after=after, label=f"decode x{len(batch)}")
+        for r in batch:
+            assert r.next_token is not None
+            self.manager.append(r.req.rid, [r.next_token])
+            r.done += 1
+            r.last = fence
+            r.next_token = None
+        return fence, result
+
+    # -------------------------------------------------------------- sampling
+    def _sample(self, r: _Running, logits: torch.Tensor) -> None:
+        req = r.req
+        tok = int(torch.argmax(logits))
+        if not req.output:
+            req.first_logits = logits.detach().clone()
+            req.t_first = time.perf_counter()
+        req.output.append(tok)
+        if req.abort_after is not None and len(req.output) >= req.abort_after:
+            self._end(r, abort=True)
+        elif len(req.output) >= req.max_new_tokens:
+            self._end(r, abort=False)
+        else:
+            r.next_token = tok
+
+    def _end(self, r: _Running, *, abort: bool) -> None:
+        rid = r.req.rid
+        res = self.manager.abort(rid, r.last) if abort else self.manager.finish(rid, r.last, kv_indices=r.kv[: r.done])
+        self.kv.free(r.kv[res.kv_held :])
+        r.req.aborted = abort
+        r.req.done = True
+        del self.running[rid]
+        self.finished.append(r.req)
+        self._device_progress()
+
+
+def generate_cold(model: HybridModel, prompt: list[int], n: int, *, chunk: int = 256) -> tuple[list[int], torch.Tensor]:
+    """Ground truth: ``prompt`` computed alone, cold, with no cache (a private one-slot pool and
+    KV), then ``n`` greedy tokens. Returns the tokens and the first token's logits."""
+    cfg = model.cfg
+    pool = LinearStatePool(cfg.state_layout(), 1)
+    kvp = KVPool(cfg, len(prompt) + n)
+    kv_idx = torch.arange(len(prompt) + n)
+    slot = pool.alloc(RequestOwner("cold"))
+    logits = torch.empty(0)
+    for start in range(0, len(prompt), chunk):
+        ids = torch.tensor(prompt[start : start + chunk])
+        logits = model.prefill(ids, start, pool, slot, kvp, kv_idx)
+    first = logits.clone()
+    out = [int(torch.argmax(logits))]
+    slots = torch.tensor([slot])
+    while len(out) < n:
+        pos = len(prompt) + len(out) - 1
+        logits = model.decode(torch.tensor([out[-1]]), [pos], pool, slots, kvp, [kv_idx[: pos + 1]])[0]
+        out.append(int(torch.argmax(logits)))
+    return out, first

@@ -1,0 +1,285 @@
+"""The ground-truth hammer: serve a realistic mix of requests concurrently through the reference
+engine and the cache, then compare every answer with the same prompt computed alone, cold.
+
+The mix (seeded): new sessions on shared system prompts, multi-turn continuations (the previous
+prompt + its answer + a new message), identical re-sends, prefixes cut mid-block followed by a new
+suffix, and streams aborted after a few tokens. A request is wrong when its tokens differ from the
+cold ground truth; cross-talk when its wrong tokens are another prompt's ground truth. Leaks are
+slots or KV indices neither free nor held once everything finished.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .engine import EngineRequest, ReferenceEngine, generate_cold
+from .model import HybridConfig, HybridModel
+
+__all__ = ["HammerConfig", "HammerReport", "format_report", "run_hammer"]
+
+
+@dataclass(frozen=True)
+class HammerConfig:
+    """What the hammer runs. Defaults are the README's main job."""
+
+    requests: int = 500
+    concurrency: int = 8
+    seed: int = 0
+    inject: str | None = None
+    chunk: int = 256
+    system_prompts: int = 6
+    min_new_tokens: int = 4
+    max_new_tokens: int = 12
+    logit_tol: float = 1e-6
+    probe_tokens: int = 2048
+
+
+@dataclass
+class HammerReport:
+    """The hammer's findings; ``ok`` is False on any wrong answer or leak."""
+
+    requests: int
+    finished: int
+    aborted: int
+    hits: int
+    prompt_tokens: int
+    cached_tokens: int
+    wrong_answers: int
+    cross_talk: int
+    logit_mismatches: int
+    slots_leaked: int
+    kv_leaked: int
+    ttft_cold_ms: float
+    ttft_hit_ms: float
+    probe_ttft_cold_ms: float
+    probe_ttft_hit_ms: float
+    probe_hit_fraction: float
+    wall_s: float
+    ground_truth_s: float
+    inject: str | None
+    seed: int
+    wrong_examples: list[str] = field(default_factory=list)
+
+    @property
+    def cached_fraction(self) -> float:
+        """Prompt tokens served from cache / all prompt tokens."""
+        return self.cached_tokens / max(1, self.prompt_tokens)
+
+    @property
+    def probe_ttft_ratio(self) -> float:
+        """Hit TTFT / cold TTFT on the 2,048-token probes (>= 90% cached)."""
+        return self.probe_ttft_hit_ms / max(1e-9, self.probe_ttft_cold_ms)
+
+    @property
+    def ok(self) -> bool:
+        """No wrong answer, no cross-talk, no leak."""
+        return self.wrong_answers == 0 and self.cross_talk == 0 and self.slots_leaked == 0 and self.kv_leaked == 0
+
+    def as_dict(self) -> dict[str, object]:
+        """Every field plus the derived ratios, for JSON."""
+        d = asdict(self)
+        d.update(cached_fraction=self.cached_fraction, probe_ttft_ratio=self.probe_ttft_ratio, ok=self.ok)
+        return d
+
+
+class _Workload:
+    """Seeded request mix; continuations and re-sends draw on requests that already finished."""
+
+    def __init__(self, cfg: HammerConfig, vocab: int) -> None:
+        self.cfg = cfg
+        self.rng = random.Random(cfg.seed)
+        self.vocab = vocab
+        self.systems = [self._tokens(self.rng.randint(150, 1100)) for _ in range(cfg.system_prompts)]
+        self.history: list[tuple[list[int], list[int]]] = []  # finished (prompt, output)
+        self.followers: set[object] = set()  # rids of burst followers
+        self.n = 0
+
+    def _tokens(self, n: int) -> list[int]:
+        return [self.rng.randrange(self.vocab) for _ in range(n)]
+
+    def _request(self, prompt: list[int]) -> EngineRequest:
+        rng, cfg = self.rng, self.cfg
+        n_new = rng.randint(cfg.min_new_tokens, cfg.max_new_tokens)
+        abort_after = rng.randint(1, max(1, n_new - 1)) if rng.random() < 0.10 else None
+        self.n += 1
+        return EngineRequest(self.n, prompt[:3000], n_new, abort_after)
+
+    def next(self) -> list[tuple[int, EngineRequest]]:
+        """The next request(s), each with a delay in engine steps before it is submitted."""
+        rng = self.rng
+        kind = rng.random()
+        if kind < 0.10:
+            # A burst on a fresh shared prefix, arriving one step apart: later ones hit snapshots
+            # the first donated moments ago, while its forward and the clones may still be queued.
+            shared = self._tokens(rng.randint(300, 900))
+            burst = [(i, self._request(shared + self._tokens(rng.randint(10, 80)))) for i in range(3)]
+            self.followers.update(req.rid for _, req in burst[1:])
+            return burst
+        if kind < 0.35 and self.history:
+            prompt, answer = rng.choice(self.history)
+            prompt = prompt + answer + self._tokens(rng.randint(10, 120))  # multi-turn continuation
+        elif kind < 0.50 and self.history:
+            prompt = list(rng.choice(self.history)[0])  # identical re-send
+        elif kind < 0.60 and self.history:
+            base = rng.choice(self.history)[0]
+            prompt = base[: rng.randint(1, len(base))] + self._tokens(rng.randint(20, 300))  # cut mid-block
+        else:
+            prompt = rng.choice(self.systems) + self._tokens(rng.randint(20, 250))  # new session
+        return [(0, self._request(prompt))]
+
+    def finished(self, req: EngineRequest) -> None:
+        if not req.aborted:
+            self.history.append((req.prompt, req.output))
+
+
+def run_hammer(
+    cfg: HammerConfig, *, model: HybridModel | None = None, progress: Callable[[int], None] | None = None
+) -> HammerReport:
+    """Run the hammer and return its report (see the module docstring)."""
+    model = model or HybridModel(HybridConfig())
+    engine = ReferenceEngine(model, max_running=cfg.concurrency, chunk=cfg.chunk, inject=cfg.inject)
+    work = _Workload(cfg, model.cfg.vocab_size)
+    created = 0
+    delayed: list[tuple[int, EngineRequest]] = []  # (release step, request)
+    step = 0
+    t0 = time.perf_counter()
+    seen = 0
+    while created < cfg.requests or delayed or not engine.idle:
+        while created < cfg.requests and len(delayed) < cfg.concurrency:
+            for delay, req in work.next()[: cfg.requests - created]:
+                delayed.append((step + delay, req))
+                created += 1
+        delayed.sort(key=lambda x: x[0])
+        while delayed and delayed[0][0] <= step:
+            release, req = delayed[0]
+            follower = release > 0 and release == step and req.rid in work.followers
+            if not follower and len(engine.waiting) + len(engine.running) >= cfg.concurrency:
+                break
+            delayed.pop(0)
+            engine.submit(req, front=follower)  # a burst's followers arrive right behind its head
+        engine.step()
+        step += 1
+        for req in engine.finished[seen:]:
+            work.finished(req)
+            if progress is not None:
+                progress(seen)
+            seen += 1
+    engine.drain()
+    served = list(engine.finished)
+    # TTFT probes, run alone: a cold 2,048-token prompt, then one sharing >= 90% of it.
+    probe = work._tokens(cfg.probe_tokens)
+    shared = -(-int(cfg.probe_tokens * 0.9) // 64) * 64  # the first aligned depth >= 90%
+    tail = work._tokens(cfg.probe_tokens - shared)
+    probes = [EngineRequest("probe-cold", probe, 2), EngineRequest("probe-hit", probe[:shared] + tail, 2)]
+    for p in probes:
+        engine.submit(p)
+        engine.run()
+    wall = time.perf_counter() - t0
+    leaked_slots, leaked_kv = _leaks(engine)
+
+    t1 = time.perf_counter()
+    truth: dict[tuple[int, ...], tuple[list[int], torch.Tensor]] = {}
+    need: dict[tuple[int, ...], int] = {}
+    for r in served:
+        key = tuple(r.prompt)
+        need[key] = max(need.get(key, 0), len(r.output))
+    for key, n in need.items():
+        truth[key] = generate_cold(model, list(key), n, chunk=cfg.chunk)
+    gt_s = time.perf_counter() - t1
+    wrong = cross = drift = 0
+    examples: list[str] = []
+    outputs_by_prompt = {k: v[0] for k, v in truth.items()}
+    for r in served:
+        gt, first = truth[tuple(r.prompt)]
+        expected = r.abort_after if r.aborted and r.abort_after is not None else r.max_new_tokens
+        off = float((r.first_logits - first).abs().max()) if r.first_logits is not None else float("inf")
+        tokens_wrong = r.output != gt[: len(r.output)] or len(r.output) != expected
+        if tokens_wrong or off > cfg.logit_tol:
+            wrong += 1
+            drift += not tokens_wrong
+            if tokens_wrong and any(
+                o[: len(r.output)] == r.output for k, o in outputs_by_prompt.items() if k != tuple(r.prompt)
+            ):
+                cross += 1
+            if len(examples) < 5:
+                examples.append(
+                    f"request {r.rid}: prompt {len(r.prompt)} tokens, cached {r.cached_length}: "
+                    f"got {r.output}, cold gives {gt[: len(r.output)]}, first logits off by {off:.2e}"
+                )
+    cold = [1e3 * (r.t_first - r.t_admit) for r in served if r.cached_length == 0 and r.t_first]
+    hit = [1e3 * (r.t_first - r.t_admit) for r in served if r.cached_length >= 0.9 * len(r.prompt) and r.t_first]
+    p_cold, p_hit = probes
+    return HammerReport(
+        requests=len(served),
+        finished=sum(not r.aborted for r in served),
+        aborted=sum(r.aborted for r in served),
+        hits=sum(r.cached_length > 0 for r in served),
+        prompt_tokens=sum(len(r.prompt) for r in served),
+        cached_tokens=sum(r.cached_length for r in served),
+        wrong_answers=wrong,
+        cross_talk=cross,
+        logit_mismatches=drift,
+        slots_leaked=leaked_slots,
+        kv_leaked=leaked_kv,
+        ttft_cold_ms=statistics.mean(cold) if cold else 0.0,
+        ttft_hit_ms=statistics.mean(hit) if hit else 0.0,
+        probe_ttft_cold_ms=1e3 * (p_cold.t_first - p_cold.t_submit),
+        probe_ttft_hit_ms=1e3 * (p_hit.t_first - p_hit.t_submit),
+        probe_hit_fraction=p_hit.cached_length / len(p_hit.prompt),
+        wall_s=wall,
+        ground_truth_s=gt_s,
+        inject=cfg.inject,
+        seed=cfg.seed,
+        wrong_examples=examples,
+    )
+
+
+def _leaks(engine: ReferenceEngine) -> tuple[int, int]:
+    """Slots and KV indices neither free nor held by the tree once every request ended; then the
+    tree is reset and everything must be free."""
+    pool, cache = engine.pool, engine.cache
+    slots = pool.capacity - pool.num_free - cache.num_snapshots
+    kv = engine.kv.capacity - engine.kv.num_free - cache.total_kv_tokens
+    cache.reset()
+    slots = max(slots, pool.capacity - pool.num_free)
+    kv = max(kv, engine.kv.capacity - engine.kv.num_free)
+    return slots, kv
+
+
+def format_report(rep: HammerReport) -> str:
+    """The hammer's table, as printed by ``radixcache hammer``."""
+    rows = [
+        ("requests served", f"{rep.requests} ({rep.finished} finished, {rep.aborted} aborted midway)"),
+        ("cache hits", f"{rep.hits} ({rep.hits / max(1, rep.requests):.0%})"),
+        (
+            "prompt tokens from cache",
+            f"{rep.cached_tokens:,} of {rep.prompt_tokens:,} ({rep.cached_fraction:.1%})",
+        ),
+        (
+            "wrong answers",
+            f"{rep.wrong_answers} (tokens differ: {rep.wrong_answers - rep.logit_mismatches}, "
+            f"only first-token logits off by > tol: {rep.logit_mismatches})",
+        ),
+        ("cross-talk (another prompt's answer)", str(rep.cross_talk)),
+        ("slots leaked", str(rep.slots_leaked)),
+        ("KV indices leaked", str(rep.kv_leaked)),
+        ("TTFT cold / hit >= 90% (mean, under load)", f"{rep.ttft_cold_ms:.1f} ms / {rep.ttft_hit_ms:.1f} ms"),
+        (
+            f"TTFT probe, {rep.probe_hit_fraction:.0%} cached (alone)",
+            f"cold {rep.probe_ttft_cold_ms:.1f} ms, hit {rep.probe_ttft_hit_ms:.1f} ms, "
+            f"ratio {rep.probe_ttft_ratio:.2f}",
+        ),
+        ("wall time (serving / ground truth)", f"{rep.wall_s:.1f} s / {rep.ground_truth_s:.1f} s"),
+        ("injected bug", rep.inject or "none"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    lines.append("RESULT: " + ("PASS" if rep.ok else "FAIL"))
+    lines += [f"  {e}" for e in rep.wrong_examples]
+    return "\n".join(lines)
