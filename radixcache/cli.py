@@ -33,6 +33,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="commit a historical bug on purpose; the hammer must catch it",
     )
     hammer.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
+    fuzz = sub.add_parser("fuzz", help="run the host state machine: random interleavings, invariants after each step")
+    fuzz.add_argument("--examples", type=int, default=1000)
+    fuzz.add_argument("--seed", type=int, default=0)
+    fuzz.add_argument("--page-size", type=int, default=1)
+    fuzz.add_argument("--steps", type=int, default=50, help="rules per example")
+    fuzz.add_argument(
+        "--inject",
+        choices=[
+            "alias",
+            "no-donate-fence",
+            "no-restore-fence",
+            "free-before-fence",
+            "unlock-before-restore",
+            "snapshot-off-by-page",
+            "double-free-swallowed",
+        ],
+        default=None,
+        help="commit a bug on purpose; the machine must find it",
+    )
     args = parser.parse_args(argv)
     if args.command == "demo":
         from .demo import run_demo
@@ -63,6 +82,30 @@ def main(argv: Sequence[str] | None = None) -> int:
             close()
         print(json.dumps(hammered.as_dict(), indent=2) if args.json else format_report(hammered))
         return 0 if hammered.ok else 1
+    if args.command == "fuzz":
+        import time
+
+        from .progress import progress_callback
+        from .testing.fuzz import run_fuzz
+
+        update, close = progress_callback(args.examples, "fuzz")
+        t0 = time.perf_counter()
+        try:
+            run_fuzz(
+                args.examples,
+                args.seed,
+                inject=args.inject,
+                page_size=args.page_size,
+                progress=update,
+                stateful_step_count=args.steps,
+            )
+        except Exception as exc:  # the shrunk failing program was printed by hypothesis above
+            close()
+            print(f"FAIL after {time.perf_counter() - t0:.1f} s: {type(exc).__name__}: {exc}")
+            return 1
+        close()
+        print(f"PASS: {args.examples} examples, seed {args.seed}, {time.perf_counter() - t0:.1f} s, nothing found")
+        return 0
     parser.error(f"unknown command {args.command!r}")  # pragma: no cover - argparse rejects first
     return 2
 

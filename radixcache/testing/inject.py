@@ -10,19 +10,33 @@ no-donate-fence   the donate clone is not ordered after the producer's fence: it
 no-restore-fence  the hit restore copies the snapshot at once, not ordered after the clone that
                   fills it.
 ================  =============================================================================
+
+The fuzzing kit adds bugs of the host side (:data:`FUZZ_BUGS`):
+
+=====================  ========================================================================
+free-before-fence      a request's slots go back to the pool without waiting its last forward:
+                       the late write lands in the next owner's state.
+unlock-before-restore  the hit is unlocked as soon as the restore is queued: eviction can free
+                       the KV the request is about to read.
+snapshot-off-by-page   a captured state is donated one page shallower than where it was taken.
+double-free-swallowed  track slots are freed twice and the pool swallows it, putting them on the
+                       free list twice.
+=====================  ========================================================================
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Iterable
 
 import torch
 
-from linear_state import COMPLETE, Fence, LinearStatePool, NodeOwner, Owner, SlotId, SlotWrite, Stream
+from linear_state import COMPLETE, Fence, LinearStatePool, NodeOwner, Owner, SlotId, SlotWrite, StateLayout, Stream
 
+from ..keys import KeyLike
+from ..manager import Admission, CacheManager, CommitResult, Refusal, _Request
 from ..tree import HybridRadixCache, TreeNode
 
-__all__ = ["BUGS", "make_cache"]
+__all__ = ["BUGS", "FUZZ_BUGS", "make_cache", "make_fuzz_stack"]
 
 
 def _raw_restore(tree: HybridRadixCache, node: TreeNode, dst_slot: int, ordered: bool) -> Fence:
@@ -98,3 +112,94 @@ def make_cache(
     if inject not in BUGS:
         raise ValueError(f"unknown inject mode {inject!r}; known: {sorted(BUGS)}")
     return BUGS[inject](pool, page_size=page_size, on_free_kv=on_free_kv, stream=stream)
+
+
+class _FreeBeforeFenceManager(CacheManager):
+    def _release(self, rec: _Request, after: Iterable[Fence]) -> int:
+        slots = (rec.live, *rec.tracks)
+        for s in slots:
+            self.pool.free(s, rec.owner)  # BUG: the host's last forward may still write these
+        self.cache.unlock(rec.lock)
+        del self._requests[rec.rid]
+        return len(slots)
+
+
+class _UnlockBeforeRestoreManager(CacheManager):
+    def admit(self, rid: Hashable, cache_ids: KeyLike, *, namespace: Hashable = None) -> Admission | Refusal:
+        res = super().admit(rid, cache_ids, namespace=namespace)
+        if isinstance(res, Admission) and res.cached_length:
+            rec = self._requests[rid]
+            self.cache.unlock(rec.lock)  # BUG: the hit (and its KV) is unprotected from here on
+            rec.lock = self.cache._null_root
+            self.cache.lock(rec.lock)
+        return res
+
+
+class _OffByPageManager(CacheManager):
+    def _donate(
+        self, rec: _Request, depth: int, slot: int, ready: Fence | None, kv_indices: torch.Tensor
+    ) -> CommitResult:
+        page = self.cache.page_size
+        if depth > page:  # BUG: the state captured at ``depth`` is keyed one page shallower
+            return super()._donate(rec, depth - page, slot, ready, kv_indices[: depth - page])
+        return super()._donate(rec, depth, slot, ready, kv_indices)
+
+
+class _SwallowingPool(LinearStatePool):
+    def free(self, slot: int, owner: Owner, *, after: Iterable[Fence] = ()) -> None:
+        if self.owner_of(slot) is None:
+            self._free.append(SlotId(int(slot)))  # BUG: a double free is swallowed (and listed twice)
+            return
+        super().free(slot, owner, after=after)
+
+
+class _DoubleFreeManager(CacheManager):
+    def _release(self, rec: _Request, after: Iterable[Fence]) -> int:
+        n = super()._release(rec, after)
+        for s in rec.tracks:
+            self.pool.free(s, rec.owner)  # BUG: freed a second time
+        return n
+
+
+FUZZ_BUGS: tuple[str, ...] = (
+    "alias",
+    "no-donate-fence",
+    "no-restore-fence",
+    "free-before-fence",
+    "unlock-before-restore",
+    "snapshot-off-by-page",
+    "double-free-swallowed",
+)
+_MANAGERS: dict[str, type[CacheManager]] = {
+    "free-before-fence": _FreeBeforeFenceManager,
+    "unlock-before-restore": _UnlockBeforeRestoreManager,
+    "snapshot-off-by-page": _OffByPageManager,
+    "double-free-swallowed": _DoubleFreeManager,
+}
+
+
+def make_fuzz_stack(
+    inject: str | None,
+    layout: StateLayout,
+    slots: int,
+    *,
+    page_size: int = 1,
+    track_align: int = 4,
+    track_slots: int = 2,
+    on_free_kv: Callable[[torch.Tensor], None] | None = None,
+    stream: Stream | None = None,
+) -> CacheManager:
+    """Pool, tree and manager for the fuzzing kit, correct or committing bug ``inject``
+    (one of :data:`FUZZ_BUGS`).
+
+    :raises ValueError: unknown bug name.
+    """
+    if inject is not None and inject not in FUZZ_BUGS:
+        raise ValueError(f"unknown fuzz bug {inject!r}; known: {list(FUZZ_BUGS)}")
+    pool_cls = _SwallowingPool if inject == "double-free-swallowed" else LinearStatePool
+    pool = pool_cls(layout, slots)
+    tree = make_cache(
+        inject if inject in BUGS else None, pool, page_size=page_size, on_free_kv=on_free_kv, stream=stream
+    )
+    manager_cls = _MANAGERS.get(inject or "", CacheManager)
+    return manager_cls(tree, track_align=track_align, track_slots=track_slots)

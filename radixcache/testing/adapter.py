@@ -1,0 +1,252 @@
+"""The host-adapter protocol the fuzzing machine drives, the exact ground-truth state, and the
+default adapter over :class:`~radixcache.CacheManager`.
+
+Ground truth: the "model" of a fuzzed host is a polynomial hash of the prefix, written into the
+pool's tensors token by token (:func:`advance`). It is exact in float64 and remembers every token
+and its position, so any restore, clone or late write that lands the wrong state is seen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from linear_state import DeferredStream, Fence, LinearStatePool, StateLayout
+
+from ..manager import Admission, CacheManager
+
+__all__ = ["FUZZ_LAYOUT", "HostAdapter", "ManagerAdapter", "advance", "prefix_state"]
+
+FUZZ_LAYOUT = StateLayout(1, (2, 3), (2, 2), conv_dtype=torch.float64, recurrent_dtype=torch.float64)
+"""A small float64 layout: exact for the hash below."""
+
+_P = 1_000_003.0  # a prime below 2**20: state * 37 + id * weight stays exact in float64
+
+
+def _weights(shape: Sequence[int]) -> torch.Tensor:
+    n = 1
+    for d in shape:
+        n *= d
+    return torch.arange(1, n + 1, dtype=torch.float64).reshape(tuple(shape))
+
+
+def advance(conv: torch.Tensor, rec: torch.Tensor, token: int) -> None:
+    """Advance a state (``conv`` [L, *conv_shape], ``rec`` [L, *recurrent_shape], in place) by one
+    token of the ground-truth model: a polynomial hash of the prefix, element-wise."""
+    t = float(token + 1)
+    rec.mul_(31).add_(_weights(rec.shape[1:]) * t).remainder_(_P)
+    conv.mul_(37).add_(_weights(conv.shape[1:]) * t).remainder_(_P)
+
+
+def prefix_state(ids: Sequence[int], layout: StateLayout = FUZZ_LAYOUT) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ground-truth state after ``ids``, computed cold from zeros."""
+    conv = torch.zeros(layout.num_layers, *layout.conv_shape, dtype=torch.float64)
+    rec = torch.zeros(layout.num_layers, *layout.recurrent_shape, dtype=torch.float64)
+    for t in ids:
+        advance(conv, rec, int(t))
+    return conv, rec
+
+
+@runtime_checkable
+class HostAdapter(Protocol):
+    """What the fuzzing machine needs from a host integration. Request ids are ints.
+
+    ``manager`` gives the machine the cache to check invariants and evict. Every method is the
+    host's own scheduler doing one thing; device work may stay pending (on deferred streams)
+    until :meth:`run_pending` or a fence the host waits runs it.
+    """
+
+    manager: CacheManager
+
+    def admit(self, rid: int, ids: list[int]) -> int | None:
+        """Admit a request; return its cached length, or None when refused (nothing held)."""
+
+    def extend(self, rid: int) -> bool:
+        """Prefill the next chunk of the prompt, capturing and committing track points.
+        Return False (doing nothing) once the prompt is fully prefilled."""
+
+    def decode(self, rid: int, token: int) -> None:
+        """Feed one more token (after the prompt) to the request."""
+
+    def finish(self, rid: int) -> None:
+        """Finish the request (donating its final state)."""
+
+    def abort(self, rid: int) -> None:
+        """Abort the request at any point."""
+
+    def run_pending(self) -> bool:
+        """Run one unit of pending device work; False when nothing was pending."""
+
+    def state(self, rid: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """The request's live conv and recurrent state (waiting what it must) and the ids they
+        cover (its cached prefix, the prompt prefilled so far, then decoded tokens)."""
+
+
+@dataclass
+class _Req:
+    ids: list[int]
+    prompt_len: int
+    adm: Admission
+    kv: list[int]
+    done: int
+    kv_held: int
+    last: Fence | None
+
+
+class ManagerAdapter:
+    """The default adapter: a small host scheduler on :class:`CacheManager`, with a deferred
+    forward stream, a deferred copy stream and a strict KV allocator.
+
+    :param manager: a manager whose tree's ``on_free_kv`` is :meth:`free_kv` (see :meth:`build`).
+    """
+
+    def __init__(self, manager: CacheManager, forward: DeferredStream, copies: DeferredStream, chunk: int) -> None:
+        self.manager = manager
+        self.pool: LinearStatePool = manager.pool
+        self.forward = forward
+        self.copies = copies
+        self.chunk = chunk
+        self.reqs: dict[int, _Req] = {}
+        self.kv_next = 0
+        self.kv_free: set[int] = set()
+        self._releasing: int | None = None
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        slots: int = 12,
+        page_size: int = 1,
+        track_align: int = 4,
+        track_slots: int = 2,
+        chunk: int = 8,
+        inject: str | None = None,
+    ) -> ManagerAdapter:
+        """A fresh adapter (and cache) committing fuzzing bug ``inject`` when given."""
+        from .inject import make_fuzz_stack
+
+        forward, copies = DeferredStream("forward"), DeferredStream("copies")
+        holder: list[ManagerAdapter] = []
+        manager = make_fuzz_stack(
+            inject,
+            FUZZ_LAYOUT,
+            slots,
+            page_size=page_size,
+            track_align=track_align,
+            track_slots=track_slots,
+            on_free_kv=lambda t: holder[0].free_kv(t),
+            stream=copies,
+        )
+        adapter = cls(manager, forward, copies, chunk)
+        holder.append(adapter)
+        return adapter
+
+    # KV ------------------------------------------------------------------
+    def free_kv(self, idx: torch.Tensor) -> None:
+        """The tree's ``on_free_kv``: never an index freed twice, never one a live request uses
+        (except the duplicates of the request whose commit or finish is releasing them)."""
+        live = {i for rid, r in self.reqs.items() if rid != self._releasing for i in r.kv}
+        for i in idx.tolist():
+            assert i not in self.kv_free, f"KV index {i} freed twice"
+            assert i not in live, f"KV index {i} freed while a live request uses it"
+            self.kv_free.add(i)
+
+    def _alloc_kv(self, n: int) -> list[int]:
+        out = list(range(self.kv_next, self.kv_next + n))
+        self.kv_next += n
+        return out
+
+    # protocol -------------------------------------------------------------
+    def admit(self, rid: int, ids: list[int]) -> int | None:
+        adm = self.manager.admit(rid, list(ids))
+        if not isinstance(adm, Admission):
+            return None
+        kv = adm.kv_indices.tolist() + self._alloc_kv(len(ids) - adm.cached_length)
+        self.reqs[rid] = _Req(list(ids), len(ids), adm, kv, adm.cached_length, adm.cached_length, adm.ready)
+        return adm.cached_length
+
+    def extend(self, rid: int) -> bool:
+        r = self.reqs[rid]
+        start, end = r.done, min(r.prompt_len, r.done + self.chunk)
+        if start >= end:
+            return False
+        points = self.manager.track_points(rid, start, end)
+        caps = dict(zip(points, r.adm.track_slots, strict=False))
+        pool, live, ids = self.pool, r.adm.live_slot, r.ids
+        after = [f for f in [r.last, *(pool.last_use(s) for s in caps.values())] if f is not None]
+
+        def forward_pass() -> None:
+            conv, rec = pool.conv[:, live], pool.recurrent[:, live]
+            for i in range(start, end):
+                advance(conv, rec, ids[i])
+                if i + 1 in caps:
+                    pool.conv[:, caps[i + 1]].copy_(conv)
+                    pool.recurrent[:, caps[i + 1]].copy_(rec)
+
+        r.last = self.forward.submit(forward_pass, after=after, label=f"extend {rid} [{start},{end})")
+        r.done = end
+        for d in points:
+            self._releasing = rid
+            try:
+                res = self.manager.commit(rid, d, caps[d], r.last, kv_indices=torch.tensor(r.kv[:d]))
+            finally:
+                self._releasing = None
+            if res.donated:
+                tree_kv = res.kv_indices.tolist()
+                r.kv[: len(tree_kv)] = tree_kv
+                r.kv_held = max(r.kv_held, res.kv_held)
+        return True
+
+    def decode(self, rid: int, token: int) -> None:
+        r = self.reqs[rid]
+        pool, live = self.pool, r.adm.live_slot
+        after = [r.last] if r.last is not None else []
+        r.last = self.forward.submit(
+            lambda: advance(pool.conv[:, live], pool.recurrent[:, live], token), after=after, label=f"decode {rid}"
+        )
+        r.ids.append(token)
+        r.kv += self._alloc_kv(1)
+        r.done += 1
+        self.manager.append(rid, [token])
+
+    def finish(self, rid: int) -> None:
+        r = self.reqs[rid]
+        self._releasing = rid
+        try:
+            res = self.manager.finish(rid, r.last, kv_indices=torch.tensor(r.kv[: r.done]))
+        finally:
+            self._releasing = None
+        del self.reqs[rid]
+        self._free_own(r.kv[res.kv_held :])
+
+    def abort(self, rid: int) -> None:
+        r = self.reqs[rid]
+        res = self.manager.abort(rid, r.last)
+        del self.reqs[rid]
+        self._free_own(r.kv[res.kv_held :])
+
+    def _free_own(self, idx: list[int]) -> None:
+        for i in idx:
+            assert i not in self.kv_free, f"host KV index {i} freed twice"
+            self.kv_free.add(i)
+
+    def run_pending(self) -> bool:
+        return self.forward.run_next() or self.copies.run_next()
+
+    def state(self, rid: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        r = self.reqs[rid]
+        if r.last is not None:
+            r.last.wait()
+        live = r.adm.live_slot
+        return self.pool.conv[:, live].clone(), self.pool.recurrent[:, live].clone(), r.ids[: r.done]
+
+    def check_kv(self) -> None:
+        """Every KV index handed out is free, held by the tree, or used by a live request."""
+        tree = {i for n in self.manager.cache.iter_nodes() for i in n.value.tolist()}
+        live = {i for r in self.reqs.values() for i in r.kv}
+        assert not tree & self.kv_free, f"KV indices both free and held by the tree: {sorted(tree & self.kv_free)[:5]}"
+        lost = set(range(self.kv_next)) - tree - live - self.kv_free
+        assert not lost, f"KV indices leaked: {sorted(lost)[:5]}"

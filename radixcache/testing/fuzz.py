@@ -1,0 +1,179 @@
+"""A hypothesis state machine that fuzzes a host integration of the cache.
+
+It drives a :class:`~radixcache.testing.adapter.HostAdapter` through random interleavings of
+admit, extend (with captures and commits), decode, finish, abort, eviction and pending device
+work, and checks after every step:
+
+- ownership conservation (free + tree + requests == capacity) and no slot id held by the tree
+  and a request at once; the tree's and the pool's invariants (``manager.check_invariants()``);
+- every tree snapshot's fingerprint unchanged since it was donated;
+- locked nodes never evicted (each live request's lock node alive and locked);
+- every restored state equals the ground truth at its depth, and every finished request's
+  final state equals the ground truth of everything it was fed;
+- KV: never freed twice, never freed while a live request uses it, never lost.
+
+Run it with :func:`run_fuzz` (``radixcache fuzz``) or as a test: ``TestHost = make_machine(factory).TestCase``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import seed as hyp_seed
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+
+from .adapter import HostAdapter, ManagerAdapter, prefix_state
+from .strategies import shared_prefix_keys, token_keys
+
+__all__ = ["HostMachine", "make_machine", "run_fuzz"]
+
+AdapterFactory = Callable[[], HostAdapter]
+
+
+class HostMachine(RuleBasedStateMachine):
+    """Fuzzes ``adapter_factory()``; subclass or use :func:`make_machine` to set the factory."""
+
+    adapter_factory: AdapterFactory = staticmethod(lambda: ManagerAdapter.build())
+    max_active = 4
+    on_example: Callable[[], None] | None = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        if type(self).on_example is not None:
+            type(self).on_example()  # type: ignore[misc]
+        self.host = type(self).adapter_factory()
+        self.active: list[int] = []
+        self.next_rid = 0
+        self.fingerprints: dict[tuple[int, int], int] = {}
+
+    def _check_state(self, rid: int, what: str) -> None:
+        conv, rec, fed = self.host.state(rid)
+        want_conv, want_rec = prefix_state(fed)
+        assert torch.equal(rec, want_rec) and torch.equal(conv, want_conv), (
+            f"request {rid}: {what} state differs from the ground truth after {len(fed)} tokens"
+        )
+
+    @precondition(lambda self: len(self.active) < self.max_active)
+    @rule(key=shared_prefix_keys())
+    def admit(self, key: list[int]) -> None:
+        rid = self.next_rid
+        self.next_rid += 1
+        cached = self.host.admit(rid, key)
+        if cached is None:
+            return
+        self.active.append(rid)
+        self._check_state(rid, f"restored (hit of {cached})")
+
+    @precondition(lambda self: bool(self.active))
+    @rule(data=st.data())
+    def extend(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(self.active))
+        self.host.extend(rid)
+
+    @precondition(lambda self: bool(self.active))
+    @rule(data=st.data(), tokens=token_keys(min_size=1, max_size=3))
+    def decode(self, data: st.DataObject, tokens: list[int]) -> None:
+        rid = data.draw(st.sampled_from(self.active))
+        while self.host.extend(rid):
+            pass
+        for t in tokens:
+            self.host.decode(rid, t)
+
+    @precondition(lambda self: bool(self.active))
+    @rule(data=st.data())
+    def finish(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(self.active))
+        while self.host.extend(rid):
+            pass
+        self._check_state(rid, "final")
+        self.host.finish(rid)
+        self.active.remove(rid)
+
+    @precondition(lambda self: bool(self.active))
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(self.active))
+        self.host.abort(rid)
+        self.active.remove(rid)
+
+    @rule(kv_tokens=st.integers(0, 16), snapshots=st.integers(0, 3))
+    def evict(self, kv_tokens: int, snapshots: int) -> None:
+        self.host.manager.cache.evict(kv_tokens=kv_tokens, snapshots=snapshots)
+
+    @rule(n=st.integers(1, 4))
+    def run_pending(self, n: int) -> None:
+        for _ in range(n):
+            if not self.host.run_pending():
+                break
+
+    @invariant()
+    def ownership_and_structure(self) -> None:
+        self.host.manager.check_invariants()
+        check_kv = getattr(self.host, "check_kv", None)
+        if check_kv is not None:
+            check_kv()
+
+    @invariant()
+    def snapshots_never_change(self) -> None:
+        pool = self.host.manager.pool
+        live = set()
+        for node in self.host.manager.cache.iter_nodes():
+            slot = node.snapshot
+            if slot is None or not node.snapshot_fence.is_complete() or not pool.last_use(slot).is_complete():
+                continue
+            key = (node.id, slot)
+            live.add(key)
+            fp = pool.fingerprint(slot)
+            seen = self.fingerprints.setdefault(key, fp)
+            assert fp == seen, f"snapshot of node {node.id} (slot {slot}) changed after its donation"
+        self.fingerprints = {k: v for k, v in self.fingerprints.items() if k in live}
+
+    def teardown(self) -> None:
+        for rid in list(self.active):
+            self.host.abort(rid)
+        while self.host.run_pending():
+            pass
+
+
+def make_machine(factory: AdapterFactory, *, name: str = "FuzzedHost") -> type[HostMachine]:
+    """A :class:`HostMachine` subclass driving adapters from ``factory``."""
+    return type(name, (HostMachine,), {"adapter_factory": staticmethod(factory)})
+
+
+def run_fuzz(
+    examples: int,
+    seed: int,
+    *,
+    inject: str | None = None,
+    page_size: int = 1,
+    factory: AdapterFactory | None = None,
+    progress: Callable[[int], None] | None = None,
+    stateful_step_count: int = 50,
+) -> None:
+    """Run ``examples`` programs of the machine with ``seed`` (deterministic); raise on the first
+    failure after shrinking it (hypothesis prints the shrunk program)."""
+    count = [0]
+
+    def tick() -> None:
+        if progress is not None:
+            progress(count[0])
+        count[0] += 1
+
+    machine = make_machine(factory or (lambda: ManagerAdapter.build(inject=inject, page_size=page_size)))
+    machine.on_example = staticmethod(tick)
+    hyp_seed(seed)(machine)
+    run_state_machine_as_test(
+        machine,
+        settings=settings(
+            max_examples=examples,
+            stateful_step_count=stateful_step_count,
+            deadline=None,
+            database=None,
+            derandomize=False,
+            suppress_health_check=list(HealthCheck),
+            print_blob=True,
+        ),
+    )
