@@ -10,13 +10,15 @@ always changes the fingerprint (exact detection). Several changed words collide 
 linear form vanishes on the difference vector, which happens with probability at most 2**-32 for
 differences of 32-bit or wider words; bit flips anywhere are caught with the same bound.
 
-Cost: one pass over the slot's bytes, layer by layer (each layer's product lands in a scratch
-buffer small enough to stay in cache), all on the slot's device, then a single 8-byte transfer
-to the host. ``benchmarks/bench_pool.py`` measures it against a clone of the same slot.
+Cost: one read pass over the slot's bytes, layer by layer, on the slot's device (on a CPU a
+fused multiply-reduce with no temporary; on CUDA a product into a per-layer scratch buffer and a
+reduction), then a single 8-byte transfer to the host. ``benchmarks/bench_pool.py`` measures it
+against a clone of the same slot.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 __all__ = ["Fingerprint", "SlotHasher", "WORD_WEIGHT_SEED"]
@@ -64,13 +66,17 @@ class SlotHasher:
         num_rows = sum(t.shape[0] for t in tensors)
         self._m = _odd_weights(num_rows, gen, self.device)
         self._partials = torch.empty(num_rows, dtype=torch.int64, device=self.device)
+        self._r_np = self._r.cpu().numpy()
+        self._m_list = [int(x) for x in self._m.cpu().tolist()]
 
     def fingerprint(self, slot: int) -> Fingerprint:
         """Fingerprint of ``slot`` across all tensors and layers.
 
-        Runs on the tensors' device with one host transfer; O(slot bytes). Only meaningful once
-        every write into the slot has landed (wait its fence first).
+        Runs on the tensors' device with one host transfer; O(slot bytes), one read pass. Only
+        meaningful once every write into the slot has landed (wait its fence first).
         """
+        if self.device.type == "cpu":
+            return self._fingerprint_cpu(slot)
         row = 0
         for t in self._tensors:
             for layer in range(t.shape[0]):
@@ -82,3 +88,17 @@ class SlotHasher:
                 row += 1
         total = torch.dot(self._partials, self._m)
         return int(total.item()) & _MASK
+
+    def _fingerprint_cpu(self, slot: int) -> Fingerprint:
+        # NOTE: numpy's einsum reduces the products without a temporary: one read of the slot,
+        # about half a clone's memory traffic (benchmarks/bench_pool.py). Sums wrap mod 2**64
+        # exactly as the device path's, so both give the same fingerprint.
+        r = self._r_np
+        total = 0
+        row = 0
+        for t in self._tensors:
+            for layer in range(t.shape[0]):
+                words = _words(t[layer, slot]).numpy()
+                total += self._m_list[row] * int(np.einsum("i,i->", words, r[: words.size]))
+                row += 1
+        return total & _MASK

@@ -99,8 +99,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 progress=update,
                 stateful_step_count=args.steps,
             )
-        except Exception as exc:  # the shrunk failing program was printed by hypothesis above
+        except Exception as exc:
             close()
+            # hypothesis attaches the shrunk failing program (each rule call, in order) as notes
+            for note in getattr(exc, "__notes__", []):
+                print(note)
             print(f"FAIL after {time.perf_counter() - t0:.1f} s: {type(exc).__name__}: {exc}")
             return 1
         close()
