@@ -18,6 +18,8 @@ against a clone of the same slot.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import torch
 
@@ -28,6 +30,7 @@ Fingerprint = int
 
 WORD_WEIGHT_SEED = 0x5EED_F1A9
 _MASK = (1 << 64) - 1
+_PARALLEL_BYTES = 4 << 20  # below this a thread hand-off costs more than it saves
 
 
 def _odd_weights(n: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
@@ -67,6 +70,8 @@ class SlotHasher:
         self._m = _odd_weights(num_rows, gen, self.device)
         self._partials = torch.empty(num_rows, dtype=torch.int64, device=self.device)
         self._r_np = self._r.cpu().numpy()
+        self._slot_bytes = sum(t[:, 0].numel() * t.element_size() for t in tensors)
+        self._pool: ThreadPoolExecutor | None = None
         self._m_list = [int(x) for x in self._m.cpu().tolist()]
 
     def fingerprint(self, slot: int) -> Fingerprint:
@@ -90,15 +95,50 @@ class SlotHasher:
         return int(total.item()) & _MASK
 
     def _fingerprint_cpu(self, slot: int) -> Fingerprint:
-        # NOTE: numpy's einsum reduces the products without a temporary: one read of the slot,
-        # about half a clone's memory traffic (benchmarks/bench_pool.py). Sums wrap mod 2**64
-        # exactly as the device path's, so both give the same fingerprint.
-        r = self._r_np
-        total = 0
+        # NOTE: numpy's einsum reduces each layer's products without a temporary (one read of the
+        # slot, no scratch traffic) and releases the GIL, so a large slot is split across
+        # torch's intra-op thread count: a clone is a parallel copy, the fingerprint keeps pace
+        # (benchmarks/bench_pool.py). Sums wrap mod 2**64 exactly as the device path's.
+        r, m = self._r_np, self._m_list
+        parts: list[tuple[int, np.ndarray]] = []  # (first row index, [rows, words])
+        singles: list[tuple[int, np.ndarray]] = []  # odd-sized rows, one by one
         row = 0
         for t in self._tensors:
-            for layer in range(t.shape[0]):
-                words = _words(t[layer, slot]).numpy()
-                total += self._m_list[row] * int(np.einsum("i,i->", words, r[: words.size]))
-                row += 1
+            rows = t[:, slot].reshape(t.shape[0], -1)
+            if rows.shape[1] * rows.element_size() % 8:
+                singles += [(row + layer, _words(t[layer, slot]).numpy()) for layer in range(t.shape[0])]
+            else:
+                parts.append((row, rows.view(torch.int64).numpy()))
+            row += t.shape[0]
+        partial: dict[int, int] = {}
+        workers = self._workers()
+        jobs = []
+        for first, words in parts:
+            step = -(-words.shape[0] // workers) if workers > 1 else words.shape[0]
+            for lo in range(0, words.shape[0], step):
+                jobs.append((first + lo, words[lo : lo + step]))
+        if workers > 1 and len(jobs) > 1:
+            jobs.sort(key=lambda j: j[1].size)  # the largest runs here, the rest on the workers
+            pool = self._executor()
+            futures = [(first, pool.submit(np.einsum, "lj,j->l", w, r[: w.shape[1]])) for first, w in jobs[:-1]]
+            results = [(jobs[-1][0], np.einsum("lj,j->l", jobs[-1][1], r[: jobs[-1][1].shape[1]]))]
+            results += [(first, f.result()) for first, f in futures]
+        else:
+            results = [(first, np.einsum("lj,j->l", w, r[: w.shape[1]])) for first, w in jobs]
+        for first, sums in results:
+            for i, x in enumerate(sums.tolist()):
+                partial[first + i] = x
+        for i, w in singles:
+            partial[i] = int(np.einsum("i,i->", w, r[: w.size]))
+        total = 0
+        for i, x in partial.items():
+            total += m[i] * x
         return total & _MASK
+
+    def _workers(self) -> int:
+        return max(1, torch.get_num_threads()) if self._slot_bytes >= _PARALLEL_BYTES else 1
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max(1, torch.get_num_threads() - 1), thread_name_prefix="fingerprint")
+        return self._pool
