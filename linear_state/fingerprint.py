@@ -1,19 +1,22 @@
 """Fingerprints of slot contents: a 64-bit digest that changes when any element changes.
 
-The digest is a random linear form over the slot's raw 64-bit words, modulo 2**64::
+The digest is a random linear form over the slot's raw 64-bit words, modulo 2**64. Each row (one
+layer of one tensor) is cut into blocks of ``BLOCK`` words; block ``b`` of row ``l`` contributes
+``M[l, b] * sum_j w[j] * r[j]`` with fixed odd 64-bit weights ``r`` and ``M`` (seeded, so the same
+layout fingerprints the same on every run and device)::
 
-    fp = sum_t sum_l M[t, l] * (sum_i w[t, l, i] * r[i])      (mod 2**64)
+    fp = sum_l sum_b M[l, b] * (sum_j words[l, b, j] * r[j])      (mod 2**64)
 
-with ``r`` and ``M`` fixed odd 64-bit weights (seeded, so the same layout fingerprints the same on
-every run). Because every weight is odd, it is invertible modulo 2**64: changing any *one* word
+Every weight is odd, hence invertible modulo 2**64: changing any *one* word (so any one element)
 always changes the fingerprint (exact detection). Several changed words collide only if a random
-linear form vanishes on the difference vector, which happens with probability at most 2**-32 for
-differences of 32-bit or wider words; bit flips anywhere are caught with the same bound.
+linear form vanishes on the difference vector: probability at most 2**-32 for differences of
+32-bit or wider words.
 
-Cost: one read pass over the slot's bytes, layer by layer, on the slot's device (on a CPU a
-fused multiply-reduce with no temporary; on CUDA a product into a per-layer scratch buffer and a
-reduction), then a single 8-byte transfer to the host. ``benchmarks/bench_pool.py`` measures it
-against a clone of the same slot.
+Cost: one read pass over the slot, on its device, then one 8-byte transfer to the host. The
+block weights (``BLOCK`` words, 16 KiB) stay in the first-level cache. On a CPU the products are
+reduced by numpy without a temporary and, for large slots, split across torch's intra-op
+threads; on CUDA they go through a per-row scratch buffer. ``benchmarks/bench_pool.py`` and
+``benchmarks/bench_forensics.py`` measure it against a clone of the same slot.
 """
 
 from __future__ import annotations
@@ -23,19 +26,20 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-__all__ = ["Fingerprint", "SlotHasher", "WORD_WEIGHT_SEED"]
+__all__ = ["BLOCK", "Fingerprint", "SlotHasher", "WORD_WEIGHT_SEED"]
 
 Fingerprint = int
 """A 64-bit fingerprint, as a non-negative Python int."""
 
 WORD_WEIGHT_SEED = 0x5EED_F1A9
+BLOCK = 2048  # words per block: the weights of one block fit in L1
 _MASK = (1 << 64) - 1
 _PARALLEL_BYTES = 4 << 20  # below this a thread hand-off costs more than it saves
 
 
-def _odd_weights(n: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
-    lo = torch.randint(-(2**62), 2**62, (n,), dtype=torch.int64, generator=generator)
-    return (lo * 2 + 1).to(device)  # odd, hence invertible mod 2**64
+def _odd_weights(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    lo = torch.randint(-(2**62), 2**62, shape, dtype=torch.int64, generator=generator)
+    return lo * 2 + 1  # odd, hence invertible mod 2**64
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
@@ -52,7 +56,7 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 
 
 class SlotHasher:
-    """Fingerprints rows of layer-major state tensors ``[L, S, ...]`` (one row = one slot).
+    """Fingerprints rows of layer-major state tensors ``[L, S, ...]`` (one slot = a row per layer).
 
     Build one per pool; :meth:`fingerprint` is called per slot.
     """
@@ -63,80 +67,87 @@ class SlotHasher:
         gen = torch.Generator().manual_seed(seed)
         self._tensors = tensors
         self.device = tensors[0].device
+        self._r = _odd_weights((BLOCK,), gen)
         widest = max(_words(t[0, 0]).numel() for t in tensors)
-        self._r = _odd_weights(widest, gen, self.device)
-        self._scratch = torch.empty(widest, dtype=torch.int64, device=self.device)
-        num_rows = sum(t.shape[0] for t in tensors)
-        self._m = _odd_weights(num_rows, gen, self.device)
-        self._partials = torch.empty(num_rows, dtype=torch.int64, device=self.device)
-        self._r_np = self._r.cpu().numpy()
+        self._blocks = -(-widest // BLOCK)  # blocks of the widest row (the last one may be short)
+        self._rows = sum(t.shape[0] for t in tensors)
+        self._m = _odd_weights((self._rows, self._blocks), gen)
+        self._r_np = self._r.numpy()
+        self._m_np = self._m.numpy()
+        self._r_dev = self._r.to(self.device)
+        self._m_dev = self._m.to(self.device)
         self._slot_bytes = sum(t[:, 0].numel() * t.element_size() for t in tensors)
         self._pool: ThreadPoolExecutor | None = None
-        self._m_list = [int(x) for x in self._m.cpu().tolist()]
 
     def fingerprint(self, slot: int) -> Fingerprint:
         """Fingerprint of ``slot`` across all tensors and layers.
 
-        Runs on the tensors' device with one host transfer; O(slot bytes), one read pass. Only
+        One read pass on the tensors' device and one host transfer; O(slot bytes). Only
         meaningful once every write into the slot has landed (wait its fence first).
         """
         if self.device.type == "cpu":
             return self._fingerprint_cpu(slot)
+        return self._fingerprint_torch(slot)
+
+    def _fingerprint_torch(self, slot: int) -> Fingerprint:
+        """The device path (CUDA): products through a scratch buffer, block sums, one transfer."""
+        partials = torch.zeros(self._rows, self._blocks, dtype=torch.int64, device=self.device)
         row = 0
         for t in self._tensors:
             for layer in range(t.shape[0]):
                 words = _words(t[layer, slot])
-                n = words.numel()
-                scratch = self._scratch[:n]
-                torch.mul(words, self._r[:n], out=scratch)
-                torch.sum(scratch, dim=0, out=self._partials[row])
+                full = words.numel() // BLOCK * BLOCK
+                if full:
+                    blocks = words[:full].view(-1, BLOCK)
+                    torch.sum(blocks * self._r_dev, dim=1, out=partials[row, : full // BLOCK])
+                if full < words.numel():
+                    tail = words[full:]
+                    partials[row, full // BLOCK] = torch.dot(tail, self._r_dev[: tail.numel()])
                 row += 1
-        total = torch.dot(self._partials, self._m)
-        return int(total.item()) & _MASK
+        return int(torch.sum(partials * self._m_dev).item()) & _MASK
 
     def _fingerprint_cpu(self, slot: int) -> Fingerprint:
-        # NOTE: numpy's einsum reduces each layer's products without a temporary (one read of the
-        # slot, no scratch traffic) and releases the GIL, so a large slot is split across
-        # torch's intra-op thread count: a clone is a parallel copy, the fingerprint keeps pace
-        # (benchmarks/bench_pool.py). Sums wrap mod 2**64 exactly as the device path's.
-        r, m = self._r_np, self._m_list
-        parts: list[tuple[int, np.ndarray]] = []  # (first row index, [rows, words])
-        singles: list[tuple[int, np.ndarray]] = []  # odd-sized rows, one by one
+        # NOTE: numpy's einsum reduces the products without a temporary and releases the GIL, so
+        # a large slot is split across torch's intra-op thread count: a clone is a parallel copy,
+        # the fingerprint keeps pace (benchmarks/bench_pool.py). Sums wrap mod 2**64 as on CUDA.
+        r = self._r_np
+        jobs: list[tuple[int, np.ndarray]] = []  # (first row, [rows, words]) with whole rows
         row = 0
         for t in self._tensors:
             rows = t[:, slot].reshape(t.shape[0], -1)
             if rows.shape[1] * rows.element_size() % 8:
-                singles += [(row + layer, _words(t[layer, slot]).numpy()) for layer in range(t.shape[0])]
+                jobs += [(row + i, _words(t[i, slot]).numpy()[None, :]) for i in range(t.shape[0])]
             else:
-                parts.append((row, rows.view(torch.int64).numpy()))
+                jobs.append((row, rows.view(torch.int64).numpy()))
             row += t.shape[0]
-        partial: dict[int, int] = {}
-        workers = self._workers()
-        jobs = []
-        for first, words in parts:
-            step = -(-words.shape[0] // workers) if workers > 1 else words.shape[0]
-            for lo in range(0, words.shape[0], step):
-                jobs.append((first + lo, words[lo : lo + step]))
-        if workers > 1 and len(jobs) > 1:
-            jobs.sort(key=lambda j: j[1].size)  # the largest runs here, the rest on the workers
+        workers = max(1, torch.get_num_threads()) if self._slot_bytes >= _PARALLEL_BYTES else 1
+        if workers > 1:
+            split: list[tuple[int, np.ndarray]] = []
+            for first, words in jobs:
+                step = -(-words.shape[0] // workers)
+                split += [(first + lo, words[lo : lo + step]) for lo in range(0, words.shape[0], step)]
+            split.sort(key=lambda j: j[1].size)  # the largest runs here, the rest on the workers
             pool = self._executor()
-            futures = [(first, pool.submit(np.einsum, "lj,j->l", w, r[: w.shape[1]])) for first, w in jobs[:-1]]
-            results = [(jobs[-1][0], np.einsum("lj,j->l", jobs[-1][1], r[: jobs[-1][1].shape[1]]))]
-            results += [(first, f.result()) for first, f in futures]
+            futures = [pool.submit(self._rows_sum, first, w, r) for first, w in split[:-1]]
+            total = self._rows_sum(*split[-1], r) + sum(f.result() for f in futures)
         else:
-            results = [(first, np.einsum("lj,j->l", w, r[: w.shape[1]])) for first, w in jobs]
-        for first, sums in results:
-            for i, x in enumerate(sums.tolist()):
-                partial[first + i] = x
-        for i, w in singles:
-            partial[i] = int(np.einsum("i,i->", w, r[: w.size]))
-        total = 0
-        for i, x in partial.items():
-            total += m[i] * x
+            total = sum(self._rows_sum(first, w, r) for first, w in jobs)
         return total & _MASK
 
-    def _workers(self) -> int:
-        return max(1, torch.get_num_threads()) if self._slot_bytes >= _PARALLEL_BYTES else 1
+    def _rows_sum(self, first: int, words: np.ndarray, r: np.ndarray) -> int:
+        """Weighted block sums of ``words`` [rows, n] (rows ``first..``), combined with ``M``."""
+        n = words.shape[1]
+        full = n // BLOCK * BLOCK
+        m = self._m_np[first : first + words.shape[0]]
+        total = 0
+        if full:
+            blocks = words[:, :full].reshape(words.shape[0], full // BLOCK, BLOCK)
+            partial = np.einsum("lbj,j->lb", blocks, r)
+            total += int(np.einsum("lb,lb->", partial, m[:, : full // BLOCK]))
+        if full < n:
+            tail = np.einsum("lj,j->l", words[:, full:], r[: n - full])
+            total += int(np.einsum("l,l->", tail, m[:, full // BLOCK]))
+        return total
 
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:

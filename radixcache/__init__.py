@@ -5,6 +5,7 @@ The tree's nodes own private clones of linear-state snapshots from a
 scheduler plugs in through :class:`CacheManager`.
 """
 
+from .forensics import Forensics, Ledger, SnapshotCorruption, read_ledger
 from .keys import IMAGE_ID_BASE, MAX_ID, KeyLike, key_bytes
 from .manager import Admission, CacheManager, CommitResult, FinishResult, Refusal
 from .multimodal import MMWindow, image_cache_ids, image_runs, mm_window
@@ -18,6 +19,10 @@ __all__ = [
     "CommitResult",
     "EvictResult",
     "FinishResult",
+    "Forensics",
+    "Ledger",
+    "SnapshotCorruption",
+    "read_ledger",
     "HybridRadixCache",
     "InsertResult",
     "KeyLike",

@@ -33,6 +33,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="commit a historical bug on purpose; the hammer must catch it",
     )
     hammer.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
+    hammer.add_argument("--forensics", metavar="LEDGER", default=None, help="fingerprint snapshots, log to LEDGER")
+    fx = sub.add_parser("forensics", help="read a forensics ledger: findings, suspects, branch timelines")
+    fx.add_argument("ledger")
+    fx.add_argument("--json", action="store_true")
     fuzz = sub.add_parser("fuzz", help="run the host state machine: random interleavings, invariants after each step")
     fuzz.add_argument("--examples", type=int, default=1000)
     fuzz.add_argument("--seed", type=int, default=0)
@@ -73,7 +77,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .testing.hammer import HammerConfig, format_report, run_hammer
 
         cfg = HammerConfig(
-            requests=args.requests, concurrency=args.concurrency, seed=args.seed, inject=args.inject, chunk=args.chunk
+            requests=args.requests,
+            concurrency=args.concurrency,
+            seed=args.seed,
+            inject=args.inject,
+            chunk=args.chunk,
+            forensics=args.forensics,
         )
         update, close = progress_callback(cfg.requests, "hammer")
         try:
@@ -82,6 +91,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             close()
         print(json.dumps(hammered.as_dict(), indent=2) if args.json else format_report(hammered))
         return 0 if hammered.ok else 1
+    if args.command == "forensics":
+        from .forensics_report import analyze, format_forensics
+
+        rep = analyze(args.ledger)
+        print(json.dumps(rep.as_dict(), indent=2, default=str) if args.json else format_forensics(rep))
+        return 1 if rep.corrupted else 0
     if args.command == "fuzz":
         import time
 

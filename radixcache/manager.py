@@ -25,6 +25,7 @@ import torch
 from linear_state import Fence, PoolExhausted, RequestOwner, SlotId, Stream, device_synchronize
 from linear_state.owners import NodeOwner
 
+from .forensics import Forensics
 from .keys import IMAGE_ID_BASE, KeyLike, key_bytes
 from .tree import HybridRadixCache, TreeNode
 
@@ -142,6 +143,8 @@ class CacheManager:
     :param barrier: ``"fence"`` orders donate and restore by fences only; ``"device"`` also runs a
         full device synchronize at donation and hit admission (defence in depth).
     :param stream: stream for restores and clones (default: the tree's).
+    :param forensics: fingerprint every donation and verify every restore (see
+        :mod:`radixcache.forensics`); ``None`` (default) costs nothing.
     :raises ValueError: bad options.
     """
 
@@ -153,6 +156,7 @@ class CacheManager:
         track_slots: int = 2,
         barrier: Barrier = "fence",
         stream: Stream | None = None,
+        forensics: Forensics | None = None,
     ) -> None:
         if track_align <= 0 or track_align % cache.page_size:
             raise ValueError(f"track_align {track_align} must be a positive multiple of page_size {cache.page_size}")
@@ -166,6 +170,11 @@ class CacheManager:
         self.track_slots = track_slots
         self.barrier: Barrier = barrier
         self.stream = stream
+        self.forensics = forensics
+        if forensics is not None:
+            if forensics.pool is not cache.pool:
+                raise ValueError("forensics must watch the cache's own pool")
+            cache.on_free_snapshot = lambda n: forensics.snapshot_freed(n.id, int(n.snapshot or 0))
         self._requests: dict[Hashable, _Request] = {}
 
     # ----------------------------------------------------------------- queries
@@ -223,6 +232,11 @@ class CacheManager:
         owner = RequestOwner(rid)
         slots = self.pool.alloc_many(owner, need)
         live, tracks = slots[0], tuple(slots[1:])
+        fx = self.forensics
+        if fx is not None:
+            fx.request_slots(rid, slots)
+            if m.length:
+                fx.before_restore(node.id, rid, live)
         if m.length:
             ready = self.cache.restore(node, live, stream=self.stream or self.cache.stream, dst_owner=owner)
             if self.barrier == "device":
@@ -343,6 +357,8 @@ class CacheManager:
             # hand the host tree indices beyond its lock, which an eviction could free under it.
             return CommitResult(depth, False, False, kv_indices, rec.committed, self.pool.last_use(slot))
         node = res.node
+        if self.forensics is not None and res.snapshot_created:
+            self._record_donation(rec, node, key)
         if node.depth > rec.lock.depth:
             self.cache.lock(node)
             self.cache.unlock(rec.lock)
@@ -351,6 +367,33 @@ class CacheManager:
         return CommitResult(
             depth, True, res.snapshot_created, self.cache.kv_indices(node), rec.committed, self.pool.last_use(slot)
         )
+
+    def _record_donation(self, rec: _Request, node: TreeNode, key: np.ndarray) -> None:
+        fx = self.forensics
+        assert fx is not None and node.snapshot is not None
+        anc = node.parent
+        while anc is not None and anc.snapshot is None:
+            anc = anc.parent
+        fx.donated(
+            node.id,
+            node.depth,
+            key_bytes(key),
+            node.snapshot,
+            rec.rid,
+            node.snapshot_fence,
+            anc.id if anc is not None else None,
+            anc.depth if anc is not None else 0,
+        )
+
+    def verify_all(self) -> int:
+        """Verify every snapshot's fingerprint against its donation (forensics only).
+
+        :returns: snapshots checked. :raises radixcache.SnapshotCorruption: in ``raise`` mode.
+        :raises RuntimeError: forensics is off.
+        """
+        if self.forensics is None:
+            raise RuntimeError("verify_all needs CacheManager(..., forensics=Forensics(...))")
+        return self.forensics.verify_all()
 
     # --------------------------------------------------------- finish / abort
     def finish(
@@ -401,6 +444,8 @@ class CacheManager:
             f.wait()
         for s in slots:
             self.pool.free(s, rec.owner)
+        if self.forensics is not None:
+            self.forensics.request_freed(rec.rid, slots)
         self.cache.unlock(rec.lock)
         del self._requests[rec.rid]
         return len(slots)

@@ -157,6 +157,8 @@ class HybridRadixCache:
         self.page_size = page_size
         self.on_free_kv = on_free_kv
         self.stream = stream
+        # Called with a node just before its snapshot slot goes back to the pool (forensics).
+        self.on_free_snapshot: Callable[[TreeNode], None] | None = None
         self._page_bytes = page_size * TOKEN_BYTES
         self.reset_state()
 
@@ -585,6 +587,8 @@ class HybridRadixCache:
     def _free_snapshot(self, n: TreeNode) -> None:
         slot = n.snapshot
         assert slot is not None
+        if self.on_free_snapshot is not None:
+            self.on_free_snapshot(n)
         self.pool.free(slot, NodeOwner(n.id), after=(n.snapshot_fence,))
         n.snapshot = None
         n.snapshot_fence = COMPLETE

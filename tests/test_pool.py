@@ -192,3 +192,31 @@ def test_check_invariants_detects_corruption(pool: LinearStatePool) -> None:
     pool._owned_by[A].discard(a)  # owner index disagrees
     with pytest.raises(AssertionError):
         pool.check_invariants()
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        StateLayout(3, (6, 3), (2, 4, 4)),  # small rows: one short block each
+        StateLayout(2, (4096 + 7, 3), (3, 64, 64)),  # rows of several blocks plus a tail
+        StateLayout(2, (5, 3), (3,), conv_dtype=torch.bfloat16),  # odd-sized rows (30 and 12 bytes)
+    ],
+)
+def test_cpu_and_device_fingerprint_paths_agree(layout: StateLayout) -> None:
+    pool = LinearStatePool(layout, 2)
+    pool.conv.normal_()
+    pool.recurrent.normal_()
+    for s in range(2):
+        assert pool._hasher._fingerprint_cpu(s) == pool._hasher._fingerprint_torch(s)
+
+
+def test_large_slot_fingerprint_threads_agree_and_detect() -> None:
+    layout = StateLayout.for_gdn(4, 4, 16, 128, 128)  # > 4 MiB: the threaded path
+    assert layout.slot_bytes >= 4 << 20
+    pool = LinearStatePool(layout, 1)
+    s = pool.alloc(A)
+    pool.recurrent.normal_()
+    fp = pool.fingerprint(s)
+    assert fp == pool._hasher._fingerprint_torch(s)
+    pool.recurrent[3, s, 15, 127, 127] += 1.0  # the very last element of the last layer
+    assert pool.fingerprint(s) != fp

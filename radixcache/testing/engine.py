@@ -20,6 +20,7 @@ import torch
 
 from linear_state import DeferredStream, Fence, ImmediateStream, LinearStatePool, RequestOwner, Stream
 
+from ..forensics import Forensics, Ledger
 from ..manager import Admission, CacheManager
 from ..tree import HybridRadixCache
 from .inject import BUGS, make_cache
@@ -110,6 +111,8 @@ class ReferenceEngine:
         deferred: bool = True,
         inject: str | None = None,
         barrier: str = "fence",
+        forensics_ledger: str | None = None,
+        record_writes: bool = False,
     ) -> None:
         if inject is not None and inject not in BUGS:
             raise ValueError(f"unknown inject mode {inject!r}; known: {sorted(BUGS)}")
@@ -123,12 +126,19 @@ class ReferenceEngine:
         self.cache: HybridRadixCache = make_cache(
             inject, self.pool, page_size=page_size, on_free_kv=self.kv.free, stream=self.copies
         )
+        self.forensics = (
+            Forensics(self.pool, ledger=Ledger(forensics_ledger), mode="record") if forensics_ledger else None
+        )
         self.manager = CacheManager(
             self.cache,
             track_align=track_align,
             track_slots=track_slots,
             barrier=barrier,  # type: ignore[arg-type]
+            forensics=self.forensics,
         )
+        # (forensics step when it ran, request, slot) for every slot a forward wrote: ground truth
+        # for tests of the forensics' attribution.
+        self.slot_writes: list[tuple[int, Hashable, int]] | None = [] if record_writes else None
         self.max_running = max_running
         self.chunk = chunk
         self.waiting: deque[EngineRequest] = deque()
@@ -157,9 +167,11 @@ class ReferenceEngine:
         return self.finished
 
     def drain(self) -> None:
-        """Let all queued device work complete."""
+        """Let all queued device work complete (and flush the forensics ledger)."""
         self.forward.synchronize()
         self.copies.synchronize()
+        if self.forensics is not None:
+            self.forensics.close()
 
     # ------------------------------------------------------------------ step
     def step(self) -> None:
@@ -226,6 +238,7 @@ class ReferenceEngine:
 
         def work() -> None:
             out["logits"] = model.prefill(ids, start, pool, live, kvp, kv_idx, captures)
+            self._note_writes(rid, [live, *(t for _, t in captures)])
 
         r.last = self.forward.submit(work, after=after, label=f"prefill {rid} [{start},{end})")
         r.done = end
@@ -248,6 +261,8 @@ class ReferenceEngine:
 
         def work() -> None:
             result.copy_(model.decode(ids, positions, pool, slots, kvp, kv_idx))
+            for r in batch:
+                self._note_writes(r.req.rid, [r.adm.live_slot])
 
         fence = self.forward.submit(work, after=after, label=f"decode x{len(batch)}")
         for r in batch:
@@ -257,6 +272,11 @@ class ReferenceEngine:
             r.last = fence
             r.next_token = None
         return fence, result
+
+    def _note_writes(self, rid: Hashable, slots: list[int]) -> None:
+        if self.slot_writes is not None:
+            step = self.forensics.step if self.forensics is not None else 0
+            self.slot_writes += [(step, rid, s) for s in slots]
 
     # -------------------------------------------------------------- sampling
     def _sample(self, r: _Running, logits: torch.Tensor) -> None:

@@ -38,6 +38,8 @@ class HammerConfig:
     max_new_tokens: int = 12
     logit_tol: float = 1e-6
     probe_tokens: int = 2048
+    forensics: str | None = None  # ledger path: fingerprint every donation, verify every restore
+    ground_truth: bool = True  # False: serve only (benchmarks); nothing is checked
 
 
 @dataclass
@@ -60,10 +62,12 @@ class HammerReport:
     probe_ttft_cold_ms: float
     probe_ttft_hit_ms: float
     probe_hit_fraction: float
+    snapshot_corruptions: int
     wall_s: float
     ground_truth_s: float
     inject: str | None
     seed: int
+    forensics: str | None = None
     wrong_examples: list[str] = field(default_factory=list)
 
     @property
@@ -79,7 +83,13 @@ class HammerReport:
     @property
     def ok(self) -> bool:
         """No wrong answer, no cross-talk, no leak."""
-        return self.wrong_answers == 0 and self.cross_talk == 0 and self.slots_leaked == 0 and self.kv_leaked == 0
+        return (
+            self.wrong_answers == 0
+            and self.cross_talk == 0
+            and self.slots_leaked == 0
+            and self.kv_leaked == 0
+            and self.snapshot_corruptions == 0
+        )
 
     def as_dict(self) -> dict[str, object]:
         """Every field plus the derived ratios, for JSON."""
@@ -143,7 +153,9 @@ def run_hammer(
 ) -> HammerReport:
     """Run the hammer and return its report (see the module docstring)."""
     model = model or HybridModel(HybridConfig())
-    engine = ReferenceEngine(model, max_running=cfg.concurrency, chunk=cfg.chunk, inject=cfg.inject)
+    engine = ReferenceEngine(
+        model, max_running=cfg.concurrency, chunk=cfg.chunk, inject=cfg.inject, forensics_ledger=cfg.forensics
+    )
     work = _Workload(cfg, model.cfg.vocab_size)
     created = 0
     delayed: list[tuple[int, EngineRequest]] = []  # (release step, request)
@@ -180,7 +192,11 @@ def run_hammer(
     for p in probes:
         engine.submit(p)
         engine.run()
+    if engine.forensics is not None:
+        engine.forensics.verify_all()
+        engine.forensics.close()
     wall = time.perf_counter() - t0
+    corruptions = len(engine.forensics.findings) if engine.forensics is not None else 0
     leaked_slots, leaked_kv = _leaks(engine)
 
     t1 = time.perf_counter()
@@ -189,13 +205,13 @@ def run_hammer(
     for r in served:
         key = tuple(r.prompt)
         need[key] = max(need.get(key, 0), len(r.output))
-    for key, n in need.items():
+    for key, n in need.items() if cfg.ground_truth else ():
         truth[key] = generate_cold(model, list(key), n, chunk=cfg.chunk)
     gt_s = time.perf_counter() - t1
     wrong = cross = drift = 0
     examples: list[str] = []
     outputs_by_prompt = {k: v[0] for k, v in truth.items()}
-    for r in served:
+    for r in served if cfg.ground_truth else ():
         gt, first = truth[tuple(r.prompt)]
         expected = r.abort_after if r.aborted and r.abort_after is not None else r.max_new_tokens
         off = float((r.first_logits - first).abs().max()) if r.first_logits is not None else float("inf")
@@ -227,6 +243,7 @@ def run_hammer(
         logit_mismatches=drift,
         slots_leaked=leaked_slots,
         kv_leaked=leaked_kv,
+        snapshot_corruptions=corruptions,
         ttft_cold_ms=statistics.mean(cold) if cold else 0.0,
         ttft_hit_ms=statistics.mean(hit) if hit else 0.0,
         probe_ttft_cold_ms=1e3 * (p_cold.t_first - p_cold.t_submit),
@@ -236,6 +253,7 @@ def run_hammer(
         ground_truth_s=gt_s,
         inject=cfg.inject,
         seed=cfg.seed,
+        forensics=cfg.forensics,
         wrong_examples=examples,
     )
 
@@ -268,6 +286,7 @@ def format_report(rep: HammerReport) -> str:
         ),
         ("cross-talk (another prompt's answer)", str(rep.cross_talk)),
         ("slots leaked", str(rep.slots_leaked)),
+        ("snapshot corruptions (forensics)", str(rep.snapshot_corruptions) if rep.forensics else "off"),
         ("KV indices leaked", str(rep.kv_leaked)),
         ("TTFT cold / hit >= 90% (mean, under load)", f"{rep.ttft_cold_ms:.1f} ms / {rep.ttft_hit_ms:.1f} ms"),
         (

@@ -70,6 +70,8 @@ class _AliasTree(HybridRadixCache):
 
     def _free_snapshot(self, n: TreeNode) -> None:
         # The aliased slot belongs to the donor (or its next owner): dropping it is all we can do.
+        if self.on_free_snapshot is not None:
+            self.on_free_snapshot(n)
         n.snapshot = None
         n.snapshot_fence = COMPLETE
         self._num_snapshots -= 1

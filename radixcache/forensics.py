@@ -1,0 +1,399 @@
+"""Slot-checksum forensics: fingerprint every snapshot at donation, verify before every restore,
+and say which branch was poisoned, when, and which requests could have written it.
+
+Turn it on with ``CacheManager(..., forensics=Forensics(pool, ledger=Ledger(path)))``. Off, the
+manager pays nothing. On, each donation costs one fingerprint of the snapshot (taken once its
+clone fence completed), each hit restore one more, and each event one buffered ledger line.
+
+Findings (:class:`SnapshotCorruption`):
+
+==============  ===============================================================================
+changed         the snapshot's fingerprint differs from the one taken at donation: someone wrote a
+                tree slot after its donate fence (aliasing, a late write, a stray kernel).
+never-written   at donation the snapshot equals the zero state, or the snapshot of its nearest
+                ancestor although tokens were consumed in between: the host never wrote the state
+                it claimed to capture (the bug in shared/reference/004).
+==============  ===============================================================================
+
+Suspects: every request that held the snapshot's slot id since it was last known clean (donation
+or the last passing verification), in the order they took it, then the last holder before that
+(whose late write may have landed after). For never-written, the donor comes first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from linear_state import Fence, LinearStatePool
+
+__all__ = ["Forensics", "Ledger", "SnapshotCorruption", "key_digest", "read_ledger"]
+
+Mode = Literal["raise", "record"]
+
+
+def key_digest(key_bytes: bytes) -> str:
+    """A short stable name for a branch: blake2b of the key's canonical bytes (16 hex digits)."""
+    return hashlib.blake2b(key_bytes, digest_size=8).hexdigest()
+
+
+class SnapshotCorruption(Exception):
+    """A snapshot that is not what was donated (``kind="changed"``) or that was never written
+    (``kind="never-written"``).
+
+    :ivar node: tree node id; :ivar depth: its depth; :ivar key: digest of the branch's key.
+    :ivar slot: the snapshot slot; :ivar expected: fingerprint at donation (or the fingerprint it
+        should differ from); :ivar found: fingerprint now.
+    :ivar donor: the request that donated it; :ivar suspects: requests that could have written it,
+        most likely first.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        *,
+        node: int,
+        depth: int,
+        key: str,
+        slot: int,
+        expected: int,
+        found: int,
+        donor: Hashable,
+        suspects: list[Hashable],
+        step: int,
+    ) -> None:
+        self.kind, self.node, self.depth, self.key, self.slot = kind, node, depth, key, slot
+        self.expected, self.found, self.donor, self.suspects, self.step = expected, found, donor, suspects, step
+        super().__init__(
+            f"snapshot {kind}: branch {key} depth {depth} (node {node}), slot {slot}: "
+            f"expected {expected:#018x}, found {found:#018x}; donor {donor!r}; suspects {suspects!r}"
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready fields."""
+        return {
+            "kind": self.kind,
+            "node": self.node,
+            "depth": self.depth,
+            "key": self.key,
+            "slot": self.slot,
+            "expected": self.expected,
+            "found": self.found,
+            "donor": _jsonable(self.donor),
+            "suspects": [_jsonable(s) for s in self.suspects],
+            "step": self.step,
+        }
+
+
+def _jsonable(x: object) -> object:
+    return x if isinstance(x, (int, str, float, bool)) or x is None else repr(x)
+
+
+class Ledger:
+    """An append-only JSONL event log, size-bounded with rotation.
+
+    Events are buffered and written ``flush_every`` at a time, so the hot path pays a list append.
+    When the file would pass ``max_bytes`` it is renamed ``PATH.1`` (older ones shift up to
+    ``PATH.<backups>``, the oldest is dropped) and a new file starts.
+
+    :raises ValueError: non-positive sizes.
+    """
+
+    def __init__(
+        self, path: str | os.PathLike[str], *, max_bytes: int = 64 << 20, backups: int = 3, flush_every: int = 512
+    ) -> None:
+        if max_bytes <= 0 or backups < 0 or flush_every <= 0:
+            raise ValueError(f"bad ledger sizes: max_bytes={max_bytes}, backups={backups}, flush_every={flush_every}")
+        self.path = Path(path)
+        self.max_bytes, self.backups, self.flush_every = max_bytes, backups, flush_every
+        self._buf: list[dict[str, Any]] = []
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fh = self.path.open("a", encoding="utf-8")
+        self._size = self.path.stat().st_size
+
+    def write(self, event: dict[str, Any]) -> None:
+        """Append one event (flushed in batches)."""
+        self._buf.append(event)
+        if len(self._buf) >= self.flush_every:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write buffered events to disk, rotating when the size bound would be passed."""
+        if not self._buf:
+            return
+        lines = [json.dumps(e, separators=(",", ":"), default=repr) + "\n" for e in self._buf]
+        self._buf.clear()
+        for line in lines:
+            n = len(line.encode())
+            if self._size and self._size + n > self.max_bytes:
+                self._rotate()
+            self._fh.write(line)
+            self._size += n
+        self._fh.flush()
+
+    def _rotate(self) -> None:
+        self._fh.close()
+        if self.backups:
+            for i in range(self.backups - 1, 0, -1):
+                src = self.path.with_name(f"{self.path.name}.{i}")
+                if src.exists():
+                    src.replace(self.path.with_name(f"{self.path.name}.{i + 1}"))
+            self.path.replace(self.path.with_name(f"{self.path.name}.1"))
+        else:
+            self.path.unlink()
+        self._fh = self.path.open("a", encoding="utf-8")
+        self._size = 0
+
+    def close(self) -> None:
+        """Flush and close."""
+        self.flush()
+        self._fh.close()
+
+
+def read_ledger(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every event of a ledger and its rotated backups, oldest first."""
+    p = Path(path)
+    files = sorted(p.parent.glob(p.name + ".*"), key=lambda f: -int(f.suffix[1:]) if f.suffix[1:].isdigit() else 0)
+    events: list[dict[str, Any]] = []
+    for f in [*[f for f in files if f.suffix[1:].isdigit()], p]:
+        if f.exists():
+            with f.open(encoding="utf-8") as fh:
+                events += [json.loads(line) for line in fh if line.strip()]
+    return events
+
+
+@dataclass
+class _Snap:
+    node: int
+    depth: int
+    key: str
+    slot: int
+    donor: Hashable
+    fence: Fence
+    step: int
+    parent: int | None  # node id of the nearest ancestor holding a snapshot
+    parent_depth: int
+    fp: int | None = None
+    clean_step: int = 0
+
+
+@dataclass
+class _Holds:
+    spans: list[tuple[int, int | None, Hashable]] = field(default_factory=list)  # (from, to, rid)
+
+
+class Forensics:
+    """Fingerprint ledger and verifier for one pool; a :class:`CacheManager` calls its hooks.
+
+    :param mode: ``"raise"`` raises :class:`SnapshotCorruption` at detection; ``"record"``
+        appends it to :attr:`findings` and goes on.
+    """
+
+    def __init__(self, pool: LinearStatePool, *, ledger: Ledger | None = None, mode: Mode = "raise") -> None:
+        if mode not in ("raise", "record"):
+            raise ValueError(f"mode must be 'raise' or 'record', got {mode!r}")
+        self.pool = pool
+        self.ledger = ledger
+        self.mode: Mode = mode
+        self.findings: list[SnapshotCorruption] = []
+        self.step = 0
+        self._snaps: dict[int, _Snap] = {}  # by node id
+        self._by_slot: dict[int, set[int]] = {}  # slot -> node ids claiming it (one, unless aliased)
+        self._pending: list[_Snap] = []  # donated, fingerprint not taken yet (clone fence pending)
+        self._holds: dict[int, _Holds] = {}
+
+    # ------------------------------------------------------------- ledger
+    def _log(self, ev: str, **fields: Any) -> None:
+        if self.ledger is not None:
+            fields["ev"], fields["step"], fields["t"] = ev, self.step, time.time()
+            self.ledger.write(fields)
+
+    # --------------------------------------------------------------- hooks
+    def request_slots(self, rid: Hashable, slots: Iterable[int]) -> None:
+        """A request took these slots."""
+        self.step += 1
+        for s in slots:
+            self._holds.setdefault(s, _Holds()).spans.append((self.step, None, rid))
+            self._log("alloc", slot=s, owner=_jsonable(rid))
+            self._check_slot(s)
+
+    def request_freed(self, rid: Hashable, slots: Iterable[int]) -> None:
+        """A request gave these slots back (after its last fence)."""
+        self.step += 1
+        self._settle()
+        for s in slots:
+            spans = self._holds.get(s)
+            if spans is not None and spans.spans and spans.spans[-1][1] is None:
+                start, _, who = spans.spans[-1]
+                spans.spans[-1] = (start, self.step, who)
+            self._log("free", slot=s, owner=_jsonable(rid))
+            self._check_slot(s)  # a request just let go of a slot the tree claims: did it write it?
+
+    def donated(
+        self,
+        node: int,
+        depth: int,
+        key: bytes,
+        slot: int,
+        donor: Hashable,
+        fence: Fence,
+        parent: int | None,
+        parent_depth: int,
+    ) -> None:
+        """The tree took a snapshot at ``node`` (its nearest snapshot ancestor: ``parent`` at
+        ``parent_depth``); its fingerprint is taken once ``fence`` completed."""
+        self.step += 1
+        snap = _Snap(node, depth, key_digest(key), slot, donor, fence, self.step, parent, parent_depth)
+        self._check_slot(slot)
+        self._snaps[node] = snap
+        self._by_slot.setdefault(slot, set()).add(node)
+        self._pending.append(snap)
+        self._settle()
+
+    def before_restore(self, node: int, rid: Hashable, dst: int) -> None:
+        """Verify ``node``'s snapshot before it is restored into ``dst``."""
+        self.step += 1
+        snap = self._snaps.get(node)
+        if snap is None:
+            return
+        if snap.fp is None:
+            snap.fence.wait()  # the restore waits this fence anyway
+            self._settle()
+        found = self._verify(snap, "restore")
+        self._log(
+            "restore",
+            node=node,
+            slot=snap.slot,
+            dst=dst,
+            owner=_jsonable(rid),
+            depth=snap.depth,
+            key=snap.key,
+            fp=found,
+        )
+
+    def snapshot_freed(self, node: int, slot: int) -> None:
+        """The tree evicted ``node``'s snapshot."""
+        self.step += 1
+        snap = self._snaps.pop(node, None)
+        if snap is None:
+            return
+        claim = self._by_slot.get(snap.slot)
+        if claim is not None:
+            claim.discard(node)
+            if not claim:
+                del self._by_slot[snap.slot]
+        if snap in self._pending:
+            self._pending.remove(snap)
+        self._log("evict", node=node, slot=slot, depth=snap.depth, key=snap.key)
+
+    def verify_all(self) -> int:
+        """Verify every snapshot whose fingerprint was taken; returns how many were checked."""
+        self.step += 1
+        self._settle()
+        n = 0
+        for snap in list(self._snaps.values()):
+            if snap.fp is not None:
+                self._verify(snap, "verify_all")
+                n += 1
+        return n
+
+    def close(self) -> None:
+        """Flush the ledger."""
+        if self.ledger is not None:
+            self.ledger.flush()
+
+    # ------------------------------------------------------------ internals
+    def _settle(self) -> None:
+        """Take the donation fingerprint of every snapshot whose clone has completed."""
+        if not self._pending:
+            return
+        still: list[_Snap] = []
+        for snap in self._pending:
+            if not snap.fence.is_complete() or not self.pool.last_use(snap.slot).is_complete():
+                still.append(snap)
+                continue
+            snap.fp = self.pool.fingerprint(snap.slot)
+            snap.clean_step = self.step
+            self._log(
+                "donate",
+                node=snap.node,
+                slot=snap.slot,
+                depth=snap.depth,
+                key=snap.key,
+                fp=snap.fp,
+                owner=_jsonable(snap.donor),
+            )
+            parent = self._snaps.get(snap.parent) if snap.parent is not None else None
+            parent_fp = parent.fp if parent is not None else None
+            if snap.depth > 0 and (snap.fp == 0 or (parent_fp == snap.fp and snap.depth > snap.parent_depth)):
+                what = "the zero state" if snap.fp == 0 else f"its ancestor's snapshot at depth {snap.parent_depth}"
+                self._report(snap, "never-written", expected=parent_fp or 0, found=snap.fp, note=what)
+        self._pending = still
+
+    def _check_slot(self, slot: int) -> None:
+        for node in list(self._by_slot.get(slot, ())):
+            snap = self._snaps.get(node)
+            if snap is not None and snap.fp is not None and self.pool.last_use(slot).is_complete():
+                self._verify(snap, "slot-event")
+
+    def _verify(self, snap: _Snap, why: str) -> int:
+        assert snap.fp is not None
+        if not self.pool.last_use(snap.slot).is_complete():
+            self.pool.last_use(snap.slot).wait()
+        found = self.pool.fingerprint(snap.slot)
+        ok = found == snap.fp
+        self._log(
+            "verify",
+            node=snap.node,
+            slot=snap.slot,
+            depth=snap.depth,
+            key=snap.key,
+            fp=found,
+            expected=snap.fp,
+            ok=ok,
+            why=why,
+        )
+        if ok:
+            snap.clean_step = self.step
+        else:
+            self._report(snap, "changed", expected=snap.fp, found=found, note=why)
+            snap.fp = found  # report each change once
+            snap.clean_step = self.step
+        return found
+
+    def _suspects(self, snap: _Snap, kind: str) -> list[Hashable]:
+        spans = self._holds.get(snap.slot, _Holds()).spans
+        inside = [who for start, end, who in spans if end is None or end > snap.clean_step]
+        before = [who for start, end, who in spans if end is not None and end <= snap.clean_step]
+        ranked: list[Hashable] = []
+        if kind == "never-written":
+            ranked.append(snap.donor)
+        for who in [*inside, *before[-1:]]:
+            if who not in ranked:
+                ranked.append(who)
+        return ranked
+
+    def _report(self, snap: _Snap, kind: str, *, expected: int, found: int, note: str) -> None:
+        finding = SnapshotCorruption(
+            kind,
+            node=snap.node,
+            depth=snap.depth,
+            key=snap.key,
+            slot=snap.slot,
+            expected=expected,
+            found=found,
+            donor=snap.donor,
+            suspects=self._suspects(snap, kind),
+            step=self.step,
+        )
+        self._log("corruption", note=note, **finding.as_dict())
+        self.findings.append(finding)
+        if self.mode == "raise":
+            self.close()
+            raise finding

@@ -1,0 +1,182 @@
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from radixcache import Forensics, Ledger, SnapshotCorruption, read_ledger
+from radixcache.cli import main
+from radixcache.testing.hammer import HammerConfig, run_hammer
+from radixcache.testing.model import HybridConfig, HybridModel
+
+from .host_sim import Host, cold_state
+
+
+def forensic_host(tmp_path: Path, mode: str = "raise", **kw: object) -> Host:
+    h = Host(**kw)  # type: ignore[arg-type]
+    fx = Forensics(h.pool, ledger=Ledger(tmp_path / "ledger.jsonl"), mode=mode)  # type: ignore[arg-type]
+    h.mgr.forensics = fx
+    h.cache.on_free_snapshot = lambda n: fx.snapshot_freed(n.id, int(n.snapshot or 0))
+    return h
+
+
+def run(h: Host, rid: object, ids: list[int]) -> int:
+    r = h.admit(rid, ids)
+    assert r is not None
+    h.prefill(rid)
+    h.finish(rid)
+    h.forward.synchronize()
+    h.copies.synchronize()
+    return r.adm.cached_length
+
+
+def tokens(n: int, seed: int = 0) -> list[int]:
+    return [int(x) for x in torch.randint(0, 5000, (n,), generator=torch.Generator().manual_seed(seed))]
+
+
+def test_clean_traffic_has_no_findings_and_a_ledger(tmp_path: Path) -> None:
+    h = forensic_host(tmp_path)
+    p = tokens(300)
+    run(h, "a", p)
+    assert run(h, "b", p) == 299
+    assert run(h, "c", p[:200] + tokens(50, 1)) >= 192
+    assert h.mgr.verify_all() > 0
+    assert h.mgr.forensics is not None and not h.mgr.forensics.findings
+    h.mgr.forensics.close()
+    kinds = {e["ev"] for e in read_ledger(tmp_path / "ledger.jsonl")}
+    assert {"alloc", "free", "donate", "restore", "verify"} <= kinds
+    assert main(["forensics", str(tmp_path / "ledger.jsonl")]) == 0
+
+
+def test_a_write_into_a_tree_slot_is_found_and_attributed(tmp_path: Path) -> None:
+    h = forensic_host(tmp_path, mode="record")
+    p = tokens(200)
+    run(h, "donor", p)
+    node = h.cache.match(p).node
+    assert node.snapshot is not None
+    h.pool.recurrent[0, node.snapshot, 0, 0] += 1.0  # a stray kernel writes a frozen snapshot
+    assert h.mgr.verify_all() > 0
+    fx = h.mgr.forensics
+    assert fx is not None and len(fx.findings) == 1
+    f = fx.findings[0]
+    assert (f.kind, f.node, f.depth, f.slot, f.donor) == ("changed", node.id, node.depth, node.snapshot, "donor")
+    assert f.expected != f.found and len(f.key) == 16
+    assert "changed" in str(f) and "depth 200" in str(f)
+
+
+def test_restore_of_a_poisoned_snapshot_raises(tmp_path: Path) -> None:
+    h = forensic_host(tmp_path)
+    p = tokens(100)
+    run(h, "donor", p)
+    node = h.cache.match(p[:-1]).node  # what an identical prompt will hit
+    assert node.snapshot is not None
+    h.pool.conv[0, node.snapshot].zero_()
+    with pytest.raises(SnapshotCorruption) as exc:
+        h.admit("victim", p)
+    assert exc.value.kind == "changed" and exc.value.node == node.id
+    h.mgr.forensics.close()  # type: ignore[union-attr]
+    assert main(["forensics", str(tmp_path / "ledger.jsonl")]) == 1
+
+
+def test_a_capture_never_written_is_reported_against_its_donor(tmp_path: Path) -> None:
+    h = forensic_host(tmp_path, mode="record", chunk=64)
+    ids = tokens(300)
+    r = h.admit("lazy", ids)
+    assert r is not None
+    h.extend("lazy")  # captures into the track slots and commits them: fine
+    h.forward.synchronize()
+    h.copies.synchronize()
+    # next chunk: the host "forgets" to write its captures, yet commits the track slots
+    start, end = 64, 128
+    points = h.mgr.track_points("lazy", start, end)
+    for d, slot in zip(points, r.adm.track_slots, strict=False):
+        h.mgr.commit("lazy", d, slot, None, kv_indices=r.kv[:d])
+    h.copies.synchronize()
+    h.mgr.verify_all()  # takes the fingerprints of completed donations
+    fx = h.mgr.forensics
+    assert fx is not None
+    never = [f for f in fx.findings if f.kind == "never-written"]
+    assert never and never[0].suspects[0] == "lazy" and never[0].donor == "lazy"
+    assert never[0].depth in points
+
+
+def test_fresh_zero_slot_donated_is_never_written(tmp_path: Path) -> None:
+    h = forensic_host(tmp_path, mode="record")
+    r = h.admit("z", tokens(100))
+    assert r is not None
+    h.pool.recurrent[:, r.adm.track_slots[0]].zero_()
+    h.pool.conv[:, r.adm.track_slots[0]].zero_()
+    h.mgr.commit("z", 64, r.adm.track_slots[0], None, kv_indices=r.kv[:64])
+    h.copies.synchronize()
+    h.mgr.verify_all()
+    fx = h.mgr.forensics
+    assert fx is not None and [f.kind for f in fx.findings] == ["never-written"]
+    assert cold_state([]).abs().sum() == 0
+
+
+def test_ledger_rotates_within_its_bound(tmp_path: Path) -> None:
+    path = tmp_path / "l.jsonl"
+    led = Ledger(path, max_bytes=2000, backups=2, flush_every=7)
+    for i in range(300):
+        led.write({"ev": "alloc", "slot": i, "step": i})
+    led.close()
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["l.jsonl", "l.jsonl.1", "l.jsonl.2"]
+    assert all(p.stat().st_size <= 2000 for p in tmp_path.iterdir())
+    events = read_ledger(path)
+    steps = [e["step"] for e in events]
+    assert steps == sorted(steps) and steps[-1] == 299, "oldest first, newest kept"
+    with pytest.raises(ValueError, match="bad ledger sizes"):
+        Ledger(tmp_path / "x", max_bytes=0)
+
+
+def test_bad_mode() -> None:
+    h = Host()
+    with pytest.raises(ValueError, match="mode"):
+        Forensics(h.pool, mode="loud")  # type: ignore[arg-type]
+
+
+MODEL = HybridModel(HybridConfig())
+
+
+def test_alias_report_names_the_branch_and_ranks_the_writer_first(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The hammer with --inject alias: the first finding's top suspect is the request whose
+    forward actually wrote the snapshot's slot after its donation."""
+    from radixcache.testing.engine import ReferenceEngine
+
+    ledger = tmp_path / "alias.jsonl"
+    engine_box: list[ReferenceEngine] = []
+    real_init = ReferenceEngine.__init__
+
+    def init(self: ReferenceEngine, *a: object, **kw: object) -> None:
+        kw["record_writes"] = True
+        real_init(self, *a, **kw)  # type: ignore[arg-type]
+        engine_box.append(self)
+
+    ReferenceEngine.__init__ = init  # type: ignore[method-assign]
+    try:
+        rep = run_hammer(HammerConfig(requests=40, seed=0, inject="alias", forensics=str(ledger)), model=MODEL)
+    finally:
+        ReferenceEngine.__init__ = real_init  # type: ignore[method-assign]
+    assert rep.snapshot_corruptions > 0 and not rep.ok
+    fx = engine_box[0].forensics
+    writes = engine_box[0].slot_writes
+    assert fx is not None and writes is not None
+    first = fx.findings[0]
+    donated_at = min(e["step"] for e in read_ledger(ledger) if e["ev"] == "donate" and e["node"] == first.node)
+    writer = next(rid for step, rid, slot in writes if slot == first.slot and step >= donated_at)
+    assert first.suspects[0] == writer
+    assert main(["forensics", str(ledger), "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["first_bad"]["key"] == first.key and out["first_bad"]["depth"] == first.depth
+    assert out["first_bad"]["suspects"][0] == writer
+
+
+def test_no_false_positive_over_a_clean_hammer_of_500(tmp_path: Path) -> None:
+    rep = run_hammer(HammerConfig(requests=500, seed=1, forensics=str(tmp_path / "clean.jsonl")), model=MODEL)
+    assert rep.requests >= 500 and rep.snapshot_corruptions == 0 and rep.ok
+    events = read_ledger(tmp_path / "clean.jsonl")
+    assert sum(e["ev"] == "restore" for e in events) > 100
+    assert not [e for e in events if e["ev"] == "corruption"]
