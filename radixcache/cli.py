@@ -56,6 +56,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="commit a bug on purpose; the machine must find it",
     )
+    bt = sub.add_parser("bench-trace", help="replay a trace under policies and budgets, side by side (JSON)")
+    bt.add_argument("trace", help="a JSONL trace, or a shape: chat, agentic, fanout, edge")
+    bt.add_argument("--policy", nargs="+", default=None, help="default: every policy")
+    bt.add_argument("--budget", nargs="+", type=float, default=None, help="cache budgets in GiB")
+    bt.add_argument("--preset", default="qwen3-next-80b", choices=["qwen3-next-80b", "nemotron-h-8b"])
+    bt.add_argument("--seed", type=int, default=0)
+    bt.add_argument("--plot", default=None, help="save a PNG (needs the plot extra)")
+    mt = sub.add_parser("make-trace", help="write a seeded trace as JSONL")
+    mt.add_argument("shape", choices=["chat", "agentic", "fanout", "edge"])
+    mt.add_argument("out")
+    mt.add_argument("--seed", type=int, default=0)
+    pr = sub.add_parser("policies-report", help="every trace shape x 3 budgets x every policy -> docs/policies.md")
+    pr.add_argument("--doc", default="docs/policies.md")
+    pr.add_argument("--png", default="docs/policies.png")
+    pr.add_argument("--preset", default="qwen3-next-80b", choices=["qwen3-next-80b", "nemotron-h-8b"])
     args = parser.parse_args(argv)
     if args.command == "demo":
         from .demo import run_demo
@@ -91,6 +106,41 @@ def main(argv: Sequence[str] | None = None) -> int:
             close()
         print(json.dumps(hammered.as_dict(), indent=2) if args.json else format_report(hammered))
         return 0 if hammered.ok else 1
+    if args.command in ("bench-trace", "policies-report"):
+        from .bench_trace import DEFAULT_BUDGETS_GIB, load_trace, plot, run_grid, write_report
+        from .policies import POLICIES
+        from .progress import progress_callback
+
+        if args.command == "bench-trace":
+            traces = [load_trace(args.trace, args.seed)]
+            policies = args.policy or list(POLICIES)
+            budgets = args.budget or DEFAULT_BUDGETS_GIB.get(traces[0][0], (2.0, 4.0, 8.0))
+            update, close = progress_callback(len(policies) * len(budgets), "bench-trace")
+            try:
+                rows = run_grid(traces, policies, lambda _: budgets, preset=args.preset, progress=update)
+            finally:
+                close()
+            if args.plot:
+                plot(rows, args.plot)
+            print(json.dumps(rows, indent=1, default=str))
+            return 0
+        traces = [load_trace(shape) for shape in DEFAULT_BUDGETS_GIB]
+        total = sum(len(b) for b in DEFAULT_BUDGETS_GIB.values()) * len(POLICIES)
+        update, close = progress_callback(total, "policies-report")
+        try:
+            rows = run_grid(
+                traces, list(POLICIES), lambda t: DEFAULT_BUDGETS_GIB[t], preset=args.preset, progress=update
+            )
+        finally:
+            close()
+        write_report(rows, args.doc, args.png)
+        print(f"wrote the results table into {args.doc} and the plot to {args.png}")
+        return 0
+    if args.command == "make-trace":
+        from .traces import generate, write_trace
+
+        write_trace(generate(args.shape, args.seed), args.out)
+        return 0
     if args.command == "forensics":
         from .forensics_report import analyze, format_forensics
 

@@ -91,6 +91,7 @@ class CommitResult(NamedTuple):
         own indices beyond when the request ends.
     :ivar slot_reusable: the host's next write into the committed track slot must be ordered after
         this fence (the clone may still be reading it).
+    :ivar node: the tree node holding the snapshot at ``depth`` (None when nothing was donated).
     """
 
     depth: int
@@ -99,6 +100,7 @@ class CommitResult(NamedTuple):
     kv_indices: torch.Tensor
     kv_held: int
     slot_reusable: Fence
+    node: TreeNode | None = None
 
 
 class FinishResult(NamedTuple):
@@ -108,12 +110,14 @@ class FinishResult(NamedTuple):
     :ivar donated_depth: depth of the final state donated (0: none).
     :ivar slots_freed: state slots returned to the pool.
     :ivar kv_held: the tree holds the KV of ``[0, kv_held)``; the host frees its own beyond.
+    :ivar node: the node holding the donated final state (None when nothing was donated).
     """
 
     found: bool
     donated_depth: int
     slots_freed: int
     kv_held: int
+    node: TreeNode | None = None
 
 
 @dataclass(eq=False)
@@ -355,7 +359,7 @@ class CacheManager:
         except PoolExhausted:
             # NOTE: no slot for the clone: nothing is inserted at all. Inserting the KV alone would
             # hand the host tree indices beyond its lock, which an eviction could free under it.
-            return CommitResult(depth, False, False, kv_indices, rec.committed, self.pool.last_use(slot))
+            return CommitResult(depth, False, False, kv_indices, rec.committed, self.pool.last_use(slot), None)
         node = res.node
         if self.forensics is not None and res.snapshot_created:
             self._record_donation(rec, node, key)
@@ -365,7 +369,13 @@ class CacheManager:
             rec.lock = node
         rec.committed = max(rec.committed, depth)
         return CommitResult(
-            depth, True, res.snapshot_created, self.cache.kv_indices(node), rec.committed, self.pool.last_use(slot)
+            depth,
+            True,
+            res.snapshot_created,
+            self.cache.kv_indices(node),
+            rec.committed,
+            self.pool.last_use(slot),
+            node,
         )
 
     def _record_donation(self, rec: _Request, node: TreeNode, key: np.ndarray) -> None:
@@ -417,15 +427,13 @@ class CacheManager:
             raise ValueError(f"finish of {rid!r}: kv_indices has {int(kv_indices.numel())} entries for {n} ids")
         if ready is not None:
             rec.last_write[rec.live] = ready
-        donated = 0
-        if (
-            kv_indices is not None
-            and n % self.cache.page_size == 0
-            and self._donate(rec, n, rec.live, ready, kv_indices).donated
-        ):
-            donated = n
+        donated, node = 0, None
+        if kv_indices is not None and n % self.cache.page_size == 0:
+            res = self._donate(rec, n, rec.live, ready, kv_indices)
+            if res.donated:
+                donated, node = n, res.node
         held = rec.committed
-        return FinishResult(True, donated, self._release(rec, (ready,) if ready is not None else ()), held)
+        return FinishResult(True, donated, self._release(rec, (ready,) if ready is not None else ()), held, node)
 
     def abort(self, rid: Hashable, ready: Fence | None = None) -> FinishResult:
         """Abort a request at any point of its lifecycle: unlock, free every slot after its last

@@ -558,6 +558,23 @@ class HybridRadixCache:
         self._maybe_compact()
         return EvictResult(freed_kv, freed_snaps, removed)
 
+    def evict_snapshot(self, node: TreeNode) -> EvictResult:
+        """Evict ``node``'s snapshot now, whatever its recency: for policies that rank snapshots
+        themselves. A leaf goes whole (its KV too, cascading); an inner node stays as a tombstone.
+        O(log n) amortised.
+
+        :raises ValueError: ``node`` was removed or holds no snapshot.
+        :raises RuntimeError: ``node`` is locked.
+        """
+        if node.parent is None or node.snapshot is None:
+            raise ValueError(f"node {node.id} holds no snapshot to evict")
+        if node.snap_lock:
+            raise RuntimeError(f"node {node.id} is locked; its snapshot cannot be evicted")
+        if node.children:
+            self._free_snapshot(node)
+            return EvictResult(0, 1, 0)
+        return EvictResult(*self._remove_leaf(node))
+
     def _remove_leaf(self, n: TreeNode) -> tuple[int, int, int]:
         """Remove unlocked leaf ``n`` and every parent it leaves as an unlocked tombstone leaf."""
         freed_kv = freed_snaps = removed = 0

@@ -431,3 +431,21 @@ def test_key_bytes_of_strided_and_narrow_arrays() -> None:
         key_bytes(np.array([1, 2**31], dtype=np.uint32))
     with pytest.raises(ValueError, match="integers"):
         key_bytes(np.array([True, False]))
+
+
+def test_evict_snapshot_of_a_chosen_node() -> None:
+    cache, freed = make_cache()
+    inner = insert_with_state(cache, [1, 2]).node
+    leaf = insert_with_state(cache, [1, 2, 3, 4]).node
+    assert cache.evict_snapshot(inner) == (0, 1, 0)
+    assert inner.snapshot is None and cache.num_nodes == 2, "an inner node stays as a tombstone"
+    cache.lock(leaf)
+    with pytest.raises(RuntimeError, match="locked"):
+        cache.evict_snapshot(leaf)
+    cache.unlock(leaf)
+    res = cache.evict_snapshot(leaf)
+    assert (res.snapshots, res.kv_tokens, res.nodes_removed) == (1, 4, 2), "a leaf goes whole, cascading"
+    with pytest.raises(ValueError, match="no snapshot"):
+        cache.evict_snapshot(leaf)
+    assert sorted(freed) == [0, 1, 2, 3]
+    cache.check_invariants()

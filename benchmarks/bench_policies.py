@@ -1,0 +1,72 @@
+"""Eviction cost per evicted node under each policy, with 10k and 100k snapshot nodes in the tree.
+
+Builds a tree of N distinct sequences (shared prefixes, a snapshot at each end), tells the policy
+about each donation and some hits, then times evicting 2,000 nodes through the policy. Prints
+JSON: microseconds per evicted node at each size, and the growth ratio (target: < 2x).
+
+    python benchmarks/bench_policies.py [--sizes 10000 100000] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import numpy as np
+import torch
+
+from linear_state import LinearStatePool, RequestOwner, StateLayout
+from radixcache import HybridRadixCache
+from radixcache.policies import POLICIES, RequestInfo, make_policy
+
+
+def eviction_cost(policy_name: str, n: int, evictions: int, seed: int = 0) -> float:
+    rng = random.Random(seed)
+    pool = LinearStatePool(StateLayout(1, (1, 1), (1,)), n + 8)
+    cache = HybridRadixCache(pool)
+    policy = make_policy(policy_name)
+    slot = pool.alloc(RequestOwner("donor"))
+    prefixes = [np.array([rng.randrange(1 << 20) for _ in range(64)], dtype=np.int32) for _ in range(256)]
+    nodes = []
+    for i in range(n):
+        key = np.concatenate([prefixes[i % 256], np.array([rng.randrange(1 << 20) for _ in range(16)], dtype=np.int32)])
+        res = cache.insert(key, torch.arange(len(key)), state_slot=slot)
+        req = RequestInfo(len(key), 0, 0, f"s{i % 1000}", float(i))
+        policy.donated(res.node, req, "finish" if i % 3 else "capture", float(i))
+        nodes.append((res.node, req))
+        if i % 7 == 0:
+            node, r = nodes[rng.randrange(len(nodes))]
+            if node.snapshot is not None:
+                policy.touched(node, r, float(i))
+    before = cache.num_nodes
+    t0 = time.perf_counter()
+    for _ in range(evictions):
+        policy.evict_one(cache, float(n))
+    dt = time.perf_counter() - t0
+    removed = max(1, before - cache.num_nodes)
+    cache.check_invariants()
+    return 1e6 * dt / removed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--sizes", type=int, nargs=2, default=[10_000, 100_000])
+    ap.add_argument("--evictions", type=int, default=2000)
+    ap.add_argument("--quick", action="store_true", help="smoke size for CI")
+    args = ap.parse_args()
+    sizes, ev = ((500, 2000), 100) if args.quick else (tuple(args.sizes), args.evictions)
+    out: dict[str, object] = {"bench": "policy_eviction", "sizes": list(sizes), "evictions": ev}
+    for p in POLICIES:
+        small, large = (eviction_cost(p, s, ev) for s in sizes)
+        out[p] = {
+            "us_per_node_small": round(small, 2),
+            "us_per_node_large": round(large, 2),
+            "growth": round(large / small, 2),
+        }
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

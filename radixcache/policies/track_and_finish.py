@@ -1,0 +1,24 @@
+"""``track-and-finish``: the prompt's deepest 64-aligned boundary plus the finish state, LRU
+(SGLang's mamba radix cache, and the engine in shared/reference/004)."""
+
+from __future__ import annotations
+
+from .base import Policy, RequestInfo
+
+__all__ = ["TrackAndFinish"]
+
+
+class TrackAndFinish(Policy):
+    name = "track-and-finish"
+
+    def __init__(self, align: int = 64) -> None:
+        self.align = align
+
+    def captures(self, req: RequestInfo, start: int, end: int, *, decode: bool) -> list[int]:
+        if decode:
+            return []
+        d = req.prompt_len // self.align * self.align
+        return [d] if start < d <= end else []
+
+    def donate_finish(self, req: RequestInfo) -> bool:
+        return True
