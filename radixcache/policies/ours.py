@@ -8,8 +8,9 @@ final state (multi-turn continuations hit it).
 
 Eviction, each step O(log n) over lazy heaps, in segments evicted in this order:
 
-0. superseded: a conversation's earlier final states once it went past them (the next turn's
-   final state serves every continuation), unless another session used them;
+0. superseded: a conversation's snapshots from earlier turns once a later turn went past them
+   (its new final state serves every continuation), unless another session used them or they
+   served hits;
 1. probation: ends of one request's own text (re-send points, final states) that never served a
    hit, least recently donated first: one-shot traffic churns here;
 2. prefix probation: prefix points (block boundaries, branch points) that never served a hit:
@@ -42,6 +43,7 @@ class Ours(Policy):
         self.session_of: dict[int, str] = {}
         self.is_finish: set[int] = set()
         self.users: dict[int, set[str]] = {}
+        self.donated_at: dict[int, float] = {}  # arrival time of the request that donated it
 
     def captures(self, req: RequestInfo, start: int, end: int, *, decode: bool) -> list[int]:
         if decode:
@@ -62,22 +64,30 @@ class Ours(Policy):
         self.heaps[segment].push(node, now)
 
     def donated(self, node: TreeNode, req: RequestInfo, reason: str, now: float) -> None:
+        self.donated_at[node.id] = req.ts
         self.session_of[node.id] = req.session
         self.users[node.id] = {req.session}
         if reason == "finish":
             self.is_finish.add(node.id)
+            # This conversation went past its own earlier snapshots inside this prompt: a
+            # continuation hits the new final state, so those are dead weight unless shared.
             anc = node.parent
             while anc is not None and anc.depth > 0:
                 if (
-                    anc.id in self.is_finish
-                    and anc.snapshot is not None
+                    anc.snapshot is not None
+                    and anc.depth < req.prompt_len - 1
                     and self.session_of.get(anc.id) == req.session
+                    and self.donated_at.get(anc.id, now) < req.ts  # an earlier turn's, not this one's
                     and len(self.users.get(anc.id, ())) <= 1
+                    and self.segment.get(anc.id) != PROTECTED
                 ):
                     self._place(anc, SUPERSEDED, now)
                 anc = anc.parent
-        own_end = reason == "finish" or node.depth == req.prompt_len - 1
-        self._place(node, PROBATION if own_end else PREFIX_PROBATION, now)
+            self._place(node, PROBATION, now)
+        elif node.depth == req.prompt_len - 1 and node.depth != req.branch:
+            self._place(node, PROBATION, now)  # a re-send point: serves identical prompts only
+        else:
+            self._place(node, PREFIX_PROBATION, now)
 
     def touched(self, node: TreeNode, req: RequestInfo, now: float) -> None:
         self.users.setdefault(node.id, set()).add(req.session)
@@ -89,7 +99,7 @@ class Ours(Policy):
                 if self.segment.get(node.id) != segment:
                     continue  # moved to another segment since this entry was pushed
                 cache.evict_snapshot(node)
-                for d in (self.segment, self.session_of, self.users):
+                for d in (self.segment, self.session_of, self.users, self.donated_at):
                     d.pop(node.id, None)
                 self.is_finish.discard(node.id)
                 return True
