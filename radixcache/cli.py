@@ -8,6 +8,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 
+from .testing.inject import BUGS, FUZZ_BUGS
+
 __all__ = ["main"]
 
 
@@ -28,7 +30,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     hammer.add_argument("--chunk", type=int, default=256, help="prefill chunk size")
     hammer.add_argument(
         "--inject",
-        choices=["alias", "no-donate-fence", "no-restore-fence"],
+        choices=sorted(BUGS),
         default=None,
         help="commit a historical bug on purpose; the hammer must catch it",
     )
@@ -44,15 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     fuzz.add_argument("--steps", type=int, default=50, help="rules per example")
     fuzz.add_argument(
         "--inject",
-        choices=[
-            "alias",
-            "no-donate-fence",
-            "no-restore-fence",
-            "free-before-fence",
-            "unlock-before-restore",
-            "snapshot-off-by-page",
-            "double-free-swallowed",
-        ],
+        choices=list(FUZZ_BUGS),
         default=None,
         help="commit a bug on purpose; the machine must find it",
     )
