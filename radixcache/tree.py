@@ -310,7 +310,8 @@ class HybridRadixCache:
         Without ``state_slot`` nothing new is stored (a leaf without a snapshot could never serve
         a hit): the tree keeps only KV it already had, and the caller keeps the tail.
 
-        KV ownership: the tree takes the caller's indices for the tokens it stores new. For the
+        KV ownership: the tree takes the caller's indices for the tokens it stores new (it keeps a
+        copy: the caller may reuse its index tensor afterwards). For the
         ``prefix_length`` tokens already cached, any caller index that differs from the tree's is
         a duplicate and is released through ``on_free_kv``; use :meth:`kv_indices` of
         ``result.node`` to get the tree's indices.
@@ -325,6 +326,9 @@ class HybridRadixCache:
         """
         kb = key_bytes(key)
         kv = _as_kv(kv_indices, len(kb) // TOKEN_BYTES)
+        # NOTE: a numpy view of CPU indices: slicing and comparing through it costs a third of
+        # torch's per-op overhead on this hot path (benchmarks/bench_tree.py).
+        kvn = kv.numpy() if kv.is_cpu else None
         if ready is not None and state_slot is None:
             raise ValueError("ready was given without a state_slot to donate")
         end = self._cut(kb)
@@ -356,7 +360,7 @@ class HybridRadixCache:
         prefix_len = pos // TOKEN_BYTES
         if state_slot is None or end == 0:
             # No snapshot to attach: a new leaf could never serve a hit, a split would add nothing.
-            dups = self._release_duplicates(kv, path, split_child, split_at)
+            dups = self._release_duplicates(kv, kvn, path, split_child, split_at)
             self._touch(path)
             return InsertResult(prefix_len, prefix_len, node, False, dups)
         grows = pos < end  # a new leaf is needed
@@ -374,12 +378,16 @@ class HybridRadixCache:
         # Phase 2: mutate. Nothing below raises.
         if fresh_root:
             self._roots[namespace] = root
-        dups = self._release_duplicates(kv, path, split_child, split_at)
+        dups = self._release_duplicates(kv, kvn, path, split_child, split_at)
         if split_child is not None:
             node = self._split(split_child, split_at)
             path.append(node)
         if grows:
-            leaf = TreeNode(self._next_id, kb[pos:end], kv[prefix_len : end // TOKEN_BYTES], node, end // TOKEN_BYTES)
+            stop = end // TOKEN_BYTES
+            # A private copy: the caller's index tensor may be a view of its page table, which it
+            # rewrites for other requests later.
+            value = kv[prefix_len:stop].clone() if kvn is None else torch.from_numpy(kvn[prefix_len:stop].copy())
+            leaf = TreeNode(self._next_id, kb[pos:end], value, node, stop)
             self._next_id += 1
             node.children[leaf.key[:pb]] = leaf
             self._num_nodes += 1
@@ -401,7 +409,12 @@ class HybridRadixCache:
         return self.pool.clone(state_slot, owner, stream=self.stream, after=() if ready is None else (ready,))
 
     def _release_duplicates(
-        self, kv: torch.Tensor, path: list[TreeNode], split_child: TreeNode | None, split_at: int
+        self,
+        kv: torch.Tensor,
+        kvn: np.ndarray | None,
+        path: list[TreeNode],
+        split_child: TreeNode | None,
+        split_at: int,
     ) -> int:
         """Release the caller's KV indices that duplicate ones the tree holds (same tokens, other
         index). An index equal to the tree's is the tree's own (the caller got it from ``match``)."""
@@ -410,16 +423,14 @@ class HybridRadixCache:
             k = split_at // TOKEN_BYTES
             spans.append((split_child.value[:k], k))
         parts: list[torch.Tensor] = []
-        kvn = kv.numpy() if kv.is_cpu else None
         start = 0
         for theirs, k in spans:  # spans are consecutive from depth 0
             if kvn is not None and theirs.is_cpu:
-                # NOTE: numpy on CPU tensors: a third of torch's per-op overhead on this hot path.
-                differ = np.not_equal(kvn[start : start + k], theirs.numpy())
+                mine_np = kvn[start : start + k]
+                differ = np.not_equal(mine_np, theirs.numpy())
                 n_differ = int(np.count_nonzero(differ))
                 if n_differ:
-                    mine = kv[start : start + k]
-                    parts.append(mine if n_differ == k else mine[torch.from_numpy(differ)])
+                    parts.append(torch.from_numpy(mine_np if n_differ == k else mine_np[differ]))
             else:
                 mine = kv[start : start + k]
                 theirs = theirs.to(mine.device)

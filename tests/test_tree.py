@@ -449,3 +449,14 @@ def test_evict_snapshot_of_a_chosen_node() -> None:
         cache.evict_snapshot(leaf)
     assert sorted(freed) == [0, 1, 2, 3]
     cache.check_invariants()
+
+
+def test_the_tree_keeps_its_own_copy_of_kv_indices() -> None:
+    cache, _ = make_cache()
+    page_table = torch.arange(100, 110)
+    slot = state_for(cache, R, [1, 2, 3, 4])
+    cache.insert([1, 2, 3, 4], page_table[:4], state_slot=slot)
+    page_table[:4] = -1  # the host reuses its page-table row for another request
+    assert cache.match([1, 2, 3, 4]).kv_indices.tolist() == [100, 101, 102, 103]
+    cache.pool.free(slot, R)
+    cache.check_invariants()
