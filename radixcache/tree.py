@@ -55,12 +55,16 @@ class TreeNode:
         "snapshot",
         "snapshot_fence",
         "value",
+        "value_np",
     )
 
     def __init__(self, node_id: int, key: bytes, value: torch.Tensor, parent: TreeNode | None, depth: int) -> None:
         self.id = node_id
         self.key = key  # edge key bytes (TOKEN_BYTES per token)
         self.value = value  # KV indices of the edge
+        # The same indices as a numpy array when they live on the CPU (the tensor is a view of
+        # it): comparisons on the insert hot path skip a tensor-to-numpy conversion.
+        self.value_np: np.ndarray | None = None
         self.parent = parent  # None once removed (and for roots)
         self.children: dict[bytes, TreeNode] = {}  # by the bytes of the child's first page
         self.depth = depth
@@ -386,8 +390,10 @@ class HybridRadixCache:
             stop = end // TOKEN_BYTES
             # A private copy: the caller's index tensor may be a view of its page table, which it
             # rewrites for other requests later.
-            value = kv[prefix_len:stop].clone() if kvn is None else torch.from_numpy(kvn[prefix_len:stop].copy())
+            own = None if kvn is None else kvn[prefix_len:stop].copy()
+            value = kv[prefix_len:stop].clone() if own is None else torch.from_numpy(own)
             leaf = TreeNode(self._next_id, kb[pos:end], value, node, stop)
+            leaf.value_np = own
             self._next_id += 1
             node.children[leaf.key[:pb]] = leaf
             self._num_nodes += 1
@@ -418,16 +424,17 @@ class HybridRadixCache:
     ) -> int:
         """Release the caller's KV indices that duplicate ones the tree holds (same tokens, other
         index). An index equal to the tree's is the tree's own (the caller got it from ``match``)."""
-        spans = [(n.value, n.value.numel()) for n in path]
+        spans = [(n.value, n.value_np, n.value.numel()) for n in path]
         if split_child is not None:
             k = split_at // TOKEN_BYTES
-            spans.append((split_child.value[:k], k))
+            c_np = split_child.value_np
+            spans.append((split_child.value[:k], None if c_np is None else c_np[:k], k))
         parts: list[torch.Tensor] = []
         start = 0
-        for theirs, k in spans:  # spans are consecutive from depth 0
-            if kvn is not None and theirs.is_cpu:
+        for theirs, theirs_np, k in spans:  # spans are consecutive from depth 0
+            if kvn is not None and theirs_np is not None:
                 mine_np = kvn[start : start + k]
-                differ = np.not_equal(mine_np, theirs.numpy())
+                differ = np.not_equal(mine_np, theirs_np)
                 n_differ = int(np.count_nonzero(differ))
                 if n_differ:
                     parts.append(torch.from_numpy(mine_np if n_differ == k else mine_np[differ]))
@@ -454,6 +461,9 @@ class HybridRadixCache:
         self._next_id += 1
         upper.kv_lock = child.kv_lock
         upper.last_access = child.last_access
+        if child.value_np is not None:
+            upper.value_np = child.value_np[:k]
+            child.value_np = child.value_np[k:]
         parent.children[upper.key[: self._page_bytes]] = upper
         child.key = child.key[at:]
         child.value = child.value[k:]
@@ -716,6 +726,9 @@ class HybridRadixCache:
                     assert first == n.key[:pb], f"{n!r} indexed under the wrong first page"
                     assert n.value.dim() == 1 and n.value.numel() == n.num_tokens, (
                         f"{n!r} holds {n.value.numel()} KV indices for {n.num_tokens} tokens"
+                    )
+                    assert n.value_np is None or np.array_equal(n.value_np, n.value.numpy()), (
+                        f"{n!r} numpy view of its KV indices disagrees with the tensor"
                     )
                     assert n.depth == p.depth + n.num_tokens, f"{n!r} depth != parent depth {p.depth} + edge"
                     own = n.snap_lock
