@@ -396,7 +396,7 @@ CORRUPTIONS: dict[str, Callable[[HybridRadixCache, TreeNode, TreeNode], object]]
     "page aligned": lambda c, i, leaf: setattr(leaf, "key", leaf.key[:3]),
     "wrong first page": lambda c, i, leaf: setattr(leaf, "key", (9).to_bytes(4, "little")),
     "KV indices": lambda c, i, leaf: setattr(leaf, "value", leaf.value[:0]),
-    "numpy view": lambda c, i, leaf: setattr(leaf, "value_np", leaf.value_np + 1),
+    "numpy view": lambda c, i, leaf: setattr(leaf, "value_np", leaf.value.numpy() + 1),
     "depth": lambda c, i, leaf: setattr(leaf, "depth", 7),
     "kv_lock": lambda c, i, leaf: setattr(i, "kv_lock", 1),
     "tombstone leaf": lambda c, i, leaf: c._free_snapshot(leaf),
