@@ -78,3 +78,12 @@ def test_the_example_adapter_runs_clean() -> None:
     spec.loader.exec_module(module)
     assert isinstance(module.ToyAdapter(), HostAdapter)
     run_fuzz(40, seed=1, factory=module.ToyAdapter)
+
+
+def test_the_kit_is_exported_from_radixcache_testing() -> None:
+    import radixcache.testing as kit
+
+    assert kit.make_machine is make_machine and kit.ManagerAdapter is ManagerAdapter
+    assert set(kit.FUZZ_BUGS) == set(FUZZ_BUGS) and callable(kit.shared_prefix_keys)
+    with pytest.raises(AttributeError, match="no attribute"):
+        kit.not_a_thing  # noqa: B018

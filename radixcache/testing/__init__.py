@@ -1,0 +1,53 @@
+"""radixcache.testing: what a host needs to prove its integration right.
+
+- the reference hybrid model and engine, and the ground-truth hammer (``model``, ``engine``,
+  ``hammer``);
+- the fuzzing kit: hypothesis strategies, the host-adapter protocol with our default adapter, the
+  state machine and a seeded runner (``strategies``, ``adapter``, ``fuzz``);
+- the historical bugs to inject (``inject``).
+
+Names are imported on first use, so ``import radixcache.testing`` needs neither hypothesis nor
+transformers; the fuzzing names need the ``test`` extra.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "HybridConfig": "model",
+    "HybridModel": "model",
+    "GatedDeltaNet": "model",
+    "KVPool": "model",
+    "EngineRequest": "engine",
+    "ReferenceEngine": "engine",
+    "generate_cold": "engine",
+    "HammerConfig": "hammer",
+    "HammerReport": "hammer",
+    "run_hammer": "hammer",
+    "format_report": "hammer",
+    "HostAdapter": "adapter",
+    "ManagerAdapter": "adapter",
+    "advance": "adapter",
+    "prefix_state": "adapter",
+    "HostMachine": "fuzz",
+    "make_machine": "fuzz",
+    "run_fuzz": "fuzz",
+    "token_keys": "strategies",
+    "shared_prefix_keys": "strategies",
+    "image_prompts": "strategies",
+    "lifecycles": "strategies",
+    "Lifecycle": "strategies",
+    "BUGS": "inject",
+    "FUZZ_BUGS": "inject",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'radixcache.testing' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{module}", __name__), name)
