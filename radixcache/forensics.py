@@ -209,6 +209,10 @@ class Forensics:
         self._holds: dict[int, _Holds] = {}
 
     # ------------------------------------------------------------- ledger
+    @staticmethod
+    def _where(snap: _Snap) -> dict[str, Any]:
+        return {"node": snap.node, "slot": snap.slot, "depth": snap.depth, "key": snap.key}
+
     def _log(self, ev: str, **fields: Any) -> None:
         if self.ledger is not None:
             fields["ev"], fields["step"], fields["t"] = ev, self.step, time.time()
@@ -266,16 +270,7 @@ class Forensics:
             snap.fence.wait()  # the restore waits this fence anyway
             self._settle()
         found = self._verify(snap, "restore")
-        self._log(
-            "restore",
-            node=node,
-            slot=snap.slot,
-            dst=dst,
-            owner=_jsonable(rid),
-            depth=snap.depth,
-            key=snap.key,
-            fp=found,
-        )
+        self._log("restore", **self._where(snap), dst=dst, owner=_jsonable(rid), fp=found)
 
     def snapshot_freed(self, node: int, slot: int) -> None:
         """The tree evicted ``node``'s snapshot."""
@@ -290,7 +285,7 @@ class Forensics:
                 del self._by_slot[snap.slot]
         if snap in self._pending:
             self._pending.remove(snap)
-        self._log("evict", node=node, slot=slot, depth=snap.depth, key=snap.key)
+        self._log("evict", **self._where(snap))
 
     def verify_all(self) -> int:
         """Verify every snapshot whose fingerprint was taken; returns how many were checked."""
@@ -320,15 +315,7 @@ class Forensics:
                 continue
             snap.fp = self.pool.fingerprint(snap.slot)
             snap.clean_step = self.step
-            self._log(
-                "donate",
-                node=snap.node,
-                slot=snap.slot,
-                depth=snap.depth,
-                key=snap.key,
-                fp=snap.fp,
-                owner=_jsonable(snap.donor),
-            )
+            self._log("donate", **self._where(snap), fp=snap.fp, owner=_jsonable(snap.donor))
             parent = self._snaps.get(snap.parent) if snap.parent is not None else None
             parent_fp = parent.fp if parent is not None else None
             if snap.depth > 0 and (snap.fp == 0 or (parent_fp == snap.fp and snap.depth > snap.parent_depth)):
@@ -344,21 +331,9 @@ class Forensics:
 
     def _verify(self, snap: _Snap, why: str) -> int:
         assert snap.fp is not None
-        if not self.pool.last_use(snap.slot).is_complete():
-            self.pool.last_use(snap.slot).wait()
-        found = self.pool.fingerprint(snap.slot)
+        found = self.pool.fingerprint(snap.slot)  # waits the pool's own pending work on the slot
         ok = found == snap.fp
-        self._log(
-            "verify",
-            node=snap.node,
-            slot=snap.slot,
-            depth=snap.depth,
-            key=snap.key,
-            fp=found,
-            expected=snap.fp,
-            ok=ok,
-            why=why,
-        )
+        self._log("verify", **self._where(snap), fp=found, expected=snap.fp, ok=ok, why=why)
         if ok:
             snap.clean_step = self.step
         else:

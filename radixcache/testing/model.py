@@ -333,6 +333,12 @@ class HybridModel(nn.Module):
         )
         self.requires_grad_(False)
 
+    def _gdn(self, i: int) -> tuple[int, GatedDeltaNet]:
+        """Layer ``i``'s index among the linear layers (its row in the pool), and its mixer."""
+        mixer = self.mixers[i]
+        assert isinstance(mixer, GatedDeltaNet)
+        return self.cfg.linear_layers.index(i), mixer
+
     @torch.no_grad()
     def prefill(
         self,
@@ -354,9 +360,7 @@ class HybridModel(nn.Module):
         for i, kind in enumerate(cfg.layer_types):
             hcur = self.norms1[i](x)
             if kind == "linear":
-                li = cfg.linear_layers.index(i)
-                mixer = self.mixers[i]
-                assert isinstance(mixer, GatedDeltaNet)
+                li, mixer = self._gdn(i)
                 out, conv, rec, cap = mixer.prefill(hcur, pool.conv[li, slot], pool.recurrent[li, slot], start, depths)
                 pool.conv[li, slot].copy_(conv)
                 pool.recurrent[li, slot].copy_(rec)
@@ -389,9 +393,7 @@ class HybridModel(nn.Module):
         for i, kind in enumerate(cfg.layer_types):
             hcur = self.norms1[i](x)
             if kind == "linear":
-                li = cfg.linear_layers.index(i)
-                mixer = self.mixers[i]
-                assert isinstance(mixer, GatedDeltaNet)
+                li, mixer = self._gdn(i)
                 out = mixer.decode(hcur, pool.conv[li], pool.recurrent[li], slots)
             else:
                 fi = cfg.full_layers.index(i)
