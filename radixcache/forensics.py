@@ -26,7 +26,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -297,6 +297,28 @@ class Forensics:
                 self._verify(snap, "verify_all")
                 n += 1
         return n
+
+    def check_invariants(self, live_snapshots: Mapping[int, int] | None = None) -> None:
+        """Verify the bookkeeping; raise ``AssertionError`` naming the first broken rule. O(snapshots).
+
+        Every tracked snapshot is claimed by its slot in the slot index and vice versa; a snapshot
+        has a donation fingerprint exactly when it is no longer pending. With ``live_snapshots``
+        (tree node id -> snapshot slot), every tracked snapshot is one the tree still holds there.
+        """
+        for node, snap in self._snaps.items():
+            assert snap.node == node, f"snapshot record of node {node} names node {snap.node}"
+            assert node in self._by_slot.get(snap.slot, ()), f"node {node} missing from slot {snap.slot}'s claims"
+            pending = any(p is snap for p in self._pending)
+            assert pending == (snap.fp is None), f"node {node}: pending={pending} but fingerprint {snap.fp}"
+            if live_snapshots is not None:
+                assert live_snapshots.get(node) == snap.slot, (
+                    f"forensics tracks node {node} at slot {snap.slot}; the tree holds {live_snapshots.get(node)}"
+                )
+        for slot, nodes in self._by_slot.items():
+            assert nodes, f"slot {slot} keeps an empty claim set"
+            for node in nodes:
+                assert node in self._snaps and self._snaps[node].slot == slot, f"slot {slot} claims stale node {node}"
+        assert all(p.node in self._snaps for p in self._pending), "a pending donation is not tracked"
 
     def close(self) -> None:
         """Flush the ledger."""

@@ -464,10 +464,13 @@ class CacheManager:
 
         No slot id held by the tree and by a request at once; every request slot owned by its
         request in the pool; free + tree + requests == capacity; each request's lock node alive
-        and locked; the tree's and the pool's invariants.
+        and locked; the tree's and the pool's invariants; the forensics' bookkeeping, when on.
         """
         self.cache.check_invariants()
-        tree_slots = {n.snapshot for n in self.cache.iter_nodes() if n.snapshot is not None}
+        snapshots = {n.id: n.snapshot for n in self.cache.iter_nodes() if n.snapshot is not None}
+        tree_slots = set(snapshots.values())
+        if self.forensics is not None:
+            self.forensics.check_invariants(snapshots)
         req_slots: set[int] = set()
         for rid, rec in self._requests.items():
             slots = (rec.live, *rec.tracks)

@@ -180,3 +180,20 @@ def test_no_false_positive_over_a_clean_hammer_of_500(tmp_path: Path) -> None:
     events = read_ledger(tmp_path / "clean.jsonl")
     assert sum(e["ev"] == "restore" for e in events) > 100
     assert not [e for e in events if e["ev"] == "corruption"]
+
+
+def test_manager_invariants_cover_the_forensics_bookkeeping(tmp_path: Path) -> None:
+    h = forensic_host(tmp_path)
+    run(h, "a", tokens(200))
+    h.mgr.verify_all()
+    h.mgr.check_invariants()
+    fx = h.mgr.forensics
+    assert fx is not None and fx._snaps
+    node = next(iter(fx._snaps))
+    fx._by_slot[fx._snaps[node].slot].discard(node)  # the slot index forgets a snapshot
+    with pytest.raises(AssertionError, match="missing from slot"):
+        h.mgr.check_invariants()
+    fx._by_slot[fx._snaps[node].slot].add(node)
+    fx._snaps[node].slot += 1000  # tracked at a slot the tree does not hold
+    with pytest.raises(AssertionError):
+        h.mgr.check_invariants()
