@@ -11,6 +11,7 @@ from linear_state import (
     SlotMisuse,
     StateLayout,
 )
+from linear_state.fingerprint import BLOCK
 
 A, B, N = RequestOwner("A"), RequestOwner("B"), NodeOwner(7)
 
@@ -194,29 +195,62 @@ def test_check_invariants_detects_corruption(pool: LinearStatePool) -> None:
         pool.check_invariants()
 
 
+def _reference_fingerprint(pool: LinearStatePool, slot: int) -> int:
+    """The documented formula in Python ints: sum over rows and blocks of M[row, b] * block sum."""
+    m = pool._hasher._m.tolist()
+    total, row = 0, 0
+    for t in (pool.conv, pool.recurrent):
+        for layer in range(t.shape[0]):
+            raw = t[layer, slot].contiguous().view(torch.uint8).numpy().tobytes()
+            width = 8 if len(raw) % 8 == 0 else 4 if len(raw) % 4 == 0 else 2 if len(raw) % 2 == 0 else 1
+            words = [int.from_bytes(raw[i : i + width], "little", signed=True) for i in range(0, len(raw), width)]
+            for b in range(0, len(words), BLOCK):
+                total += m[row][b // BLOCK] * sum(words[b : b + BLOCK])
+            row += 1
+    return total % 2**64
+
+
 @pytest.mark.parametrize(
     "layout",
     [
         StateLayout(3, (6, 3), (2, 4, 4)),  # small rows: one short block each
-        StateLayout(2, (4096 + 7, 3), (3, 64, 64)),  # rows of several blocks plus a tail
+        StateLayout(2, (64 + 7, 3), (3, 8, 8)),  # rows of several blocks plus a tail
         StateLayout(2, (5, 3), (3,), conv_dtype=torch.bfloat16),  # odd-sized rows (30 and 12 bytes)
     ],
 )
-def test_cpu_and_device_fingerprint_paths_agree(layout: StateLayout) -> None:
+def test_fingerprint_matches_its_formula_and_device_combination(layout: StateLayout) -> None:
     pool = LinearStatePool(layout, 2)
-    pool.conv.normal_()
-    pool.recurrent.normal_()
+    pool.conv.normal_(std=1e6)  # large words: products and sums wrap modulo 2**64
+    pool.recurrent.normal_(std=1e6)
     for s in range(2):
-        assert pool._hasher._fingerprint_cpu(s) == pool._hasher._fingerprint_torch(s)
+        fp = pool.fingerprint(s)
+        assert fp == _reference_fingerprint(pool, s)
+        assert fp == pool._hasher._combine_torch()  # the CUDA combination of the same partial sums
 
 
-def test_large_slot_fingerprint_threads_agree_and_detect() -> None:
-    layout = StateLayout.for_gdn(4, 4, 16, 128, 128)  # > 4 MiB: the threaded path
-    assert layout.slot_bytes >= 4 << 20
-    pool = LinearStatePool(layout, 1)
-    s = pool.alloc(A)
+def test_large_slot_fingerprint_detects_first_and_last_elements() -> None:
+    layout = StateLayout.for_gdn(4, 4, 16, 128, 128)  # 4 MiB rows
+    pool = LinearStatePool(layout, 2)
+    s, other = pool.alloc_many(A, 2)
     pool.recurrent.normal_()
     fp = pool.fingerprint(s)
-    assert fp == pool._hasher._fingerprint_torch(s)
+    assert fp != pool.fingerprint(other)
     pool.recurrent[3, s, 15, 127, 127] += 1.0  # the very last element of the last layer
-    assert pool.fingerprint(s) != fp
+    fp2 = pool.fingerprint(s)
+    assert fp2 != fp
+    pool.recurrent[0, s, 0, 0, 0] += 1.0  # the first element of the first layer
+    assert pool.fingerprint(s) not in (fp, fp2)
+
+
+def test_fingerprint_detects_swapped_blocks_and_layers() -> None:
+    pool = LinearStatePool(StateLayout(2, (4, 3), (2, 16, 16)), 1)
+    s = pool.alloc(A)
+    pool.recurrent.normal_()
+    base = pool.fingerprint(s)
+    rec = pool.recurrent[:, s]
+    rec[0, [0, 1]] = rec[0, [1, 0]].clone()  # two heads (2 blocks each) exchanged
+    assert pool.fingerprint(s) != base
+    rec[0, [0, 1]] = rec[0, [1, 0]].clone()
+    assert pool.fingerprint(s) == base
+    rec[[0, 1]] = rec[[1, 0]].clone()  # two layers exchanged
+    assert pool.fingerprint(s) != base
