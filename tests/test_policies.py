@@ -1,12 +1,18 @@
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
+from linear_state import LinearStatePool, RequestOwner, StateLayout
+from radixcache import HybridRadixCache
 from radixcache.bench_trace import markdown_table, run_grid, write_report
 from radixcache.cli import main
 from radixcache.policies import POLICIES, AlignLastBlock, BranchFlop, Ours, RequestInfo, TrackAndFinish, make_policy
+from radixcache.policies.branch_flop import UtilityHeap
 from radixcache.replay import PRESETS, replay
 from radixcache.traces import TraceRecord, generate, read_trace, write_trace
+from radixcache.tree import TreeNode
 
 Q = PRESETS["qwen3-next-80b"]
 GiB = 1 << 30
@@ -94,3 +100,31 @@ def test_report_table_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     write_trace(generate("edge")[:30], tmp_path / "e.jsonl")
     assert main(["bench-trace", str(tmp_path / "e.jsonl"), "--policy", "ours", "--budget", "1"]) == 0
     assert '"policy": "ours"' in capsys.readouterr().out
+
+
+class _Tree:
+    """A tree whose sequences are distinct 64-token keys under an optional shared prefix."""
+
+    def __init__(self) -> None:
+        self.pool = LinearStatePool(StateLayout(1, (1, 1), (1,)), 64)
+        self.cache = HybridRadixCache(self.pool)
+        self.slot = self.pool.alloc(RequestOwner("donor"))
+        self.rng = np.random.default_rng(0)
+
+    def add(self, key: np.ndarray) -> TreeNode:
+        return self.cache.insert(key, torch.arange(len(key)), state_slot=self.slot).node
+
+    def fresh(self, n: int = 64) -> np.ndarray:
+        return self.rng.integers(0, 1 << 20, n).astype(np.int32)
+
+
+def test_utility_heap_keeps_a_locked_node_ranked() -> None:
+    t, heap = _Tree(), UtilityHeap()
+    low, high = t.add(t.fresh()), t.add(t.fresh())
+    heap.push(low, 1.0)
+    heap.push(high, 2.0)
+    t.cache.lock(low)  # a running request restores from it: not evictable now
+    assert heap.pop_evictable() is high
+    t.cache.unlock(low)
+    assert heap.pop_evictable() is low, "the locked node must still be a candidate once unlocked"
+    assert heap.pop_evictable() is None

@@ -35,15 +35,26 @@ class UtilityHeap:
             heapq.heapify(self._heap)
 
     def pop_evictable(self) -> TreeNode | None:
+        """The lowest-utility unlocked node with a snapshot, removed from the heap; None if none.
+
+        Locked nodes (a running request restores from them) are skipped and stay ranked.
+        """
+        locked: list[tuple[float, int, int, TreeNode]] = []
+        found: TreeNode | None = None
         while self._heap:
-            _, n, nid, node = heapq.heappop(self._heap)
+            entry = heapq.heappop(self._heap)
+            _, n, nid, node = entry
             if self._stamp.get(nid) != n or not _alive(node):
                 continue
-            del self._stamp[nid]
             if node.snap_lock:
-                continue  # locked now; it is pushed again when touched after unlock
-            return node
-        return None
+                locked.append(entry)
+                continue
+            del self._stamp[nid]
+            found = node
+            break
+        for entry in locked:
+            heapq.heappush(self._heap, entry)
+        return found
 
 
 def _alive(node: TreeNode) -> bool:
