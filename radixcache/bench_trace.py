@@ -12,7 +12,7 @@ from .policies import make_policy
 from .replay import PRESETS, replay
 from .traces import TraceRecord, generate, read_trace
 
-__all__ = ["DEFAULT_BUDGETS_GIB", "load_trace", "markdown_table", "plot", "run_grid", "write_report"]
+__all__ = ["DEFAULT_BUDGETS_GIB", "edge_case_table", "load_trace", "markdown_table", "plot", "run_grid", "write_report"]
 
 GiB = 1 << 30
 DEFAULT_BUDGETS_GIB: dict[str, tuple[float, ...]] = {
@@ -79,6 +79,37 @@ def markdown_table(rows: Sequence[dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
+_EDGE_CASES = {
+    "resend": "identical re-send",
+    "midblock": "1,500 shared + 700 unique",
+    "short": "shorter than one block",
+}
+
+
+def edge_case_table(rows: Sequence[dict[str, object]]) -> str:
+    """Token hit rate per edge case (rows of the ``edge`` trace), one column per policy; a policy
+    that hits nothing on a case shows **0**. Empty when there are no edge rows."""
+    edge = [r for r in rows if r["trace"] == "edge"]
+    if not edge:
+        return ""
+    policies = list(dict.fromkeys(str(r["policy"]) for r in edge))
+    budgets = list(dict.fromkeys(_f(r["budget_gib"]) for r in edge))
+    lines = ["| edge case | budget | " + " | ".join(policies) + " |", "|" + "---|" * (2 + len(policies))]
+    for kind, label in _EDGE_CASES.items():
+        for b in budgets:
+            cells = []
+            for p in policies:
+                r = next(x for x in edge if x["budget_gib"] == b and x["policy"] == p)
+                kinds = r["per_session_kind"]
+                assert isinstance(kinds, dict)
+                hit, total = kinds.get(kind, (0, 0))
+                if total:
+                    cells.append("**0**" if hit == 0 else f"{hit / total:.1%}")
+            if cells:  # the case occurs in this trace
+                lines.append(f"| {label} | {b:g} GiB | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def plot(rows: Sequence[dict[str, object]], path: str | os.PathLike[str]) -> bool:
     """Token hit rate and FLOPs saved against budget, one panel pair per trace, one line per policy.
     Returns False (drawing nothing) when matplotlib is not installed."""
@@ -115,6 +146,9 @@ def write_report(rows: Sequence[dict[str, object]], doc: str | os.PathLike[str],
     the raw rows next to it as JSON."""
     drew = plot(rows, png)
     body = markdown_table(rows)
+    edge = edge_case_table(rows)
+    if edge:
+        body += "\n\nEdge cases, token hit rate of each (**0**: no hit at all):\n\n" + edge
     if drew:
         body += f"\n\n![token hit rate and FLOPs saved against budget]({Path(png).name})"
     path = Path(doc)

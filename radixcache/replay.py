@@ -116,7 +116,7 @@ def replay(
     trace: list[TraceRecord],
     policy: Policy,
     preset: ModelPreset,
-    budget_bytes: int,
+    budget_bytes: float,
     *,
     chunk: int = 2048,
     max_captures: int = 16,
@@ -125,21 +125,26 @@ def replay(
     """Replay ``trace`` (in timestamp order, one request at a time) with ``policy`` under
     ``budget_bytes`` of cache (tree KV plus snapshots).
 
-    :raises ValueError: a budget smaller than one snapshot.
+    :raises ValueError: a budget smaller than one snapshot. :raises TypeError: a budget that is not a
+        number (a float is rounded down to whole bytes).
     """
-    if budget_bytes < preset.snapshot_bytes:
-        raise ValueError(f"budget {budget_bytes} bytes is below one snapshot ({preset.snapshot_bytes} bytes)")
-    max_snaps = budget_bytes // preset.snapshot_bytes
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, float)):
+        raise TypeError(f"budget_bytes must be a number of bytes, got {budget_bytes!r}")
+    budget = int(budget_bytes)
+    if budget < preset.snapshot_bytes:
+        raise ValueError(f"budget {budget} bytes is below one snapshot ({preset.snapshot_bytes} bytes)")
+    max_snaps = budget // preset.snapshot_bytes
     pool = LinearStatePool(_TINY, max_snaps + 2 + max_captures)
     cache = HybridRadixCache(pool, page_size=1)
     mgr = CacheManager(cache, track_align=64, track_slots=max_captures)
     kvb, sb = preset.kv_bytes_per_token, preset.snapshot_bytes
-    res = ReplayResult(policy.name, preset.name, budget_bytes, 0, 0, 0, 0.0, 0.0, 0, 0, 0, 0.0, 0, 0.0)
+    policy.costs(sb, kvb)
+    res = ReplayResult(policy.name, preset.name, budget, 0, 0, 0, 0.0, 0.0, 0, 0, 0, 0.0, 0, 0.0)
     next_kv = 0
     t0 = time.perf_counter()
 
     def over() -> bool:
-        return cache.total_kv_tokens * kvb + cache.num_snapshots * sb > budget_bytes
+        return cache.total_kv_tokens * kvb + cache.num_snapshots * sb > budget
 
     def enforce(now: float) -> None:
         while over():
@@ -158,7 +163,8 @@ def replay(
         adm = mgr.admit(rid, ids)
         if not isinstance(adm, Admission):  # cannot happen with the pool sized above
             raise RuntimeError(f"request {i} refused: {adm.reason}")
-        req = RequestInfo(n, adm.cached_length, adm.token_length, rec.session_id, rec.ts)
+        req = RequestInfo(n, adm.cached_length, adm.token_length, rec.session_id, rec.ts, hash(tuple(ids)))
+        policy.admitted(req)
         if adm.cached_length:
             node = mgr._requests[rid].lock
             policy.touched(node, req, rec.ts)

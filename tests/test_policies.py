@@ -6,7 +6,7 @@ import torch
 
 from linear_state import LinearStatePool, RequestOwner, StateLayout
 from radixcache import HybridRadixCache
-from radixcache.bench_trace import markdown_table, run_grid, write_report
+from radixcache.bench_trace import edge_case_table, markdown_table, run_grid, write_report
 from radixcache.cli import main
 from radixcache.policies import POLICIES, AlignLastBlock, BranchFlop, Ours, RequestInfo, TrackAndFinish, make_policy
 from radixcache.policies.branch_flop import UtilityHeap
@@ -85,21 +85,21 @@ def test_ours_keeps_live_prefixes_on_fanout() -> None:
 def test_budget_below_one_snapshot_is_refused() -> None:
     with pytest.raises(ValueError, match="below one snapshot"):
         replay([TraceRecord("s", 0, 0.0, [1, 2, 3], [4])], make_policy("ours"), Q, 1000)
+    with pytest.raises(TypeError, match="number of bytes"):
+        replay([TraceRecord("s", 0, 0.0, [1, 2, 3], [4])], make_policy("ours"), Q, "4GiB")  # type: ignore[arg-type]
+    res = replay(generate("edge")[:9], make_policy("ours"), Q, 1.5 * GiB)  # a float budget: whole bytes
+    assert res.budget_bytes == int(1.5 * GiB)
 
 
-def test_report_table_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rows = run_grid([("edge", generate("edge")[:60])], ["ours", "branch-flop"], lambda _: (1.0, 2.0))
-    table = markdown_table(rows)
-    assert table.count("\n") == 3 and "ours: hit / FLOPs saved" in table and "**" in table
-    doc = tmp_path / "policies.md"
-    doc.write_text("intro\n<!-- policies-report:begin -->\nold\n<!-- policies-report:end -->\noutro\n")
-    write_report(rows, doc, tmp_path / "p.png")
-    text = doc.read_text()
-    assert text.startswith("intro") and text.rstrip().endswith("outro") and "old" not in text
-    assert (tmp_path / "policies.json").exists()
-    write_trace(generate("edge")[:30], tmp_path / "e.jsonl")
-    assert main(["bench-trace", str(tmp_path / "e.jsonl"), "--policy", "ours", "--budget", "1"]) == 0
-    assert '"policy": "ours"' in capsys.readouterr().out
+@pytest.mark.parametrize(("shape", "budget"), [("chat", 4), ("agentic", 2)])
+def test_ours_beats_the_best_baseline_by_a_fifth_at_the_tightest_budget(shape: str, budget: int) -> None:
+    trace = generate(shape)
+    ours = replay(trace, make_policy("ours"), Q, budget * GiB).token_hit_rate
+    best = max(replay(trace, make_policy(p), Q, budget * GiB).token_hit_rate for p in POLICIES if p != "ours")
+    assert ours >= 1.2 * best, f"{shape} at {budget} GiB: ours {ours:.3f}, best baseline {best:.3f}"
+
+
+# -- the mechanics of `ours`, on a small tree ---------------------------------------------------
 
 
 class _Tree:
@@ -128,3 +128,123 @@ def test_utility_heap_keeps_a_locked_node_ranked() -> None:
     t.cache.unlock(low)
     assert heap.pop_evictable() is low, "the locked node must still be a candidate once unlocked"
     assert heap.pop_evictable() is None
+
+
+def _req(session: str, ts: float, n: int = 64, digest: int = 0) -> RequestInfo:
+    return RequestInfo(n, 0, 0, session, ts, digest)
+
+
+def _think(policy: Ours, gaps: list[float]) -> None:
+    """Teach the policy think times: one session per gap, two requests that far apart."""
+    for i, g in enumerate(gaps):
+        policy.admitted(_req(f"teach{i}", 0.0))
+        policy.admitted(_req(f"teach{i}", g))
+
+
+def test_ours_evicts_superseded_turns_first() -> None:
+    t, pol = _Tree(), Ours()
+    turn1 = t.fresh()
+    a1 = t.add(turn1)
+    pol.donated(a1, _req("a", 0.0), "finish", 0.0)
+    other = t.add(t.fresh())
+    pol.donated(other, _req("b", 1.0), "finish", 1.0)
+    a2 = t.add(np.concatenate([turn1, t.fresh()]))
+    pol.donated(a2, _req("a", 10.0, 128), "finish", 10.0)  # turn 2 went past turn 1's final state
+    assert pol.density(a1, 10.0) < 0 <= pol.density(other, 10.0)
+    assert pol.evict_one(t.cache, 10.0)
+    assert a1.snapshot is None and other.snapshot is not None and a2.snapshot is not None
+    t.cache.check_invariants()
+
+
+def test_ours_keeps_a_superseded_turn_another_session_used() -> None:
+    t, pol = _Tree(), Ours()
+    turn1 = t.fresh()
+    a1 = t.add(turn1)
+    pol.donated(a1, _req("a", 0.0), "finish", 0.0)
+    pol.touched(a1, _req("c", 5.0), 5.0)  # another conversation hit it: shared now
+    a2 = t.add(np.concatenate([turn1, t.fresh()]))
+    pol.donated(a2, _req("a", 10.0, 128), "finish", 10.0)
+    assert pol.density(a1, 10.0) >= 0
+
+
+def test_ours_ranks_final_states_by_think_time() -> None:
+    t, pol = _Tree(), Ours()
+    _think(pol, [5.0 + 55.0 * i / 99 for i in range(100)])  # 5 to 60 s between turns
+    just_answered, halfway, over = (t.add(t.fresh()) for _ in range(3))
+    now = 100.0
+    pol.donated(just_answered, _req("a", now), "finish", now)
+    pol.donated(halfway, _req("b", now - 40.0), "finish", now - 40.0)
+    pol.donated(over, _req("c", now - 70.0), "finish", now - 70.0)  # idle beyond every think time
+    assert pol.density(over, now) == 0.0
+    assert pol.density(just_answered, now) < pol.density(halfway, now)
+    victims = []
+    for _ in range(2):
+        before = {n.id for n in (just_answered, halfway, over) if n.snapshot is not None}
+        assert pol.evict_one(t.cache, now)
+        victims += [i for i in before if i not in {n.id for n in (just_answered, halfway, over) if n.snapshot}]
+    assert victims == [over.id, just_answered.id], "the over conversation, then the one furthest from its turn"
+
+
+def test_ours_learns_which_captures_pay_from_the_request_stream() -> None:
+    pol = Ours()
+    for i in range(100):  # one-shot sessions, never a repeated prompt (a fan-out)
+        pol.admitted(_req(f"s{i}", float(i), digest=i + 1))
+    assert pol.rate("finish") < 0.05 and pol.rate("resend") < 0.05
+    req = RequestInfo(2200, 0, 1500, "new", 200.0, 7)
+    assert not pol.donate_finish(req)
+    assert pol.captures(req, 2048, 2200, decode=False) == [], "no re-send point: prompts never repeat"
+    assert pol.captures(req, 0, 2048, decode=False) == [1500, 2048], "prefix captures are still taken"
+    chatty = Ours()
+    for i in range(100):  # every session comes back with the same prompt
+        chatty.admitted(_req(f"s{i % 10}", float(i), digest=i % 10 + 1))
+    assert chatty.rate("finish") > 0.8 and chatty.rate("resend") > 0.8
+    assert chatty.donate_finish(req) and chatty.captures(req, 2048, 2200, decode=False) == [2199]
+
+
+def test_ours_values_a_prefix_by_what_it_adds_over_its_anchor() -> None:
+    t, pol = _Tree(), Ours()
+    pol.costs(snapshot_bytes=1000, kv_bytes_per_token=1)
+    shared = t.fresh()
+    root = t.add(shared)
+    pol.donated(root, _req("sys", 0.0), "capture", 0.0)
+    pol.touched(root, _req("x", 1.0), 1.0)  # used by two sessions: an anchor for everyone
+    deep = t.add(np.concatenate([shared, t.fresh()]))
+    pol.donated(deep, _req("y", 2.0, 128), "capture", 2.0)
+    assert pol._anchor_depth(pol._entries[deep.id]) == 64
+    mine = t.add(np.concatenate([shared, t.fresh(), t.fresh()]))
+    pol.donated(mine, _req("z", 3.0, 192), "capture", 3.0)
+    assert pol._anchor_depth(pol._entries[mine.id]) == 64
+
+
+def test_ours_sampled_eviction_and_argument_errors() -> None:
+    t, pol = _Tree(), Ours(sample=4, exact_below=8)
+    nodes = [t.add(t.fresh()) for _ in range(40)]
+    for i, n in enumerate(nodes):
+        pol.donated(n, _req(f"s{i}", float(i)), "capture", float(i))
+    for _ in range(30):
+        assert pol.evict_one(t.cache, 50.0)
+    assert t.cache.num_snapshots == 10
+    t.cache.check_invariants()
+    with pytest.raises(ValueError, match=r"min_rate=1\.5"):
+        Ours(min_rate=1.5)
+    with pytest.raises(ValueError, match="kv/token 0"):
+        pol.costs(100, 0)
+
+
+def test_report_table_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rows = run_grid([("edge", generate("edge")[:60])], ["ours", "branch-flop"], lambda _: (1.0, 2.0))
+    table = markdown_table(rows)
+    assert table.count("\n") == 3 and "ours: hit / FLOPs saved" in table and "**" in table
+    doc = tmp_path / "policies.md"
+    doc.write_text("intro\n<!-- policies-report:begin -->\nold\n<!-- policies-report:end -->\noutro\n")
+    write_report(rows, doc, tmp_path / "p.png")
+    text = doc.read_text()
+    assert text.startswith("intro") and text.rstrip().endswith("outro") and "old" not in text
+    assert (tmp_path / "policies.json").exists()
+    edge = edge_case_table(run_grid([("edge", generate("edge"))], ["align-last-block", "ours"], lambda _: (2.0,)))
+    short = next(line for line in edge.splitlines() if line.startswith("| shorter than one block"))
+    assert short.split(" | ")[2] == "**0**" and "**0**" not in short.split(" | ")[3], short
+    assert "edge case" in text and edge_case_table(rows).count("\n") == 3, "the one case this trace has, 2 budgets"
+    write_trace(generate("edge")[:30], tmp_path / "e.jsonl")
+    assert main(["bench-trace", str(tmp_path / "e.jsonl"), "--policy", "ours", "--budget", "1"]) == 0
+    assert '"policy": "ours"' in capsys.readouterr().out

@@ -20,4 +20,4 @@ def make_policy(name: str) -> Policy:
     """A fresh policy by name. :raises ValueError: unknown name."""
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; known: {sorted(POLICIES)}")
-    return POLICIES[name]()  # type: ignore[abstract]
+    return POLICIES[name]()

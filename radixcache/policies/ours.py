@@ -1,106 +1,384 @@
-"""``ours``: captures where hits come from; segmented-LRU eviction that keeps what proved useful.
+"""``ours``: captures where hits come from; evicts the snapshot with the lowest *hit density*.
 
-Captures, per scheduled prefill step: the branch point (where the prompt left the KV already in
-the tree: a prefix another request proved shared, hit from its second occurrence on), the last
-block boundary of the step (a prefix seen once already hits partly), and in the last step the
-re-send point (prompt length - 1: identical prompts match all but their last id); at finish, the
-final state (multi-turn continuations hit it).
+Captures, per scheduled prefill step: the last block boundary of the step (a prefix seen once
+already hits partly), the branch point (where the prompt left the KV already in the tree: a
+prefix another request proved shared) and, in the last step, the re-send point (prompt length - 1:
+identical prompts match all but their last id); at finish, the final state (a conversation's next
+turn continues it). A kind of capture whose measured reuse rate is below ``min_rate`` is skipped;
+for block and branch captures, whose rate is measured on what the cache kept, one in ``explore``
+is still taken so the rate keeps being measured.
 
-Eviction, each step O(log n) over lazy heaps, in segments evicted in this order:
+Eviction ranks each snapshot by its hit density: the prefill tokens it is expected to save, per
+byte it holds, per second it will hold them (the idea of LHD, Beckmann et al., NSDI 2018, in tokens
+and bytes)::
 
-0. superseded: a conversation's snapshots from earlier turns once a later turn went past them
-   (its new final state serves every continuation), unless another session used them or they
-   served hits;
-1. probation: ends of one request's own text (re-send points, final states) that never served a
-   hit, least recently donated first: one-shot traffic churns here;
-2. prefix probation: prefix points (block boundaries, branch points) that never served a hit:
-   likelier to be shared than one request's own end;
-3. protected: snapshots that served a hit, least recently used first: shared system prompts,
-   live conversations, re-sent prompts.
+    density = q * gain / (bytes * wait)
 
-A global LRU lets a burst of one-shot snapshots drain the live conversations; here a burst only
-cycles through probation.
+- ``gain``: tokens a hit saves over the next snapshot up the path that would still serve it (an
+  ancestor from another conversation, or one several conversations used);
+- ``bytes``: the snapshot plus, for a leaf, the KV that goes with it;
+- ``q`` and ``wait``: the chance it is used again and the expected time until then. For a final
+  state these come from the conversations' *think time* (the gaps between a session's requests,
+  measured on every request whether it hit or not): a conversation just answered waits a whole
+  think time, one idle for a while is due soon, one idle beyond every observed gap is over.
+  For other kinds, ``q`` is the kind's measured reuse rate and ``wait`` its mean reuse gap plus
+  the time it has been idle (older is colder).
+
+Before any of that, a conversation's snapshots from earlier turns go as soon as a later turn went
+past them (superseded), unless another conversation used them.
+
+Why not LRU: with many live conversations and a budget that holds only some, LRU evicts each one
+just before its next turn (the least recently used is the one about to come back) and hits almost
+nothing; ranking by think time keeps a stable set of conversations whole. Reuse rates of final
+states and re-send points are measured on the request stream (how often a session comes back, how
+often a prompt repeats), never on what the cache kept, so an early eviction cannot teach the
+policy that a kind is useless.
+
+Cost per eviction: exact over every tracked snapshot up to ``exact_below`` of them, otherwise the
+best of ``sample`` drawn at random (seeded): O(sample x path length), whatever the tree size.
 """
 
 from __future__ import annotations
 
+import bisect
+import random
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
 from ..tree import HybridRadixCache, TreeNode
 from .base import Policy, RequestInfo
-from .branch_flop import UtilityHeap
 
 __all__ = ["Ours"]
 
-SUPERSEDED, PROBATION, PREFIX_PROBATION, PROTECTED = 0, 1, 2, 3
+FINISH, RESEND, BLOCK, BRANCH, HIT = "finish", "resend", "block", "branch", "hit"
+_DECAY = 0.999  # counts fade with a half-life of ~700 events: a policy for a changing workload
+_MIN_THINK_SAMPLES = 8
+_REMEMBER = 1 << 16  # sessions and prompt digests remembered
+
+
+@dataclass
+class _Entry:
+    node: TreeNode
+    kind: str
+    last: float  # donation or last hit
+    session: str
+    ts: float  # arrival of the donating request
+    users: set[str] = field(default_factory=set)
+
+
+class _Rate:
+    """A decayed success fraction with a uniform prior: (s + 1) / (n + 2)."""
+
+    __slots__ = ("n", "s")
+
+    def __init__(self) -> None:
+        self.s = 0.0
+        self.n = 0.0
+
+    def add(self, success: bool) -> None:
+        self.s = self.s * _DECAY + success
+        self.n = self.n * _DECAY + 1.0
+
+    @property
+    def value(self) -> float:
+        return (self.s + 1.0) / (self.n + 2.0)
+
+
+class _Mean:
+    """A decayed mean (``default`` until the first sample)."""
+
+    __slots__ = ("n", "total")
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self.n = 0.0
+
+    def add(self, x: float) -> None:
+        self.total = self.total * _DECAY + x
+        self.n = self.n * _DECAY + 1.0
+
+    def value(self, default: float) -> float:
+        return self.total / self.n if self.n else default
+
+
+class _Gaps:
+    """The last ``window`` think times; survival and mean residual wait at an age, O(log window)."""
+
+    def __init__(self, window: int = 1024) -> None:
+        self.window = window
+        self._fifo: list[float] = []
+        self._sorted: list[float] = []
+        self._suffix: list[float] | None = None  # suffix sums of _sorted, rebuilt lazily
+
+    def __len__(self) -> int:
+        return len(self._fifo)
+
+    def add(self, gap: float) -> None:
+        self._fifo.append(gap)
+        bisect.insort(self._sorted, gap)
+        if len(self._fifo) > self.window:
+            old = self._fifo.pop(0)
+            del self._sorted[bisect.bisect_left(self._sorted, old)]
+        self._suffix = None
+
+    def tail(self, age: float) -> tuple[float, float]:
+        """``(P(gap > age), E[gap - age | gap > age])``; ``(0, 0)`` beyond every observed gap."""
+        if self._suffix is None:
+            acc, suffix = 0.0, [0.0] * (len(self._sorted) + 1)
+            for i in range(len(self._sorted) - 1, -1, -1):
+                acc += self._sorted[i]
+                suffix[i] = acc
+            self._suffix = suffix
+        n = len(self._sorted)
+        i = bisect.bisect_right(self._sorted, age)
+        if i >= n:
+            return 0.0, 0.0
+        return (n - i) / n, self._suffix[i] / (n - i) - age
 
 
 class Ours(Policy):
+    """:param block: block size of the boundary captures; :param min_rate: captures of a kind reused
+    less often than this are skipped (but one in ``explore`` is taken); :param sample: candidates
+    drawn per eviction once more than ``exact_below`` snapshots are tracked; :param seed: of that draw.
+    """
+
     name = "ours"
 
-    def __init__(self, block: int = 512) -> None:
-        self.block = block
-        self.heaps = tuple(UtilityHeap() for _ in range(4))
-        self.segment: dict[int, int] = {}
-        self.session_of: dict[int, str] = {}
-        self.is_finish: set[int] = set()
-        self.users: dict[int, set[str]] = {}
-        self.donated_at: dict[int, float] = {}  # arrival time of the request that donated it
+    def __init__(
+        self,
+        block: int = 512,
+        *,
+        min_rate: float = 0.05,
+        explore: int = 16,
+        sample: int = 64,
+        exact_below: int = 256,
+        seed: int = 0,
+    ) -> None:
+        if block <= 0 or explore <= 0 or sample <= 0 or not 0.0 <= min_rate < 1.0:
+            raise ValueError(
+                "need block > 0, explore > 0, sample > 0, 0 <= min_rate < 1; "
+                f"got block={block}, explore={explore}, sample={sample}, min_rate={min_rate}"
+            )
+        self.block, self.min_rate, self.explore = block, min_rate, explore
+        self.sample, self.exact_below = sample, exact_below
+        self._rng = random.Random(seed)
+        self._entries: dict[int, _Entry] = {}
+        self._items: list[int] = []  # tracked node ids, for O(1) sampling
+        self._pos: dict[int, int] = {}
+        self._superseded: OrderedDict[int, TreeNode] = OrderedDict()
+        self._outcome = {k: _Rate() for k in (BLOCK, BRANCH, HIT)}  # measured on what the cache kept
+        self._continued = _Rate()  # requests whose session came before: reuse of final states
+        self._repeated = _Rate()  # requests whose prompt came before: reuse of re-send points
+        self._gap = {k: _Mean() for k in (BLOCK, BRANCH, HIT, RESEND, FINISH)}
+        self._think = _Gaps()
+        self._sessions: OrderedDict[str, float] = OrderedDict()
+        self._digests: OrderedDict[int, None] = OrderedDict()
+        self._skipped = dict.fromkeys((FINISH, RESEND, BLOCK, BRANCH), 0)
+
+    # -- what the request stream says -------------------------------------------------------------
+
+    def admitted(self, req: RequestInfo) -> None:
+        last = self._sessions.pop(req.session, None)
+        self._continued.add(last is not None)
+        if last is not None:
+            self._think.add(max(0.0, req.ts - last))
+        self._sessions[req.session] = req.ts
+        if len(self._sessions) > _REMEMBER:
+            self._sessions.popitem(last=False)
+        if req.prompt_digest:
+            seen = req.prompt_digest in self._digests
+            self._repeated.add(seen)
+            self._digests[req.prompt_digest] = None
+            self._digests.move_to_end(req.prompt_digest)
+            if len(self._digests) > _REMEMBER:
+                self._digests.popitem(last=False)
+
+    def rate(self, kind: str) -> float:
+        """Measured reuse rate of a kind of snapshot (``finish``, ``resend``, ``block``, ``branch``,
+        ``hit``: one that served a hit already)."""
+        if kind == FINISH:
+            return self._continued.value
+        if kind == RESEND:
+            return self._repeated.value
+        return self._outcome[kind].value
+
+    # -- captures ---------------------------------------------------------------------------------
+
+    def _want(self, kind: str) -> bool:
+        if self.rate(kind) >= self.min_rate:
+            return True
+        self._skipped[kind] += 1
+        # Final states and re-send points have their rates from the request stream: no need to
+        # spend memory finding out. Block and branch captures learn only from what was kept.
+        return kind in (BLOCK, BRANCH) and self._skipped[kind] % self.explore == 0
+
+    @staticmethod
+    def _kind(req: RequestInfo, depth: int) -> str:
+        if depth == req.branch:
+            return BRANCH
+        return RESEND if depth == req.prompt_len - 1 else BLOCK
 
     def captures(self, req: RequestInfo, start: int, end: int, *, decode: bool) -> list[int]:
         if decode:
             return []
+        out = set()
         last = end // self.block * self.block
-        out = {last} if last > start else set()
-        if start < req.branch <= end and req.branch > req.hit:
-            out.add(req.branch)
+        if last > start:
+            out.add(last)
+        if req.hit < req.branch < req.prompt_len - 1 and start < req.branch <= end:
+            out.add(req.branch)  # where the prompt leaves the tree (a whole-prompt match has none)
         if end == req.prompt_len and req.prompt_len > 1:
             out.add(req.prompt_len - 1)
-        return sorted(d for d in out if start < d <= end)
+        return sorted(d for d in out if start < d <= end and self._want(self._kind(req, d)))
 
     def donate_finish(self, req: RequestInfo) -> bool:
-        return True
+        return self._want(FINISH)
 
-    def _place(self, node: TreeNode, segment: int, now: float) -> None:
-        self.segment[node.id] = segment
-        self.heaps[segment].push(node, now)
+    # -- what the tree holds ----------------------------------------------------------------------
+
+    def _track(self, e: _Entry) -> None:
+        nid = e.node.id
+        self._entries[nid] = e
+        if nid not in self._pos:
+            self._pos[nid] = len(self._items)
+            self._items.append(nid)
+
+    def _untrack(self, nid: int) -> None:
+        self._entries.pop(nid, None)
+        self._superseded.pop(nid, None)
+        i = self._pos.pop(nid, None)
+        if i is not None:
+            moved = self._items.pop()
+            if i < len(self._items):
+                self._items[i] = moved
+                self._pos[moved] = i
 
     def donated(self, node: TreeNode, req: RequestInfo, reason: str, now: float) -> None:
-        self.donated_at[node.id] = req.ts
-        self.session_of[node.id] = req.session
-        self.users[node.id] = {req.session}
-        if reason == "finish":
-            self.is_finish.add(node.id)
-            # This conversation went past its own earlier snapshots inside this prompt: a
-            # continuation hits the new final state, so those are dead weight unless shared.
-            anc = node.parent
-            while anc is not None and anc.depth > 0:
-                if (
-                    anc.snapshot is not None
-                    and anc.depth < req.prompt_len - 1
-                    and self.session_of.get(anc.id) == req.session
-                    and self.donated_at.get(anc.id, now) < req.ts  # an earlier turn's, not this one's
-                    and len(self.users.get(anc.id, ())) <= 1
-                    and self.segment.get(anc.id) != PROTECTED
-                ):
-                    self._place(anc, SUPERSEDED, now)
-                anc = anc.parent
-            self._place(node, PROBATION, now)
-        elif node.depth == req.prompt_len - 1 and node.depth != req.branch:
-            self._place(node, PROBATION, now)  # a re-send point: serves identical prompts only
-        else:
-            self._place(node, PREFIX_PROBATION, now)
+        kind = FINISH if reason == "finish" else self._kind(req, node.depth)
+        self._superseded.pop(node.id, None)
+        self._track(_Entry(node, kind, now, req.session, req.ts, {req.session}))
+        if reason != "finish":
+            return
+        # This conversation went past its own earlier snapshots: its next turn continues the new
+        # final state, so those are dead weight unless another conversation used them.
+        anc = node.parent
+        while anc is not None and anc.depth > 0:
+            e = self._entries.get(anc.id)
+            mine = anc.snapshot is not None and e is not None and e.session == req.session and e.ts < req.ts
+            if mine and e is not None and len(e.users) <= 1:
+                self._superseded[anc.id] = anc
+            anc = anc.parent
 
     def touched(self, node: TreeNode, req: RequestInfo, now: float) -> None:
-        self.users.setdefault(node.id, set()).add(req.session)
-        self._place(node, PROTECTED, now)
+        e = self._entries.get(node.id)
+        if e is None or e.node is not node:
+            e = _Entry(node, HIT, now, req.session, req.ts)
+        else:
+            if e.kind in self._outcome:
+                self._outcome[e.kind].add(True)
+            self._gap[e.kind].add(now - e.last)
+        e.kind, e.last = HIT, now
+        e.users.add(req.session)
+        self._superseded.pop(node.id, None)
+        self._track(e)
+
+    # -- eviction ---------------------------------------------------------------------------------
+
+    def _anchor_depth(self, e: _Entry) -> int:
+        """Depth of the nearest ancestor snapshot that would still serve a hit on ``e``'s path."""
+        anc = e.node.parent
+        while anc is not None and anc.depth > 0:
+            if anc.snapshot is not None and anc.id not in self._superseded:
+                a = self._entries.get(anc.id)
+                if a is None or a.session != e.session or len(a.users) > 1:
+                    return anc.depth
+            anc = anc.parent
+        return 0
+
+    @staticmethod
+    def _leaf_kv(node: TreeNode) -> int:
+        """KV tokens that go with ``node`` when its snapshot goes (a leaf takes its tombstone path)."""
+        if node.children:
+            return 0
+        tokens, n = 0, node
+        while n.parent is not None and n.depth > 0:
+            tokens += n.num_tokens
+            p = n.parent
+            if p.depth == 0 or len(p.children) > 1 or p.snapshot is not None:
+                break
+            n = p
+        return tokens
+
+    def _mean_gap(self, kind: str) -> float:
+        g = self._gap[kind]
+        if g.n:
+            return g.value(1.0)
+        total = sum(x.total for x in self._gap.values())
+        n = sum(x.n for x in self._gap.values())
+        return total / n if n else 1.0
+
+    def density(self, node: TreeNode, now: float) -> float:
+        """Expected prefill tokens saved per byte per second by keeping ``node``'s snapshot (lower
+        goes first; superseded ones are -1). :raises KeyError: the node is not tracked."""
+        if node.id in self._superseded:
+            return -1.0
+        e = self._entries[node.id]
+        r = self.rate(e.kind)
+        age = max(0.0, now - e.last)
+        if e.kind == FINISH and len(self._think) >= _MIN_THINK_SAMPLES:
+            alive, wait = self._think.tail(age)
+            if alive <= 0.0:
+                return 0.0  # idle beyond every observed think time: the conversation is over
+            q = r * alive / (r * alive + (1.0 - r))
+        else:
+            q, wait = r, self._mean_gap(e.kind) + age
+        gain = node.depth - self._anchor_depth(e)
+        nbytes = self.snapshot_bytes + self._leaf_kv(node) * self.kv_bytes_per_token
+        return q * gain / (nbytes * max(wait, 1e-3))
+
+    def _alive(self, nid: int) -> TreeNode | None:
+        e = self._entries.get(nid)
+        if e is None or e.node.parent is None or e.node.snapshot is None:
+            self._untrack(nid)  # gone with a cascade or a reset
+            return None
+        return e.node
+
+    def _victim(self, now: float) -> TreeNode | None:
+        dead: list[int] = []
+        first: TreeNode | None = None
+        for nid, old in self._superseded.items():
+            if old.parent is None or old.snapshot is None:
+                dead.append(nid)
+            elif not old.snap_lock:
+                first = old
+                break
+        for nid in dead:
+            self._untrack(nid)
+        if first is not None:
+            return first
+        n = len(self._items)
+        if n <= self.exact_below:
+            ids = list(self._items)
+        else:
+            ids = [self._items[self._rng.randrange(n)] for _ in range(self.sample)]
+        best: TreeNode | None = None
+        best_key = (0.0, 0.0)
+        for nid in ids:
+            cand = self._alive(nid)
+            if cand is None or cand.snap_lock:
+                continue
+            key = (self.density(cand, now), self._entries[nid].last)  # ties: least recently used
+            if best is None or key < best_key:
+                best, best_key = cand, key
+        return best
 
     def evict_one(self, cache: HybridRadixCache, now: float) -> bool:
-        for segment, heap in enumerate(self.heaps):
-            while (node := heap.pop_evictable()) is not None:
-                if self.segment.get(node.id) != segment:
-                    continue  # moved to another segment since this entry was pushed
-                cache.evict_snapshot(node)
-                for d in (self.segment, self.session_of, self.users, self.donated_at):
-                    d.pop(node.id, None)
-                self.is_finish.discard(node.id)
-                return True
-        return cache.evict(snapshots=1).snapshots > 0
+        node = self._victim(now)
+        if node is None:
+            return cache.evict(snapshots=1).snapshots > 0
+        e = self._entries[node.id]
+        if e.kind in self._outcome and node.id not in self._superseded:
+            self._outcome[e.kind].add(False)
+        self._untrack(node.id)
+        cache.evict_snapshot(node)
+        return True
