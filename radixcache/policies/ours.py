@@ -66,26 +66,9 @@ class _Entry:
     users: set[str] = field(default_factory=set)
 
 
-class _Rate:
-    """A decayed success fraction with a uniform prior: (s + 1) / (n + 2)."""
-
-    __slots__ = ("n", "s")
-
-    def __init__(self) -> None:
-        self.s = 0.0
-        self.n = 0.0
-
-    def add(self, success: bool) -> None:
-        self.s = self.s * _DECAY + success
-        self.n = self.n * _DECAY + 1.0
-
-    @property
-    def value(self) -> float:
-        return (self.s + 1.0) / (self.n + 2.0)
-
-
-class _Mean:
-    """A decayed mean (``default`` until the first sample)."""
+class _Decayed:
+    """A decayed sum of samples and their count: a mean of values, or (with 0/1 samples) a
+    success fraction with a uniform prior."""
 
     __slots__ = ("n", "total")
 
@@ -97,8 +80,14 @@ class _Mean:
         self.total = self.total * _DECAY + x
         self.n = self.n * _DECAY + 1.0
 
-    def value(self, default: float) -> float:
+    def mean(self, default: float) -> float:
+        """The mean of the samples; ``default`` before the first."""
         return self.total / self.n if self.n else default
+
+    @property
+    def rate(self) -> float:
+        """(successes + 1) / (samples + 2)."""
+        return (self.total + 1.0) / (self.n + 2.0)
 
 
 class _Gaps:
@@ -166,10 +155,10 @@ class Ours(Policy):
         self._items: list[int] = []  # tracked node ids, for O(1) sampling
         self._pos: dict[int, int] = {}
         self._superseded: OrderedDict[int, TreeNode] = OrderedDict()
-        self._outcome = {k: _Rate() for k in (BLOCK, BRANCH, HIT)}  # measured on what the cache kept
-        self._continued = _Rate()  # requests whose session came before: reuse of final states
-        self._repeated = _Rate()  # requests whose prompt came before: reuse of re-send points
-        self._gap = {k: _Mean() for k in (BLOCK, BRANCH, HIT, RESEND, FINISH)}
+        self._outcome = {k: _Decayed() for k in (BLOCK, BRANCH, HIT)}  # measured on what the cache kept
+        self._continued = _Decayed()  # requests whose session came before: reuse of final states
+        self._repeated = _Decayed()  # requests whose prompt came before: reuse of re-send points
+        self._gap = {k: _Decayed() for k in (BLOCK, BRANCH, HIT, RESEND, FINISH)}
         self._think = _Gaps()
         self._sessions: OrderedDict[str, float] = OrderedDict()
         self._digests: OrderedDict[int, None] = OrderedDict()
@@ -197,10 +186,10 @@ class Ours(Policy):
         """Measured reuse rate of a kind of snapshot (``finish``, ``resend``, ``block``, ``branch``,
         ``hit``: one that served a hit already)."""
         if kind == FINISH:
-            return self._continued.value
+            return self._continued.rate
         if kind == RESEND:
-            return self._repeated.value
-        return self._outcome[kind].value
+            return self._repeated.rate
+        return self._outcome[kind].rate
 
     # -- captures ---------------------------------------------------------------------------------
 
@@ -312,7 +301,7 @@ class Ours(Policy):
     def _mean_gap(self, kind: str) -> float:
         g = self._gap[kind]
         if g.n:
-            return g.value(1.0)
+            return g.mean(1.0)
         total = sum(x.total for x in self._gap.values())
         n = sum(x.n for x in self._gap.values())
         return total / n if n else 1.0
