@@ -77,9 +77,9 @@ class SlotHasher:
         self._m = _odd_weights((rows, blocks), gen).to(self.device)
         # Partial sums per (row, block); entries past a shorter row's last block stay zero.
         self._sums = torch.zeros(rows, blocks, dtype=torch.int64, device=self.device)
-        self._on_cpu = self.device.type == "cpu"
-        self._m_np = self._m.numpy() if self._on_cpu else None
-        self._sums_np = self._sums.numpy() if self._on_cpu else None
+        on_cpu = self.device.type == "cpu"
+        self._m_np = self._m.numpy() if on_cpu else None
+        self._sums_np = self._sums.numpy() if on_cpu else None
 
     def fingerprint(self, slot: int) -> Fingerprint:
         """Fingerprint of ``slot`` across all tensors and layers.

@@ -42,8 +42,9 @@ from __future__ import annotations
 
 import bisect
 import random
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 from ..tree import HybridRadixCache, TreeNode
 from .base import Policy, RequestInfo
@@ -54,6 +55,11 @@ FINISH, RESEND, BLOCK, BRANCH, HIT = "finish", "resend", "block", "branch", "hit
 _DECAY = 0.999  # counts fade with a half-life of ~700 events: a policy for a changing workload
 _MIN_THINK_SAMPLES = 8
 _REMEMBER = 1 << 16  # sessions and prompt digests remembered
+
+
+def _gone(node: TreeNode) -> bool:
+    """The node left the tree or lost its snapshot (a cascade, a reset, the tree's own eviction)."""
+    return node.parent is None or node.snapshot is None
 
 
 @dataclass
@@ -95,7 +101,7 @@ class _Gaps:
 
     def __init__(self, window: int = 1024) -> None:
         self.window = window
-        self._fifo: list[float] = []
+        self._fifo: deque[float] = deque()
         self._sorted: list[float] = []
         self._suffix: list[float] | None = None  # suffix sums of _sorted, rebuilt lazily
 
@@ -106,18 +112,14 @@ class _Gaps:
         self._fifo.append(gap)
         bisect.insort(self._sorted, gap)
         if len(self._fifo) > self.window:
-            old = self._fifo.pop(0)
+            old = self._fifo.popleft()
             del self._sorted[bisect.bisect_left(self._sorted, old)]
         self._suffix = None
 
     def tail(self, age: float) -> tuple[float, float]:
         """``(P(gap > age), E[gap - age | gap > age])``; ``(0, 0)`` beyond every observed gap."""
         if self._suffix is None:
-            acc, suffix = 0.0, [0.0] * (len(self._sorted) + 1)
-            for i in range(len(self._sorted) - 1, -1, -1):
-                acc += self._sorted[i]
-                suffix[i] = acc
-            self._suffix = suffix
+            self._suffix = [*accumulate(reversed(self._sorted))][::-1]
         n = len(self._sorted)
         i = bisect.bisect_right(self._sorted, age)
         if i >= n:
@@ -154,7 +156,7 @@ class Ours(Policy):
         self._entries: dict[int, _Entry] = {}
         self._items: list[int] = []  # tracked node ids, for O(1) sampling
         self._pos: dict[int, int] = {}
-        self._superseded: OrderedDict[int, TreeNode] = OrderedDict()
+        self._superseded: dict[int, None] = {}  # tracked ids, oldest first
         self._outcome = {k: _Decayed() for k in (BLOCK, BRANCH, HIT)}  # measured on what the cache kept
         self._continued = _Decayed()  # requests whose session came before: reuse of final states
         self._repeated = _Decayed()  # requests whose prompt came before: reuse of re-send points
@@ -253,9 +255,8 @@ class Ours(Policy):
         anc = node.parent
         while anc is not None and anc.depth > 0:
             e = self._entries.get(anc.id)
-            mine = anc.snapshot is not None and e is not None and e.session == req.session and e.ts < req.ts
-            if mine and e is not None and len(e.users) <= 1:
-                self._superseded[anc.id] = anc
+            if e is not None and not _gone(anc) and e.session == req.session and e.ts < req.ts and len(e.users) <= 1:
+                self._superseded[anc.id] = None
             anc = anc.parent
 
     def touched(self, node: TreeNode, req: RequestInfo, now: float) -> None:
@@ -327,16 +328,17 @@ class Ours(Policy):
 
     def _alive(self, nid: int) -> TreeNode | None:
         e = self._entries.get(nid)
-        if e is None or e.node.parent is None or e.node.snapshot is None:
-            self._untrack(nid)  # gone with a cascade or a reset
+        if e is None or _gone(e.node):
+            self._untrack(nid)
             return None
         return e.node
 
     def _victim(self, now: float) -> TreeNode | None:
         dead: list[int] = []
         first: TreeNode | None = None
-        for nid, old in self._superseded.items():
-            if old.parent is None or old.snapshot is None:
+        for nid in self._superseded:
+            old = self._entries[nid].node
+            if _gone(old):
                 dead.append(nid)
             elif not old.snap_lock:
                 first = old
