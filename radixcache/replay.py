@@ -212,4 +212,5 @@ def replay(
             progress(i)
     res.wall_s = time.perf_counter() - t0
     mgr.check_invariants()
+    policy.check_invariants()
     return res

@@ -216,6 +216,33 @@ def test_ours_values_a_prefix_by_what_it_adds_over_its_anchor() -> None:
     assert pol._anchor_depth(pol._entries[mine.id]) == 64
 
 
+def test_policy_check_invariants_detect_corruption() -> None:
+    t, pol = _Tree(), Ours()
+    nodes = [t.add(t.fresh()) for _ in range(3)]
+    for i, n in enumerate(nodes):
+        pol.donated(n, _req(f"s{i}", float(i)), "finish", float(i))
+    pol.admitted(_req("a", 0.0))
+    pol.admitted(_req("a", 5.0))
+    pol.check_invariants()
+    pol._pos[nodes[0].id] = 2  # a position that points at another node
+    with pytest.raises(AssertionError, match="position says 2"):
+        pol.check_invariants()
+    pol._pos[nodes[0].id] = 0
+    pol._superseded[999] = None
+    with pytest.raises(AssertionError, match="superseded but not tracked"):
+        pol.check_invariants()
+    del pol._superseded[999]
+    pol._think._sorted.append(1.0)
+    with pytest.raises(AssertionError, match="think-time"):
+        pol.check_invariants()
+    heap = UtilityHeap()
+    heap.push(nodes[1], 1.0)
+    heap.check_invariants()
+    heap._stamp[12345] = 1  # stamped, but no entry in the heap
+    with pytest.raises(AssertionError, match="stamped nodes"):
+        heap.check_invariants()
+
+
 def test_ours_sampled_eviction_and_argument_errors() -> None:
     t, pol = _Tree(), Ours(sample=4, exact_below=8)
     nodes = [t.add(t.fresh()) for _ in range(40)]

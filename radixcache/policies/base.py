@@ -54,6 +54,9 @@ class Policy(ABC):
     def admitted(self, req: RequestInfo) -> None:  # noqa: B027
         """``req`` was admitted (called once per request, before its captures)."""
 
+    def check_invariants(self) -> None:  # noqa: B027
+        """Raise AssertionError if the policy's own bookkeeping is inconsistent (default: none kept)."""
+
     @abstractmethod
     def captures(self, req: RequestInfo, start: int, end: int, *, decode: bool) -> list[int]:
         """Depths in ``(start, end]`` to capture and donate (ascending)."""

@@ -56,6 +56,12 @@ class UtilityHeap:
             heapq.heappush(self._heap, entry)
         return found
 
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless every live stamp has exactly one heap entry."""
+        entries = [(nid, n) for _, n, nid, _ in self._heap if self._stamp.get(nid) == n]
+        assert len(entries) == len(self._stamp), f"{len(self._stamp)} stamped nodes, {len(entries)} live heap entries"
+        assert all(n <= self._n for n in self._stamp.values()), "a stamp from the future"
+
 
 def _alive(node: TreeNode) -> bool:
     return node.parent is not None and node.snapshot is not None
@@ -89,6 +95,9 @@ class BranchFlop(Policy):
 
     def touched(self, node: TreeNode, req: RequestInfo, now: float) -> None:
         self.heap.push(node, self._utility(node, now))
+
+    def check_invariants(self) -> None:
+        self.heap.check_invariants()
 
     def evict_one(self, cache: HybridRadixCache, now: float) -> bool:
         node = self.heap.pop_evictable()

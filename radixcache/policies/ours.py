@@ -116,6 +116,10 @@ class _Gaps:
             del self._sorted[bisect.bisect_left(self._sorted, old)]
         self._suffix = None
 
+    def check_invariants(self) -> None:
+        assert len(self._fifo) == len(self._sorted) <= self.window, "think-time window out of step"
+        assert self._sorted == sorted(self._fifo), "think-time order lost"
+
     def tail(self, age: float) -> tuple[float, float]:
         """``(P(gap > age), E[gap - age | gap > age])``; ``(0, 0)`` beyond every observed gap."""
         if self._suffix is None:
@@ -362,6 +366,19 @@ class Ours(Policy):
             if best is None or key < best_key:
                 best, best_key = cand, key
         return best
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless the tracked ids, their positions, the entries, the superseded
+        set and the think-time window agree."""
+        assert len(self._items) == len(self._pos), f"{len(self._items)} tracked ids, {len(self._pos)} positions"
+        for i, nid in enumerate(self._items):
+            assert self._pos.get(nid) == i, f"node {nid} at {i}, position says {self._pos.get(nid)}"
+        assert self._entries.keys() == self._pos.keys(), "entries and tracked ids differ"
+        for nid, e in self._entries.items():
+            assert e.node.id == nid, f"entry {nid} holds node {e.node.id}"
+        stray = [nid for nid in self._superseded if nid not in self._entries]
+        assert not stray, f"superseded but not tracked: {stray}"
+        self._think.check_invariants()
 
     def evict_one(self, cache: HybridRadixCache, now: float) -> bool:
         node = self._victim(now)
