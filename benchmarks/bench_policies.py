@@ -21,16 +21,17 @@ import numpy as np
 import torch
 
 from linear_state import LinearStatePool, RequestOwner, StateLayout
-from radixcache import HybridRadixCache
-from radixcache.policies import POLICIES, Policy, RequestInfo, make_policy
+from radixcache import CacheManager, HybridRadixCache
+from radixcache.policies import POLICIES, DonationReason, RequestInfo, make_policy
 
 
-def build(policy_name: str, n: int, seed: int = 0) -> tuple[HybridRadixCache, Policy]:
+def build(policy_name: str, n: int, seed: int = 0) -> tuple[HybridRadixCache, CacheManager]:
     """A tree of ``n`` snapshot nodes the policy was told about (donations and some hits)."""
     rng = random.Random(seed)
     pool = LinearStatePool(StateLayout(1, (1, 1), (1,)), n + 8)
     cache = HybridRadixCache(pool)
     policy = make_policy(policy_name)
+    mgr = CacheManager(cache, policy)  # evictions go through the manager, as a host's do
     slot = pool.alloc(RequestOwner("donor"))
     prefixes = [np.array([rng.randrange(1 << 20) for _ in range(64)], dtype=np.int32) for _ in range(256)]
     nodes = []
@@ -38,21 +39,21 @@ def build(policy_name: str, n: int, seed: int = 0) -> tuple[HybridRadixCache, Po
         key = np.concatenate([prefixes[i % 256], np.array([rng.randrange(1 << 20) for _ in range(16)], dtype=np.int32)])
         res = cache.insert(key, torch.arange(len(key)), state_slot=slot)
         req = RequestInfo(len(key), 0, 0, f"s{i % 1000}", float(i))
-        policy.donated(res.node, req, "finish" if i % 3 else "capture", float(i))
+        policy.donated(res.node, req, DonationReason.FINISH if i % 3 else DonationReason.CAPTURE, float(i))
         nodes.append((res.node, req))
         if i % 7 == 0:
             node, r = nodes[rng.randrange(len(nodes))]
             if node.snapshot is not None:
                 policy.touched(node, r, float(i))
-    return cache, policy
+    return cache, mgr
 
 
-def time_batch(cache: HybridRadixCache, policy: Policy, evictions: int, now: float) -> float:
+def time_batch(cache: HybridRadixCache, mgr: CacheManager, evictions: int, now: float) -> float:
     """Microseconds per node removed while evicting ``evictions`` snapshots through the policy."""
     before = cache.num_nodes
     t0 = time.perf_counter()
     for _ in range(evictions):
-        policy.evict_one(cache, now)
+        mgr.evict(snapshots=1, now=now)
     dt = time.perf_counter() - t0
     return 1e6 * dt / max(1, before - cache.num_nodes)
 
@@ -65,8 +66,8 @@ def eviction_costs(policy_name: str, sizes: tuple[int, int], evictions: int) -> 
     for _ in range(0, evictions, batch):
         for i, (cache, policy) in enumerate(trees):
             times[i].append(time_batch(cache, policy, batch, float(sizes[i])))
-    for cache, _ in trees:
-        cache.check_invariants()
+    for _, mgr in trees:
+        mgr.check_invariants()
     return statistics.median(times[0]), statistics.median(times[1])
 
 

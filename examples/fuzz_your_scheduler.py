@@ -1,12 +1,14 @@
 """A toy scheduler as its own HostAdapter, fuzzed (longer runs: ``radixcache fuzz``). It runs its
-"model" synchronously; its forward writes the ground-truth state (``advance``), checked exactly."""
+"model" synchronously; its forward writes the ground-truth state (``advance``), checked exactly.
+Each window follows the manager's host protocol: plan, forward with the planned captures, commit."""
 
 from dataclasses import dataclass
 
 import torch
 
 from linear_state import LinearStatePool
-from radixcache import Admission, CacheManager, HybridRadixCache
+from radixcache import Admission, CacheManager, HybridRadixCache, WindowPlan
+from radixcache.policies import FixedPoints
 from radixcache.testing.adapter import FUZZ_LAYOUT, advance
 from radixcache.testing.fuzz import run_fuzz
 
@@ -16,7 +18,6 @@ class Req:  # prompt length n; the live state covers ids[:done]
     ids: list[int]
     n: int
     adm: Admission
-    kv: torch.Tensor
     done: int
 
 
@@ -25,44 +26,40 @@ class ToyAdapter:
 
     def __init__(self) -> None:
         self.pool = LinearStatePool(FUZZ_LAYOUT, 12)
-        self.manager = CacheManager(HybridRadixCache(self.pool), track_align=4, track_slots=2)
+        self.manager = CacheManager(HybridRadixCache(self.pool), FixedPoints(align=4), track_slots=2)
         self.reqs: dict[int, Req] = {}  # request rid's KV index for token i is rid * 10_000 + i
 
     def admit(self, rid: int, ids: list[int]) -> int | None:
         adm = self.manager.admit(rid, ids)
         if not isinstance(adm, Admission):
             return None
-        kv = torch.cat([adm.kv_indices, torch.arange(adm.cached_length, len(ids)) + rid * 10_000])
-        self.reqs[rid] = Req(list(ids), len(ids), adm, kv, adm.cached_length)
+        self.reqs[rid] = Req(list(ids), len(ids), adm, adm.cached_length)
         return adm.cached_length
 
-    def _forward(self, rid: int, tokens: list[int]) -> None:
-        r, pool, live, start = self.reqs[rid], self.pool, self.reqs[rid].adm.live_slot, self.reqs[rid].done
-        points = self.manager.track_points(rid, start, start + len(tokens)) if start < r.n else []
-        slots = dict(zip(points, r.adm.track_slots, strict=False))
-        for i, tok in enumerate(tokens, start + 1):
+    def _forward(self, rid: int, plan: WindowPlan, tokens: list[int]) -> None:
+        r, pool, live = self.reqs[rid], self.pool, self.reqs[rid].adm.live_slot
+        slots = {c.depth: c.slot for c in plan.captures}
+        for i, tok in enumerate(tokens, plan.start + 1):
             advance(pool.conv[:, live], pool.recurrent[:, live], tok)
             if i in slots:  # capture the state after exactly i tokens
                 pool.conv[:, slots[i]], pool.recurrent[:, slots[i]] = pool.conv[:, live], pool.recurrent[:, live]
-        r.done += len(tokens)
-        for d in points:
-            res = self.manager.commit(rid, d, slots[d], None, kv_indices=r.kv[:d])
-            r.kv = torch.cat([res.kv_indices, r.kv[d:]]) if res.donated else r.kv
+        r.done = plan.end
+        self.manager.commit(plan, None, kv_indices=torch.arange(plan.start, plan.end) + rid * 10_000)
 
     def extend(self, rid: int) -> bool:
-        tokens = self.reqs[rid].ids[self.reqs[rid].done : self.reqs[rid].n][:8]
-        self._forward(rid, tokens)  # no tokens left: a no-op
+        r = self.reqs[rid]
+        tokens = r.ids[r.done : r.n][:8]
+        if tokens:
+            self._forward(rid, self.manager.plan_prefill(rid, r.done + len(tokens)), tokens)
         return bool(tokens)
 
     def decode(self, rid: int, token: int) -> None:
-        r = self.reqs[rid]
-        r.ids, r.kv = [*r.ids, token], torch.cat([r.kv, torch.tensor([rid * 10_000 + len(r.ids)])])
-        self.manager.append(rid, [token])
-        self._forward(rid, [token])
+        self.reqs[rid].ids.append(token)
+        self._forward(rid, self.manager.plan_decode(rid, [token]), [token])
 
     def finish(self, rid: int) -> None:
-        r = self.reqs.pop(rid)
-        self.manager.finish(rid, None, kv_indices=r.kv[: r.done])
+        del self.reqs[rid]
+        self.manager.finish(rid)  # this toy never reuses KV indices: nothing to free
 
     def abort(self, rid: int) -> None:
         del self.reqs[rid]

@@ -2,36 +2,79 @@
 
 The tree's nodes own private clones of linear-state snapshots from a
 :class:`linear_state.LinearStatePool`; donation and restore are ordered by fences; a host
-scheduler plugs in through :class:`CacheManager`.
+scheduler plugs in through :class:`CacheManager`, whose policy places captures and picks victims.
+
+Subpackages: ``core`` (keys, tree, manager, multimodal ids), ``forensics`` (ledger, recorder,
+report), ``policies``, ``simulator`` (traces, replay, report) and ``testing`` (reference engine,
+hammer, fuzzing kit).
 """
 
+from .core import (
+    IMAGE_ID_BASE,
+    MAX_ID,
+    Admission,
+    AdmissionCheck,
+    CacheManager,
+    Capture,
+    ConcurrentUseError,
+    EvictResult,
+    FinishResult,
+    HybridRadixCache,
+    InsertResult,
+    KeyLike,
+    ManagerMetrics,
+    MatchResult,
+    MMWindow,
+    ProtocolError,
+    RadixCacheError,
+    Refusal,
+    TreeNode,
+    UnknownRequest,
+    WindowPlan,
+    WindowResult,
+    image_cache_ids,
+    image_runs,
+    key_bytes,
+    mm_window,
+    register_prometheus,
+)
 from .forensics import Forensics, Ledger, SnapshotCorruption, read_ledger
-from .keys import IMAGE_ID_BASE, MAX_ID, KeyLike, key_bytes
-from .manager import Admission, CacheManager, CommitResult, FinishResult, Refusal
-from .multimodal import MMWindow, image_cache_ids, image_runs, mm_window
-from .tree import EvictResult, HybridRadixCache, InsertResult, MatchResult, TreeNode
+from .policies import POLICIES, HitDensity, Policy, make_policy
 
 __all__ = [
     "IMAGE_ID_BASE",
     "MAX_ID",
+    "POLICIES",
     "Admission",
+    "AdmissionCheck",
     "CacheManager",
-    "CommitResult",
+    "Capture",
+    "ConcurrentUseError",
     "EvictResult",
     "FinishResult",
     "Forensics",
-    "Ledger",
-    "SnapshotCorruption",
-    "read_ledger",
+    "HitDensity",
     "HybridRadixCache",
     "InsertResult",
     "KeyLike",
+    "Ledger",
     "MMWindow",
+    "ManagerMetrics",
     "MatchResult",
+    "Policy",
+    "ProtocolError",
+    "RadixCacheError",
     "Refusal",
+    "SnapshotCorruption",
     "TreeNode",
+    "UnknownRequest",
+    "WindowPlan",
+    "WindowResult",
     "image_cache_ids",
     "image_runs",
     "key_bytes",
+    "make_policy",
     "mm_window",
+    "read_ledger",
+    "register_prometheus",
 ]

@@ -16,7 +16,7 @@ import torch
 
 from linear_state import DeferredStream, LinearStatePool, RequestOwner, StateLayout
 
-from .tree import HybridRadixCache, TreeNode
+from .core.tree import HybridRadixCache, TreeNode
 
 __all__ = ["StressReport", "tree_stress"]
 

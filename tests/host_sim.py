@@ -10,8 +10,8 @@ import numpy as np
 import torch
 
 from linear_state import DeferredStream, Fence, LinearStatePool, StateLayout
-from radixcache import CacheManager, HybridRadixCache
-from radixcache.manager import Admission
+from radixcache import Admission, CacheManager, HybridRadixCache, WindowPlan, WindowResult
+from radixcache.policies import FixedPoints, Policy
 
 LAYOUT = StateLayout(1, (2, 3), (2, 2), recurrent_dtype=torch.float64)
 
@@ -40,9 +40,8 @@ class HostReq:
     rid: Hashable
     ids: np.ndarray
     adm: Admission
-    kv: torch.Tensor
+    kv: torch.Tensor  # the KV table of [0, done): the tree's pages, then the host's own
     done: int  # tokens computed
-    committed: int
     last: Fence | None = None
     restored_ok: bool = True
 
@@ -55,6 +54,7 @@ class Host:
     track_slots: int = 2
     chunk: int = 256
     barrier: str = "fence"
+    policy: Policy | None = None  # default: the original fixed rules on the track_align grid
     forward: DeferredStream = field(default_factory=lambda: DeferredStream("forward"))
     copies: DeferredStream = field(default_factory=lambda: DeferredStream("copies"))
 
@@ -65,7 +65,7 @@ class Host:
         self.cache = HybridRadixCache(self.pool, page_size=self.page_size, on_free_kv=self.free_kv, stream=self.copies)
         self.mgr = CacheManager(
             self.cache,
-            track_align=self.track_align,
+            self.policy if self.policy is not None else FixedPoints(self.track_align),
             track_slots=self.track_slots,
             barrier=self.barrier,  # type: ignore[arg-type]
         )
@@ -100,14 +100,18 @@ class Host:
 
     # lifecycle ----------------------------------------------------------
     def admit(
-        self, rid: Hashable, ids: Sequence[int], namespace: Hashable = None, verify: bool = True
+        self,
+        rid: Hashable,
+        ids: Sequence[int],
+        namespace: Hashable = None,
+        verify: bool = True,
+        session: Hashable = None,
     ) -> HostReq | None:
         arr = np.asarray(ids, dtype=np.int64)
-        adm = self.mgr.admit(rid, arr, namespace=namespace)
+        adm = self.mgr.admit(rid, arr, namespace=namespace, session=session)
         if not isinstance(adm, Admission):
             return None
-        kv = torch.cat([adm.kv_indices, self.alloc_kv(len(arr) - adm.cached_length)])
-        req = HostReq(rid, arr, adm, kv, adm.cached_length, adm.cached_length, adm.ready)
+        req = HostReq(rid, arr, adm, adm.kv_indices, adm.cached_length, adm.ready)
         if verify:
             adm.ready.wait()
             got = self.pool.read(adm.live_slot)[1]
@@ -115,33 +119,50 @@ class Host:
         self.reqs[rid] = req
         return req
 
-    def extend(self, rid: Hashable, end: int | None = None) -> list[int]:
-        """Prefill the next chunk; capture at track points; commit them. Returns committed depths."""
-        r = self.reqs[rid]
-        start = r.done
-        stop = min(len(r.ids), start + self.chunk) if end is None else end
-        points = self.mgr.track_points(rid, start, stop)
-        slot_for = dict(zip(points, r.adm.track_slots, strict=False))
-        pool, live, ids = self.pool, r.adm.live_slot, r.ids
+    def run_window(self, r: HostReq, plan: WindowPlan, ids: Sequence[int]) -> Fence:
+        """Submit the window's forward: the toy model over ``ids`` (tokens [plan.start, plan.end)),
+        copying the state after each planned depth into its track slot."""
+        slot_for = {c.depth: c.slot for c in plan.captures}
+        pool, live, start = self.pool, r.adm.live_slot, plan.start
         after = [r.last] if r.last is not None else []
-        after += [pool.last_use(s) for s in slot_for.values()]
+        after += plan.after
 
         def forward_pass() -> None:
             conv, rec = pool.conv[:, live], pool.recurrent[:, live]
-            for i in range(start, stop):
-                step(conv, rec, int(ids[i]))
-                if i + 1 in slot_for:
-                    t = slot_for[i + 1]
+            for i, tok in enumerate(ids, start + 1):
+                step(conv, rec, int(tok))
+                if i in slot_for:
+                    t = slot_for[i]
                     pool.conv[:, t].copy_(conv)
                     pool.recurrent[:, t].copy_(rec)
 
-        r.last = self.forward.submit(forward_pass, after=after, label=f"extend {rid} [{start},{stop})")
-        r.done = stop
-        for d in points:
-            res = self.mgr.commit(rid, d, slot_for[d], r.last, kv_indices=r.kv[:d])
-            r.kv = torch.cat([res.kv_indices, r.kv[d:]])
-            r.committed = res.kv_held
-        return points
+        r.last = self.forward.submit(forward_pass, after=after, label=f"window {r.rid} [{start},{plan.end})")
+        return r.last
+
+    def commit(self, r: HostReq, plan: WindowPlan) -> WindowResult:
+        """Commit the window with freshly allocated KV for its tokens; take the tree's pages."""
+        kv = self.alloc_kv(plan.end - plan.start)
+        res = self.mgr.commit(plan, r.last, kv_indices=kv)
+        r.done = plan.end
+        r.kv = self.mgr.kv_indices(r.rid) if res.spliced else torch.cat([r.kv, kv])
+        self.free_kv(res.free_kv)
+        return res
+
+    def extend(self, rid: Hashable, end: int | None = None) -> list[int]:
+        """Prefill the next chunk through the host protocol. Returns the depths donated."""
+        r = self.reqs[rid]
+        stop = min(len(r.ids), r.done + self.chunk) if end is None else end
+        plan = self.mgr.plan_prefill(rid, stop)
+        self.run_window(r, plan, r.ids[plan.start : plan.end].tolist())
+        return list(self.commit(r, plan).donated)
+
+    def decode(self, rid: Hashable, tokens: Sequence[int]) -> WindowResult:
+        """One decode window over ``tokens`` (ids fed after the prompt)."""
+        r = self.reqs[rid]
+        plan = self.mgr.plan_decode(rid, list(tokens))
+        r.ids = np.concatenate([r.ids, np.asarray(tokens, dtype=np.int64)])
+        self.run_window(r, plan, list(tokens))
+        return self.commit(r, plan)
 
     def prefill(self, rid: Hashable) -> None:
         while self.reqs[rid].done < len(self.reqs[rid].ids):
@@ -150,14 +171,14 @@ class Host:
     def finish(self, rid: Hashable) -> int:
         r = self.reqs.pop(rid)
         assert r.done == len(r.ids)
-        res = self.mgr.finish(rid, r.last, kv_indices=r.kv[: r.done])
-        self.free_kv(r.kv[res.kv_held :])  # what the tree did not take stays the host's
+        res = self.mgr.finish(rid, r.last)
+        self.free_kv(res.free_kv)  # what the tree did not take stays the host's
         return res.donated_depth
 
     def abort(self, rid: Hashable) -> None:
         r = self.reqs.pop(rid)
         res = self.mgr.abort(rid, r.last)
-        self.free_kv(r.kv[res.kv_held :])  # the host's own KV beyond what the tree took
+        self.free_kv(res.free_kv)  # the host's own KV beyond what the tree took
 
     def final_state_ok(self, rid: Hashable) -> bool:
         r = self.reqs[rid]

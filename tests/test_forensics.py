@@ -86,11 +86,11 @@ def test_a_capture_never_written_is_reported_against_its_donor(tmp_path: Path) -
     h.extend("lazy")  # captures into the track slots and commits them: fine
     h.forward.synchronize()
     h.copies.synchronize()
-    # next chunk: the host "forgets" to write its captures, yet commits the track slots
-    start, end = 64, 128
-    points = h.mgr.track_points("lazy", start, end)
-    for d, slot in zip(points, r.adm.track_slots, strict=False):
-        h.mgr.commit("lazy", d, slot, None, kv_indices=r.kv[:d])
+    # next chunk: the host "forgets" to write its captures, yet commits the window
+    plan = h.mgr.plan_prefill("lazy", 128)
+    points = [c.depth for c in plan.captures]
+    assert points
+    h.commit(r, plan)
     h.copies.synchronize()
     h.mgr.verify_all()  # takes the fingerprints of completed donations
     fx = h.mgr.forensics
@@ -104,9 +104,11 @@ def test_fresh_zero_slot_donated_is_never_written(tmp_path: Path) -> None:
     h = forensic_host(tmp_path, mode="record")
     r = h.admit("z", tokens(100))
     assert r is not None
+    plan = h.mgr.plan_prefill("z", 64)
+    assert [(c.depth, c.slot) for c in plan.captures] == [(64, r.adm.track_slots[0])]
     h.pool.recurrent[:, r.adm.track_slots[0]].zero_()
     h.pool.conv[:, r.adm.track_slots[0]].zero_()
-    h.mgr.commit("z", 64, r.adm.track_slots[0], None, kv_indices=r.kv[:64])
+    h.commit(r, plan)  # no forward ran: the capture slot holds zeros
     h.copies.synchronize()
     h.mgr.verify_all()
     fx = h.mgr.forensics

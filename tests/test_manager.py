@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from linear_state import RequestOwner
-from radixcache import Admission, Refusal, image_cache_ids
+from radixcache import Admission, ProtocolError, Refusal, UnknownRequest, image_cache_ids
+from radixcache.testing.digest import state_digest
 
 from .host_sim import Host
 
@@ -65,22 +66,41 @@ def test_device_barrier_mode_is_equivalent_on_cpu() -> None:
     assert run_one(h, 2, p) == 499
 
 
-def test_track_points_priorities_and_budget() -> None:
+def test_plan_prefill_priorities_and_budget() -> None:
     h = Host(track_slots=2)
     shared = tokens(300)
     run_one(h, "donor", shared + tokens(100))
     r = h.admit("x", shared + tokens(200))
     assert r is not None and r.adm.cached_length == 256 and r.adm.token_length == 300
-    # branch point 300 first, then the re-send point 499, then aligned boundaries, deepest first;
-    # at most track_slots (2) of them, all beyond the committed depth (256)
-    assert h.mgr.track_points("x", 256, 500) == [300, 499]
-    assert h.mgr.track_points("x", 256, 400) == [300, 384]
-    assert h.mgr.track_points("x", 400, 500) == [448, 499]
-    assert h.mgr.track_points("x", 200, 256) == []
-    with pytest.raises(ValueError, match="empty"):
-        h.mgr.track_points("x", 10, 10)
-    with pytest.raises(KeyError, match="not admitted"):
-        h.mgr.track_points("nobody", 0, 10)
+    # the fixed rules: branch point 300 first, then the re-send point 499, then aligned boundaries,
+    # deepest first; at most track_slots (2) of them, beyond the committed depth (256), ascending
+    plan = h.mgr.plan_prefill("x", 500)
+    assert [c.depth for c in plan.captures] == [300, 499]
+    assert [c.slot for c in plan.captures] == list(r.adm.track_slots)
+    assert (plan.start, plan.end, plan.live_slot, plan.decode) == (256, 500, r.adm.live_slot, False)
+    assert len(plan.after) == 2
+    with pytest.raises(ProtocolError, match="planned and not committed"):
+        h.mgr.plan_prefill("x", 400)
+    h.abort("x")
+    r = h.admit("x", shared + tokens(200))
+    assert r is not None
+    assert [c.depth for c in h.mgr.plan_prefill("x", 400).captures] == [300, 384]
+    h.abort("x")
+    with pytest.raises(UnknownRequest, match="not admitted"):
+        h.mgr.plan_prefill("nobody", 10)
+    settle(h)
+
+
+def test_plan_prefill_window_bounds() -> None:
+    h = Host()
+    r = h.admit("x", tokens(100))
+    assert r is not None
+    for bad in (0, 101, 5.5, True, "50"):
+        with pytest.raises(ValueError, match=r"must be an int in \(0, 100\]"):
+            h.mgr.plan_prefill("x", bad)  # type: ignore[arg-type]
+    with pytest.raises(ProtocolError, match="decode planned with 0 of 100"):
+        h.mgr.plan_decode("x", [1])
+    settle(h)
 
 
 def test_refusal_when_the_pool_is_exhausted_changes_nothing() -> None:
@@ -120,11 +140,11 @@ def _abort_at(point: str) -> None:
         h.prefill("x")
     if point == "finish":
         h.finish("x")
-        assert not h.mgr.finish("x").found, "finish is idempotent"
-        assert not h.mgr.abort("x").found
     else:
         h.abort("x")
-        assert not h.mgr.abort("x").found, "abort is idempotent"
+    for call in (h.mgr.finish, h.mgr.abort):  # a second finish or abort is a host bug
+        with pytest.raises(UnknownRequest, match="not admitted"):
+            call("x")
     settle(h)
     snaps = h.cache.num_snapshots
     assert h.pool.num_free + snaps == h.pool.capacity, "a slot leaked"
@@ -143,50 +163,82 @@ def test_misuse_raises_and_changes_nothing() -> None:
     h = Host()
     r = h.admit("x", tokens(200))
     assert r is not None
+    before = state_digest(h.mgr)
     with pytest.raises(ValueError, match="already admitted"):
         h.mgr.admit("x", np.array(tokens(5)))
     with pytest.raises(ValueError, match="no ids"):
         h.mgr.admit("y", [])
     with pytest.raises(ValueError, match="position 1"):
         h.mgr.admit("y", [1, -2])
-    with pytest.raises(ValueError, match="not a slot of request"):
-        h.mgr.commit("x", 64, 15, None, kv_indices=r.kv[:64])
-    with pytest.raises(ValueError, match="positive multiple"):
-        h.mgr.commit("x", 0, r.adm.track_slots[0], None, kv_indices=r.kv[:0])
-    with pytest.raises(ValueError, match="within its 200 known ids"):
-        h.mgr.commit("x", 256, r.adm.track_slots[0], None, kv_indices=r.kv[:64])
-    with pytest.raises(ValueError, match="entries for commit depth"):
-        h.mgr.commit("x", 64, r.adm.track_slots[0], None, kv_indices=r.kv[:10])
-    with pytest.raises(ValueError, match="entries for 200 ids"):
-        h.mgr.finish("x", kv_indices=r.kv[:3])
-    with pytest.raises(KeyError):
-        h.mgr.commit("nobody", 64, 0, None, kv_indices=r.kv[:64])
+    with pytest.raises(TypeError, match="hashable"):
+        h.mgr.admit(["unhashable"], [1, 2])  # type: ignore[arg-type]
+    plan = h.mgr.plan_prefill("x", 64)
+    planned = state_digest(h.mgr)
+    with pytest.raises(ValueError, match="entries for a window of 64 tokens"):
+        h.mgr.commit(plan, None, kv_indices=h.alloc_kv(10))
+    with pytest.raises(ValueError, match="1-D integers"):
+        h.mgr.commit(plan, None, kv_indices=torch.zeros(64))
+    with pytest.raises(TypeError, match="Fence"):
+        h.mgr.commit(plan, "done", kv_indices=h.alloc_kv(64))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="WindowPlan"):
+        h.mgr.commit((0, 64), None, kv_indices=h.alloc_kv(64))  # type: ignore[arg-type]
+    with pytest.raises(ProtocolError, match="planned and not committed"):
+        h.mgr.finish("x")
+    assert state_digest(h.mgr) == planned
+    h.kv_next -= 10 + 64 + 64  # the rejected allocations never reached the manager
+    h.run_window(r, plan, r.ids[:64].tolist())
+    h.commit(r, plan)
+    with pytest.raises(ProtocolError, match="not open"):
+        h.mgr.commit(plan, None, kv_indices=h.alloc_kv(64))
+    h.kv_next -= 64
+    with pytest.raises(UnknownRequest):
+        h.mgr.finish("nobody")
+    with pytest.raises(UnknownRequest):
+        h.mgr.abort("nobody")
     assert "y" not in h.mgr and h.mgr.num_requests == 1
+    assert before != state_digest(h.mgr)  # the committed window did change it
+    h.prefill("x")
+    h.finish("x")
     settle(h)
 
 
-def test_paged_commit_depth_must_be_page_aligned() -> None:
-    h = Host(page_size=16, track_align=64)
+def test_a_plan_is_good_only_on_its_own_manager() -> None:
+    a, b = Host(), Host()
+    ra, rb = a.admit("x", tokens(100)), b.admit("x", tokens(100))
+    assert ra is not None and rb is not None
+    plan = a.mgr.plan_prefill("x", 64)
+    b.mgr.plan_prefill("x", 64)
+    before = state_digest(b.mgr)
+    with pytest.raises(ProtocolError, match="another manager"):
+        b.mgr.commit(plan, None, kv_indices=torch.arange(64))
+    assert state_digest(b.mgr) == before
+
+
+def test_paged_captures_are_cut_to_the_page() -> None:
+    h = Host(page_size=16, track_align=40)
     r = h.admit("x", tokens(100))
     assert r is not None
-    with pytest.raises(ValueError, match="page_size 16"):
-        h.mgr.commit("x", 40, r.adm.track_slots[0], None, kv_indices=r.kv[:40])
-    h.prefill("x")
+    plan = h.mgr.plan_prefill("x", 100)
+    # fixed rules on a 40 grid: re-send 99 -> 96, boundaries 80, 40 -> 80, 32: page aligned only
+    assert [c.depth for c in plan.captures] == [80, 96]
+    h.run_window(r, plan, r.ids.tolist())
+    assert h.commit(r, plan).donated == (80, 96)
     assert h.final_state_ok("x")
-    h.finish("x")  # 100 ids: not page aligned, nothing donated at the end
+    h.finish("x")  # 100 ids: not page aligned, and no decode capture: nothing more donated
     settle(h)
-    r2 = h.admit("y", h_ids := tokens(10))
-    assert r2 is not None and len(h_ids) == 10
+    assert h.mgr.metrics().donations_skipped["unaligned"] == 1
 
 
 def test_bad_manager_options() -> None:
     h = Host(page_size=16)
     from radixcache import CacheManager
 
-    with pytest.raises(ValueError, match="multiple of page_size"):
-        CacheManager(h.cache, track_align=40)
+    with pytest.raises(ValueError, match="track_slots"):
+        CacheManager(h.cache, track_slots=0)
     with pytest.raises(ValueError, match="barrier"):
         CacheManager(h.cache, barrier="sometimes")  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="another cache"):
+        CacheManager(Host().cache, h.mgr.policy)
 
 
 def test_check_invariants_detects_a_slot_shared_by_tree_and_request() -> None:
@@ -195,7 +247,7 @@ def test_check_invariants_detects_a_slot_shared_by_tree_and_request() -> None:
     r = h.admit("b", tokens(100))
     assert r is not None
     node = next(n for n in h.cache.iter_nodes() if n.snapshot is not None)
-    rec = h.mgr._requests["b"]
+    rec = h.mgr._requests["b"]  # white box: break the record on purpose
     assert node.snapshot is not None
     rec.tracks = (node.snapshot, *rec.tracks[1:])
     with pytest.raises(AssertionError, match="held by the tree and by request"):

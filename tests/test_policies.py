@@ -1,3 +1,4 @@
+import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -6,13 +7,35 @@ import torch
 
 from linear_state import LinearStatePool, RequestOwner, StateLayout
 from radixcache import HybridRadixCache
-from radixcache.bench_trace import edge_case_table, markdown_table, run_grid, write_report
 from radixcache.cli import main
-from radixcache.policies import POLICIES, AlignLastBlock, BranchFlop, Ours, RequestInfo, TrackAndFinish, make_policy
-from radixcache.policies.branch_flop import UtilityHeap
-from radixcache.replay import PRESETS, replay
-from radixcache.traces import TraceRecord, generate, read_trace, write_trace
-from radixcache.tree import TreeNode
+from radixcache.core.tree import TreeNode
+from radixcache.policies import (
+    POLICIES,
+    AlignLastBlock,
+    BranchFlop,
+    DonationReason,
+    FixedPoints,
+    HitDensity,
+    RequestInfo,
+    TrackAndFinish,
+    UtilityHeap,
+    make_policy,
+)
+from radixcache.simulator import (
+    PRESETS,
+    TraceRecord,
+    edge_case_table,
+    generate,
+    markdown_table,
+    read_trace,
+    replay,
+    report_markdown,
+    run_grid,
+    write_trace,
+)
+
+FINISH, CAPTURE = DonationReason.FINISH, DonationReason.CAPTURE
+ROOT = Path(__file__).resolve().parent.parent
 
 Q = PRESETS["qwen3-next-80b"]
 GiB = 1 << 30
@@ -48,11 +71,14 @@ def test_policy_captures() -> None:
     assert AlignLastBlock(512).captures(req, 2048, 2200, decode=False) == []
     assert TrackAndFinish().captures(req, 2048, 2200, decode=False) == [2176]
     assert BranchFlop().captures(req, 0, 2048, decode=False) == [1500]
-    assert Ours(512).captures(req, 0, 2048, decode=False) == [1500, 2048]
-    assert Ours(512).captures(req, 2048, 2200, decode=False) == [2199]
+    assert HitDensity(512).captures(req, 0, 2048, decode=False) == [1500, 2048]
+    assert HitDensity(512).captures(req, 2048, 2200, decode=False) == [2199]
     short = RequestInfo(prompt_len=40, hit=0, branch=0, session="s", ts=0.0)
     assert AlignLastBlock(512).captures(short, 0, 40, decode=False) == [], "below one block: nothing"
-    assert Ours().captures(short, 0, 40, decode=False) == [39]
+    assert HitDensity().captures(short, 0, 40, decode=False) == [39]
+    assert FixedPoints(64).captures(req, 0, 2048, decode=False) == [1500, *range(2048, 0, -64)]
+    assert FixedPoints(64).captures(req, 2048, 2200, decode=False) == [2199, 2176, 2112]
+    assert FixedPoints(64).captures(req, 0, 2200, decode=True) == []
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("lru-ish")
 
@@ -67,7 +93,7 @@ def test_replay_respects_the_budget_and_conserves(policy: str) -> None:
 
 
 def test_every_edge_case_hits_under_ours() -> None:
-    res = replay(generate("edge"), make_policy("ours"), Q, 4 * GiB)
+    res = replay(generate("edge"), make_policy("hit-density"), Q, 4 * GiB)
     for kind, (hit, _total) in res.per_session_kind.items():
         assert hit > 0, f"{kind}: no hit under ours"
     base = replay(generate("edge"), make_policy("align-last-block"), Q, 4 * GiB)
@@ -77,25 +103,25 @@ def test_every_edge_case_hits_under_ours() -> None:
 
 def test_ours_keeps_live_prefixes_on_fanout() -> None:
     trace = generate("fanout")[:300]
-    ours = replay(trace, make_policy("ours"), Q, 4 * GiB)
+    ours = replay(trace, make_policy("hit-density"), Q, 4 * GiB)
     lru = replay(trace, make_policy("track-and-finish"), Q, 4 * GiB)
     assert ours.token_hit_rate > lru.token_hit_rate
 
 
 def test_budget_below_one_snapshot_is_refused() -> None:
     with pytest.raises(ValueError, match="below one snapshot"):
-        replay([TraceRecord("s", 0, 0.0, [1, 2, 3], [4])], make_policy("ours"), Q, 1000)
+        replay([TraceRecord("s", 0, 0.0, [1, 2, 3], [4])], make_policy("hit-density"), Q, 1000)
     with pytest.raises(TypeError, match="number of bytes"):
-        replay([TraceRecord("s", 0, 0.0, [1, 2, 3], [4])], make_policy("ours"), Q, "4GiB")  # type: ignore[arg-type]
-    res = replay(generate("edge")[:9], make_policy("ours"), Q, 1.5 * GiB)  # a float budget: whole bytes
+        replay([TraceRecord("s", 0, 0.0, [1, 2, 3], [4])], make_policy("hit-density"), Q, "4GiB")  # type: ignore[arg-type]
+    res = replay(generate("edge")[:9], make_policy("hit-density"), Q, 1.5 * GiB)  # a float budget: whole bytes
     assert res.budget_bytes == int(1.5 * GiB)
 
 
 @pytest.mark.parametrize(("shape", "budget"), [("chat", 4), ("agentic", 2)])
 def test_ours_beats_the_best_baseline_by_a_fifth_at_the_tightest_budget(shape: str, budget: int) -> None:
     trace = generate(shape)
-    ours = replay(trace, make_policy("ours"), Q, budget * GiB).token_hit_rate
-    best = max(replay(trace, make_policy(p), Q, budget * GiB).token_hit_rate for p in POLICIES if p != "ours")
+    ours = replay(trace, make_policy("hit-density"), Q, budget * GiB).token_hit_rate
+    best = max(replay(trace, make_policy(p), Q, budget * GiB).token_hit_rate for p in POLICIES if p != "hit-density")
     assert ours >= 1.2 * best, f"{shape} at {budget} GiB: ours {ours:.3f}, best baseline {best:.3f}"
 
 
@@ -110,6 +136,10 @@ class _Tree:
         self.cache = HybridRadixCache(self.pool)
         self.slot = self.pool.alloc(RequestOwner("donor"))
         self.rng = np.random.default_rng(0)
+
+    def policy(self, pol: HitDensity) -> HitDensity:
+        pol.bind(self.cache)
+        return pol
 
     def add(self, key: np.ndarray) -> TreeNode:
         return self.cache.insert(key, torch.arange(len(key)), state_slot=self.slot).node
@@ -130,11 +160,18 @@ def test_utility_heap_keeps_a_locked_node_ranked() -> None:
     assert heap.pop_evictable() is None
 
 
+def _evict(pol: HitDensity, now: float) -> None:
+    """Evict the policy's victim, as the manager does."""
+    node = pol.victim(now)
+    assert node is not None, "the policy found no victim"
+    pol.cache.evict_snapshot(node)
+
+
 def _req(session: str, ts: float, n: int = 64, digest: int = 0) -> RequestInfo:
     return RequestInfo(n, 0, 0, session, ts, digest)
 
 
-def _think(policy: Ours, gaps: list[float]) -> None:
+def _think(policy: HitDensity, gaps: list[float]) -> None:
     """Teach the policy think times: one session per gap, two requests that far apart."""
     for i, g in enumerate(gaps):
         policy.admitted(_req(f"teach{i}", 0.0))
@@ -142,51 +179,54 @@ def _think(policy: Ours, gaps: list[float]) -> None:
 
 
 def test_ours_evicts_superseded_turns_first() -> None:
-    t, pol = _Tree(), Ours()
+    t = _Tree()
+    pol = t.policy(HitDensity())
     turn1 = t.fresh()
     a1 = t.add(turn1)
-    pol.donated(a1, _req("a", 0.0), "finish", 0.0)
+    pol.donated(a1, _req("a", 0.0), FINISH, 0.0)
     other = t.add(t.fresh())
-    pol.donated(other, _req("b", 1.0), "finish", 1.0)
+    pol.donated(other, _req("b", 1.0), FINISH, 1.0)
     a2 = t.add(np.concatenate([turn1, t.fresh()]))
-    pol.donated(a2, _req("a", 10.0, 128), "finish", 10.0)  # turn 2 went past turn 1's final state
+    pol.donated(a2, _req("a", 10.0, 128), FINISH, 10.0)  # turn 2 went past turn 1's final state
     assert pol.density(a1, 10.0) < 0 <= pol.density(other, 10.0)
-    assert pol.evict_one(t.cache, 10.0)
+    _evict(pol, 10.0)
     assert a1.snapshot is None and other.snapshot is not None and a2.snapshot is not None
     t.cache.check_invariants()
 
 
 def test_ours_keeps_a_superseded_turn_another_session_used() -> None:
-    t, pol = _Tree(), Ours()
+    t = _Tree()
+    pol = t.policy(HitDensity())
     turn1 = t.fresh()
     a1 = t.add(turn1)
-    pol.donated(a1, _req("a", 0.0), "finish", 0.0)
+    pol.donated(a1, _req("a", 0.0), FINISH, 0.0)
     pol.touched(a1, _req("c", 5.0), 5.0)  # another conversation hit it: shared now
     a2 = t.add(np.concatenate([turn1, t.fresh()]))
-    pol.donated(a2, _req("a", 10.0, 128), "finish", 10.0)
+    pol.donated(a2, _req("a", 10.0, 128), FINISH, 10.0)
     assert pol.density(a1, 10.0) >= 0
 
 
 def test_ours_ranks_final_states_by_think_time() -> None:
-    t, pol = _Tree(), Ours()
+    t = _Tree()
+    pol = t.policy(HitDensity())
     _think(pol, [5.0 + 55.0 * i / 99 for i in range(100)])  # 5 to 60 s between turns
     just_answered, halfway, over = (t.add(t.fresh()) for _ in range(3))
     now = 100.0
-    pol.donated(just_answered, _req("a", now), "finish", now)
-    pol.donated(halfway, _req("b", now - 40.0), "finish", now - 40.0)
-    pol.donated(over, _req("c", now - 70.0), "finish", now - 70.0)  # idle beyond every think time
+    pol.donated(just_answered, _req("a", now), FINISH, now)
+    pol.donated(halfway, _req("b", now - 40.0), FINISH, now - 40.0)
+    pol.donated(over, _req("c", now - 70.0), FINISH, now - 70.0)  # idle beyond every think time
     assert pol.density(over, now) == 0.0
     assert pol.density(just_answered, now) < pol.density(halfway, now)
     victims = []
     for _ in range(2):
         before = {n.id for n in (just_answered, halfway, over) if n.snapshot is not None}
-        assert pol.evict_one(t.cache, now)
+        _evict(pol, now)
         victims += [i for i in before if i not in {n.id for n in (just_answered, halfway, over) if n.snapshot}]
     assert victims == [over.id, just_answered.id], "the over conversation, then the one furthest from its turn"
 
 
 def test_ours_learns_which_captures_pay_from_the_request_stream() -> None:
-    pol = Ours()
+    pol = HitDensity()
     for i in range(100):  # one-shot sessions, never a repeated prompt (a fan-out)
         pol.admitted(_req(f"s{i}", float(i), digest=i + 1))
     assert pol.rate("finish") < 0.05 and pol.rate("resend") < 0.05
@@ -194,7 +234,7 @@ def test_ours_learns_which_captures_pay_from_the_request_stream() -> None:
     assert not pol.donate_finish(req)
     assert pol.captures(req, 2048, 2200, decode=False) == [], "no re-send point: prompts never repeat"
     assert pol.captures(req, 0, 2048, decode=False) == [1500, 2048], "prefix captures are still taken"
-    chatty = Ours()
+    chatty = HitDensity()
     for i in range(100):  # every session comes back with the same prompt
         chatty.admitted(_req(f"s{i % 10}", float(i), digest=i % 10 + 1))
     assert chatty.rate("finish") > 0.8 and chatty.rate("resend") > 0.8
@@ -202,25 +242,27 @@ def test_ours_learns_which_captures_pay_from_the_request_stream() -> None:
 
 
 def test_ours_values_a_prefix_by_what_it_adds_over_its_anchor() -> None:
-    t, pol = _Tree(), Ours()
+    t = _Tree()
+    pol = t.policy(HitDensity())
     pol.costs(snapshot_bytes=1000, kv_bytes_per_token=1)
     shared = t.fresh()
     root = t.add(shared)
-    pol.donated(root, _req("sys", 0.0), "capture", 0.0)
+    pol.donated(root, _req("sys", 0.0), CAPTURE, 0.0)
     pol.touched(root, _req("x", 1.0), 1.0)  # used by two sessions: an anchor for everyone
     deep = t.add(np.concatenate([shared, t.fresh()]))
-    pol.donated(deep, _req("y", 2.0, 128), "capture", 2.0)
+    pol.donated(deep, _req("y", 2.0, 128), CAPTURE, 2.0)
     assert pol._anchor_depth(pol._entries[deep.id]) == 64
     mine = t.add(np.concatenate([shared, t.fresh(), t.fresh()]))
-    pol.donated(mine, _req("z", 3.0, 192), "capture", 3.0)
+    pol.donated(mine, _req("z", 3.0, 192), CAPTURE, 3.0)
     assert pol._anchor_depth(pol._entries[mine.id]) == 64
 
 
 def test_policy_check_invariants_detect_corruption() -> None:
-    t, pol = _Tree(), Ours()
+    t = _Tree()
+    pol = t.policy(HitDensity())
     nodes = [t.add(t.fresh()) for _ in range(3)]
     for i, n in enumerate(nodes):
-        pol.donated(n, _req(f"s{i}", float(i)), "finish", float(i))
+        pol.donated(n, _req(f"s{i}", float(i)), FINISH, float(i))
     pol.admitted(_req("a", 0.0))
     pol.admitted(_req("a", 5.0))
     pol.check_invariants()
@@ -244,34 +286,47 @@ def test_policy_check_invariants_detect_corruption() -> None:
 
 
 def test_ours_sampled_eviction_and_argument_errors() -> None:
-    t, pol = _Tree(), Ours(sample=4, exact_below=8)
+    t = _Tree()
+    pol = t.policy(HitDensity(sample=4, exact_below=8))
     nodes = [t.add(t.fresh()) for _ in range(40)]
     for i, n in enumerate(nodes):
-        pol.donated(n, _req(f"s{i}", float(i)), "capture", float(i))
+        pol.donated(n, _req(f"s{i}", float(i)), CAPTURE, float(i))
     for _ in range(30):
-        assert pol.evict_one(t.cache, 50.0)
+        _evict(pol, 50.0)
     assert t.cache.num_snapshots == 10
     t.cache.check_invariants()
     with pytest.raises(ValueError, match=r"min_rate=1\.5"):
-        Ours(min_rate=1.5)
+        HitDensity(min_rate=1.5)
     with pytest.raises(ValueError, match="kv/token 0"):
         pol.costs(100, 0)
 
 
 def test_report_table_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rows = run_grid([("edge", generate("edge")[:60])], ["ours", "branch-flop"], lambda _: (1.0, 2.0))
+    rows = run_grid([("edge", generate("edge")[:60])], ["hit-density", "branch-flop"], lambda _: (1.0, 2.0))
     table = markdown_table(rows)
-    assert table.count("\n") == 3 and "ours: hit / FLOPs saved" in table and "**" in table
-    doc = tmp_path / "policies.md"
-    doc.write_text("intro\n<!-- policies-report:begin -->\nold\n<!-- policies-report:end -->\noutro\n")
-    write_report(rows, doc, tmp_path / "p.png")
-    text = doc.read_text()
-    assert text.startswith("intro") and text.rstrip().endswith("outro") and "old" not in text
-    assert (tmp_path / "policies.json").exists()
-    edge = edge_case_table(run_grid([("edge", generate("edge"))], ["align-last-block", "ours"], lambda _: (2.0,)))
+    assert table.count("\n") == 3 and "hit-density: hit / FLOPs saved" in table and "**" in table
+    edge = edge_case_table(
+        run_grid([("edge", generate("edge"))], ["align-last-block", "hit-density"], lambda _: (2.0,))
+    )
     short = next(line for line in edge.splitlines() if line.startswith("| shorter than one block"))
     assert short.split(" | ")[2] == "**0**" and "**0**" not in short.split(" | ")[3], short
-    assert "edge case" in text and edge_case_table(rows).count("\n") == 3, "the one case this trace has, 2 budgets"
+    assert edge_case_table(rows).count("\n") == 3, "the one case this trace has, 2 budgets"
+    assert report_markdown(rows).startswith(table) and "Edge cases" in report_markdown(rows)
     write_trace(generate("edge")[:30], tmp_path / "e.jsonl")
-    assert main(["bench-trace", str(tmp_path / "e.jsonl"), "--policy", "ours", "--budget", "1"]) == 0
-    assert '"policy": "ours"' in capsys.readouterr().out
+    assert main(["bench-trace", str(tmp_path / "e.jsonl"), "--policy", "hit-density", "--budget", "1"]) == 0
+    assert '"policy": "hit-density"' in capsys.readouterr().out
+
+
+def test_policies_report_script_rewrites_only_its_section(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("policies_report", ROOT / "benchmarks" / "policies_report.py")
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    rows = run_grid([("edge", generate("edge")[:60])], ["hit-density", "branch-flop"], lambda _: (1.0, 2.0))
+    doc = tmp_path / "policies.md"
+    doc.write_text("intro\n<!-- policies-report:begin -->\nold\n<!-- policies-report:end -->\noutro\n")
+    script.write_report(rows, doc, tmp_path / "p.png")
+    text = doc.read_text()
+    assert text.startswith("intro") and text.rstrip().endswith("outro") and "old" not in text
+    assert markdown_table(rows) in text and "edge case" in text
+    assert (tmp_path / "policies.json").exists()

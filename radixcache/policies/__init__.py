@@ -1,23 +1,43 @@
-"""Snapshot placement and eviction policies, each behind :class:`Policy`; see docs/policies.md."""
+"""Snapshot placement and eviction policies, each behind :class:`Policy`; see docs/policies.md.
+
+:class:`HitDensity` is the default of :class:`~radixcache.CacheManager`: it measured best on every
+trace shape (docs/policies.md). The others are baselines, selectable by name.
+"""
 
 from .align_last_block import AlignLastBlock
-from .base import Policy, RequestInfo
-from .branch_flop import BranchFlop
-from .ours import Ours
+from .base import DonationReason, Policy, RequestInfo
+from .branch_flop import BranchFlop, UtilityHeap
+from .fixed_points import FixedPoints
+from .hit_density import HitDensity
 from .track_and_finish import TrackAndFinish
 
-__all__ = ["POLICIES", "AlignLastBlock", "BranchFlop", "Ours", "Policy", "RequestInfo", "TrackAndFinish", "make_policy"]
+__all__ = [
+    "DEFAULT_POLICY",
+    "POLICIES",
+    "AlignLastBlock",
+    "BranchFlop",
+    "DonationReason",
+    "FixedPoints",
+    "HitDensity",
+    "Policy",
+    "RequestInfo",
+    "TrackAndFinish",
+    "UtilityHeap",
+    "make_policy",
+]
 
-POLICIES = {
+POLICIES: dict[str, type[Policy]] = {
+    "hit-density": HitDensity,
     "align-last-block": AlignLastBlock,
     "track-and-finish": TrackAndFinish,
     "branch-flop": BranchFlop,
-    "ours": Ours,
+    "fixed-points": FixedPoints,
 }
+DEFAULT_POLICY = "hit-density"
 
 
 def make_policy(name: str) -> Policy:
-    """A fresh policy by name. :raises ValueError: unknown name."""
+    """A fresh policy by name (see :data:`POLICIES`). :raises ValueError: unknown name."""
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; known: {sorted(POLICIES)}")
     return POLICIES[name]()

@@ -1,49 +1,77 @@
-"""The interface every snapshot placement and eviction policy implements."""
+"""The interface every snapshot placement and eviction policy implements.
+
+A policy is a set of hooks that :class:`~radixcache.CacheManager` calls; it never drives the tree
+itself. The manager asks it where to capture (:meth:`Policy.captures`, :meth:`Policy.donate_finish`)
+and which snapshot goes next (:meth:`Policy.victim`), and tells it what happened (admitted,
+touched, donated). Eviction itself, its cascade and its accounting stay in the tree.
+"""
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
+from collections.abc import Hashable
 from dataclasses import dataclass
 
-from ..tree import HybridRadixCache, TreeNode
+from ..core.tree import HybridRadixCache, TreeNode
 
-__all__ = ["Policy", "RequestInfo"]
+__all__ = ["DonationReason", "Policy", "RequestInfo"]
 
 
-@dataclass(frozen=True)
+class DonationReason(enum.Enum):
+    """Why a snapshot was donated."""
+
+    CAPTURE = "capture"  # a capture the policy planned during a prefill or decode window
+    FINISH = "finish"  # the request's final state (or its deepest page-aligned capture), at finish
+
+
+@dataclass(frozen=True, slots=True)
 class RequestInfo:
     """What a policy may know about a request when it places captures.
 
     :ivar prompt_len: prompt tokens; :ivar hit: tokens served from cache at admission;
     :ivar branch: depth to which the prompt agreed with the tree (where it leaves the tree);
-    :ivar session: the session id; :ivar ts: arrival time in seconds;
-    :ivar prompt_digest: a hash of the prompt's token ids (equal digests: identical prompts; 0 when
-        the host does not compute one).
+    :ivar session: the conversation the host says the request belongs to (``None``: unknown);
+    :ivar ts: arrival time in seconds (the manager's clock unless the host passes ``now``);
+    :ivar prompt_digest: a hash of the prompt's ids (equal digests: identical prompts);
+    :ivar image_starts: depths where image spans start in the prompt.
     """
 
     prompt_len: int
     hit: int
     branch: int
-    session: str
+    session: Hashable | None
     ts: float
     prompt_digest: int = 0
+    image_starts: tuple[int, ...] = ()
 
 
 class Policy(ABC):
-    """Where to capture snapshots and which to evict. One instance per replay.
+    """Where to capture snapshots and which to evict. One instance serves one manager.
 
-    ``admitted`` is told of each request first; ``captures`` is asked once per scheduled prefill
-    step over ``[start, end)`` and once for the decode phase; ``donated`` tells the policy what
-    the tree now holds and why; ``evict_one`` frees at least one snapshot or returns False.
+    Call order for a request: :meth:`admitted` first, :meth:`touched` when it hit, then
+    :meth:`captures` once per scheduled window (prefill chunk or decode window), :meth:`donated`
+    for each snapshot the tree took, and :meth:`donate_finish` at finish. :meth:`victim` is asked
+    whenever the manager must free a snapshot (for slots, for KV, or for a byte budget).
     """
 
     name: str = "policy"
     snapshot_bytes: int = 2048
     kv_bytes_per_token: int = 1
 
+    def bind(self, cache: HybridRadixCache) -> None:
+        """Attach the policy to the tree it ranks (the manager calls this once).
+
+        :raises RuntimeError: the policy already serves another tree (one instance per manager).
+        """
+        bound = getattr(self, "cache", None)
+        if bound is not None and bound is not cache:
+            raise RuntimeError(f"policy {self.name!r} already serves another cache; make one policy per manager")
+        self.cache = cache
+
     def costs(self, snapshot_bytes: int, kv_bytes_per_token: int) -> None:
-        """The model's bytes per snapshot and per KV token, before the first request. Policies that
-        weigh bytes use them; until told, a snapshot counts as 2,048 tokens of KV.
+        """The model's bytes per snapshot and per KV token. Policies that weigh bytes use them;
+        until told, a snapshot counts as 2,048 tokens of KV.
 
         :raises ValueError: a non-positive size.
         """
@@ -57,20 +85,29 @@ class Policy(ABC):
     def check_invariants(self) -> None:  # noqa: B027
         """Raise AssertionError if the policy's own bookkeeping is inconsistent (default: none kept)."""
 
+    def describe(self) -> dict[str, object]:
+        """The policy's own state (its fields, the bound cache left out), for digests and
+        debugging. Reads only."""
+        return {k: v for k, v in vars(self).items() if k != "cache"}
+
     @abstractmethod
     def captures(self, req: RequestInfo, start: int, end: int, *, decode: bool) -> list[int]:
-        """Depths in ``(start, end]`` to capture and donate (ascending)."""
+        """Depths in ``(start, end]`` worth a snapshot, for the window over tokens ``[start, end)``
+        (``decode``: the window is past the prompt). The manager cuts them to the page size,
+        drops those already held, and keeps at most the request's track slots, in this order."""
 
     def donate_finish(self, req: RequestInfo) -> bool:
-        """Whether to donate the final state (prompt + output) at finish."""
+        """Whether the request's final state (prompt + answer) is worth a snapshot at finish."""
         return False
 
-    def donated(self, node: TreeNode, req: RequestInfo, reason: str, now: float) -> None:  # noqa: B027
-        """``node`` now holds a snapshot; ``reason`` is "capture" or "finish"."""
+    def donated(self, node: TreeNode, req: RequestInfo, reason: DonationReason, now: float) -> None:  # noqa: B027
+        """``node`` now holds a snapshot ``req`` donated."""
 
     def touched(self, node: TreeNode, req: RequestInfo, now: float) -> None:  # noqa: B027
         """``node`` served a hit for ``req``."""
 
-    def evict_one(self, cache: HybridRadixCache, now: float) -> bool:
-        """Free at least one snapshot (default: the least recently used). False: nothing evictable."""
-        return cache.evict(snapshots=1).snapshots > 0
+    def victim(self, now: float, *, kv: bool = False) -> TreeNode | None:
+        """The snapshot to evict next: an evictable node (see
+        :meth:`HybridRadixCache.is_evictable`), a leaf when ``kv`` (the eviction must free KV).
+        The manager evicts it at once. ``None`` (the default): the tree's least recently used."""
+        return None

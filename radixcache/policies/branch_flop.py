@@ -8,63 +8,52 @@ from the second occurrence of a prefix on, so a shared prefix hits from its thir
 
 from __future__ import annotations
 
-import heapq
-
-from ..tree import HybridRadixCache, TreeNode
-from .base import Policy, RequestInfo
+from ..core.lazy_heap import LazyHeap
+from ..core.tree import HybridRadixCache, TreeNode
+from .base import DonationReason, Policy, RequestInfo
 
 __all__ = ["BranchFlop", "UtilityHeap"]
 
 
 class UtilityHeap:
-    """Eviction candidates ranked by a utility fixed when a node is pushed (lowest goes first);
-    lazy deletion: stale entries (node gone, snapshot gone, re-pushed since) are skipped.
-    O(log n) per push and per eviction."""
+    """Eviction candidates ranked by a utility fixed when a node is pushed (lowest goes first),
+    on a :class:`~radixcache.core.lazy_heap.LazyHeap`: an entry is stale once its node lost its
+    snapshot or was pushed again. O(log n) per push and per eviction."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[float, int, int, TreeNode]] = []
+        self._heap: LazyHeap[TreeNode] = LazyHeap()
         self._stamp: dict[int, int] = {}
-        self._n = 0
+
+    def _live(self, e: tuple[float, int, TreeNode]) -> bool:
+        node = e[2]
+        if self._stamp.get(node.id) != e[1]:
+            return False  # pushed again since
+        if not HybridRadixCache.holds_snapshot(node):
+            del self._stamp[node.id]  # its current entry, but the snapshot is gone
+            return False
+        return True
 
     def push(self, node: TreeNode, utility: float) -> None:
-        self._n += 1
-        self._stamp[node.id] = self._n
-        heapq.heappush(self._heap, (utility, self._n, node.id, node))
+        """Rank ``node`` at ``utility`` (replacing its previous rank)."""
+        self._stamp[node.id] = self._heap.push(utility, node)
         if len(self._heap) > 4 * len(self._stamp) + 1024:
-            self._heap = [e for e in self._heap if self._stamp.get(e[2]) == e[1] and _alive(e[3])]
-            heapq.heapify(self._heap)
+            self._heap.compact(self._live)
 
-    def pop_evictable(self) -> TreeNode | None:
-        """The lowest-utility unlocked node with a snapshot, removed from the heap; None if none.
-
-        Locked nodes (a running request restores from them) are skipped and stay ranked.
-        """
-        locked: list[tuple[float, int, int, TreeNode]] = []
-        found: TreeNode | None = None
-        while self._heap:
-            entry = heapq.heappop(self._heap)
-            _, n, nid, node = entry
-            if self._stamp.get(nid) != n or not _alive(node):
-                continue
-            if node.snap_lock:
-                locked.append(entry)
-                continue
-            del self._stamp[nid]
-            found = node
-            break
-        for entry in locked:
-            heapq.heappush(self._heap, entry)
-        return found
+    def pop_evictable(self, *, leaf: bool = False) -> TreeNode | None:
+        """The lowest-utility evictable node (a leaf when ``leaf``), removed from the heap; None if
+        none. Locked nodes (a running request restores from them) are skipped and stay ranked."""
+        node = self._heap.pop_valid(
+            self._live, skip=lambda e: not HybridRadixCache.is_evictable(e[2]) or (leaf and not e[2].is_leaf)
+        )
+        if node is not None:
+            del self._stamp[node.id]
+        return node
 
     def check_invariants(self) -> None:
         """Raise AssertionError unless every live stamp has exactly one heap entry."""
-        entries = [(nid, n) for _, n, nid, _ in self._heap if self._stamp.get(nid) == n]
+        entries = [(e[2].id, e[1]) for e in self._heap if self._stamp.get(e[2].id) == e[1]]
         assert len(entries) == len(self._stamp), f"{len(self._stamp)} stamped nodes, {len(entries)} live heap entries"
-        assert all(n <= self._n for n in self._stamp.values()), "a stamp from the future"
-
-
-def _alive(node: TreeNode) -> bool:
-    return node.parent is not None and node.snapshot is not None
+        assert len({nid for nid, _ in entries}) == len(entries), "a node stamped twice"
 
 
 class BranchFlop(Policy):
@@ -90,7 +79,7 @@ class BranchFlop(Policy):
         # fixed-size snapshot); recency is the time of last use.
         return now + self.alpha * node.depth / 1000.0
 
-    def donated(self, node: TreeNode, req: RequestInfo, reason: str, now: float) -> None:
+    def donated(self, node: TreeNode, req: RequestInfo, reason: DonationReason, now: float) -> None:
         self.heap.push(node, self._utility(node, now))
 
     def touched(self, node: TreeNode, req: RequestInfo, now: float) -> None:
@@ -99,9 +88,5 @@ class BranchFlop(Policy):
     def check_invariants(self) -> None:
         self.heap.check_invariants()
 
-    def evict_one(self, cache: HybridRadixCache, now: float) -> bool:
-        node = self.heap.pop_evictable()
-        if node is None:
-            return cache.evict(snapshots=1).snapshots > 0
-        cache.evict_snapshot(node)
-        return True
+    def victim(self, now: float, *, kv: bool = False) -> TreeNode | None:
+        return self.heap.pop_evictable(leaf=kv)

@@ -8,7 +8,7 @@ and its position, so any restore, clone or late write that lands the wrong state
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -16,7 +16,7 @@ import torch
 
 from linear_state import DeferredStream, Fence, LinearStatePool, StateLayout
 
-from ..manager import Admission, CacheManager
+from ..core.manager import Admission, CacheManager, WindowPlan
 
 __all__ = ["FUZZ_LAYOUT", "HostAdapter", "ManagerAdapter", "advance", "prefix_state"]
 
@@ -90,15 +90,14 @@ class _Req:
     ids: list[int]
     prompt_len: int
     adm: Admission
-    kv: list[int]
+    kv: list[int]  # the KV table of [0, done): the tree's pages, then the host's own
     done: int
-    kv_held: int
     last: Fence | None
 
 
 class ManagerAdapter:
-    """The default adapter: a small host scheduler on :class:`CacheManager`, with a deferred
-    forward stream, a deferred copy stream and a strict KV allocator.
+    """The default adapter: a small host scheduler on :class:`CacheManager`'s host protocol, with
+    a deferred forward stream, a deferred copy stream and a strict KV allocator.
 
     :param manager: a manager whose tree's ``on_free_kv`` is :meth:`free_kv` (see :meth:`build`).
     """
@@ -112,7 +111,6 @@ class ManagerAdapter:
         self.reqs: dict[int, _Req] = {}
         self.kv_next = 0
         self.kv_free: set[int] = set()
-        self._releasing: int | None = None
 
     @classmethod
     def build(
@@ -125,7 +123,10 @@ class ManagerAdapter:
         chunk: int = 8,
         inject: str | None = None,
     ) -> ManagerAdapter:
-        """A fresh adapter (and cache) committing fuzzing bug ``inject`` when given."""
+        """A fresh adapter (and cache) committing fuzzing bug ``inject`` when given.
+
+        :raises ValueError: ``track_slots`` below 1, or an unknown bug.
+        """
         from .inject import make_fuzz_stack
 
         forward, copies = DeferredStream("forward"), DeferredStream("copies")
@@ -145,11 +146,11 @@ class ManagerAdapter:
         return adapter
 
     # KV ------------------------------------------------------------------
-    def free_kv(self, idx: torch.Tensor) -> None:
-        """The tree's ``on_free_kv``: never an index freed twice, never one a live request uses
-        (except the duplicates of the request whose commit or finish is releasing them)."""
-        live = {i for rid, r in self.reqs.items() if rid != self._releasing for i in r.kv}
-        for i in idx.tolist():
+    def free_kv(self, idx: torch.Tensor | list[int]) -> None:
+        """Free KV indices (the tree's ``on_free_kv``, and what commit, finish and abort hand
+        back): never an index freed twice, never one a live request's table still holds."""
+        live = {i for r in self.reqs.values() for i in r.kv}
+        for i in idx.tolist() if isinstance(idx, torch.Tensor) else idx:
             assert i not in self.kv_free, f"KV index {i} freed twice"
             assert i not in live, f"KV index {i} freed while a live request uses it"
             self.kv_free.add(i)
@@ -159,13 +160,21 @@ class ManagerAdapter:
         self.kv_next += n
         return out
 
+    def _window(self, r: _Req, plan: WindowPlan, kv: list[int], work: Callable[[], None], label: str) -> None:
+        """Submit one window's forward (ordered after the plan's fences) and commit it."""
+        after = [f for f in [r.last, *plan.after] if f is not None]
+        r.last = self.forward.submit(work, after=after, label=label)
+        r.done = plan.end
+        res = self.manager.commit(plan, r.last, kv_indices=torch.tensor(kv, dtype=torch.int64))
+        r.kv = self.manager.kv_indices(plan.rid).tolist() if res.spliced else r.kv + kv
+        self.free_kv(res.free_kv)  # reused only by work ordered after res.free_after
+
     # protocol -------------------------------------------------------------
     def admit(self, rid: int, ids: list[int]) -> int | None:
         adm = self.manager.admit(rid, list(ids))
         if not isinstance(adm, Admission):
             return None
-        kv = adm.kv_indices.tolist() + self._alloc_kv(len(ids) - adm.cached_length)
-        self.reqs[rid] = _Req(list(ids), len(ids), adm, kv, adm.cached_length, adm.cached_length, adm.ready)
+        self.reqs[rid] = _Req(list(ids), len(ids), adm, adm.kv_indices.tolist(), adm.cached_length, adm.ready)
         return adm.cached_length
 
     def extend(self, rid: int) -> bool:
@@ -173,10 +182,9 @@ class ManagerAdapter:
         start, end = r.done, min(r.prompt_len, r.done + self.chunk)
         if start >= end:
             return False
-        points = self.manager.track_points(rid, start, end)
-        caps = dict(zip(points, r.adm.track_slots, strict=False))
+        plan = self.manager.plan_prefill(rid, end)
+        caps = {c.depth: c.slot for c in plan.captures}
         pool, live, ids = self.pool, r.adm.live_slot, r.ids
-        after = [f for f in [r.last, *(pool.last_use(s) for s in caps.values())] if f is not None]
 
         def forward_pass() -> None:
             conv, rec = pool.conv[:, live], pool.recurrent[:, live]
@@ -186,52 +194,34 @@ class ManagerAdapter:
                     pool.conv[:, caps[i + 1]].copy_(conv)
                     pool.recurrent[:, caps[i + 1]].copy_(rec)
 
-        r.last = self.forward.submit(forward_pass, after=after, label=f"extend {rid} [{start},{end})")
-        r.done = end
-        for d in points:
-            self._releasing = rid
-            try:
-                res = self.manager.commit(rid, d, caps[d], r.last, kv_indices=torch.tensor(r.kv[:d]))
-            finally:
-                self._releasing = None
-            if res.donated:
-                tree_kv = res.kv_indices.tolist()
-                r.kv[: len(tree_kv)] = tree_kv
-                r.kv_held = max(r.kv_held, res.kv_held)
+        self._window(r, plan, self._alloc_kv(end - start), forward_pass, f"extend {rid} [{start},{end})")
         return True
 
     def decode(self, rid: int, token: int) -> None:
         r = self.reqs[rid]
-        pool, live = self.pool, r.adm.live_slot
-        after = [r.last] if r.last is not None else []
-        r.last = self.forward.submit(
-            lambda: advance(pool.conv[:, live], pool.recurrent[:, live], token), after=after, label=f"decode {rid}"
-        )
+        plan = self.manager.plan_decode(rid, [token])
+        pool, live, caps = self.pool, r.adm.live_slot, [c.slot for c in plan.captures]
+
+        def forward_pass() -> None:
+            advance(pool.conv[:, live], pool.recurrent[:, live], token)
+            for t in caps:  # a one-token window: every capture is the state after it
+                pool.conv[:, t].copy_(pool.conv[:, live])
+                pool.recurrent[:, t].copy_(pool.recurrent[:, live])
+
         r.ids.append(token)
-        r.kv += self._alloc_kv(1)
-        r.done += 1
-        self.manager.append(rid, [token])
+        self._window(r, plan, self._alloc_kv(1), forward_pass, f"decode {rid}")
 
     def finish(self, rid: int) -> None:
         r = self.reqs[rid]
-        self._releasing = rid
-        try:
-            res = self.manager.finish(rid, r.last, kv_indices=torch.tensor(r.kv[: r.done]))
-        finally:
-            self._releasing = None
+        res = self.manager.finish(rid, r.last)
         del self.reqs[rid]
-        self._free_own(r.kv[res.kv_held :])
+        self.free_kv(res.free_kv)
 
     def abort(self, rid: int) -> None:
         r = self.reqs[rid]
         res = self.manager.abort(rid, r.last)
         del self.reqs[rid]
-        self._free_own(r.kv[res.kv_held :])
-
-    def _free_own(self, idx: list[int]) -> None:
-        for i in idx:
-            assert i not in self.kv_free, f"host KV index {i} freed twice"
-            self.kv_free.add(i)
+        self.free_kv(res.free_kv)
 
     def run_pending(self) -> bool:
         return self.forward.run_next() or self.copies.run_next()

@@ -1,10 +1,11 @@
 """A reference serving engine: continuous batching of the reference hybrid model on CacheManager.
 
-Each step: (1) prefill one chunk of every prefilling request, capturing states at the manager's
-track points and committing them; (2) admit waiting requests (hits restored); (3) one batched
-decode over every decoding request; then wait the forward passes, sample greedily, finish what
-is done. Forward passes run on a linear_state stream; with ``deferred=True`` (default) both the
-forward stream and the copy stream are :class:`~linear_state.DeferredStream`: forwards run when
+Each step: (1) prefill one chunk of every prefilling request (one window of the manager's host
+protocol: plan, forward with the planned captures, commit); (2) admit waiting requests (hits
+restored); (3) one batched decode over every decoding request (a decode window each); then wait
+the forward passes, sample greedily, finish what is done. Forward passes run on a linear_state
+stream; with ``deferred=True`` (default) both the forward stream and the copy stream are
+:class:`~linear_state.DeferredStream`: forwards run when
 the engine needs their logits, copies run as soon as their fences allow (``run_ready``), so an
 unordered clone or restore really reads a slot before or after the write it should have waited.
 """
@@ -20,9 +21,10 @@ import torch
 
 from linear_state import DeferredStream, Fence, ImmediateStream, LinearStatePool, RequestOwner, Stream
 
+from ..core.manager import Admission, CacheManager, WindowPlan, WindowResult
+from ..core.tree import HybridRadixCache
 from ..forensics import Forensics, Ledger
-from ..manager import Admission, CacheManager
-from ..tree import HybridRadixCache
+from ..policies import HitDensity, Policy
 from .inject import BUGS, make_cache
 from .model import HybridConfig, HybridModel, KVPool
 
@@ -37,6 +39,7 @@ class EngineRequest:
     prompt: list[int]
     max_new_tokens: int
     abort_after: int | None = None  # abort once this many tokens were generated (a dropped stream)
+    session: Hashable | None = None  # the conversation it continues, told to the manager's policy
     output: list[int] = field(default_factory=list)
     first_logits: torch.Tensor | None = None
     cached_length: int = 0
@@ -84,7 +87,6 @@ class _Running:
     adm: Admission
     kv: torch.Tensor  # KV indices for every id the request will feed (prompt + outputs)
     done: int  # tokens fed
-    kv_held: int
     last: Fence | None = None
     next_token: int | None = None
 
@@ -92,8 +94,9 @@ class _Running:
 class ReferenceEngine:
     """Serves :class:`EngineRequest` s with the reference model and a radix prefix cache.
 
-    :param track_slots: captures per prefill chunk; 4 covers every multiple of 64 in a 256-token
-        chunk, so a later prompt sharing any aligned prefix hits it.
+    :param policy: the manager's policy (default: :class:`~radixcache.policies.HitDensity` with
+        ``track_align`` blocks: the reference model's kernels expose states at multiples of 64).
+    :param track_slots: captures per window.
     :param inject: commit one historical bug on purpose (see :mod:`radixcache.testing.inject`).
     """
 
@@ -108,6 +111,7 @@ class ReferenceEngine:
         page_size: int = 1,
         track_align: int = 64,
         track_slots: int = 4,
+        policy: Policy | None = None,
         deferred: bool = True,
         inject: str | None = None,
         barrier: str = "fence",
@@ -131,7 +135,7 @@ class ReferenceEngine:
         )
         self.manager = CacheManager(
             self.cache,
-            track_align=track_align,
+            policy if policy is not None else HitDensity(block=track_align),
             track_slots=track_slots,
             barrier=barrier,  # type: ignore[arg-type]
             forensics=self.forensics,
@@ -202,25 +206,32 @@ class ReferenceEngine:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_running:
             req = self.waiting[0]
-            adm = self.manager.admit(req.rid, req.prompt)
-            if not isinstance(adm, Admission):
+            check = self.manager.can_admit(req.prompt)
+            if not check.admissible:
                 return
-            need = len(req.prompt) + req.max_new_tokens - adm.cached_length
-            fresh = self._alloc_kv(need)
-            if fresh is None:
-                self.manager.abort(req.rid)
+            need = len(req.prompt) + req.max_new_tokens - check.cached_length
+            if self.kv.num_free < need:  # KV pressure: the manager evicts through its policy
+                self.manager.evict(kv_tokens=need - self.kv.num_free)
+            if self.kv.num_free < need:
                 return
+            adm = self.manager.admit(req.rid, req.prompt, session=req.session)
+            assert isinstance(adm, Admission), adm  # the dry run said it would be admitted
+            fresh = self.kv.alloc(len(req.prompt) + req.max_new_tokens - adm.cached_length)
+            assert fresh is not None  # the KV eviction above protected nothing admission needed
             self.waiting.popleft()
             req.cached_length = adm.cached_length
             req.t_admit = time.perf_counter()
             kv = torch.cat([adm.kv_indices, fresh])
-            self.running[req.rid] = _Running(req, adm, kv, adm.cached_length, adm.cached_length, adm.ready)
+            self.running[req.rid] = _Running(req, adm, kv, adm.cached_length, adm.ready)
             self._device_progress()
 
-    def _alloc_kv(self, n: int) -> torch.Tensor | None:
-        if self.kv.num_free < n:
-            self.cache.evict(kv_tokens=n - self.kv.num_free)
-        return self.kv.alloc(n)
+    def _committed(self, r: _Running, plan: WindowPlan, res: WindowResult) -> None:
+        """After a window's commit: take the tree's pages, free the KV the tree made redundant."""
+        if res.spliced:
+            r.kv = torch.cat([self.manager.kv_indices(r.req.rid), r.kv[plan.end :]])
+        if res.free_kv.numel():
+            # Reused only by forwards submitted later on the one forward stream: after free_after.
+            self.kv.free(res.free_kv)
 
     # --------------------------------------------------------------- forward
     def _prefill_chunk(self, r: _Running) -> dict[str, torch.Tensor] | None:
@@ -228,9 +239,9 @@ class ReferenceEngine:
         in when the chunk ends the prompt."""
         rid, prompt = r.req.rid, r.req.prompt
         start, end = r.done, min(len(prompt), r.done + self.chunk)
-        points = self.manager.track_points(rid, start, end)
-        captures = list(zip(points, r.adm.track_slots, strict=False))
-        after = [f for f in [r.last, *(self.pool.last_use(t) for _, t in captures)] if f is not None]
+        plan = self.manager.plan_prefill(rid, end)
+        captures = [(c.depth, c.slot) for c in plan.captures]
+        after = [f for f in [r.last, *plan.after] if f is not None]
         ids = torch.tensor(prompt[start:end])
         kv_idx = r.kv[:end]
         out: dict[str, torch.Tensor] = {}
@@ -242,35 +253,42 @@ class ReferenceEngine:
 
         r.last = self.forward.submit(work, after=after, label=f"prefill {rid} [{start},{end})")
         r.done = end
-        for d, slot in captures:
-            res = self.manager.commit(rid, d, slot, r.last, kv_indices=r.kv[:d])
-            if res.donated:  # the tree's pages replace this request's duplicates
-                r.kv = torch.cat([res.kv_indices, r.kv[d:]])
-                r.kv_held = max(r.kv_held, res.kv_held)
-            self._device_progress()
+        self._committed(r, plan, self.manager.commit(plan, r.last, kv_indices=r.kv[start:end]))
+        self._device_progress()
         return out if end == len(prompt) else None
 
     def _decode(self, batch: list[_Running]) -> tuple[Fence, torch.Tensor]:
-        ids = torch.tensor([r.next_token for r in batch])
+        tokens = [r.next_token for r in batch if r.next_token is not None]
+        assert len(tokens) == len(batch), "a decoding request without its next token"
+        plans = [self.manager.plan_decode(r.req.rid, [t]) for r, t in zip(batch, tokens, strict=True)]
+        ids = torch.tensor(tokens)
         positions = [r.done for r in batch]
         slots = torch.tensor([r.adm.live_slot for r in batch])
         kv_idx = [r.kv[: r.done + 1] for r in batch]
-        after = [r.last for r in batch if r.last is not None]
+        after = [r.last for r in batch if r.last is not None] + [f for p in plans for f in p.after]
+        # A decode window is one token: each planned capture is the state after it.
+        copies = [(p.live_slot, c.slot, p.rid) for p in plans for c in p.captures]
         result = torch.empty(len(batch), self.model.cfg.vocab_size, dtype=self.model.cfg.dtype)
         model, pool, kvp = self.model, self.pool, self.kv_pool
 
         def work() -> None:
             result.copy_(model.decode(ids, positions, pool, slots, kvp, kv_idx))
+            for live, track, _ in copies:
+                pool.conv[:, track].copy_(pool.conv[:, live])
+                pool.recurrent[:, track].copy_(pool.recurrent[:, live])
             for r in batch:
                 self._note_writes(r.req.rid, [r.adm.live_slot])
+            for _, track, rid in copies:
+                self._note_writes(rid, [track])
 
         fence = self.forward.submit(work, after=after, label=f"decode x{len(batch)}")
-        for r in batch:
+        for r, plan in zip(batch, plans, strict=True):
             assert r.next_token is not None
-            self.manager.append(r.req.rid, [r.next_token])
+            res = self.manager.commit(plan, fence, kv_indices=r.kv[r.done : r.done + 1])
             r.done += 1
             r.last = fence
             r.next_token = None
+            self._committed(r, plan, res)
         return fence, result
 
     def _note_writes(self, rid: Hashable, slots: list[int]) -> None:
@@ -295,8 +313,9 @@ class ReferenceEngine:
 
     def _end(self, r: _Running, *, abort: bool) -> None:
         rid = r.req.rid
-        res = self.manager.abort(rid, r.last) if abort else self.manager.finish(rid, r.last, kv_indices=r.kv[: r.done])
-        self.kv.free(r.kv[res.kv_held :])
+        res = self.manager.abort(rid, r.last) if abort else self.manager.finish(rid, r.last)
+        self.kv.free(res.free_kv)  # reused only by forwards submitted later: after res.free_after
+        self.kv.free(r.kv[r.done :])  # reserved for tokens never fed: never handed to the manager
         r.req.aborted = abort
         r.req.done = True
         del self.running[rid]

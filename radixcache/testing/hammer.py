@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ..policies import make_policy
 from .engine import EngineRequest, ReferenceEngine, generate_cold
 from .model import HybridConfig, HybridModel
 
@@ -37,9 +38,11 @@ class HammerConfig:
     min_new_tokens: int = 4
     max_new_tokens: int = 12
     logit_tol: float = 1e-6
-    probe_tokens: int = 2048
+    probe_tokens: int = 2560
     forensics: str | None = None  # ledger path: fingerprint every donation, verify every restore
     ground_truth: bool = True  # False: serve only (benchmarks); nothing is checked
+    policy: str = "hit-density"  # the manager's policy, by name (see radixcache.policies.POLICIES)
+    page_size: int = 1  # tokens per KV page of the tree
 
 
 @dataclass
@@ -68,6 +71,9 @@ class HammerReport:
     inject: str | None
     seed: int
     forensics: str | None = None
+    policy: str = "hit-density"
+    page_size: int = 1
+    metrics: dict[str, object] = field(default_factory=dict)  # the manager's counters at the end
     wrong_examples: list[str] = field(default_factory=list)
 
     @property
@@ -77,7 +83,7 @@ class HammerReport:
 
     @property
     def probe_ttft_ratio(self) -> float:
-        """Hit TTFT / cold TTFT on the 2,048-token probes (>= 90% cached)."""
+        """Hit TTFT / cold TTFT on the probes (the hit one >= 90% cached)."""
         return self.probe_ttft_hit_ms / max(1e-9, self.probe_ttft_cold_ms)
 
     @property
@@ -106,19 +112,20 @@ class _Workload:
         self.rng = random.Random(cfg.seed)
         self.vocab = vocab
         self.systems = [self._tokens(self.rng.randint(150, 1100)) for _ in range(cfg.system_prompts)]
-        self.history: list[tuple[list[int], list[int]]] = []  # finished (prompt, output)
+        self.history: list[tuple[list[int], list[int], object]] = []  # finished (prompt, output, session)
         self.followers: set[object] = set()  # rids of burst followers
         self.n = 0
 
     def _tokens(self, n: int) -> list[int]:
         return [self.rng.randrange(self.vocab) for _ in range(n)]
 
-    def _request(self, prompt: list[int]) -> EngineRequest:
+    def _request(self, prompt: list[int], session: object = None) -> EngineRequest:
         rng, cfg = self.rng, self.cfg
         n_new = rng.randint(cfg.min_new_tokens, cfg.max_new_tokens)
         abort_after = rng.randint(1, max(1, n_new - 1)) if rng.random() < 0.10 else None
         self.n += 1
-        return EngineRequest(self.n, prompt[:3000], n_new, abort_after)
+        # A new conversation is its own session; a continuation carries its conversation's.
+        return EngineRequest(self.n, prompt[:3000], n_new, abort_after, session=session or f"s{self.n}")
 
     def next(self) -> list[tuple[int, EngineRequest]]:
         """The next request(s), each with a delay in engine steps before it is submitted."""
@@ -131,8 +138,9 @@ class _Workload:
             burst = [(i, self._request(shared + self._tokens(rng.randint(10, 80)))) for i in range(3)]
             self.followers.update(req.rid for _, req in burst[1:])
             return burst
+        session = None
         if kind < 0.35 and self.history:
-            prompt, answer = rng.choice(self.history)
+            prompt, answer, session = rng.choice(self.history)
             prompt = prompt + answer + self._tokens(rng.randint(10, 120))  # multi-turn continuation
         elif kind < 0.50 and self.history:
             prompt = list(rng.choice(self.history)[0])  # identical re-send
@@ -141,11 +149,11 @@ class _Workload:
             prompt = base[: rng.randint(1, len(base))] + self._tokens(rng.randint(20, 300))  # cut mid-block
         else:
             prompt = rng.choice(self.systems) + self._tokens(rng.randint(20, 250))  # new session
-        return [(0, self._request(prompt))]
+        return [(0, self._request(prompt, session))]
 
     def finished(self, req: EngineRequest) -> None:
         if not req.aborted:
-            self.history.append((req.prompt, req.output))
+            self.history.append((req.prompt, req.output, req.session))
 
 
 def run_hammer(
@@ -154,7 +162,14 @@ def run_hammer(
     """Run the hammer and return its report (see the module docstring)."""
     model = model or HybridModel(HybridConfig())
     engine = ReferenceEngine(
-        model, max_running=cfg.concurrency, chunk=cfg.chunk, inject=cfg.inject, forensics_ledger=cfg.forensics
+        model,
+        max_running=cfg.concurrency,
+        chunk=cfg.chunk,
+        inject=cfg.inject,
+        forensics_ledger=cfg.forensics,
+        page_size=cfg.page_size,
+        # hit-density gets the engine's default, on the reference kernels' 64-token grid
+        policy=None if cfg.policy == "hit-density" else make_policy(cfg.policy),
     )
     work = _Workload(cfg, model.cfg.vocab_size)
     created = 0
@@ -184,9 +199,10 @@ def run_hammer(
             seen += 1
     engine.drain()
     served = list(engine.finished)
-    # TTFT probes, run alone: a cold 2,048-token prompt, then one sharing >= 90% of it.
+    # TTFT probes, run alone: a cold 2,560-token prompt, then one sharing >= 90% of it, cut at a
+    # chunk boundary (where every policy's prefill windows end, so every policy can hit there).
     probe = work._tokens(cfg.probe_tokens)
-    shared = -(-int(cfg.probe_tokens * 0.9) // 64) * 64  # the first aligned depth >= 90%
+    shared = -(-int(cfg.probe_tokens * 0.9) // cfg.chunk) * cfg.chunk
     tail = work._tokens(cfg.probe_tokens - shared)
     probes = [EngineRequest("probe-cold", probe, 2), EngineRequest("probe-hit", probe[:shared] + tail, 2)]
     for p in probes:
@@ -197,6 +213,7 @@ def run_hammer(
         engine.forensics.close()
     wall = time.perf_counter() - t0
     corruptions = len(engine.forensics.findings) if engine.forensics is not None else 0
+    metrics = engine.manager.metrics().as_dict()
     leaked_slots, leaked_kv = _leaks(engine)
 
     t1 = time.perf_counter()
@@ -254,6 +271,9 @@ def run_hammer(
         inject=cfg.inject,
         seed=cfg.seed,
         forensics=cfg.forensics,
+        policy=cfg.policy,
+        page_size=cfg.page_size,
+        metrics=metrics,
         wrong_examples=examples,
     )
 
@@ -294,6 +314,8 @@ def format_report(rep: HammerReport) -> str:
             f"cold {rep.probe_ttft_cold_ms:.1f} ms, hit {rep.probe_ttft_hit_ms:.1f} ms, "
             f"ratio {rep.probe_ttft_ratio:.2f}",
         ),
+        ("policy / page size", f"{rep.policy} / {rep.page_size}"),
+        *_metric_rows(rep.metrics),
         ("wall time (serving / ground truth)", f"{rep.wall_s:.1f} s / {rep.ground_truth_s:.1f} s"),
         ("injected bug", rep.inject or "none"),
     ]
@@ -302,3 +324,22 @@ def format_report(rep: HammerReport) -> str:
     lines.append("RESULT: " + ("PASS" if rep.ok else "FAIL"))
     lines += [f"  {e}" for e in rep.wrong_examples]
     return "\n".join(lines)
+
+
+def _metric_rows(m: dict[str, object]) -> list[tuple[str, str]]:
+    """The manager's counters, as rows of the hammer's table."""
+
+    def by(key: str) -> str:
+        d = m.get(key, {})
+        assert isinstance(d, dict)
+        return ", ".join(f"{k} {v}" for k, v in d.items() if v) or "none"
+
+    if not m:
+        return []
+    return [
+        ("manager: admissions / refusals", f"{m['admissions']} / {m['refusals']}"),
+        ("manager: captures planned", by("captures_planned")),
+        ("manager: snapshots donated", by("donations")),
+        ("manager: donations skipped", by("donations_skipped")),
+        ("manager: snapshots evicted", f"{by('evictions')} ({m['evicted_kv_tokens']:,} KV tokens)"),
+    ]

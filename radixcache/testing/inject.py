@@ -32,9 +32,11 @@ import torch
 
 from linear_state import COMPLETE, Fence, LinearStatePool, NodeOwner, Owner, SlotId, SlotWrite, StateLayout, Stream
 
-from ..keys import KeyLike
-from ..manager import Admission, CacheManager, CommitResult, Refusal, _Request
-from ..tree import HybridRadixCache, TreeNode
+from ..core.keys import KeyLike
+from ..core.manager import Admission, CacheManager, Refusal, _Request
+from ..core.tree import HybridRadixCache, TreeNode
+from ..policies import FixedPoints, Policy
+from ..policies.base import DonationReason
 
 __all__ = ["BUGS", "FUZZ_BUGS", "make_cache", "make_fuzz_stack"]
 
@@ -127,8 +129,16 @@ class _FreeBeforeFenceManager(CacheManager):
 
 
 class _UnlockBeforeRestoreManager(CacheManager):
-    def admit(self, rid: Hashable, cache_ids: KeyLike, *, namespace: Hashable = None) -> Admission | Refusal:
-        res = super().admit(rid, cache_ids, namespace=namespace)
+    def admit(
+        self,
+        rid: Hashable,
+        cache_ids: KeyLike,
+        *,
+        namespace: Hashable = None,
+        session: Hashable | None = None,
+        now: float | None = None,
+    ) -> Admission | Refusal:
+        res = super().admit(rid, cache_ids, namespace=namespace, session=session, now=now)
         if isinstance(res, Admission) and res.cached_length:
             rec = self._requests[rid]
             self.cache.unlock(rec.lock)  # BUG: the hit (and its KV) is unprotected from here on
@@ -139,12 +149,19 @@ class _UnlockBeforeRestoreManager(CacheManager):
 
 class _OffByPageManager(CacheManager):
     def _donate(
-        self, rec: _Request, depth: int, slot: int, ready: Fence | None, kv_indices: torch.Tensor
-    ) -> CommitResult:
+        self,
+        rec: _Request,
+        depth: int,
+        slot: int,
+        ready: Fence | None,
+        reason: DonationReason,
+        now: float,
+        freed: list[torch.Tensor],
+    ) -> TreeNode | None:
         page = self.cache.page_size
         if depth > page:  # BUG: the state captured at ``depth`` is keyed one page shallower
-            return super()._donate(rec, depth - page, slot, ready, kv_indices[: depth - page])
-        return super()._donate(rec, depth, slot, ready, kv_indices)
+            depth -= page
+        return super()._donate(rec, depth, slot, ready, reason, now, freed)
 
 
 class _SwallowingPool(LinearStatePool):
@@ -190,9 +207,11 @@ def make_fuzz_stack(
     track_slots: int = 2,
     on_free_kv: Callable[[torch.Tensor], None] | None = None,
     stream: Stream | None = None,
+    policy: Policy | None = None,
 ) -> CacheManager:
     """Pool, tree and manager for the fuzzing kit, correct or committing bug ``inject``
-    (one of :data:`FUZZ_BUGS`).
+    (one of :data:`FUZZ_BUGS`). The default policy is :class:`~radixcache.policies.FixedPoints`
+    on a ``track_align`` grid: the most captures per window, so the most donations to check.
 
     :raises ValueError: unknown bug name.
     """
@@ -204,4 +223,4 @@ def make_fuzz_stack(
         inject if inject in BUGS else None, pool, page_size=page_size, on_free_kv=on_free_kv, stream=stream
     )
     manager_cls = _MANAGERS.get(inject or "", CacheManager)
-    return manager_cls(tree, track_align=track_align, track_slots=track_slots)
+    return manager_cls(tree, policy if policy is not None else FixedPoints(track_align), track_slots=track_slots)

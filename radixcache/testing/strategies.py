@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from hypothesis import strategies as st
 
-from ..keys import IMAGE_ID_BASE
+from ..core.keys import IMAGE_ID_BASE
 
 __all__ = ["Lifecycle", "image_prompts", "lifecycles", "shared_prefix_keys", "token_keys"]
 

@@ -13,7 +13,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from .forensics import read_ledger
+from .ledger import read_ledger
 
 __all__ = ["ForensicsReport", "analyze", "format_forensics"]
 

@@ -23,17 +23,16 @@ or the last passing verification), in the order they took it, then the last hold
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 import time
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 from linear_state import Fence, LinearStatePool
 
-__all__ = ["Forensics", "Ledger", "SnapshotCorruption", "key_digest", "read_ledger"]
+from .ledger import Ledger
+
+__all__ = ["Forensics", "SnapshotCorruption", "key_digest"]
 
 Mode = Literal["raise", "record"]
 
@@ -93,79 +92,6 @@ class SnapshotCorruption(Exception):
 
 def _jsonable(x: object) -> object:
     return x if isinstance(x, (int, str, float, bool)) or x is None else repr(x)
-
-
-class Ledger:
-    """An append-only JSONL event log, size-bounded with rotation.
-
-    Events are buffered and written ``flush_every`` at a time, so the hot path pays a list append.
-    When the file would pass ``max_bytes`` it is renamed ``PATH.1`` (older ones shift up to
-    ``PATH.<backups>``, the oldest is dropped) and a new file starts.
-
-    :raises ValueError: non-positive sizes.
-    """
-
-    def __init__(
-        self, path: str | os.PathLike[str], *, max_bytes: int = 64 << 20, backups: int = 3, flush_every: int = 512
-    ) -> None:
-        if max_bytes <= 0 or backups < 0 or flush_every <= 0:
-            raise ValueError(f"bad ledger sizes: max_bytes={max_bytes}, backups={backups}, flush_every={flush_every}")
-        self.path = Path(path)
-        self.max_bytes, self.backups, self.flush_every = max_bytes, backups, flush_every
-        self._buf: list[dict[str, Any]] = []
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = self.path.open("a", encoding="utf-8")
-        self._size = self.path.stat().st_size
-
-    def write(self, event: dict[str, Any]) -> None:
-        """Append one event (flushed in batches)."""
-        self._buf.append(event)
-        if len(self._buf) >= self.flush_every:
-            self.flush()
-
-    def flush(self) -> None:
-        """Write buffered events to disk, rotating when the size bound would be passed."""
-        if not self._buf:
-            return
-        lines = [json.dumps(e, separators=(",", ":"), default=repr) + "\n" for e in self._buf]
-        self._buf.clear()
-        for line in lines:
-            n = len(line.encode())
-            if self._size and self._size + n > self.max_bytes:
-                self._rotate()
-            self._fh.write(line)
-            self._size += n
-        self._fh.flush()
-
-    def _rotate(self) -> None:
-        self._fh.close()
-        if self.backups:
-            for i in range(self.backups - 1, 0, -1):
-                src = self.path.with_name(f"{self.path.name}.{i}")
-                if src.exists():
-                    src.replace(self.path.with_name(f"{self.path.name}.{i + 1}"))
-            self.path.replace(self.path.with_name(f"{self.path.name}.1"))
-        else:
-            self.path.unlink()
-        self._fh = self.path.open("a", encoding="utf-8")
-        self._size = 0
-
-    def close(self) -> None:
-        """Flush and close."""
-        self.flush()
-        self._fh.close()
-
-
-def read_ledger(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Every event of a ledger and its rotated backups, oldest first."""
-    p = Path(path)
-    files = sorted(p.parent.glob(p.name + ".*"), key=lambda f: -int(f.suffix[1:]) if f.suffix[1:].isdigit() else 0)
-    events: list[dict[str, Any]] = []
-    for f in [*[f for f in files if f.suffix[1:].isdigit()], p]:
-        if f.exists():
-            with f.open(encoding="utf-8") as fh:
-                events += [json.loads(line) for line in fh if line.strip()]
-    return events
 
 
 @dataclass

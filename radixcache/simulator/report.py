@@ -1,18 +1,18 @@
-"""Replay traces under several policies and budgets, side by side, and report: the engine of
-``radixcache bench-trace`` and ``radixcache policies-report``."""
+"""Replay traces under several policies and budgets, side by side, and tabulate: the engine of
+``radixcache bench-trace`` and ``radixcache policies-report`` (benchmarks/policies_report.py
+writes the tables into docs/policies.md)."""
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from .policies import make_policy
+from ..policies import make_policy
 from .replay import PRESETS, replay
 from .traces import TraceRecord, generate, read_trace
 
-__all__ = ["DEFAULT_BUDGETS_GIB", "edge_case_table", "load_trace", "markdown_table", "plot", "run_grid", "write_report"]
+__all__ = ["DEFAULT_BUDGETS_GIB", "edge_case_table", "load_trace", "markdown_table", "report_markdown", "run_grid"]
 
 GiB = 1 << 30
 DEFAULT_BUDGETS_GIB: dict[str, tuple[float, ...]] = {
@@ -21,8 +21,6 @@ DEFAULT_BUDGETS_GIB: dict[str, tuple[float, ...]] = {
     "fanout": (2, 4, 8),
     "edge": (1, 2, 4),
 }
-_MARK_BEGIN = "<!-- policies-report:begin -->"
-_MARK_END = "<!-- policies-report:end -->"
 
 
 def _f(x: object) -> float:
@@ -110,52 +108,10 @@ def edge_case_table(rows: Sequence[dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: Sequence[dict[str, object]], path: str | os.PathLike[str]) -> bool:
-    """Token hit rate and FLOPs saved against budget, one panel pair per trace, one line per policy.
-    Returns False (drawing nothing) when matplotlib is not installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    traces = list(dict.fromkeys(str(r["trace"]) for r in rows))
-    policies = list(dict.fromkeys(str(r["policy"]) for r in rows))
-    fig, axes = plt.subplots(2, len(traces), figsize=(4 * len(traces), 6.5), squeeze=False)
-    for j, t in enumerate(traces):
-        for i, metric in enumerate(("token_hit_rate", "flops_saved_fraction")):
-            ax = axes[i][j]
-            for p in policies:
-                pts = sorted((_f(r["budget_gib"]), _f(r[metric])) for r in rows if r["trace"] == t and r["policy"] == p)
-                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=p)
-            ax.set_xscale("log", base=2)
-            ax.set_title(f"{t}: {'token hit rate' if i == 0 else 'prefill FLOPs saved'}")
-            ax.set_xlabel("cache budget (GiB)")
-            ax.set_ylim(0, 1)
-            if i == 0 and j == 0:
-                ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
-
-
-def write_report(rows: Sequence[dict[str, object]], doc: str | os.PathLike[str], png: str | os.PathLike[str]) -> None:
-    """Put the results table (and a link to the plot) between the report markers of ``doc``, and
-    the raw rows next to it as JSON."""
-    drew = plot(rows, png)
+def report_markdown(rows: Sequence[dict[str, object]]) -> str:
+    """The whole report: the results table, then the edge-case table when there are edge rows."""
     body = markdown_table(rows)
     edge = edge_case_table(rows)
     if edge:
         body += "\n\nEdge cases, token hit rate of each (**0**: no hit at all):\n\n" + edge
-    if drew:
-        body += f"\n\n![token hit rate and FLOPs saved against budget]({Path(png).name})"
-    path = Path(doc)
-    text = path.read_text(encoding="utf-8") if path.exists() else f"{_MARK_BEGIN}\n{_MARK_END}\n"
-    if _MARK_BEGIN not in text:
-        text += f"\n{_MARK_BEGIN}\n{_MARK_END}\n"
-    pre, rest = text.split(_MARK_BEGIN, 1)
-    _, post = rest.split(_MARK_END, 1)
-    path.write_text(f"{pre}{_MARK_BEGIN}\n{body}\n{_MARK_END}{post}", encoding="utf-8")
-    path.with_suffix(".json").write_text(json.dumps(list(rows), indent=1, default=str), encoding="utf-8")
+    return body

@@ -19,8 +19,7 @@ Fields of :class:`TreeNode` are changed only by :class:`HybridRadixCache`.
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from typing import NamedTuple
 
 import numpy as np
@@ -29,6 +28,7 @@ import torch
 from linear_state import COMPLETE, Fence, LinearStatePool, NodeOwner, Owner, SlotId, SlotWrite, Stream
 
 from .keys import TOKEN_BYTES, KeyLike, key_bytes
+from .lazy_heap import LazyHeap
 
 __all__ = ["EvictResult", "HybridRadixCache", "InsertResult", "MatchResult", "TreeNode"]
 
@@ -118,6 +118,8 @@ class InsertResult(NamedTuple):
         node ending at or above ``length``.
     :ivar snapshot_created: a clone was taken (False when the node already held a snapshot).
     :ivar duplicates: how many caller KV indices were released as duplicates.
+    :ivar released: those duplicates, when the caller asked for them back
+        (``release_duplicates=False``); empty otherwise (they went to ``on_free_kv``).
     """
 
     prefix_length: int
@@ -125,6 +127,7 @@ class InsertResult(NamedTuple):
     node: TreeNode
     snapshot_created: bool
     duplicates: int
+    released: torch.Tensor = _EMPTY_KV
 
 
 class EvictResult(NamedTuple):
@@ -172,14 +175,14 @@ class HybridRadixCache:
         self._null_root = TreeNode(-1, b"", _EMPTY_KV, None, 0)  # for namespaces never inserted
         self._next_id = 1
         self._tick = 0
-        # NOTE: eviction candidates live in two binary heaps (heapq, in C) with lazy deletion, keyed
-        # by (last_access, id). A touch pushes a fresh entry (O(log n) in C, no Python-level
-        # removal); pop skips entries that are stale (node gone, touched since, locked, no longer a
-        # leaf / no snapshot). Evicting a node is O(log n) amortised and never scans the tree;
-        # heaps are compacted when stale entries outnumber live nodes. sortedcontainers would give
-        # the same bounds with a Python-level remove+add on every touch, 3-5x slower per match.
-        self._kv_heap: list[tuple[int, int, TreeNode]] = []
-        self._snap_heap: list[tuple[int, int, TreeNode]] = []
+        # NOTE: eviction candidates live in two lazy-deletion heaps (heapq, in C), keyed by
+        # last_access. A touch pushes a fresh entry (O(log n) in C, no Python-level removal); pop
+        # skips entries that are stale (node gone, touched since, locked, no longer a leaf / no
+        # snapshot). Evicting a node is O(log n) amortised and never scans the tree; heaps are
+        # compacted when stale entries outnumber live nodes. sortedcontainers would give the same
+        # bounds with a Python-level remove+add on every touch, 3-5x slower per match.
+        self._kv_heap: LazyHeap[TreeNode] = LazyHeap()
+        self._snap_heap: LazyHeap[TreeNode] = LazyHeap()
         self._num_nodes = 0
         self._num_snapshots = 0
         self._evictable_kv = 0
@@ -242,12 +245,13 @@ class HybridRadixCache:
                 hi = mid - 1
         return lo * pb
 
-    def match(self, key: KeyLike, *, namespace: Hashable = None) -> MatchResult:
+    def match(self, key: KeyLike, *, namespace: Hashable = None, touch: bool = True) -> MatchResult:
         """Find the longest usable prefix of ``key``: the deepest snapshot on the matched path.
 
-        Never splits nodes; refreshes the recency of the nodes it returns. O(nodes on the path +
-        log(key length)), no per-token Python work. The result is valid until the next eviction
-        unless ``result.node`` is locked.
+        Never splits nodes; refreshes the recency of the nodes it returns unless ``touch`` is
+        False (a dry run: nothing at all changes; :meth:`touch` the result later). O(nodes on the
+        path + log(key length)), no per-token Python work. The result is valid until the next
+        eviction unless ``result.node`` is locked.
 
         :raises ValueError: a bad key (see :func:`radixcache.keys.key_bytes`).
         """
@@ -278,10 +282,68 @@ class HybridRadixCache:
         if snap_at == 0:
             return MatchResult(0, pos // TOKEN_BYTES, _EMPTY_KV, root, None)
         used = path[:snap_at]
-        self._touch(used)
+        if touch:
+            self._touch(used)
         target = used[-1]
         kv = used[0].value if snap_at == 1 else torch.cat([n.value for n in used])
         return MatchResult(target.depth, pos // TOKEN_BYTES, kv, target, target.snapshot)
+
+    def touch(self, node: TreeNode) -> None:
+        """Refresh the recency of ``node`` and its ancestors (what :meth:`match` does to a hit).
+        O(depth in nodes). :raises ValueError: ``node`` was removed."""
+        if node.parent is None and node.depth > 0:
+            raise ValueError(f"node {node.id} was evicted; it cannot be touched")
+        path: list[TreeNode] = []
+        n: TreeNode | None = node
+        while n is not None and n.depth > 0:
+            path.append(n)
+            n = n.parent
+        path.reverse()
+        self._touch(path)
+
+    # ------------------------------------------------------ what policies read
+    @staticmethod
+    def holds_snapshot(node: TreeNode) -> bool:
+        """``node`` is in the tree and holds a snapshot. O(1)."""
+        return node.parent is not None and node.snapshot is not None
+
+    @staticmethod
+    def is_evictable(node: TreeNode) -> bool:
+        """``node`` holds a snapshot that no lock protects: :meth:`evict_snapshot` would take it. O(1)."""
+        return node.parent is not None and node.snapshot is not None and not node.snap_lock
+
+    @staticmethod
+    def snapshot_ancestors(node: TreeNode) -> Iterator[TreeNode]:
+        """The ancestors of ``node`` that hold a snapshot, nearest first (roots excluded).
+        O(depth in nodes) for the whole walk."""
+        anc = node.parent
+        while anc is not None and anc.depth > 0:
+            if anc.snapshot is not None:
+                yield anc
+            anc = anc.parent
+
+    def eviction_cost(self, node: TreeNode) -> EvictResult:
+        """What :meth:`evict_snapshot` of ``node`` would free, computed without changing anything:
+        an inner node frees its snapshot alone; a leaf frees its KV and that of every parent it
+        would leave as a tombstone leaf. O(nodes in that cascade).
+
+        :raises ValueError: ``node`` was removed or holds no snapshot.
+        """
+        if node.parent is None or node.snapshot is None:
+            raise ValueError(f"node {node.id} holds no snapshot to evict")
+        if node.children:
+            return EvictResult(0, 1, 0)
+        tokens = removed = 0
+        n = node
+        while True:
+            tokens += n.num_tokens
+            removed += 1
+            p = n.parent
+            assert p is not None
+            if p.depth == 0 or len(p.children) > 1 or p.snapshot is not None:
+                break
+            n = p
+        return EvictResult(tokens, 1, removed)
 
     def kv_indices(self, node: TreeNode) -> torch.Tensor:
         """KV indices from the root to the end of ``node`` (1-D int64). O(depth)."""
@@ -304,6 +366,7 @@ class HybridRadixCache:
         state_slot: int | None = None,
         ready: Fence | None = None,
         namespace: Hashable = None,
+        release_duplicates: bool = True,
     ) -> InsertResult:
         """Insert ``key`` with its KV indices, and optionally donate the state after it.
 
@@ -317,7 +380,8 @@ class HybridRadixCache:
         KV ownership: the tree takes the caller's indices for the tokens it stores new (it keeps a
         copy: the caller may reuse its index tensor afterwards). For the
         ``prefix_length`` tokens already cached, any caller index that differs from the tree's is
-        a duplicate and is released through ``on_free_kv``; use :meth:`kv_indices` of
+        a duplicate and is released through ``on_free_kv`` (or, with ``release_duplicates=False``,
+        handed back in ``result.released`` for the caller to free); use :meth:`kv_indices` of
         ``result.node`` to get the tree's indices.
 
         O(nodes on the path + key length / page size) plus one clone.
@@ -364,9 +428,9 @@ class HybridRadixCache:
         prefix_len = pos // TOKEN_BYTES
         if state_slot is None or end == 0:
             # No snapshot to attach: a new leaf could never serve a hit, a split would add nothing.
-            dups = self._release_duplicates(kv, kvn, path, split_child, split_at)
+            dups = self._duplicates(kv, kvn, path, split_child, split_at)
             self._touch(path)
-            return InsertResult(prefix_len, prefix_len, node, False, dups)
+            return InsertResult(prefix_len, prefix_len, node, False, *self._hand_out(dups, release_duplicates))
         grows = pos < end  # a new leaf is needed
         # The target node's id, known before anything changes: new nodes are numbered in order
         # (the split's upper node first, then the new leaf).
@@ -382,7 +446,7 @@ class HybridRadixCache:
         # Phase 2: mutate. Nothing below raises.
         if fresh_root:
             self._roots[namespace] = root
-        dups = self._release_duplicates(kv, kvn, path, split_child, split_at)
+        dups = self._duplicates(kv, kvn, path, split_child, split_at)
         if split_child is not None:
             node = self._split(split_child, split_at)
             path.append(node)
@@ -408,22 +472,32 @@ class HybridRadixCache:
             if node.snap_lock:
                 self._protected_snapshots += 1
         self._touch(path)
-        return InsertResult(prefix_len, node.depth, node, clone is not None, dups)
+        return InsertResult(prefix_len, node.depth, node, clone is not None, *self._hand_out(dups, release_duplicates))
 
     def _take_snapshot(self, state_slot: int, owner: NodeOwner, ready: Fence | None) -> SlotWrite:
         """Copy-on-donate: a private clone of ``state_slot`` for ``owner``, ordered after ``ready``."""
         return self.pool.clone(state_slot, owner, stream=self.stream, after=() if ready is None else (ready,))
 
-    def _release_duplicates(
+    def _hand_out(self, dups: torch.Tensor | None, release: bool) -> tuple[int, torch.Tensor]:
+        """Release duplicates through ``on_free_kv`` (``release``) or hand them back."""
+        if dups is None:
+            return 0, _EMPTY_KV
+        if not release:
+            return int(dups.numel()), dups
+        if self.on_free_kv is not None:
+            self.on_free_kv(dups)
+        return int(dups.numel()), _EMPTY_KV
+
+    def _duplicates(
         self,
         kv: torch.Tensor,
         kvn: np.ndarray | None,
         path: list[TreeNode],
         split_child: TreeNode | None,
         split_at: int,
-    ) -> int:
-        """Release the caller's KV indices that duplicate ones the tree holds (same tokens, other
-        index). An index equal to the tree's is the tree's own (the caller got it from ``match``)."""
+    ) -> torch.Tensor | None:
+        """The caller's KV indices that duplicate ones the tree holds (same tokens, other index),
+        or None. An index equal to the tree's is the tree's own (the caller got it from ``match``)."""
         spans = [(n.value, n.value_np, n.value.numel()) for n in path]
         if split_child is not None:
             k = split_at // TOKEN_BYTES
@@ -445,11 +519,8 @@ class HybridRadixCache:
                     parts.append(mine[mine != theirs])
             start += k
         if not parts:
-            return 0
-        released = parts[0] if len(parts) == 1 else torch.cat(parts)
-        if self.on_free_kv is not None:
-            self.on_free_kv(released)
-        return int(released.numel())
+            return None
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _split(self, child: TreeNode, at: int) -> TreeNode:
         """Split ``child``'s edge after ``at`` bytes; return the new upper node (no snapshot).
@@ -528,7 +599,7 @@ class HybridRadixCache:
         node.snap_lock -= 1
         if node.snap_lock == 0 and node.snapshot is not None:
             self._protected_snapshots -= 1
-            heapq.heappush(self._snap_heap, (node.last_access, node.id, node))
+            self._snap_heap.push(node.last_access, node)
         n: TreeNode | None = node
         while n is not None:
             n.kv_lock -= 1
@@ -536,7 +607,7 @@ class HybridRadixCache:
                 self._evictable_kv += n.num_tokens
                 self._protected_kv -= n.num_tokens
                 if not n.children:
-                    heapq.heappush(self._kv_heap, (n.last_access, n.id, n))
+                    self._kv_heap.push(n.last_access, n)
             n = n.parent
 
     # --------------------------------------------------------------- eviction
@@ -554,20 +625,18 @@ class HybridRadixCache:
         if kv_tokens < 0 or snapshots < 0:
             raise ValueError(f"evict amounts must be >= 0, got kv_tokens={kv_tokens}, snapshots={snapshots}")
         freed_kv = freed_snaps = removed = 0
-        heap = self._kv_heap
-        while freed_kv < kv_tokens and heap:
-            tick, _, n = heapq.heappop(heap)
-            if n.parent is None or n.children or n.kv_lock or n.last_access != tick:
-                continue
+        while freed_kv < kv_tokens:
+            n = self._kv_heap.pop_valid(_kv_candidate)
+            if n is None:
+                break
             k, s, r = self._remove_leaf(n)
             freed_kv += k
             freed_snaps += s
             removed += r
-        heap = self._snap_heap
-        while freed_snaps < snapshots and heap:
-            tick, _, n = heapq.heappop(heap)
-            if n.parent is None or n.snapshot is None or n.snap_lock or n.last_access != tick:
-                continue
+        while freed_snaps < snapshots:
+            n = self._snap_heap.pop_valid(_snap_candidate)
+            if n is None:
+                break
             if n.children:
                 self._free_snapshot(n)
                 freed_snaps += 1
@@ -617,7 +686,7 @@ class HybridRadixCache:
                 break
             if parent.snapshot is not None:  # a leaf again, with a snapshot: a candidate
                 if parent.kv_lock == 0:
-                    heapq.heappush(self._kv_heap, (parent.last_access, parent.id, parent))
+                    self._kv_heap.push(parent.last_access, parent)
                 break
             n = parent  # a tombstone leaf: cannot serve a hit, goes too (it holds no lock: see lock())
         return freed_kv, freed_snaps, removed
@@ -635,22 +704,20 @@ class HybridRadixCache:
     def _maybe_compact(self) -> None:
         limit = 2 * self._num_nodes + 1024
         if len(self._kv_heap) > limit:
-            self._kv_heap = [e for e in self._kv_heap if _kv_candidate(e)]
-            heapq.heapify(self._kv_heap)
+            self._kv_heap.compact(_kv_candidate)
         if len(self._snap_heap) > limit:
-            self._snap_heap = [e for e in self._snap_heap if _snap_candidate(e)]
-            heapq.heapify(self._snap_heap)
+            self._snap_heap.compact(_snap_candidate)
 
     def _touch(self, nodes: list[TreeNode]) -> None:
         self._tick += 1
         tick = self._tick
-        push = heapq.heappush
+        push_snap, push_kv = self._snap_heap.push, self._kv_heap.push
         for n in nodes:
             n.last_access = tick
             if n.snapshot is not None and not n.snap_lock:
-                push(self._snap_heap, (tick, n.id, n))
+                push_snap(tick, n)
             if not n.children and not n.kv_lock:
-                push(self._kv_heap, (tick, n.id, n))
+                push_kv(tick, n)
         if len(self._kv_heap) + len(self._snap_heap) > 4 * self._num_nodes + 2048:
             self._maybe_compact()
 
@@ -677,6 +744,24 @@ class HybridRadixCache:
         self.reset_state()
 
     # ------------------------------------------------------------- invariants
+    def describe(self) -> dict[str, object]:
+        """The tree's bookkeeping beyond its nodes (roots, counters, recency clock, eviction
+        heaps) as plain objects, for digests and debugging. Reads only."""
+        return {
+            "roots": {ns: (r.id, r.kv_lock, r.snap_lock, sorted(r.children)) for ns, r in self._roots.items()},
+            "next_id": self._next_id,
+            "tick": self._tick,
+            "kv_heap": sorted((e[0], e[1], e[2].id) for e in self._kv_heap),
+            "snap_heap": sorted((e[0], e[1], e[2].id) for e in self._snap_heap),
+            "counters": (
+                self._num_nodes,
+                self._num_snapshots,
+                self._evictable_kv,
+                self._protected_kv,
+                self._protected_snapshots,
+            ),
+        }
+
     def iter_nodes(self) -> list[TreeNode]:
         """Every node (roots excluded), parents before children. O(n): for tests and tools."""
         out: list[TreeNode] = []
@@ -704,10 +789,10 @@ class HybridRadixCache:
         snap_live: set[int] = set()
         for e in self._kv_heap:
             if _kv_candidate(e):
-                kv_live.add(e[1])
+                kv_live.add(e[2].id)
         for e in self._snap_heap:
             if _snap_candidate(e):
-                snap_live.add(e[1])
+                snap_live.add(e[2].id)
         for ns, root in self._roots.items():
             assert root.depth == 0 and root.key == b"" and root.parent is None, f"root of {ns!r} is malformed"
             assert root.snapshot is None, f"root of {ns!r} holds a snapshot"
@@ -765,12 +850,12 @@ class HybridRadixCache:
         self.pool.check_invariants()
 
 
-def _kv_candidate(e: tuple[int, int, TreeNode]) -> bool:
+def _kv_candidate(e: tuple[float, int, TreeNode]) -> bool:
     n = e[2]
     return n.parent is not None and not n.children and not n.kv_lock and n.last_access == e[0]
 
 
-def _snap_candidate(e: tuple[int, int, TreeNode]) -> bool:
+def _snap_candidate(e: tuple[float, int, TreeNode]) -> bool:
     n = e[2]
     return n.parent is not None and n.snapshot is not None and not n.snap_lock and n.last_access == e[0]
 

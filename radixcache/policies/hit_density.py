@@ -1,4 +1,4 @@
-"""``ours``: captures where hits come from; evicts the snapshot with the lowest *hit density*.
+"""``hit-density``: captures where hits come from; evicts the snapshot with the lowest *hit density*.
 
 Captures, per scheduled prefill step: the last block boundary of the step (a prefix seen once
 already hits partly), the branch point (where the prompt left the KV already in the tree: a
@@ -34,6 +34,9 @@ states and re-send points are measured on the request stream (how often a sessio
 often a prompt repeats), never on what the cache kept, so an early eviction cannot teach the
 policy that a kind is useless.
 
+Without session ids from the host (``session=None``) nothing says when a conversation comes back:
+final states are then kept by default and ranked like any other kind.
+
 Cost per eviction: exact over every tracked snapshot up to ``exact_below`` of them, otherwise the
 best of ``sample`` drawn at random (seeded): O(sample x path length), whatever the tree size.
 """
@@ -43,13 +46,14 @@ from __future__ import annotations
 import bisect
 import random
 from collections import OrderedDict, deque
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from itertools import accumulate
 
-from ..tree import HybridRadixCache, TreeNode
-from .base import Policy, RequestInfo
+from ..core.tree import HybridRadixCache, TreeNode
+from .base import DonationReason, Policy, RequestInfo
 
-__all__ = ["Ours"]
+__all__ = ["HitDensity"]
 
 FINISH, RESEND, BLOCK, BRANCH, HIT = "finish", "resend", "block", "branch", "hit"
 _DECAY = 0.999  # counts fade with a half-life of ~700 events: a policy for a changing workload
@@ -59,7 +63,7 @@ _REMEMBER = 1 << 16  # sessions and prompt digests remembered
 
 def _gone(node: TreeNode) -> bool:
     """The node left the tree or lost its snapshot (a cascade, a reset, the tree's own eviction)."""
-    return node.parent is None or node.snapshot is None
+    return not HybridRadixCache.holds_snapshot(node)
 
 
 @dataclass
@@ -67,9 +71,9 @@ class _Entry:
     node: TreeNode
     kind: str
     last: float  # donation or last hit
-    session: str
+    session: Hashable | None
     ts: float  # arrival of the donating request
-    users: set[str] = field(default_factory=set)
+    users: set[Hashable | None] = field(default_factory=set)
 
 
 class _Decayed:
@@ -131,13 +135,13 @@ class _Gaps:
         return (n - i) / n, self._suffix[i] / (n - i) - age
 
 
-class Ours(Policy):
+class HitDensity(Policy):
     """:param block: block size of the boundary captures; :param min_rate: captures of a kind reused
     less often than this are skipped (but one in ``explore`` is taken); :param sample: candidates
     drawn per eviction once more than ``exact_below`` snapshots are tracked; :param seed: of that draw.
     """
 
-    name = "ours"
+    name = "hit-density"
 
     def __init__(
         self,
@@ -166,20 +170,15 @@ class Ours(Policy):
         self._repeated = _Decayed()  # requests whose prompt came before: reuse of re-send points
         self._gap = {k: _Decayed() for k in (BLOCK, BRANCH, HIT, RESEND, FINISH)}
         self._think = _Gaps()
-        self._sessions: OrderedDict[str, float] = OrderedDict()
+        self._sessions: OrderedDict[Hashable, float] = OrderedDict()
         self._digests: OrderedDict[int, None] = OrderedDict()
         self._skipped = dict.fromkeys((FINISH, RESEND, BLOCK, BRANCH), 0)
 
     # -- what the request stream says -------------------------------------------------------------
 
     def admitted(self, req: RequestInfo) -> None:
-        last = self._sessions.pop(req.session, None)
-        self._continued.add(last is not None)
-        if last is not None:
-            self._think.add(max(0.0, req.ts - last))
-        self._sessions[req.session] = req.ts
-        if len(self._sessions) > _REMEMBER:
-            self._sessions.popitem(last=False)
+        if req.session is not None:
+            self._see_session(req.session, req.ts)
         if req.prompt_digest:
             seen = req.prompt_digest in self._digests
             self._repeated.add(seen)
@@ -187,6 +186,15 @@ class Ours(Policy):
             self._digests.move_to_end(req.prompt_digest)
             if len(self._digests) > _REMEMBER:
                 self._digests.popitem(last=False)
+
+    def _see_session(self, session: Hashable, ts: float) -> None:
+        last = self._sessions.pop(session, None)
+        self._continued.add(last is not None)
+        if last is not None:
+            self._think.add(max(0.0, ts - last))
+        self._sessions[session] = ts
+        if len(self._sessions) > _REMEMBER:
+            self._sessions.popitem(last=False)
 
     def rate(self, kind: str) -> float:
         """Measured reuse rate of a kind of snapshot (``finish``, ``resend``, ``block``, ``branch``,
@@ -248,20 +256,19 @@ class Ours(Policy):
                 self._items[i] = moved
                 self._pos[moved] = i
 
-    def donated(self, node: TreeNode, req: RequestInfo, reason: str, now: float) -> None:
-        kind = FINISH if reason == "finish" else self._kind(req, node.depth)
+    def donated(self, node: TreeNode, req: RequestInfo, reason: DonationReason, now: float) -> None:
+        finish = reason is DonationReason.FINISH
+        kind = FINISH if finish else self._kind(req, node.depth)
         self._superseded.pop(node.id, None)
         self._track(_Entry(node, kind, now, req.session, req.ts, {req.session}))
-        if reason != "finish":
+        if not finish or req.session is None:
             return
         # This conversation went past its own earlier snapshots: its next turn continues the new
         # final state, so those are dead weight unless another conversation used them.
-        anc = node.parent
-        while anc is not None and anc.depth > 0:
+        for anc in HybridRadixCache.snapshot_ancestors(node):
             e = self._entries.get(anc.id)
-            if e is not None and not _gone(anc) and e.session == req.session and e.ts < req.ts and len(e.users) <= 1:
+            if e is not None and e.session == req.session and e.ts < req.ts and len(e.users) <= 1:
                 self._superseded[anc.id] = None
-            anc = anc.parent
 
     def touched(self, node: TreeNode, req: RequestInfo, now: float) -> None:
         e = self._entries.get(node.id)
@@ -280,28 +287,12 @@ class Ours(Policy):
 
     def _anchor_depth(self, e: _Entry) -> int:
         """Depth of the nearest ancestor snapshot that would still serve a hit on ``e``'s path."""
-        anc = e.node.parent
-        while anc is not None and anc.depth > 0:
-            if anc.snapshot is not None and anc.id not in self._superseded:
+        for anc in HybridRadixCache.snapshot_ancestors(e.node):
+            if anc.id not in self._superseded:
                 a = self._entries.get(anc.id)
-                if a is None or a.session != e.session or len(a.users) > 1:
+                if a is None or a.session is None or a.session != e.session or len(a.users) > 1:
                     return anc.depth
-            anc = anc.parent
         return 0
-
-    @staticmethod
-    def _leaf_kv(node: TreeNode) -> int:
-        """KV tokens that go with ``node`` when its snapshot goes (a leaf takes its tombstone path)."""
-        if node.children:
-            return 0
-        tokens, n = 0, node
-        while n.parent is not None and n.depth > 0:
-            tokens += n.num_tokens
-            p = n.parent
-            if p.depth == 0 or len(p.children) > 1 or p.snapshot is not None:
-                break
-            n = p
-        return tokens
 
     def _mean_gap(self, kind: str) -> float:
         g = self._gap[kind]
@@ -327,7 +318,7 @@ class Ours(Policy):
         else:
             q, wait = r, self._mean_gap(e.kind) + age
         gain = node.depth - self._anchor_depth(e)
-        nbytes = self.snapshot_bytes + self._leaf_kv(node) * self.kv_bytes_per_token
+        nbytes = self.snapshot_bytes + self.cache.eviction_cost(node).kv_tokens * self.kv_bytes_per_token
         return q * gain / (nbytes * max(wait, 1e-3))
 
     def _alive(self, nid: int) -> TreeNode | None:
@@ -337,14 +328,14 @@ class Ours(Policy):
             return None
         return e.node
 
-    def _victim(self, now: float) -> TreeNode | None:
+    def _victim(self, now: float, leaf: bool) -> TreeNode | None:
         dead: list[int] = []
         first: TreeNode | None = None
         for nid in self._superseded:
             old = self._entries[nid].node
             if _gone(old):
                 dead.append(nid)
-            elif not old.snap_lock:
+            elif HybridRadixCache.is_evictable(old) and (old.is_leaf or not leaf):
                 first = old
                 break
         for nid in dead:
@@ -360,7 +351,7 @@ class Ours(Policy):
         best_key = (0.0, 0.0)
         for nid in ids:
             cand = self._alive(nid)
-            if cand is None or cand.snap_lock:
+            if cand is None or not HybridRadixCache.is_evictable(cand) or (leaf and not cand.is_leaf):
                 continue
             key = (self.density(cand, now), self._entries[nid].last)  # ties: least recently used
             if best is None or key < best_key:
@@ -380,13 +371,14 @@ class Ours(Policy):
         assert not stray, f"superseded but not tracked: {stray}"
         self._think.check_invariants()
 
-    def evict_one(self, cache: HybridRadixCache, now: float) -> bool:
-        node = self._victim(now)
+    def victim(self, now: float, *, kv: bool = False) -> TreeNode | None:
+        """The tracked snapshot of lowest hit density (superseded turns first); ``None`` when
+        nothing tracked is evictable. The eviction is counted against its kind's reuse rate."""
+        node = self._victim(now, kv)
         if node is None:
-            return cache.evict(snapshots=1).snapshots > 0
+            return None
         e = self._entries[node.id]
         if e.kind in self._outcome and node.id not in self._superseded:
             self._outcome[e.kind].add(False)
         self._untrack(node.id)
-        cache.evict_snapshot(node)
-        return True
+        return node

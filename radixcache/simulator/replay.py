@@ -1,5 +1,7 @@
-"""Replay a trace through the real CacheManager and HybridRadixCache under a memory budget, with
-one snapshot placement and eviction policy, and count what the cache saved.
+"""Replay a trace through the real CacheManager (with one snapshot placement and eviction policy
+inside) and HybridRadixCache under a memory budget, and count what the cache saved. The replay is
+a host like any other: it uses the manager's public protocol alone, so what it measures is what a
+host gets.
 
 No model runs: states are never computed, only placed, kept and evicted. Bytes are accounted with
 a model preset: KV bytes per token and snapshot bytes from its :class:`StateLayout`. A FLOP model
@@ -17,10 +19,10 @@ import torch
 
 from linear_state import LinearStatePool, StateLayout
 
-from .manager import Admission, CacheManager
-from .policies import Policy, RequestInfo
+from ..core.manager import Admission, CacheManager
+from ..core.tree import HybridRadixCache
+from ..policies.base import Policy
 from .traces import TraceRecord
-from .tree import HybridRadixCache
 
 __all__ = ["PRESETS", "ModelPreset", "ReplayResult", "replay"]
 
@@ -65,6 +67,7 @@ PRESETS = {
 }
 
 _TINY = StateLayout(1, (1, 1), (1,))  # the replay never computes a state: slots are tokens of ownership
+_WINDOW_CAPTURES = 16  # track slots per request: more than any policy asks for in one window
 
 
 @dataclass
@@ -119,11 +122,13 @@ def replay(
     budget_bytes: float,
     *,
     chunk: int = 2048,
-    max_captures: int = 16,
     progress: Callable[[int], None] | None = None,
 ) -> ReplayResult:
-    """Replay ``trace`` (in timestamp order, one request at a time) with ``policy`` under
-    ``budget_bytes`` of cache (tree KV plus snapshots).
+    """Replay ``trace`` (in timestamp order, one request at a time) through a
+    :class:`~radixcache.CacheManager` with ``policy`` inside, under ``budget_bytes`` of cache
+    (tree KV plus snapshots), using the manager's public host protocol only: admit, one plan and
+    commit per prefill chunk, one decode window for the answer, finish, and
+    :meth:`~radixcache.CacheManager.evict` whenever the bytes held pass the budget.
 
     :raises ValueError: a budget smaller than one snapshot. :raises TypeError: a budget that is not a
         number (a float is rounded down to whole bytes).
@@ -134,69 +139,46 @@ def replay(
     if budget < preset.snapshot_bytes:
         raise ValueError(f"budget {budget} bytes is below one snapshot ({preset.snapshot_bytes} bytes)")
     max_snaps = budget // preset.snapshot_bytes
-    pool = LinearStatePool(_TINY, max_snaps + 2 + max_captures)
+    # Room for the budget's snapshots plus one request's slots and one window's clones: the byte
+    # budget, enforced below through the policy, is what binds, never the pool.
+    pool = LinearStatePool(_TINY, max_snaps + 2 * (1 + _WINDOW_CAPTURES))
     cache = HybridRadixCache(pool, page_size=1)
-    mgr = CacheManager(cache, track_align=64, track_slots=max_captures)
     kvb, sb = preset.kv_bytes_per_token, preset.snapshot_bytes
     policy.costs(sb, kvb)
+    mgr = CacheManager(cache, policy, track_slots=_WINDOW_CAPTURES)
     res = ReplayResult(policy.name, preset.name, budget, 0, 0, 0, 0.0, 0.0, 0, 0, 0, 0.0, 0, 0.0)
     next_kv = 0
     t0 = time.perf_counter()
 
-    def over() -> bool:
-        return cache.total_kv_tokens * kvb + cache.num_snapshots * sb > budget
-
     def enforce(now: float) -> None:
-        while over():
+        while cache.total_kv_tokens * kvb + cache.num_snapshots * sb > budget:
             before = cache.num_nodes
             t = time.perf_counter()
-            ok = policy.evict_one(cache, now)
+            out = mgr.evict(snapshots=1, now=now)
             res.eviction_seconds += time.perf_counter() - t
             res.evicted_nodes += max(1, before - cache.num_nodes)
-            if not ok:
+            if not out.snapshots:
                 break
 
     for i, rec in enumerate(sorted(trace, key=lambda r: r.ts)):
         ids = rec.input_tokens
         n = len(ids)
-        rid = i
-        adm = mgr.admit(rid, ids)
+        adm = mgr.admit(i, ids, session=rec.session_id, now=rec.ts)
         if not isinstance(adm, Admission):  # cannot happen with the pool sized above
             raise RuntimeError(f"request {i} refused: {adm.reason}")
-        req = RequestInfo(n, adm.cached_length, adm.token_length, rec.session_id, rec.ts, hash(tuple(ids)))
-        policy.admitted(req)
-        if adm.cached_length:
-            node = mgr._requests[rid].lock
-            policy.touched(node, req, rec.ts)
-        kv = torch.arange(next_kv, next_kv + n + len(rec.output_tokens))
-        next_kv += len(kv)
-
-        def commit_all(
-            depths: list[int], rid: int = rid, kv: torch.Tensor = kv, req: RequestInfo = req, now: float = rec.ts
-        ) -> None:
-            for d, slot in zip(depths[:max_captures], mgr._requests[rid].tracks, strict=False):
-                r = mgr.commit(rid, d, slot, None, kv_indices=kv[:d])
-                if r.snapshot_created and r.node is not None:
-                    res.snapshots_donated += 1
-                    policy.donated(r.node, req, "capture", now)
-            enforce(now)
-
         for start in range(adm.cached_length, n, chunk):
-            commit_all(policy.captures(req, start, min(n, start + chunk), decode=False))
+            end = min(n, start + chunk)
+            plan = mgr.plan_prefill(i, end)
+            mgr.commit(plan, None, kv_indices=torch.arange(next_kv, next_kv + end - start), now=rec.ts)
+            next_kv += end - start
+            enforce(rec.ts)
         out = rec.output_tokens
-        if len(out) > 1:
-            mgr.append(rid, out[:-1])
-            fed = n + len(out) - 1
-            commit_all(policy.captures(req, n, fed, decode=True))
-        else:
-            fed = n
-        if policy.donate_finish(req):
-            fin = mgr.finish(rid, None, kv_indices=kv[:fed])
-            if fin.node is not None and fin.donated_depth:
-                res.snapshots_donated += 1
-                policy.donated(fin.node, req, "finish", rec.ts)
-        else:
-            mgr.finish(rid, None)
+        if len(out) > 1:  # the last answer token is sampled, never fed
+            plan = mgr.plan_decode(i, out[:-1])
+            mgr.commit(plan, None, kv_indices=torch.arange(next_kv, next_kv + len(out) - 1), now=rec.ts)
+            next_kv += len(out) - 1
+            enforce(rec.ts)
+        mgr.finish(i, None, now=rec.ts)
         enforce(rec.ts)
         res.requests += 1
         res.prompt_tokens += n
@@ -211,6 +193,7 @@ def replay(
         if progress is not None:
             progress(i)
     res.wall_s = time.perf_counter() - t0
+    m = mgr.metrics()
+    res.snapshots_donated = sum(m.donations.values())
     mgr.check_invariants()
-    policy.check_invariants()
     return res

@@ -1,0 +1,32 @@
+"""The errors radixcache raises for misuse, one base class, subclasses by cause.
+
+Each also derives from the Python exception a caller would expect (``KeyError`` for an unknown
+request, ``RuntimeError`` for calls in the wrong order or from two threads at once), so code
+written against the builtin types keeps working.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ConcurrentUseError", "ProtocolError", "RadixCacheError", "UnknownRequest"]
+
+
+class RadixCacheError(Exception):
+    """Base class of radixcache's own errors. A call that raises one changed nothing."""
+
+
+class UnknownRequest(RadixCacheError, KeyError):
+    """A request id the manager does not hold (never admitted, or already finished or aborted)."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class ProtocolError(RadixCacheError, RuntimeError):
+    """A call out of the host protocol's order: a second window planned before the first was
+    committed, a plan committed twice or by another manager, a finish with a window still open."""
+
+
+class ConcurrentUseError(RadixCacheError, RuntimeError):
+    """The manager was entered while another call was running in it (from another thread, or
+    from a callback of its own). The manager is not thread-safe by design: one scheduler thread
+    drives it. The call that raises this changed nothing."""

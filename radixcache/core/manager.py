@@ -1,0 +1,933 @@
+"""CacheManager: the request lifecycle a host scheduler calls, with the policy inside.
+
+One record per request; the host passes ids, token ids, fences and KV indices and never hands the
+manager its own objects. The manager asks its :class:`~radixcache.policies.Policy` where to
+capture and what to evict; the host never chooses depths or victims. Per request::
+
+    admit ── match(ids[:-1]) (dry run first: a refusal changes nothing), lock the hit,
+             alloc live + track slots, restore the hit ──ready──> the first forward
+    per window (a prefill chunk or a decode step):
+      plan   = plan_prefill(rid, end) | plan_decode(rid, new_ids)
+               -> plan.captures: (depth, track slot) pairs, ascending; plan.after
+      forward over [plan.start, plan.end): writes the live slot, copies the state after exactly
+               depth tokens into each capture's slot (writes ordered after plan.after) ──ready──>
+      res    = commit(plan, ready, kv_indices=<the window's KV indices>)
+               clones each capture into the tree behind ready (copy-on-donate), splices the tree's
+               pages into the request's KV table, hands back KV indices the host may reuse
+               (res.free_kv, after res.free_after)
+    finish ── donate the final state (or the deepest page-aligned one captured while decoding),
+              unlock, free every slot after its last writer; returns the KV the host frees
+    abort  ── at any point: unlock, free every slot after its last writer; returns the KV
+
+Ownership: every slot the manager hands out is owned by ``RequestOwner(rid)``; tree snapshots
+are owned by tree nodes. No slot id is ever held by the tree and a request at once.
+
+Thread-safety: none by design (one scheduler thread drives one manager). Every public call that
+changes state takes a non-blocking guard; a second thread (or a callback re-entering the
+manager) gets :class:`~radixcache.core.errors.ConcurrentUseError` and changes nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple, ParamSpec, TypeVar
+
+import numpy as np
+import torch
+
+from linear_state import COMPLETE, Fence, PoolExhausted, RequestOwner, SlotId, Stream, device_synchronize
+from linear_state.owners import NodeOwner
+
+from ..forensics.recorder import Forensics
+from ..policies.base import DonationReason, Policy, RequestInfo
+from .errors import ConcurrentUseError, ProtocolError, UnknownRequest
+from .keys import IMAGE_ID_BASE, MAX_ID, KeyLike, key_bytes
+from .metrics import ManagerMetrics, MetricsCounters
+from .tree import EvictResult, HybridRadixCache, TreeNode
+
+__all__ = [
+    "AdmissionCheck",
+    "Admission",
+    "CacheManager",
+    "Capture",
+    "FinishResult",
+    "Refusal",
+    "WindowPlan",
+    "WindowResult",
+]
+
+Barrier = Literal["fence", "device"]
+P = ParamSpec("P")
+R = TypeVar("R")
+_EMPTY_KV = torch.empty(0, dtype=torch.int64)
+_INT_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
+
+
+class Admission(NamedTuple):
+    """An admitted request: what the host needs before its first forward.
+
+    :ivar cached_length: tokens served from the cache; the host computes ``[cached_length, n)``.
+    :ivar token_length: depth to which the ids agreed with the tree (diagnostic).
+    :ivar kv_indices: the tree's KV indices for ``[0, cached_length)`` (locked while the request
+        lives: safe to read until finish/abort).
+    :ivar live_slot: the request's own state slot (restored from the hit, or zeroed).
+    :ivar track_slots: slots the manager plans captures into.
+    :ivar ready: the first forward that reads or writes ``live_slot`` must be ordered after it.
+    """
+
+    rid: Hashable
+    cached_length: int
+    token_length: int
+    kv_indices: torch.Tensor
+    live_slot: SlotId
+    track_slots: tuple[SlotId, ...]
+    ready: Fence
+
+    @property
+    def admitted(self) -> bool:
+        """Always True (a :class:`Refusal` says False)."""
+        return True
+
+
+class Refusal(NamedTuple):
+    """The request could not be admitted now: nothing was allocated, locked or evicted.
+
+    :ivar slots_needed: state slots admission needs (live + track).
+    :ivar slots_available: free slots plus snapshots that could be evicted for it.
+    """
+
+    rid: Hashable
+    reason: str
+    slots_needed: int
+    slots_available: int
+
+    @property
+    def admitted(self) -> bool:
+        """Always False."""
+        return False
+
+
+class AdmissionCheck(NamedTuple):
+    """What :meth:`CacheManager.can_admit` found; nothing changed to find it.
+
+    :ivar admissible: :meth:`CacheManager.admit` would succeed now.
+    :ivar cached_length: the hit it would get; :ivar token_length: depth the ids agree with the tree.
+    :ivar slots_needed: state slots admission needs; :ivar slots_available: free slots plus
+        snapshots that could be evicted for it.
+    """
+
+    admissible: bool
+    cached_length: int
+    token_length: int
+    slots_needed: int
+    slots_available: int
+
+
+@dataclass(frozen=True, slots=True)
+class Capture:
+    """One state the host copies during a window: the state after exactly ``depth`` tokens, into
+    track slot ``slot``."""
+
+    depth: int
+    slot: SlotId
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class WindowPlan:
+    """The capture plan of one forward window over tokens ``[start, end)`` of request ``rid``.
+
+    The host's forward writes ``live_slot`` and, for each capture, copies the state after exactly
+    ``capture.depth`` tokens into ``capture.slot``; its writes into those slots must be ordered after
+    every fence in ``after`` (earlier clones may still read them). Then :meth:`CacheManager.commit`.
+    A plan is good for one commit, on the manager that made it.
+    """
+
+    rid: Hashable
+    start: int
+    end: int
+    captures: tuple[Capture, ...]
+    after: tuple[Fence, ...]
+    live_slot: SlotId
+    decode: bool
+    manager_id: int
+
+
+class WindowResult(NamedTuple):
+    """What a window's commit did.
+
+    :ivar donated: depths at which the tree took a snapshot from this window (ascending).
+    :ivar kv_held: the tree holds (and will free) the request's KV for ``[0, kv_held)``.
+    :ivar spliced: the request's KV table changed: from now on use :meth:`CacheManager.kv_indices`
+        (the tree's indices for ``[0, kv_held)``, the host's own beyond).
+    :ivar free_kv: host KV indices the tree made redundant (it holds the same tokens): free them...
+    :ivar free_after: ...once this fence completed (their last writer: the window's forward).
+    """
+
+    donated: tuple[int, ...]
+    kv_held: int
+    spliced: bool
+    free_kv: torch.Tensor
+    free_after: Fence
+
+
+class FinishResult(NamedTuple):
+    """What finish/abort did.
+
+    :ivar donated_depth: depth of the final state donated (0: none).
+    :ivar slots_freed: state slots returned to the pool.
+    :ivar kv_held: the tree holds the KV of ``[0, kv_held)``.
+    :ivar free_kv: every KV index of the request the host must now free (its own beyond
+        ``kv_held``, and duplicates of the final donation)...
+    :ivar free_after: ...once this fence completed.
+    :ivar node: the node holding the donated final state (None when nothing was donated).
+    """
+
+    donated_depth: int
+    slots_freed: int
+    kv_held: int
+    free_kv: torch.Tensor
+    free_after: Fence
+    node: TreeNode | None = None
+
+
+@dataclass(eq=False, slots=True)
+class _Request:
+    rid: Hashable
+    owner: RequestOwner
+    info: RequestInfo
+    ids: np.ndarray  # cache ids: the prompt, then output ids folded in from ``out``
+    out: list[int]  # decode ids not yet folded into ``ids``
+    namespace: Hashable
+    live: SlotId
+    tracks: tuple[SlotId, ...]
+    lock: TreeNode
+    done: int  # tokens whose windows were committed
+    kv_parts: list[torch.Tensor]  # the KV table of [0, done), in pieces (joined when needed)
+    committed: int  # the tree holds [0, committed)
+    last_write: dict[int, Fence] = field(default_factory=dict)  # host fences per slot
+    plan: WindowPlan | None = None
+    final: Capture | None = None  # planned decode capture held for the final state
+    pending: tuple[Capture, Fence | None] | None = None  # the deepest such capture committed
+
+
+def _exclusive(method: Callable[P, R]) -> Callable[P, R]:
+    """Run ``method`` under the manager's non-blocking guard (see the module docstring)."""
+
+    def guarded(*args: P.args, **kwargs: P.kwargs) -> R:
+        self = args[0]
+        assert isinstance(self, CacheManager)
+        if not self._guard.acquire(False):
+            raise ConcurrentUseError(
+                f"CacheManager.{method.__name__} entered while another call runs in this manager "
+                "(it is not thread-safe: drive it from one scheduler thread)"
+            )
+        try:
+            return method(*args, **kwargs)
+        finally:
+            self._guard.release()
+
+    guarded.__name__ = method.__name__
+    guarded.__qualname__ = method.__qualname__
+    guarded.__doc__ = method.__doc__
+    return guarded
+
+
+class CacheManager:
+    """The request lifecycle of a hybrid prefix cache, for a host scheduler.
+
+    :param cache: the tree (and through it the slot pool).
+    :param policy: where captures go and which snapshot is evicted (default:
+        :class:`~radixcache.policies.HitDensity`, the one that measured best). One policy
+        instance per manager.
+    :param track_slots: track slots per request: at most this many captures per window.
+    :param barrier: ``"fence"`` orders donate and restore by fences only; ``"device"`` also runs a
+        full device synchronize at donation and hit admission (defence in depth).
+    :param stream: stream for restores and clones (default: the tree's).
+    :param forensics: fingerprint every donation and verify every restore (see
+        :mod:`radixcache.forensics`); ``None`` (default) costs nothing.
+    :param kv_bytes_per_token: the host's KV bytes per token; given, the policy weighs snapshots
+        (the pool's slot bytes) against KV in bytes.
+    :param clock: seconds for the policy's notion of time when a call passes no ``now``
+        (default :func:`time.monotonic`).
+    :raises ValueError: bad options. :raises RuntimeError: the policy serves another manager.
+    """
+
+    def __init__(
+        self,
+        cache: HybridRadixCache,
+        policy: Policy | None = None,
+        *,
+        track_slots: int = 2,
+        barrier: Barrier = "fence",
+        stream: Stream | None = None,
+        forensics: Forensics | None = None,
+        kv_bytes_per_token: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if isinstance(track_slots, bool) or not isinstance(track_slots, int) or track_slots < 1:
+            raise ValueError(f"track_slots must be an int >= 1, got {track_slots!r}")
+        if barrier not in ("fence", "device"):
+            raise ValueError(f"barrier must be 'fence' or 'device', got {barrier!r}")
+        if forensics is not None and forensics.pool is not cache.pool:
+            raise ValueError("forensics must watch the cache's own pool")
+        if policy is None:
+            from ..policies.hit_density import HitDensity
+
+            policy = HitDensity()
+        policy.bind(cache)
+        if kv_bytes_per_token is not None:
+            policy.costs(cache.pool.layout.slot_bytes, kv_bytes_per_token)
+        self.cache = cache
+        self.pool = cache.pool
+        self.policy = policy
+        self.track_slots = track_slots
+        self.barrier: Barrier = barrier
+        self.stream = stream
+        self.forensics = forensics
+        self.clock = clock
+        if forensics is not None:
+            cache.on_free_snapshot = lambda n: forensics.snapshot_freed(n.id, int(n.snapshot or 0))
+        self._requests: dict[Hashable, _Request] = {}
+        self._guard = threading.Lock()
+        self._counters = MetricsCounters()
+
+    # ----------------------------------------------------------------- queries
+    def __contains__(self, rid: Hashable) -> bool:
+        return rid in self._requests
+
+    @property
+    def num_requests(self) -> int:
+        """Requests admitted and not yet finished or aborted."""
+        return len(self._requests)
+
+    def cached_length(self, rid: Hashable) -> int:
+        """The hit length of ``rid`` at admission. :raises UnknownRequest: unknown rid."""
+        return self._get(rid).info.hit
+
+    def kv_indices(self, rid: Hashable) -> torch.Tensor:
+        """The request's KV table for ``[0, tokens committed)``: the tree's indices for the prefix
+        it holds, the host's own beyond. O(tokens) the first time after a change.
+
+        :raises UnknownRequest: unknown rid.
+        """
+        return self._table(self._get(rid))
+
+    def metrics(self) -> ManagerMetrics:
+        """A typed snapshot of the counters (see :class:`ManagerMetrics`). O(1); reads only."""
+        return self._counters.snapshot(
+            snapshots_held=self.cache.num_snapshots,
+            snapshot_bytes=self.pool.layout.slot_bytes,
+            live_requests=len(self._requests),
+        )
+
+    def describe(self) -> dict[str, object]:
+        """The manager's own bookkeeping as plain objects (each request's record, the counters),
+        for digests and debugging. Reads only; the result shares nothing mutable with the manager
+        but the tree nodes it names."""
+        return {
+            "requests": {rid: _fields(rec) for rid, rec in self._requests.items()},
+            "counters": _fields(self._counters),
+            "track_slots": self.track_slots,
+            "barrier": self.barrier,
+        }
+
+    def _get(self, rid: Hashable) -> _Request:
+        try:
+            return self._requests[rid]
+        except (KeyError, TypeError):
+            raise UnknownRequest(f"request {rid!r} is not admitted (or already finished or aborted)") from None
+
+    def _now(self, now: float | None) -> float:
+        if now is None:
+            return self.clock()
+        if isinstance(now, bool) or not isinstance(now, (int, float)):
+            raise TypeError(f"now must be seconds (a number), got {now!r}")
+        return float(now)
+
+    # ------------------------------------------------------------------- admit
+    def _ids(self, rid: Hashable, cache_ids: KeyLike) -> tuple[bytes, np.ndarray]:
+        kb = key_bytes(cache_ids)
+        if not kb:
+            raise ValueError(f"request {rid!r} has no ids")
+        return kb, np.frombuffer(kb, dtype=np.uint32).astype(np.int64)
+
+    def _available(self, hit: TreeNode, length: int) -> int:
+        """Slots an admission locking ``hit`` could get: free ones plus evictable snapshots."""
+        own = 1 if length and self.cache.is_evictable(hit) else 0
+        return self.pool.num_free + self.cache.evictable_snapshots - own
+
+    @_exclusive
+    def can_admit(self, cache_ids: KeyLike, *, namespace: Hashable = None) -> AdmissionCheck:
+        """Would :meth:`admit` succeed now, and with what hit? Changes nothing at all (no lock, no
+        eviction, no recency refresh, no counter). O(match).
+
+        :raises ValueError: bad or empty ids.
+        """
+        _, ids = self._ids("(dry run)", cache_ids)
+        m = self.cache.match(ids[:-1], namespace=namespace, touch=False)
+        need = 1 + self.track_slots
+        avail = self._available(m.node, m.length)
+        return AdmissionCheck(avail >= need, m.length, m.token_length, need, avail)
+
+    @_exclusive
+    def admit(
+        self,
+        rid: Hashable,
+        cache_ids: KeyLike,
+        *,
+        namespace: Hashable = None,
+        session: Hashable | None = None,
+        now: float | None = None,
+    ) -> Admission | Refusal:
+        """Admit a request: match, lock the hit, allocate slots, order the restore.
+
+        Matches on all ids but the last (a request computes at least one token). Allocates one live
+        slot and ``track_slots`` track slots, evicting snapshots through the policy only when that
+        makes the admission succeed. The live slot receives the hit snapshot (a copy, ordered after
+        the snapshot's fence) or the zero state. With ``barrier="device"`` the device is
+        synchronized after the restore.
+
+        :param session: the conversation the request continues (lets the policy learn think times).
+        :param now: the time of arrival in seconds (default: the manager's clock).
+        :returns: an :class:`Admission`, or a :class:`Refusal` when slots cannot be found; then
+            tree, pool and policy are exactly as they were.
+        :raises ValueError: ``rid`` already admitted, bad or empty ids. Nothing changed.
+        """
+        try:
+            hash(rid)
+        except TypeError:
+            raise TypeError(f"request id must be hashable, got {type(rid).__name__}") from None
+        if rid in self._requests:
+            raise ValueError(f"request {rid!r} is already admitted")
+        kb, ids = self._ids(rid, cache_ids)
+        t = self._now(now)
+        need = 1 + self.track_slots
+        m = self.cache.match(ids[:-1], namespace=namespace, touch=False)
+        node = m.node
+        avail = self._available(node, m.length)
+        if avail < need:
+            self._counters.refusals += 1
+            return Refusal(
+                rid, f"{need} state slots needed, {self.pool.num_free} free and {avail} with evictions", need, avail
+            )
+        # From here on the admission succeeds: every step below is within what was counted.
+        if m.length:
+            self.cache.touch(node)
+        self.cache.lock(node)
+        short = need - self.pool.num_free
+        if short > 0:
+            self._evict_snapshots(short, t, "admission")
+        owner = RequestOwner(rid)
+        slots = self.pool.alloc_many(owner, need)
+        live, tracks = slots[0], tuple(slots[1:])
+        fx = self.forensics
+        if fx is not None:
+            fx.request_slots(rid, slots)
+            if m.length:
+                fx.before_restore(node.id, rid, live)
+        stream = self.stream or self.cache.stream
+        if m.length:
+            ready = self.cache.restore(node, live, stream=stream, dst_owner=owner)
+            if self.barrier == "device":
+                ready.wait()
+                device_synchronize(self.pool.device)
+        else:
+            ready = self.pool.zero(live, owner=owner, stream=stream)
+        is_img = ids >= IMAGE_ID_BASE
+        starts = np.flatnonzero(is_img & ~np.concatenate([[False], is_img[:-1]]))
+        digest = int.from_bytes(hashlib.blake2b(kb, digest_size=8).digest(), "little") or 1
+        info = RequestInfo(int(ids.size), m.length, m.token_length, session, t, digest, tuple(int(s) for s in starts))
+        rec = _Request(
+            rid=rid,
+            owner=owner,
+            info=info,
+            ids=ids,
+            out=[],
+            namespace=namespace,
+            live=live,
+            tracks=tracks,
+            lock=node,
+            done=m.length,
+            kv_parts=[m.kv_indices],
+            committed=m.length,
+        )
+        rec.last_write[live] = ready
+        self._requests[rid] = rec
+        c = self._counters
+        c.admissions += 1
+        c.prompt_tokens += int(ids.size)
+        if m.length:
+            c.hits += 1
+            c.hit_tokens += m.length
+            c.restores += 1
+        self.policy.admitted(info)
+        if m.length:
+            self.policy.touched(node, info, t)
+        return Admission(rid, m.length, m.token_length, m.kv_indices, live, tracks, ready)
+
+    # ------------------------------------------------------------------ plans
+    def _pick(self, rec: _Request, depths: Iterable[int], start: int, end: int, budget: int) -> list[int]:
+        """Policy depths cut to the page, inside ``(start, end]``, beyond the tree's, at most ``budget``."""
+        page = self.cache.page_size
+        out: list[int] = []
+        for d in depths:
+            d -= d % page
+            if start < d <= end and d > rec.committed and d not in out:
+                out.append(d)
+                if len(out) == budget:
+                    break
+        out.sort()
+        return out
+
+    def _plan(self, rec: _Request, start: int, end: int, depths: list[int], final: int, decode: bool) -> WindowPlan:
+        free = [s for s in rec.tracks if rec.pending is None or s != rec.pending[0].slot]
+        caps = [Capture(d, s) for d, s in zip(depths, free, strict=False)]
+        rec.final = None
+        if final:
+            slot = (
+                rec.pending[0].slot if rec.pending is not None else (free[len(caps)] if len(free) > len(caps) else None)
+            )
+            if slot is not None:
+                rec.final = Capture(final, slot)
+                caps.append(rec.final)
+        last_use = self.pool.last_use
+        plan = WindowPlan(
+            rec.rid, start, end, tuple(caps), tuple(last_use(c.slot) for c in caps), rec.live, decode, id(self)
+        )
+        rec.plan = plan
+        return plan
+
+    def _check_open(self, rec: _Request) -> None:
+        if rec.plan is not None:
+            raise ProtocolError(
+                f"request {rec.rid!r} has a window [{rec.plan.start}, {rec.plan.end}) planned and not committed"
+            )
+
+    @_exclusive
+    def plan_prefill(self, rid: Hashable, end: int) -> WindowPlan:
+        """Plan the prefill window over prompt tokens ``[done, end)``, where ``done`` is the
+        request's committed length (its hit, then each committed window's end).
+
+        Captures are the policy's depths in ``(done, end]``, cut down to the page size, beyond
+        the snapshots the request already donated, at most ``track_slots``, ascending. Changes
+        only the request's open plan. O(captures).
+
+        :raises UnknownRequest: unknown rid. :raises ProtocolError: a window is open.
+        :raises ValueError: ``end`` not an int in ``(done, prompt length]``. Nothing changed.
+        """
+        rec = self._get(rid)
+        self._check_open(rec)
+        n = rec.info.prompt_len
+        if isinstance(end, bool) or not isinstance(end, (int, np.integer)) or not rec.done < end <= n:
+            raise ValueError(
+                f"prefill window end {end!r} of request {rid!r} must be an int in ({rec.done}, {n}] "
+                f"(committed {rec.done} of {n} prompt tokens)"
+            )
+        end = int(end)
+        depths = self._pick(
+            rec, self.policy.captures(rec.info, rec.done, end, decode=False), rec.done, end, self.track_slots
+        )
+        self._counters.captures_planned["prefill"] += len(depths)
+        return self._plan(rec, rec.done, end, depths, 0, False)
+
+    @_exclusive
+    def plan_decode(self, rid: Hashable, new_ids: KeyLike) -> WindowPlan:
+        """Plan a decode window: the request consumes ``new_ids`` (cache ids of generated tokens)
+        after everything committed so far; the prompt must be fully committed.
+
+        Captures are the policy's decode depths, as for :meth:`plan_prefill`; and when the window
+        ends on a page boundary with the page size above 1 and the policy keeps final states, one
+        more capture at the window's end, held back: :meth:`finish` donates the deepest such
+        capture when the final length is not page aligned (so the next turn of a conversation hits
+        there). O(captures + len(new_ids)).
+
+        :raises UnknownRequest: unknown rid. :raises ProtocolError: a window is open, or the
+            prompt is not fully committed. :raises ValueError: bad or empty ids. Nothing changed.
+        """
+        rec = self._get(rid)
+        self._check_open(rec)
+        if rec.done < rec.info.prompt_len:
+            raise ProtocolError(
+                f"request {rid!r}: decode planned with {rec.done} of {rec.info.prompt_len} prompt tokens committed"
+            )
+        new = _small_ids(new_ids)
+        if new is None:
+            new = np.frombuffer(key_bytes(new_ids), dtype=np.uint32).tolist()
+        if not new:
+            raise ValueError(f"request {rid!r}: a decode window needs at least one id")
+        start = rec.done
+        end = start + len(new)
+        depths = self._pick(rec, self.policy.captures(rec.info, start, end, decode=True), start, end, self.track_slots)
+        page = self.cache.page_size
+        # Held back for finish: the deepest page-aligned state, when the final length may not be.
+        aligned = page > 1 and end % page == 0 and end > rec.committed and end not in depths
+        final = end if aligned and self.policy.donate_finish(rec.info) else 0
+        rec.out += new
+        c = self._counters.captures_planned
+        c["decode"] += len(depths)
+        plan = self._plan(rec, start, end, depths, final, True)
+        if rec.final is not None:
+            c["final"] += 1
+        return plan
+
+    # ------------------------------------------------------------------ commit
+    @_exclusive
+    def commit(
+        self,
+        plan: WindowPlan,
+        ready: Fence | None,
+        *,
+        kv_indices: torch.Tensor | np.ndarray | Sequence[int],
+        now: float | None = None,
+    ) -> WindowResult:
+        """Commit a planned window: the host's forward over it was submitted, ``ready`` is its fence.
+
+        Records the window's KV indices (one per token of ``[plan.start, plan.end)``), then donates
+        each capture: the tree clones its slot behind ``ready`` into a slot it owns
+        (copy-on-donate; with ``barrier="device"`` after a device synchronize), inserts the KV up
+        to its depth and splices its own pages into the request's KV table; the request's lock
+        moves to the deepest new snapshot. A capture the pool has no slot for, even after
+        evicting through the policy, is skipped (a lost hit, never a wrong one).
+
+        :param ready: the window's forward fence (``None``: the host's work already completed).
+        :param now: seconds, for the policy (default: the manager's clock).
+        :raises ProtocolError: ``plan`` is not this manager's open plan of a live request.
+        :raises TypeError: ``ready`` not a fence. :raises ValueError: ``kv_indices`` not 1-D
+            integers, one per window token. Nothing changed.
+        """
+        if not isinstance(plan, WindowPlan):
+            raise TypeError(f"commit takes the WindowPlan from plan_prefill/plan_decode, got {type(plan).__name__}")
+        if plan.manager_id != id(self):
+            raise ProtocolError(f"plan of request {plan.rid!r} was made by another manager")
+        rec = self._requests.get(plan.rid)
+        if rec is None or rec.plan is not plan:
+            raise ProtocolError(
+                f"plan [{plan.start}, {plan.end}) of request {plan.rid!r} is not open (committed twice, or stale)"
+            )
+        if ready is not None and not isinstance(ready, Fence):
+            raise TypeError(f"ready must be a Fence or None, got {type(ready).__name__}")
+        kv = _as_window_kv(kv_indices, plan.end - plan.start)
+        t = self._now(now)
+        # Validated: from here on nothing raises.
+        rec.plan = None
+        rec.kv_parts.append(kv)
+        rec.done = plan.end
+        if ready is not None:
+            rec.last_write[rec.live] = ready
+            for c in plan.captures:
+                rec.last_write[c.slot] = ready
+        if not plan.captures:
+            return WindowResult((), rec.committed, False, _EMPTY_KV, COMPLETE)
+        donated: list[int] = []
+        freed: list[torch.Tensor] = []
+        for c in plan.captures:
+            if c is rec.final:
+                rec.pending = (c, ready)
+                continue
+            node = self._donate(rec, c.depth, c.slot, ready, DonationReason.CAPTURE, t, freed)
+            if node is not None:
+                donated.append(c.depth)
+        rec.final = None
+        free = _EMPTY_KV if not freed else (freed[0] if len(freed) == 1 else torch.cat(freed))
+        return WindowResult(
+            tuple(donated), rec.committed, bool(donated), free, ready if ready is not None else COMPLETE
+        )
+
+    def _table(self, rec: _Request) -> torch.Tensor:
+        parts = rec.kv_parts
+        if len(parts) != 1:
+            rec.kv_parts = parts = [torch.cat(parts) if parts else _EMPTY_KV]
+        return parts[0]
+
+    def _key(self, rec: _Request, depth: int) -> np.ndarray:
+        if rec.out:
+            rec.ids = np.concatenate([rec.ids, np.asarray(rec.out, dtype=np.int64)])
+            rec.out = []
+        return rec.ids[:depth]
+
+    def _donate(
+        self,
+        rec: _Request,
+        depth: int,
+        slot: int,
+        ready: Fence | None,
+        reason: DonationReason,
+        now: float,
+        freed: list[torch.Tensor],
+    ) -> TreeNode | None:
+        """Clone ``slot`` (the state after ``depth`` tokens) into the tree; splice the tree's KV
+        into the request's table; collect duplicates in ``freed``. None when nothing was donated."""
+        if self.barrier == "device":
+            if ready is not None:
+                ready.wait()
+            device_synchronize(self.pool.device)
+        key = self._key(rec, depth)
+        ns = rec.namespace
+        if not self.pool.can_alloc(1) and self.cache.match(key, namespace=ns, touch=False).length != depth:
+            self._evict_snapshots(1, now, "donation")
+        table = self._table(rec)
+        try:
+            res = self.cache.insert(
+                key, table[:depth], state_slot=slot, ready=ready, namespace=ns, release_duplicates=False
+            )
+        except PoolExhausted:
+            # NOTE: no slot for the clone: nothing is inserted at all. Inserting the KV alone would
+            # hand the host tree indices beyond its lock, which an eviction could free under it.
+            self._counters.donations_skipped["no-slot"] += 1
+            return None
+        node = res.node
+        if res.released.numel():
+            freed.append(res.released)
+        if res.snapshot_created:
+            self._counters.donations[reason.value] += 1
+            if self.forensics is not None:
+                self._record_donation(rec, node, key)
+        else:
+            self._counters.donations_skipped["held"] += 1
+        if node.depth > rec.lock.depth:
+            self.cache.lock(node)
+            self.cache.unlock(rec.lock)
+            rec.lock = node
+        rec.committed = max(rec.committed, depth)
+        rec.kv_parts = [self.cache.kv_indices(node), table[depth:]]
+        if res.snapshot_created:
+            self.policy.donated(node, rec.info, reason, now)
+        return node
+
+    def _record_donation(self, rec: _Request, node: TreeNode, key: np.ndarray) -> None:
+        fx = self.forensics
+        assert fx is not None and node.snapshot is not None
+        anc = next(self.cache.snapshot_ancestors(node), None)
+        fx.donated(
+            node.id,
+            node.depth,
+            key_bytes(key),
+            node.snapshot,
+            rec.rid,
+            node.snapshot_fence,
+            anc.id if anc is not None else None,
+            anc.depth if anc is not None else 0,
+        )
+
+    # --------------------------------------------------------------- eviction
+    def _evict_snapshots(self, n: int, now: float, why: str) -> EvictResult:
+        kv = snaps = removed = 0
+        while snaps < n:
+            r = self._evict_one(now, False)
+            if r is None:
+                break
+            kv, snaps, removed = kv + r.kv_tokens, snaps + r.snapshots, removed + r.nodes_removed
+        self._counters.evictions[why] += snaps
+        self._counters.evicted_kv_tokens += kv
+        return EvictResult(kv, snaps, removed)
+
+    def _evict_one(self, now: float, kv: bool) -> EvictResult | None:
+        """One snapshot through the policy (a leaf when ``kv``), else the tree's LRU; None: none left."""
+        victim = self.policy.victim(now, kv=kv)
+        if victim is None:
+            r = self.cache.evict(kv_tokens=1) if kv else self.cache.evict(snapshots=1)
+            return r if r.snapshots or r.kv_tokens else None
+        if not self.cache.is_evictable(victim) or (kv and not victim.is_leaf):
+            raise RuntimeError(
+                f"policy {self.policy.name!r} chose {victim!r}, which is not an evictable "
+                f"{'leaf ' if kv else ''}snapshot (a policy bug)"
+            )
+        return self.cache.evict_snapshot(victim)
+
+    @_exclusive
+    def evict(self, *, snapshots: int = 0, kv_tokens: int = 0, now: float | None = None) -> EvictResult:
+        """Free at least ``snapshots`` snapshots and ``kv_tokens`` KV tokens, in the policy's order
+        (or as many as are evictable). Call it when the host's KV allocator runs short (the KV goes
+        to the tree's ``on_free_kv``; reuse it for work ordered after this call) or to hold a byte
+        budget. Locked snapshots and their paths are never touched. O(log n) per snapshot for heap
+        policies.
+
+        :raises ValueError: a negative or non-integer amount. Nothing changed.
+        """
+        for name, v in (("snapshots", snapshots), ("kv_tokens", kv_tokens)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+                raise ValueError(f"evict {name} must be an int >= 0, got {v!r}")
+        t = self._now(now)
+        out = self._evict_snapshots(int(snapshots), t, "host") if snapshots else EvictResult(0, 0, 0)
+        kv, snaps, removed = out
+        while kv < kv_tokens:
+            r = self._evict_one(t, True)
+            if r is None:
+                break
+            kv, snaps, removed = kv + r.kv_tokens, snaps + r.snapshots, removed + r.nodes_removed
+            self._counters.evictions["kv-pressure"] += r.snapshots
+            self._counters.evicted_kv_tokens += r.kv_tokens
+        return EvictResult(kv, snaps, removed)
+
+    def verify_all(self) -> int:
+        """Verify every snapshot's fingerprint against its donation (forensics only).
+
+        :returns: snapshots checked. :raises radixcache.SnapshotCorruption: in ``raise`` mode.
+        :raises RuntimeError: forensics is off.
+        """
+        if self.forensics is None:
+            raise RuntimeError("verify_all needs CacheManager(..., forensics=Forensics(...))")
+        return self.forensics.verify_all()
+
+    # --------------------------------------------------------- finish / abort
+    @_exclusive
+    def finish(self, rid: Hashable, ready: Fence | None = None, *, now: float | None = None) -> FinishResult:
+        """Finish a request: donate its final state, unlock, free its slots after their last writer.
+
+        The final state is the live slot after every committed token; it is donated when the
+        policy keeps final states and that length is page aligned, else the deepest page-aligned
+        state captured while decoding is donated in its place. Returns the KV the host must free.
+
+        :param ready: fence of the last forward that wrote the request's slots.
+        :raises UnknownRequest: unknown rid. :raises ProtocolError: a window is open (commit or
+            abort it). :raises TypeError: ``ready`` not a fence. Nothing changed.
+        """
+        rec = self._get(rid)
+        self._check_open(rec)
+        if ready is not None and not isinstance(ready, Fence):
+            raise TypeError(f"ready must be a Fence or None, got {type(ready).__name__}")
+        t = self._now(now)
+        if ready is not None:
+            rec.last_write[rec.live] = ready
+        n = rec.done
+        freed: list[torch.Tensor] = []
+        donated, node = 0, None
+        if n > rec.committed:
+            target: tuple[int, int, Fence | None] | None = None
+            if n % self.cache.page_size == 0:
+                target = (n, rec.live, ready)
+            elif rec.pending is not None and rec.pending[0].depth > rec.committed:
+                target = (rec.pending[0].depth, rec.pending[0].slot, rec.pending[1])
+            if target is None:
+                self._counters.donations_skipped["unaligned"] += 1
+            elif not self.policy.donate_finish(rec.info):
+                self._counters.donations_skipped["declined"] += 1
+            else:
+                node = self._donate(rec, target[0], target[1], target[2], DonationReason.FINISH, t, freed)
+                if node is not None:
+                    donated = target[0]
+        table = self._table(rec)
+        freed.append(table[rec.committed :])
+        free = freed[0] if len(freed) == 1 else torch.cat(freed)
+        held = rec.committed
+        after = ready if ready is not None else self._last_fence(rec)
+        return FinishResult(donated, self._release(rec, (ready,) if ready is not None else ()), held, free, after, node)
+
+    @_exclusive
+    def abort(self, rid: Hashable, ready: Fence | None = None) -> FinishResult:
+        """Abort a request at any point of its lifecycle (an open window included): unlock, free
+        every slot after its last writer (``ready``, and every fence the manager saw for it).
+        Nothing is donated. Returns the KV the host must free (KV it allocated for a window it
+        never committed stays its own).
+
+        :raises UnknownRequest: unknown rid. :raises TypeError: ``ready`` not a fence. Nothing changed.
+        """
+        rec = self._get(rid)
+        if ready is not None and not isinstance(ready, Fence):
+            raise TypeError(f"ready must be a Fence or None, got {type(ready).__name__}")
+        table = self._table(rec)
+        after = ready if ready is not None else self._last_fence(rec)
+        held = rec.committed
+        free = table[held:]
+        return FinishResult(0, self._release(rec, (ready,) if ready is not None else ()), held, free, after)
+
+    @staticmethod
+    def _last_fence(rec: _Request) -> Fence:
+        pending = [f for f in rec.last_write.values() if not f.is_complete()]
+        return pending[-1] if pending else COMPLETE
+
+    def _release(self, rec: _Request, after: Iterable[Fence]) -> int:
+        fences = [*after, *rec.last_write.values()]
+        slots = (rec.live, *rec.tracks)
+        for f in fences:
+            f.wait()
+        for s in slots:
+            self.pool.free(s, rec.owner)
+        if self.forensics is not None:
+            self.forensics.request_freed(rec.rid, slots)
+        self.cache.unlock(rec.lock)
+        del self._requests[rec.rid]
+        return len(slots)
+
+    # -------------------------------------------------------------- invariants
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` naming the first broken rule. O(tree + requests).
+
+        No slot id held by the tree and by a request at once; every request slot owned by its
+        request in the pool; free + tree + requests == capacity; each request's lock node alive
+        and locked; KV tables as long as the committed tokens; the tree's, the pool's, the
+        policy's and (when on) the forensics' own invariants.
+        """
+        self.cache.check_invariants()
+        self.policy.check_invariants()
+        snapshots = {n.id: n.snapshot for n in self.cache.iter_nodes() if n.snapshot is not None}
+        tree_slots = set(snapshots.values())
+        if self.forensics is not None:
+            self.forensics.check_invariants(snapshots)
+        req_slots: set[int] = set()
+        for rid, rec in self._requests.items():
+            slots = (rec.live, *rec.tracks)
+            for s in slots:
+                assert s not in tree_slots, f"slot {s} is held by the tree and by request {rid!r}"
+                assert s not in req_slots, f"slot {s} is held by two requests (one is {rid!r})"
+                owner = self.pool.owner_of(s)
+                assert owner == rec.owner, f"request {rid!r} slot {s} is owned by {owner} in the pool"
+                req_slots.add(s)
+            assert self.pool.slots_of(rec.owner) == frozenset(slots), f"request {rid!r} owns slots it does not track"
+            assert rec.lock.snap_lock > 0, f"request {rid!r} lock node {rec.lock!r} is not locked"
+            assert rec.lock.depth == 0 or rec.lock.parent is not None, f"request {rid!r} lock node was evicted"
+            kv_len = sum(int(p.numel()) for p in rec.kv_parts)
+            assert kv_len == rec.done, f"request {rid!r} KV table holds {kv_len} indices for {rec.done} tokens"
+            assert rec.committed <= rec.done, f"request {rid!r} committed {rec.committed} beyond {rec.done} tokens"
+            assert rec.ids.size + len(rec.out) >= rec.done, f"request {rid!r} has fewer ids than tokens committed"
+        tree_n = self.pool.num_owned_by(NodeOwner)
+        req_n = self.pool.num_owned_by(RequestOwner)
+        assert req_n == len(req_slots), f"pool has {req_n} request-owned slots, the manager tracks {len(req_slots)}"
+        assert self.pool.num_free + tree_n + req_n == self.pool.capacity, (
+            f"free {self.pool.num_free} + tree {tree_n} + requests {req_n} != capacity {self.pool.capacity}"
+        )
+
+
+def _fields(obj: object) -> dict[str, object]:
+    """A slotted dataclass's fields, copied one level deep."""
+    out: dict[str, object] = {}
+    for name in getattr(type(obj), "__slots__", ()):
+        v = getattr(obj, name)
+        out[name] = dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else v
+    return out
+
+
+def _small_ids(ids: object) -> list[int] | None:
+    """``ids`` as a list when it is a short list or tuple of in-range Python ints (the decode fast
+    path); None otherwise (the caller validates through :func:`key_bytes`)."""
+    if type(ids) not in (list, tuple) or len(ids) > 16:  # type: ignore[arg-type]
+        return None
+    for t in ids:  # type: ignore[attr-defined]
+        if type(t) is not int or not 0 <= t < MAX_ID:
+            return None
+    return list(ids)  # type: ignore[call-overload, no-any-return]
+
+
+def _as_window_kv(kv: object, n: int) -> torch.Tensor:
+    """The window's KV indices as a 1-D int64 tensor of ``n`` entries. :raises TypeError, ValueError."""
+    if isinstance(kv, torch.Tensor):
+        t = kv
+    elif isinstance(kv, (np.ndarray, list, tuple)):
+        arr = np.asarray(kv)
+        if arr.size == 0:
+            arr = arr.astype(np.int64)
+        if arr.dtype.kind not in "iu" or arr.dtype == np.uint64:
+            raise ValueError(f"kv_indices must be integers, got dtype {arr.dtype}")
+        t = torch.from_numpy(arr.astype(np.int64))
+    else:
+        raise TypeError(f"kv_indices must be a tensor, numpy array or list of ints, got {type(kv).__name__}")
+    if t.dim() != 1 or t.dtype not in _INT_DTYPES:
+        raise ValueError(f"kv_indices must be 1-D integers, got shape {tuple(t.shape)} dtype {t.dtype}")
+    if t.shape[0] != n:
+        raise ValueError(f"kv_indices has {t.shape[0]} entries for a window of {n} tokens")
+    # A private copy: the host may rewrite its index buffer for other requests right after.
+    return t.to(torch.int64) if t.dtype != torch.int64 else t.clone()

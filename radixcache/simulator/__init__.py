@@ -1,0 +1,23 @@
+"""The offline simulator: seeded trace shapes, replay through the real manager under a byte budget,
+and the side-by-side report of policies."""
+
+from .replay import PRESETS, ModelPreset, ReplayResult, replay
+from .report import DEFAULT_BUDGETS_GIB, edge_case_table, load_trace, markdown_table, report_markdown, run_grid
+from .traces import TraceRecord, generate, read_trace, write_trace
+
+__all__ = [
+    "DEFAULT_BUDGETS_GIB",
+    "PRESETS",
+    "ModelPreset",
+    "ReplayResult",
+    "TraceRecord",
+    "edge_case_table",
+    "generate",
+    "load_trace",
+    "markdown_table",
+    "read_trace",
+    "replay",
+    "report_markdown",
+    "run_grid",
+    "write_trace",
+]

@@ -1,0 +1,309 @@
+"""The host protocol of CacheManager: the policy inside, decode-time captures, all-or-nothing
+admission and its dry run, KV pressure, metrics, and the single-thread guard."""
+
+import ast
+import importlib
+import threading
+from collections.abc import Hashable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from linear_state import LinearStatePool
+from radixcache import CacheManager, ConcurrentUseError, HitDensity, HybridRadixCache, Refusal, TreeNode
+from radixcache.policies import DonationReason, FixedPoints, Policy, RequestInfo
+from radixcache.testing.digest import state_digest
+
+from .host_sim import LAYOUT, Host
+
+RNG = np.random.default_rng(99)
+
+
+def tokens(n: int) -> list[int]:
+    return [int(x) for x in RNG.integers(0, 5000, n)]
+
+
+def serve(h: Host, rid: Hashable, prompt: list[int], answer: list[int], session: Hashable = None) -> int:
+    """Admit, prefill, decode ``answer`` one token per window, finish. Returns the hit."""
+    r = h.admit(rid, prompt, session=session)
+    assert r is not None
+    assert r.restored_ok, f"{rid}: restored state differs from the cold state at {r.adm.cached_length}"
+    h.prefill(rid)
+    for t in answer:
+        h.decode(rid, [t])
+    assert h.final_state_ok(rid)
+    h.finish(rid)
+    h.forward.synchronize()
+    h.copies.synchronize()
+    h.check_kv()
+    h.mgr.check_invariants()
+    return r.adm.cached_length
+
+
+@pytest.mark.parametrize("page", [1, 16, 64])
+def test_next_turn_hits_the_deepest_page_aligned_depth_of_prompt_and_answer(page: int) -> None:
+    h = Host(page_size=page, policy=HitDensity(block=64), track_slots=3)
+    turn1, answer = tokens(301), tokens(50)
+    assert serve(h, "t1", turn1, answer, session="chat") == 0
+    fed = len(turn1) + len(answer)
+    hit = serve(h, "t2", turn1 + answer + tokens(40), tokens(3), session="chat")
+    assert hit >= fed // page * page, f"page {page}: turn 2 hit {hit} of the {fed} tokens turn 1 computed"
+    m = h.mgr.metrics()
+    assert m.donations["finish"] >= 1  # turn 1 (turn 2 may end off the page grid)
+    if page > 1:
+        assert m.captures_planned["final"] >= 1
+
+
+def test_no_decode_capture_when_the_policy_keeps_no_final_state() -> None:
+    class NoFinal(FixedPoints):
+        def donate_finish(self, req: RequestInfo) -> bool:
+            return False
+
+    h = Host(page_size=16, policy=NoFinal(64))
+    serve(h, "a", tokens(100), tokens(40))
+    m = h.mgr.metrics()
+    assert m.captures_planned["final"] == 0
+    assert m.donations["finish"] == 0 and m.donations_skipped["declined"] == 0
+
+
+def _two_live_one_snapshot() -> Host:
+    """8 slots: two live requests hold 6, the tree keeps 2 snapshots (one evictable)."""
+    h = Host(slots=8, track_slots=2)
+    serve(h, "donor", tokens(100), [])
+    assert h.cache.num_snapshots == 3
+    for rid in ("a", "b"):
+        assert h.admit(rid, tokens(30)) is not None
+    assert h.pool.num_free == 0 and h.cache.num_snapshots == 2
+    return h
+
+
+def test_a_refused_admission_changes_nothing_not_even_an_eviction() -> None:
+    h = _two_live_one_snapshot()
+    before = state_digest(h.mgr, metrics=False)
+    res = h.mgr.admit("c", tokens(40))
+    assert isinstance(res, Refusal) and res.slots_needed == 3 and res.slots_available == 2
+    assert state_digest(h.mgr, metrics=False) == before, "a refused admission changed tree, pool or policy"
+    assert h.mgr.metrics().refusals == 1
+
+
+def test_the_dry_run_changes_nothing_and_agrees_with_admit() -> None:
+    h = Host(slots=12)
+    shared = tokens(200)
+    serve(h, "donor", shared + tokens(20), [])
+    before = state_digest(h.mgr)
+    check = h.mgr.can_admit(shared + tokens(5))
+    assert check.admissible and check.cached_length == 192 and check.token_length == 200
+    assert state_digest(h.mgr) == before, "can_admit refreshed recency or changed state"
+    adm = h.mgr.admit("x", shared + tokens(5))
+    assert not isinstance(adm, Refusal) and adm.cached_length == check.cached_length
+    h.mgr.abort("x")
+
+
+def test_admission_evicts_through_the_policy_only_when_it_succeeds() -> None:
+    asked: list[float] = []
+
+    class Spy(FixedPoints):
+        def victim(self, now: float, *, kv: bool = False) -> TreeNode | None:
+            asked.append(now)
+            return None  # the tree's LRU
+
+    h = Host(slots=8, track_slots=2, policy=Spy(64))
+    serve(h, "donor", tokens(100), [])
+    h.admit("a", tokens(30))
+    assert h.admit("b", tokens(30)) is not None, "b needs one eviction, and gets it"
+    assert len(asked) == 1
+    assert h.mgr.admit("c", tokens(30)).admitted is False
+    assert len(asked) == 1, "a refused admission asked the policy for a victim"
+
+
+class _Chooser(FixedPoints):
+    """Evicts the node the test names, else the tree's LRU."""
+
+    def __init__(self) -> None:
+        super().__init__(64)
+        self.pick: TreeNode | None = None
+        self.kv_asked = 0
+
+    def victim(self, now: float, *, kv: bool = False) -> TreeNode | None:
+        self.kv_asked += kv
+        node, self.pick = self.pick, None
+        return node
+
+
+def test_kv_pressure_evicts_leaves_in_the_policy_order_and_never_a_locked_path() -> None:
+    pol = _Chooser()
+    h = Host(slots=20, policy=pol)
+    serve(h, "old", tokens(130), [])
+    serve(h, "new", tokens(130), [])
+    leaves = [n for n in h.cache.iter_nodes() if n.is_leaf]
+    leaf = max(leaves, key=lambda n: n.last_access)  # the most recent: LRU would keep it
+    pol.pick = leaf
+    freed_before = len(h.kv_free)
+    res = h.mgr.evict(kv_tokens=1)
+    assert res.kv_tokens == leaf.num_tokens and leaf.parent is None, "the policy's leaf went, not the LRU one"
+    assert len(h.kv_free) - freed_before == res.kv_tokens, "evicted KV reaches the host through on_free_kv"
+    assert pol.kv_asked == 1
+    live = h.admit("live", tokens(130))
+    assert live is not None
+    h.prefill("live")
+    h.mgr.evict(kv_tokens=10**6)
+    assert h.cache.evictable_kv_tokens == 0 and h.cache.protected_kv_tokens > 0, "the live path survived"
+    assert all(n.kv_lock for n in h.cache.iter_nodes()), "only the live request's path is left"
+    assert h.mgr.metrics().evictions["kv-pressure"] >= 2
+    assert h.final_state_ok("live")
+    h.finish("live")
+    h.mgr.check_invariants()
+
+
+def test_a_policy_choosing_a_locked_victim_is_reported() -> None:
+    pol = _Chooser()
+    h = Host(slots=20, policy=pol)
+    p = tokens(100)
+    serve(h, "a", p, [])
+    h.admit("b", p[:64] + tokens(10))
+    locked = next(n for n in h.cache.iter_nodes() if n.snap_lock)
+    pol.pick = locked
+    with pytest.raises(RuntimeError, match="not an evictable"):
+        h.mgr.evict(snapshots=1)
+
+
+def test_metrics_count_what_happened() -> None:
+    h = Host(slots=16, policy=FixedPoints(64))
+    p = tokens(200)
+    serve(h, "a", p, tokens(5))
+    serve(h, "b", p, [])
+    m = h.mgr.metrics()
+    assert (m.admissions, m.refusals, m.hits, m.restores) == (2, 0, 1, 1)
+    assert m.prompt_tokens == 400 and m.hit_tokens == 199 and m.hit_rate == 199 / 400
+    # a: the re-send point 199 and 128 (two track slots; 64 is dropped); b hit 199: nothing left
+    assert m.captures_planned == {"prefill": 2, "decode": 0, "final": 0}
+    # a donates 128 and 199, then its final state (205); b its final state (200)
+    assert m.donations == {"capture": 2, "finish": 2}
+    assert m.snapshots_held == h.cache.num_snapshots and m.live_requests == 0
+    assert m.snapshot_bytes_held == m.snapshots_held * LAYOUT.slot_bytes
+    d = m.as_dict()
+    assert d["donations"] == {"capture": 2, "finish": 2} and d["hit_rate"] == m.hit_rate
+
+
+def test_prometheus_export() -> None:
+    prom = pytest.importorskip("prometheus_client")
+    from radixcache import register_prometheus
+
+    h = Host()
+    serve(h, "a", tokens(100), [])
+    registry = prom.CollectorRegistry()
+    register_prometheus(h.mgr.metrics, registry=registry)
+    text = prom.generate_latest(registry).decode()
+    assert "radixcache_admissions_total 1.0" in text
+    assert 'radixcache_donations_total{reason="finish"} 1.0' in text
+    assert f"radixcache_snapshots_held {float(h.cache.num_snapshots)}" in text
+
+
+def test_a_second_thread_gets_a_clear_error_and_changes_nothing() -> None:
+    entered, release = threading.Event(), threading.Event()
+
+    class Slow(FixedPoints):
+        def admitted(self, req: RequestInfo) -> None:
+            entered.set()
+            assert release.wait(10)
+
+    h = Host(policy=Slow(64))
+    t = threading.Thread(target=lambda: h.mgr.admit("first", tokens(50)))
+    t.start()
+    assert entered.wait(10)
+    try:
+        with pytest.raises(ConcurrentUseError, match="not thread-safe"):
+            h.mgr.admit("second", tokens(50))
+        with pytest.raises(ConcurrentUseError):
+            h.mgr.evict(snapshots=1)
+    finally:
+        release.set()
+        t.join()
+    assert "first" in h.mgr and "second" not in h.mgr
+    h.mgr.check_invariants()
+
+
+def test_a_callback_re_entering_the_manager_is_refused() -> None:
+    pool = LinearStatePool(LAYOUT, 12)
+    seen: list[BaseException] = []
+    holder: list[CacheManager] = []
+
+    def on_free_kv(t: torch.Tensor) -> None:
+        try:
+            holder[0].evict(snapshots=1)
+        except ConcurrentUseError as exc:
+            seen.append(exc)
+
+    mgr = CacheManager(HybridRadixCache(pool, on_free_kv=on_free_kv), FixedPoints(64))
+    holder.append(mgr)
+    adm = mgr.admit("a", list(range(100)))
+    assert adm.admitted
+    plan = mgr.plan_prefill("a", 100)
+    mgr.commit(plan, None, kv_indices=torch.arange(100))
+    mgr.finish("a")
+    mgr.evict(kv_tokens=10**6)  # releases KV through the callback, which tries to re-enter
+    assert seen, "the re-entrant call was not refused"
+
+
+def test_every_policy_is_notified_in_order() -> None:
+    calls: list[str] = []
+
+    class Log(Policy):
+        name = "log"
+
+        def admitted(self, req: RequestInfo) -> None:
+            calls.append(f"admitted hit={req.hit}")
+
+        def touched(self, node: TreeNode, req: RequestInfo, now: float) -> None:
+            calls.append(f"touched {node.depth}")
+
+        def captures(self, req: RequestInfo, start: int, end: int, *, decode: bool) -> list[int]:
+            calls.append(f"captures {start} {end} {decode}")
+            return [64] if start < 64 <= end else []
+
+        def donate_finish(self, req: RequestInfo) -> bool:
+            calls.append("donate_finish")
+            return True
+
+        def donated(self, node: TreeNode, req: RequestInfo, reason: DonationReason, now: float) -> None:
+            calls.append(f"donated {node.depth} {reason.value}")
+
+    h = Host(policy=Log())
+    p = tokens(100)
+    serve(h, "a", p, [7])
+    serve(h, "b", [*p, 7, *tokens(3)], [])
+    assert calls == [
+        "admitted hit=0",
+        "captures 0 100 False",
+        "donated 64 capture",
+        "captures 100 101 True",
+        "donate_finish",
+        "donated 101 finish",
+        "admitted hit=101",
+        "touched 101",
+        "captures 101 104 False",
+        "donate_finish",
+        "donated 104 finish",
+    ]
+
+
+def test_replay_uses_the_managers_public_api_only() -> None:
+    replay_module = importlib.import_module("radixcache.simulator.replay")
+    tree = ast.parse(Path(str(replay_module.__file__)).read_text(encoding="utf-8"))
+    private = [
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+    ]
+    assert private == [], f"replay reaches into private names: {private}"
+
+
+def test_host_sim_restores_are_exact_under_hit_density() -> None:
+    h = Host(policy=HitDensity(block=64), slots=24)
+    base = tokens(300)
+    for i in range(6):
+        prompt = base[: 64 * (i % 4) + 50] + tokens(30)
+        serve(h, i, prompt, tokens(4), session=i % 2)
+    assert h.mgr.metrics().hits >= 3
