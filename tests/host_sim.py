@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from linear_state import DeferredStream, Fence, LinearStatePool, StateLayout
-from radixcache import Admission, CacheManager, HybridRadixCache, WindowPlan, WindowResult
+from radixcache import Admission, CacheManager, DecodeBatchResult, HybridRadixCache, WindowPlan, WindowResult
 from radixcache.policies import FixedPoints, Policy
 
 LAYOUT = StateLayout(1, (2, 3), (2, 2), recurrent_dtype=torch.float64)
@@ -163,6 +163,25 @@ class Host:
         r.ids = np.concatenate([r.ids, np.asarray(tokens, dtype=np.int64)])
         self.run_window(r, plan, list(tokens))
         return self.commit(r, plan)
+
+    def decode_batch(self, rids: Sequence[Hashable], tokens: Sequence[int]) -> DecodeBatchResult:
+        """One decode step for a batch, through plan_decode_batch / commit_batch."""
+        batch = self.mgr.plan_decode_batch(list(rids), list(tokens))
+        last: Fence | None = None
+        for rid, tok in zip(rids, tokens, strict=True):
+            r = self.reqs[rid]
+            r.ids = np.concatenate([r.ids, np.asarray([tok], dtype=np.int64)])
+            plan = batch.plans.get(rid) or WindowPlan(rid, r.done, r.done + 1, (), (), r.adm.live_slot, True, 0)
+            last = self.run_window(r, plan, [tok])
+        kv = self.alloc_kv(len(rids))
+        res = self.mgr.commit_batch(batch, last, kv_indices=kv)
+        for i, rid in enumerate(rids):
+            r = self.reqs[rid]
+            r.last, r.done = last, r.done + 1
+            one = res.results.get(rid)
+            r.kv = self.mgr.kv_indices(rid) if one is not None and one.spliced else torch.cat([r.kv, kv[i : i + 1]])
+        self.free_kv(res.free_kv)
+        return res
 
     def prefill(self, rid: Hashable) -> None:
         while self.reqs[rid].done < len(self.reqs[rid].ids):

@@ -2,7 +2,9 @@
 admission and its dry run, KV pressure, metrics, and the single-thread guard."""
 
 import ast
+import functools
 import importlib
+import itertools
 import threading
 from collections.abc import Hashable
 from pathlib import Path
@@ -12,7 +14,16 @@ import pytest
 import torch
 
 from linear_state import LinearStatePool
-from radixcache import CacheManager, ConcurrentUseError, HitDensity, HybridRadixCache, Refusal, TreeNode
+from radixcache import (
+    CacheManager,
+    ConcurrentUseError,
+    HitDensity,
+    HybridRadixCache,
+    ProtocolError,
+    Refusal,
+    TreeNode,
+    UnknownRequest,
+)
 from radixcache.policies import DonationReason, FixedPoints, Policy, RequestInfo
 from radixcache.testing.digest import state_digest
 
@@ -307,3 +318,79 @@ def test_host_sim_restores_are_exact_under_hit_density() -> None:
         prompt = base[: 64 * (i % 4) + 50] + tokens(30)
         serve(h, i, prompt, tokens(4), session=i % 2)
     assert h.mgr.metrics().hits >= 3
+
+
+def _decode_both_ways(page: int) -> tuple[Host, Host]:
+    """The same three conversations on two hosts: one decodes request by request, the other in
+    batches; then a next turn on each."""
+    hosts = (
+        Host(page_size=page, policy=HitDensity(block=64), slots=24),
+        Host(page_size=page, policy=HitDensity(block=64), slots=24),
+    )
+    for h in hosts:  # the same clock for both: the policy's timestamps are part of the digest
+        h.mgr.clock = functools.partial(next, map(float, itertools.count()))
+    prompts = [tokens(90 + 7 * i) for i in range(3)]
+    answers = [tokens(21) for _ in range(3)]
+    for k, h in enumerate(hosts):
+        for i, p in enumerate(prompts):
+            assert h.admit(i, p, session=f"s{i}") is not None
+            h.prefill(i)
+        for step in range(21):
+            if k == 0:
+                for i in range(3):
+                    h.decode(i, [answers[i][step]])
+            else:
+                h.decode_batch([0, 1, 2], [answers[i][step] for i in range(3)])
+        for i in range(3):
+            assert h.final_state_ok(i)
+            h.finish(i)
+        h.forward.synchronize()
+        h.copies.synchronize()
+        h.check_kv()
+        h.mgr.check_invariants()
+    return hosts
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_decode_batch_does_what_single_windows_do(page: int) -> None:
+    single, batched = _decode_both_ways(page)
+    assert state_digest(single.mgr) == state_digest(batched.mgr)
+    assert single.mgr.metrics() == batched.mgr.metrics()
+    if page > 1:
+        assert batched.mgr.metrics().captures_planned["final"] > 0, "the batch planned held-back final captures"
+
+
+def test_decode_batch_is_all_or_nothing() -> None:
+    h = Host()
+    for rid in ("a", "b"):
+        assert h.admit(rid, tokens(40)) is not None
+        h.prefill(rid)
+    h.forward.synchronize()  # the digest fingerprints slots: let pending device work land first
+    h.copies.synchronize()
+    before = state_digest(h.mgr)
+    with pytest.raises(UnknownRequest):
+        h.mgr.plan_decode_batch(["a", "nobody"], [1, 2])
+    with pytest.raises(ValueError, match="twice"):
+        h.mgr.plan_decode_batch(["a", "a"], [1, 2])
+    with pytest.raises(ValueError, match="not an int"):
+        h.mgr.plan_decode_batch(["a", "b"], [1, -2])
+    with pytest.raises(ValueError, match="2 requests but 1 ids"):
+        h.mgr.plan_decode_batch(["a", "b"], [1])
+    assert state_digest(h.mgr) == before, "a refused batch planned some of its requests"
+    batch = h.mgr.plan_decode_batch(["a", "b"], [1, 2])
+    planned = state_digest(h.mgr)
+    with pytest.raises(ProtocolError, match="decode batch"):
+        h.mgr.plan_decode("a", [3])
+    with pytest.raises(ValueError, match="entries for a window of 2 tokens"):
+        h.mgr.commit_batch(batch, None, kv_indices=torch.arange(3))
+    with pytest.raises(TypeError, match="DecodeBatchPlan"):
+        h.mgr.commit_batch(list(batch), None, kv_indices=torch.arange(2))  # type: ignore[arg-type]
+    assert state_digest(h.mgr) == planned
+    h.mgr.commit_batch(batch, None, kv_indices=torch.arange(1000, 1002))
+    with pytest.raises(ProtocolError, match="not open"):
+        h.mgr.commit_batch(batch, None, kv_indices=torch.arange(2))
+    h.kv_next = 1002
+    h.mgr.abort("a")
+    h.mgr.abort("b")
+    h.reqs.clear()
+    h.mgr.check_invariants()

@@ -54,6 +54,8 @@ __all__ = [
     "Admission",
     "CacheManager",
     "Capture",
+    "DecodeBatchPlan",
+    "DecodeBatchResult",
     "FinishResult",
     "Refusal",
     "WindowPlan",
@@ -127,8 +129,7 @@ class AdmissionCheck(NamedTuple):
     slots_available: int
 
 
-@dataclass(frozen=True, slots=True)
-class Capture:
+class Capture(NamedTuple):
     """One state the host copies during a window: the state after exactly ``depth`` tokens, into
     track slot ``slot``."""
 
@@ -136,14 +137,14 @@ class Capture:
     slot: SlotId
 
 
-@dataclass(frozen=True, slots=True, eq=False)
-class WindowPlan:
+class WindowPlan(NamedTuple):
     """The capture plan of one forward window over tokens ``[start, end)`` of request ``rid``.
 
     The host's forward writes ``live_slot`` and, for each capture, copies the state after exactly
     ``capture.depth`` tokens into ``capture.slot``; its writes into those slots must be ordered after
     every fence in ``after`` (earlier clones may still read them). Then :meth:`CacheManager.commit`.
-    A plan is good for one commit, on the manager that made it.
+    A plan is good for one commit, on the manager that made it (the very object: a copy is not
+    the plan).
     """
 
     rid: Hashable
@@ -154,6 +155,35 @@ class WindowPlan:
     live_slot: SlotId
     decode: bool
     manager_id: int
+
+
+class DecodeBatchPlan(NamedTuple):
+    """The decode windows of a batch, one id each (see :meth:`CacheManager.plan_decode_batch`).
+
+    :ivar rids: the requests, in the order their ids and KV indices go.
+    :ivar plans: the requests whose window carries captures, with their :class:`WindowPlan`
+        (copy each capture's state after the token, as for a single window); empty most steps.
+    :ivar after: order the forward's writes into those capture slots after these fences.
+    """
+
+    rids: tuple[Hashable, ...]
+    plans: dict[Hashable, WindowPlan]
+    after: tuple[Fence, ...]
+    manager_id: int
+
+
+class DecodeBatchResult(NamedTuple):
+    """What :meth:`CacheManager.commit_batch` did.
+
+    :ivar results: the :class:`WindowResult` of each request that had captures (keyed by rid);
+        the others only recorded their token.
+    :ivar free_kv: host KV indices the tree made redundant, all requests together...
+    :ivar free_after: ...free them after this fence.
+    """
+
+    results: dict[Hashable, WindowResult]
+    free_kv: torch.Tensor
+    free_after: Fence
 
 
 class WindowResult(NamedTuple):
@@ -206,12 +236,20 @@ class _Request:
     tracks: tuple[SlotId, ...]
     lock: TreeNode
     done: int  # tokens whose windows were committed
-    kv_parts: list[torch.Tensor]  # the KV table of [0, done), in pieces (joined when needed)
+    kv_parts: list[torch.Tensor]  # the KV table of [0, done - len(kv_tail)), in pieces (joined when needed)
+    kv_tail: list[int]  # then the KV of small (decode) windows, as ints: cheaper than a tensor each
     committed: int  # the tree holds [0, committed)
     last_write: dict[int, Fence] = field(default_factory=dict)  # host fences per slot
-    plan: WindowPlan | None = None
+    plan: WindowPlan | DecodeBatchPlan | None = None
     final: Capture | None = None  # planned decode capture held for the final state
     pending: tuple[Capture, Fence | None] | None = None  # the deepest such capture committed
+
+
+def _busy(name: str) -> ConcurrentUseError:
+    return ConcurrentUseError(
+        f"CacheManager.{name} entered while another call runs in this manager "
+        "(it is not thread-safe: drive it from one scheduler thread)"
+    )
 
 
 def _exclusive(method: Callable[P, R]) -> Callable[P, R]:
@@ -221,10 +259,7 @@ def _exclusive(method: Callable[P, R]) -> Callable[P, R]:
         self = args[0]
         assert isinstance(self, CacheManager)
         if not self._guard.acquire(False):
-            raise ConcurrentUseError(
-                f"CacheManager.{method.__name__} entered while another call runs in this manager "
-                "(it is not thread-safe: drive it from one scheduler thread)"
-            )
+            raise _busy(method.__name__)
         try:
             return method(*args, **kwargs)
         finally:
@@ -453,6 +488,7 @@ class CacheManager:
             lock=node,
             done=m.length,
             kv_parts=[m.kv_indices],
+            kv_tail=[],
             committed=m.length,
         )
         rec.last_write[live] = ready
@@ -484,6 +520,10 @@ class CacheManager:
         return out
 
     def _plan(self, rec: _Request, start: int, end: int, depths: list[int], final: int, decode: bool) -> WindowPlan:
+        if not depths and not final:  # the common decode step: nothing to capture
+            rec.final = None
+            rec.plan = plan = WindowPlan(rec.rid, start, end, (), (), rec.live, decode, id(self))
+            return plan
         free = [s for s in rec.tracks if rec.pending is None or s != rec.pending[0].slot]
         caps = [Capture(d, s) for d, s in zip(depths, free, strict=False)]
         rec.final = None
@@ -502,10 +542,10 @@ class CacheManager:
         return plan
 
     def _check_open(self, rec: _Request) -> None:
-        if rec.plan is not None:
-            raise ProtocolError(
-                f"request {rec.rid!r} has a window [{rec.plan.start}, {rec.plan.end}) planned and not committed"
-            )
+        plan = rec.plan
+        if plan is not None:
+            what = f"[{plan.start}, {plan.end})" if isinstance(plan, WindowPlan) else "a decode batch"
+            raise ProtocolError(f"request {rec.rid!r} has a window {what} planned and not committed")
 
     @_exclusive
     def plan_prefill(self, rid: Hashable, end: int) -> WindowPlan:
@@ -534,7 +574,6 @@ class CacheManager:
         self._counters.captures_planned["prefill"] += len(depths)
         return self._plan(rec, rec.done, end, depths, 0, False)
 
-    @_exclusive
     def plan_decode(self, rid: Hashable, new_ids: KeyLike) -> WindowPlan:
         """Plan a decode window: the request consumes ``new_ids`` (cache ids of generated tokens)
         after everything committed so far; the prompt must be fully committed.
@@ -548,8 +587,24 @@ class CacheManager:
         :raises UnknownRequest: unknown rid. :raises ProtocolError: a window is open, or the
             prompt is not fully committed. :raises ValueError: bad or empty ids. Nothing changed.
         """
+        # NOTE: the guard is inlined on the two per-step calls (plan_decode, commit): a decorator's
+        # extra frame is a third of their cost (benchmarks/bench_manager.py).
+        if not self._guard.acquire(False):
+            raise _busy("plan_decode")
+        try:
+            return self._plan_decode(rid, new_ids)
+        finally:
+            self._guard.release()
+
+    def _plan_decode(self, rid: Hashable, new_ids: KeyLike) -> WindowPlan:
+        rec, new = self._check_decode(rid, new_ids)
+        return self._apply_decode(rec, new)
+
+    def _check_decode(self, rid: Hashable, new_ids: KeyLike) -> tuple[_Request, list[int]]:
+        """Validate a decode window; change nothing."""
         rec = self._get(rid)
-        self._check_open(rec)
+        if rec.plan is not None:
+            self._check_open(rec)
         if rec.done < rec.info.prompt_len:
             raise ProtocolError(
                 f"request {rid!r}: decode planned with {rec.done} of {rec.info.prompt_len} prompt tokens committed"
@@ -559,14 +614,23 @@ class CacheManager:
             new = np.frombuffer(key_bytes(new_ids), dtype=np.uint32).tolist()
         if not new:
             raise ValueError(f"request {rid!r}: a decode window needs at least one id")
+        return rec, new
+
+    def _apply_decode(self, rec: _Request, new: list[int]) -> WindowPlan:
         start = rec.done
         end = start + len(new)
-        depths = self._pick(rec, self.policy.captures(rec.info, start, end, decode=True), start, end, self.track_slots)
+        rec.out += new
         page = self.cache.page_size
+        policy = self.policy
+        wanted = policy.captures(rec.info, start, end, decode=True) if policy.decode_captures else None
+        if not wanted and (page == 1 or end % page):  # the common decode step: nothing to capture
+            rec.final = None
+            rec.plan = plan = WindowPlan(rec.rid, start, end, (), (), rec.live, True, id(self))
+            return plan
+        depths = self._pick(rec, wanted, start, end, self.track_slots) if wanted else []
         # Held back for finish: the deepest page-aligned state, when the final length may not be.
         aligned = page > 1 and end % page == 0 and end > rec.committed and end not in depths
-        final = end if aligned and self.policy.donate_finish(rec.info) else 0
-        rec.out += new
+        final = end if aligned and policy.donate_finish(rec.info) else 0
         c = self._counters.captures_planned
         c["decode"] += len(depths)
         plan = self._plan(rec, start, end, depths, final, True)
@@ -574,8 +638,68 @@ class CacheManager:
             c["final"] += 1
         return plan
 
+    def plan_decode_batch(self, rids: Sequence[Hashable], new_ids: Sequence[int]) -> DecodeBatchPlan:
+        """Plan one decode window of one id for each request of a batch (``new_ids[i]`` for
+        ``rids[i]``): what :meth:`plan_decode` would plan for each, in one call. A request whose
+        window carries captures gets its :class:`WindowPlan` in ``result.plans``; the others (the
+        common case) need nothing but the batch. All or nothing: when any request's window is
+        refused, nothing is planned. O(batch).
+
+        :raises ValueError: lengths differ, a request twice, an id not an int in ``[0, 2**31)``.
+        Otherwise as :meth:`plan_decode`. Nothing changed.
+        """
+        if not self._guard.acquire(False):
+            raise _busy("plan_decode_batch")
+        try:
+            return self._plan_decode_batch(rids, new_ids)
+        finally:
+            self._guard.release()
+
+    def _plan_decode_batch(self, rids: Sequence[Hashable], new_ids: Sequence[int]) -> DecodeBatchPlan:
+        if len(rids) != len(new_ids):
+            raise ValueError(f"{len(rids)} requests but {len(new_ids)} ids")
+        get = self._requests.get
+        recs: list[_Request] = []
+        for rid, t in zip(rids, new_ids, strict=True):
+            try:
+                rec = get(rid)
+            except TypeError:  # unhashable
+                rec = None
+            if rec is None or rec.plan is not None or rec.done < rec.info.prompt_len:
+                self._check_decode(rid, [t])  # raises the precise error
+            if type(t) is not int or not 0 <= t < MAX_ID:
+                raise ValueError(f"decode id {t!r} of request {rid!r} is not an int in [0, 2**31)")
+            assert rec is not None
+            recs.append(rec)
+        if len({id(r) for r in recs}) != len(recs):
+            raise ValueError("a request appears twice in one decode batch")
+        # Validated: from here on nothing raises.
+        batch = DecodeBatchPlan(tuple(rids), {}, (), id(self))
+        page = self.cache.page_size
+        quiet = not self.policy.decode_captures
+        plans = batch.plans
+        for rec, t in zip(recs, new_ids, strict=True):
+            end = rec.done + 1
+            if quiet and (page == 1 or end % page):
+                rec.out.append(t)
+                rec.final = None
+                rec.plan = batch
+            else:
+                plan = self._apply_decode(rec, [t])
+                if plan.captures:
+                    plans[rec.rid] = plan
+                else:
+                    rec.plan = batch
+        if plans:
+            batch = batch._replace(after=tuple(f for p in plans.values() for f in p.after))
+            for p in plans.values():
+                self._requests[p.rid].plan = p
+            for rec in recs:
+                if rec.plan is not None and type(rec.plan) is DecodeBatchPlan:
+                    rec.plan = batch
+        return batch
+
     # ------------------------------------------------------------------ commit
-    @_exclusive
     def commit(
         self,
         plan: WindowPlan,
@@ -599,7 +723,32 @@ class CacheManager:
         :raises TypeError: ``ready`` not a fence. :raises ValueError: ``kv_indices`` not 1-D
             integers, one per window token. Nothing changed.
         """
-        if not isinstance(plan, WindowPlan):
+        if not self._guard.acquire(False):
+            raise _busy("commit")
+        try:
+            return self._commit(plan, ready, kv_indices, now)
+        finally:
+            self._guard.release()
+
+    def _commit(
+        self,
+        plan: WindowPlan,
+        ready: Fence | None,
+        kv_indices: torch.Tensor | np.ndarray | Sequence[int],
+        now: float | None,
+    ) -> WindowResult:
+        if ready is not None and not isinstance(ready, Fence):
+            raise TypeError(f"ready must be a Fence or None, got {type(ready).__name__}")
+        t = None if now is None else self._now(now)
+        rec = self._check_plan(plan)
+        n = plan.end - plan.start
+        small = _small_kv(kv_indices, n)
+        kv = _as_window_kv(kv_indices, n) if small is None else None
+        return self._apply_commit(rec, plan, ready, small, kv, t)
+
+    def _check_plan(self, plan: WindowPlan) -> _Request:
+        """The request whose open plan ``plan`` is; change nothing."""
+        if type(plan) is not WindowPlan:
             raise TypeError(f"commit takes the WindowPlan from plan_prefill/plan_decode, got {type(plan).__name__}")
         if plan.manager_id != id(self):
             raise ProtocolError(f"plan of request {plan.rid!r} was made by another manager")
@@ -608,13 +757,27 @@ class CacheManager:
             raise ProtocolError(
                 f"plan [{plan.start}, {plan.end}) of request {plan.rid!r} is not open (committed twice, or stale)"
             )
-        if ready is not None and not isinstance(ready, Fence):
-            raise TypeError(f"ready must be a Fence or None, got {type(ready).__name__}")
-        kv = _as_window_kv(kv_indices, plan.end - plan.start)
-        t = self._now(now)
-        # Validated: from here on nothing raises.
+        return rec
+
+    def _apply_commit(
+        self,
+        rec: _Request,
+        plan: WindowPlan,
+        ready: Fence | None,
+        small: list[int] | None,
+        kv: torch.Tensor | None,
+        now: float | None,
+    ) -> WindowResult:
+        """Commit a validated window. Nothing here raises."""
         rec.plan = None
-        rec.kv_parts.append(kv)
+        if small is not None:
+            rec.kv_tail += small
+        else:
+            assert kv is not None
+            if rec.kv_tail:
+                rec.kv_parts.append(torch.tensor(rec.kv_tail, dtype=torch.int64))
+                rec.kv_tail = []
+            rec.kv_parts.append(kv)
         rec.done = plan.end
         if ready is not None:
             rec.last_write[rec.live] = ready
@@ -622,6 +785,7 @@ class CacheManager:
                 rec.last_write[c.slot] = ready
         if not plan.captures:
             return WindowResult((), rec.committed, False, _EMPTY_KV, COMPLETE)
+        t = self.clock() if now is None else now
         donated: list[int] = []
         freed: list[torch.Tensor] = []
         for c in plan.captures:
@@ -637,8 +801,72 @@ class CacheManager:
             tuple(donated), rec.committed, bool(donated), free, ready if ready is not None else COMPLETE
         )
 
+    def commit_batch(
+        self,
+        batch: DecodeBatchPlan,
+        ready: Fence | None,
+        *,
+        kv_indices: torch.Tensor | np.ndarray | Sequence[int],
+        now: float | None = None,
+    ) -> DecodeBatchResult:
+        """Commit a planned decode batch (one forward, fence ``ready``): ``kv_indices[i]`` is the
+        KV index of the token of ``batch.rids[i]``. The requests with a plan in ``batch.plans``
+        are committed as :meth:`commit` does; the others only record their token. All or nothing:
+        everything is validated before the first request is committed. O(batch).
+
+        :raises ProtocolError: not this manager's open batch. :raises TypeError: ``ready`` not a
+            fence. :raises ValueError: ``kv_indices`` not one integer per request. Nothing changed.
+        """
+        if not self._guard.acquire(False):
+            raise _busy("commit_batch")
+        try:
+            return self._commit_batch(batch, ready, kv_indices, now)
+        finally:
+            self._guard.release()
+
+    def _commit_batch(
+        self,
+        batch: DecodeBatchPlan,
+        ready: Fence | None,
+        kv_indices: torch.Tensor | np.ndarray | Sequence[int],
+        now: float | None,
+    ) -> DecodeBatchResult:
+        if type(batch) is not DecodeBatchPlan:
+            raise TypeError(f"commit_batch takes the DecodeBatchPlan of plan_decode_batch, got {type(batch).__name__}")
+        if batch.manager_id != id(self):
+            raise ProtocolError("decode batch was planned by another manager")
+        if ready is not None and not isinstance(ready, Fence):
+            raise TypeError(f"ready must be a Fence or None, got {type(ready).__name__}")
+        t = None if now is None else self._now(now)
+        get, plans = self._requests.get, batch.plans
+        recs: list[_Request] = []
+        for rid in batch.rids:
+            rec = get(rid)
+            if rec is None or (rec.plan is not batch and rec.plan is not plans.get(rid, batch)):
+                raise ProtocolError(f"decode batch of request {rid!r} is not open (committed twice, or stale)")
+            recs.append(rec)
+        ids = _as_window_kv(kv_indices, len(recs)).tolist()
+        # Validated: from here on nothing raises.
+        results: dict[Hashable, WindowResult] = {}
+        for rec, i in zip(recs, ids, strict=True):
+            plan = plans.get(rec.rid)
+            if plan is not None:
+                results[rec.rid] = self._apply_commit(rec, plan, ready, [i], None, t)
+                continue
+            rec.plan = None
+            rec.kv_tail.append(i)
+            rec.done += 1
+            if ready is not None:
+                rec.last_write[rec.live] = ready
+        freed = [r.free_kv for r in results.values() if r.free_kv.numel()]
+        free = _EMPTY_KV if not freed else torch.cat(freed)
+        return DecodeBatchResult(results, free, ready if ready is not None else COMPLETE)
+
     def _table(self, rec: _Request) -> torch.Tensor:
         parts = rec.kv_parts
+        if rec.kv_tail:
+            parts.append(torch.tensor(rec.kv_tail, dtype=torch.int64))
+            rec.kv_tail = []
         if len(parts) != 1:
             rec.kv_parts = parts = [torch.cat(parts) if parts else _EMPTY_KV]
         return parts[0]
@@ -880,7 +1108,7 @@ class CacheManager:
             assert self.pool.slots_of(rec.owner) == frozenset(slots), f"request {rid!r} owns slots it does not track"
             assert rec.lock.snap_lock > 0, f"request {rid!r} lock node {rec.lock!r} is not locked"
             assert rec.lock.depth == 0 or rec.lock.parent is not None, f"request {rid!r} lock node was evicted"
-            kv_len = sum(int(p.numel()) for p in rec.kv_parts)
+            kv_len = sum(int(p.numel()) for p in rec.kv_parts) + len(rec.kv_tail)
             assert kv_len == rec.done, f"request {rid!r} KV table holds {kv_len} indices for {rec.done} tokens"
             assert rec.committed <= rec.done, f"request {rid!r} committed {rec.committed} beyond {rec.done} tokens"
             assert rec.ids.size + len(rec.out) >= rec.done, f"request {rid!r} has fewer ids than tokens committed"
@@ -910,6 +1138,21 @@ def _small_ids(ids: object) -> list[int] | None:
         if type(t) is not int or not 0 <= t < MAX_ID:
             return None
     return list(ids)  # type: ignore[call-overload, no-any-return]
+
+
+def _small_kv(kv: object, n: int) -> list[int] | None:
+    """The KV indices of a window of at most 4 tokens as ints, when they are a CPU int64 tensor or a
+    list of ints of the right length (the decode fast path); None: take the general path."""
+    if n > 4:
+        return None
+    if type(kv) is torch.Tensor:
+        if kv.dtype is not torch.int64 or kv.dim() != 1 or kv.shape[0] != n or not kv.is_cpu:
+            return None
+        out: list[int] = kv.tolist()
+        return out
+    if type(kv) is list and len(kv) == n and all(type(i) is int for i in kv):
+        return list(kv)
+    return None
 
 
 def _as_window_kv(kv: object, n: int) -> torch.Tensor:

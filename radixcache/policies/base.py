@@ -56,6 +56,7 @@ class Policy(ABC):
     """
 
     name: str = "policy"
+    decode_captures: bool = True  # False: captures() never proposes a depth in a decode window
     snapshot_bytes: int = 2048
     kv_bytes_per_token: int = 1
 

@@ -60,6 +60,7 @@ class BranchFlop(Policy):
     """:param alpha: weight of FLOPs saved per byte against recency (seconds)."""
 
     name = "branch-flop"
+    decode_captures = False
 
     def __init__(self, alpha: float = 2.0, flops_per_byte: float = 1.0) -> None:
         self.alpha = alpha

@@ -20,6 +20,7 @@ class FixedPoints(Policy):
     """
 
     name = "fixed-points"
+    decode_captures = False
 
     def __init__(self, align: int = 64) -> None:
         if align <= 0:

@@ -142,6 +142,7 @@ class HitDensity(Policy):
     """
 
     name = "hit-density"
+    decode_captures = False
 
     def __init__(
         self,

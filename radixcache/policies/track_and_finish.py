@@ -10,6 +10,7 @@ __all__ = ["TrackAndFinish"]
 
 class TrackAndFinish(Policy):
     name = "track-and-finish"
+    decode_captures = False
 
     def __init__(self, align: int = 64) -> None:
         self.align = align

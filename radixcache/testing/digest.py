@@ -114,7 +114,8 @@ def _tree(cache: HybridRadixCache) -> Any:
 def state_digest(manager: CacheManager, *, metrics: bool = True) -> str:
     """A hex digest of the manager's whole state (see the module docstring); ``metrics=False``
     leaves its counters out (a refused admission counts a refusal and changes nothing else).
-    Device work pending on deferred streams is not run; slots are fingerprinted as they are now."""
+    Fingerprinting a slot first waits the pool's own pending work on it (a queued clone runs), so
+    take digests once the device work of the steps before has landed."""
     pool = manager.pool
     slots = tuple(
         (s, str(pool.owner_of(s)), pool.last_use(s).is_complete(), int(pool.fingerprint(s)))

@@ -260,14 +260,14 @@ class ReferenceEngine:
     def _decode(self, batch: list[_Running]) -> tuple[Fence, torch.Tensor]:
         tokens = [r.next_token for r in batch if r.next_token is not None]
         assert len(tokens) == len(batch), "a decoding request without its next token"
-        plans = [self.manager.plan_decode(r.req.rid, [t]) for r, t in zip(batch, tokens, strict=True)]
+        plan = self.manager.plan_decode_batch([r.req.rid for r in batch], tokens)
         ids = torch.tensor(tokens)
         positions = [r.done for r in batch]
         slots = torch.tensor([r.adm.live_slot for r in batch])
         kv_idx = [r.kv[: r.done + 1] for r in batch]
-        after = [r.last for r in batch if r.last is not None] + [f for p in plans for f in p.after]
+        after = [r.last for r in batch if r.last is not None] + list(plan.after)
         # A decode window is one token: each planned capture is the state after it.
-        copies = [(p.live_slot, c.slot, p.rid) for p in plans for c in p.captures]
+        copies = [(p.live_slot, c.slot, rid) for rid, p in plan.plans.items() for c in p.captures]
         result = torch.empty(len(batch), self.model.cfg.vocab_size, dtype=self.model.cfg.dtype)
         model, pool, kvp = self.model, self.pool, self.kv_pool
 
@@ -282,13 +282,14 @@ class ReferenceEngine:
                 self._note_writes(rid, [track])
 
         fence = self.forward.submit(work, after=after, label=f"decode x{len(batch)}")
-        for r, plan in zip(batch, plans, strict=True):
-            assert r.next_token is not None
-            res = self.manager.commit(plan, fence, kv_indices=r.kv[r.done : r.done + 1])
+        res = self.manager.commit_batch(plan, fence, kv_indices=torch.stack([r.kv[r.done] for r in batch]))
+        for r in batch:
             r.done += 1
             r.last = fence
             r.next_token = None
-            self._committed(r, plan, res)
+            one = res.results.get(r.req.rid)
+            if one is not None:
+                self._committed(r, plan.plans[r.req.rid], one)
         return fence, result
 
     def _note_writes(self, rid: Hashable, slots: list[int]) -> None:
