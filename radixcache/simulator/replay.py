@@ -89,6 +89,7 @@ class ReplayResult:
     max_nodes: int
     wall_s: float
     per_session_kind: dict[str, tuple[int, int]] = field(default_factory=dict)  # kind -> (hit, prompt)
+    metrics: dict[str, object] = field(default_factory=dict)  # the manager's counters at the end
 
     @property
     def token_hit_rate(self) -> float:
@@ -195,5 +196,6 @@ def replay(
     res.wall_s = time.perf_counter() - t0
     m = mgr.metrics()
     res.snapshots_donated = sum(m.donations.values())
+    res.metrics = m.as_dict()
     mgr.check_invariants()
     return res

@@ -101,7 +101,7 @@ class HostMachine(RuleBasedStateMachine):
 
     @rule(kv_tokens=st.integers(0, 16), snapshots=st.integers(0, 3))
     def evict(self, kv_tokens: int, snapshots: int) -> None:
-        self.host.manager.cache.evict(kv_tokens=kv_tokens, snapshots=snapshots)
+        self.host.manager.evict(kv_tokens=kv_tokens, snapshots=snapshots)  # through the policy
 
     @rule(n=st.integers(1, 4))
     def run_pending(self, n: int) -> None:
