@@ -45,6 +45,7 @@ def build(policy_name: str, n: int, seed: int = 0) -> tuple[HybridRadixCache, Ca
             node, r = nodes[rng.randrange(len(nodes))]
             if node.snapshot is not None:
                 policy.touched(node, r, float(i))
+    pool.free(slot, RequestOwner("donor"))  # the fixture's donor is not one of the manager's requests
     return cache, mgr
 
 

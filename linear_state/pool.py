@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from .errors import PoolExhausted, SlotMisuse
@@ -64,8 +65,15 @@ class LinearStatePool:
         *,
         stream: Stream | None = None,
     ) -> None:
+        if not isinstance(layout, StateLayout):
+            raise TypeError(f"layout must be a StateLayout, got {type(layout).__name__}")
+        if isinstance(num_slots, bool) or not isinstance(num_slots, (int, np.integer)):
+            raise TypeError(f"num_slots must be an int, got {num_slots!r}")
         if num_slots <= 0:
             raise ValueError(f"num_slots must be positive, got {num_slots}")
+        num_slots = int(num_slots)
+        if stream is not None and not isinstance(stream, Stream):
+            raise TypeError(f"stream must be a linear_state Stream, got {type(stream).__name__}")
         self.layout = layout
         self.device = torch.device(device)
         self.stream: Stream = stream if stream is not None else ImmediateStream()
@@ -133,7 +141,9 @@ class LinearStatePool:
         """Take a FREE slot for ``owner``. O(1). Contents are whatever the last owner left.
 
         :raises PoolExhausted: no slot is free; nothing changed.
+        :raises TypeError: ``owner`` is not a RequestOwner or NodeOwner; nothing changed.
         """
+        _check_owner(owner)
         if not self._free:
             raise PoolExhausted(self.capacity, 1, owner)
         s = self._free.pop()
@@ -149,8 +159,11 @@ class LinearStatePool:
         """Take ``n`` FREE slots for ``owner``, all or none. O(n).
 
         :raises PoolExhausted: fewer than ``n`` are free; nothing changed.
-        :raises ValueError: ``n`` negative.
+        :raises ValueError: ``n`` negative. :raises TypeError: ``n`` not an int, a bad owner.
         """
+        _check_owner(owner)
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+            raise TypeError(f"alloc_many takes an int count, got {n!r}")
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of slots ({n})")
         if n > len(self._free):
@@ -167,9 +180,11 @@ class LinearStatePool:
         pool's own last write first, so the next owner never sees a late write land.
 
         :raises SlotMisuse: ``slot`` is already free (double free) or owned by someone else;
-            nothing changed.
+            nothing changed. :raises TypeError: a bad slot, owner or fence; nothing changed.
         """
         s = self._index(slot)
+        _check_owner(owner)
+        after = _fences(after)
         current = self._owner[s]
         if current is None:
             raise SlotMisuse("double free", slot=s, owner=None, actor=owner)
@@ -186,8 +201,11 @@ class LinearStatePool:
         under a new id). Tree snapshots can never be transferred: they are cloned.
 
         :raises SlotMisuse: ``slot`` not owned by ``owner``, or owned by a tree node.
+        :raises TypeError: ``new_owner`` is not a RequestOwner.
         """
         s = self._index(slot)
+        if not isinstance(new_owner, RequestOwner):
+            raise TypeError(f"a slot can be transferred to a RequestOwner only, got {new_owner!r}")
         current = self._owner[s]
         if current != owner or current is None:
             raise SlotMisuse("transfer by a non-owner", slot=s, owner=current, actor=owner)
@@ -204,8 +222,11 @@ class LinearStatePool:
         Hosts call this for the slots of a batch before launching kernels that write them.
 
         :raises SlotMisuse: the slot is free, frozen (a tree snapshot), or owned by someone else.
+        :raises TypeError: a bad slot or owner.
         """
         s = self._index(slot)
+        if owner is not None:
+            _check_owner(owner)
         current = self._owner[s]
         if current is None:
             raise SlotMisuse("write into a free slot", slot=s, owner=None, actor=owner)
@@ -244,7 +265,7 @@ class LinearStatePool:
         d = self._index(dst)
         if s == d:
             raise SlotMisuse("copy of a slot onto itself", slot=s, owner=self._owner[s], actor=dst_owner)
-        return self._submit_copy(s, d, stream, after, "copy")
+        return self._submit_copy(s, d, _check_stream(stream), _fences(after), "copy")
 
     def clone(self, src: int, owner: Owner, *, stream: Stream | None = None, after: Iterable[Fence] = ()) -> SlotWrite:
         """Allocate a new slot for ``owner`` and copy ``src`` into it, behind ``after``.
@@ -254,8 +275,12 @@ class LinearStatePool:
         :returns: the new slot and the fence after which it holds the copy.
         :raises SlotMisuse: ``src`` is free; nothing changed.
         :raises PoolExhausted: no slot is free; nothing changed.
+        :raises TypeError: a bad slot, owner, stream or fence; nothing changed.
         """
+        _check_owner(owner)
         s = self._check_readable(src, owner)
+        after = _fences(after)  # validated before the slot is taken: a bad fence leaves no orphan
+        stream = _check_stream(stream)
         d = self.alloc(owner)
         return SlotWrite(d, self._submit_copy(s, d, stream, after, "clone"))
 
@@ -265,9 +290,11 @@ class LinearStatePool:
         """Reset ``slot`` to the all-zero initial state (a fresh sequence).
 
         :raises SlotMisuse: the slot is not writable (see :meth:`check_writable`).
+        :raises TypeError: a bad slot, owner, stream or fence. Nothing was queued.
         """
         self.check_writable(slot, owner)
         s = self._index(slot)
+        after, stream = _fences(after), _check_stream(stream)
 
         def work() -> None:
             self._conv_rows[s].zero_()
@@ -290,9 +317,13 @@ class LinearStatePool:
 
         :raises SlotMisuse: the slot is not writable.
         :raises ValueError: a shape does not match the layout.
+        :raises TypeError: not tensors, a bad slot, owner, stream or fence. Nothing was queued.
         """
         self.check_writable(slot, owner)
         s = self._index(slot)
+        if not isinstance(conv, torch.Tensor) or not isinstance(recurrent, torch.Tensor):
+            raise TypeError(f"write takes tensors, got {type(conv).__name__} and {type(recurrent).__name__}")
+        after, stream = _fences(after), _check_stream(stream)
         want_c = (self.layout.num_layers, *self.layout.conv_shape)
         want_r = (self.layout.num_layers, *self.layout.recurrent_shape)
         if tuple(conv.shape) != want_c or tuple(recurrent.shape) != want_r:
@@ -360,10 +391,13 @@ class LinearStatePool:
 
     # ----------------------------------------------------------------- helpers
     def _index(self, slot: int) -> int:
-        s = int(slot)
-        if not 0 <= s < len(self._owner) or s != slot:
-            raise IndexError(f"slot {slot!r} outside [0, {len(self._owner)})")
-        return s
+        if type(slot) is not int:
+            if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)):
+                raise TypeError(f"a slot id is an int, got {slot!r} ({type(slot).__name__})")
+            slot = int(slot)
+        if not 0 <= slot < len(self._owner):
+            raise IndexError(f"slot {slot} outside [0, {len(self._owner)})")
+        return slot
 
     def _release(self, s: int, owner: Owner) -> None:
         self._release_owner_entry(s, owner)
@@ -402,3 +436,28 @@ class LinearStatePool:
         for s in slots:
             self._last_use[s] = fence
         return fence
+
+
+def _check_owner(owner: object) -> None:
+    if not isinstance(owner, (RequestOwner, NodeOwner)):
+        raise TypeError(f"an owner is a RequestOwner or a NodeOwner, got {owner!r}")
+
+
+def _fences(after: Iterable[Fence]) -> tuple[Fence, ...]:
+    """``after`` as a tuple, every item a Fence (checked before anything is queued or taken)."""
+    if isinstance(after, Fence):
+        raise TypeError("after takes an iterable of fences; wrap a single fence: after=(fence,)")
+    try:
+        out = tuple(after)
+    except TypeError:
+        raise TypeError(f"after takes an iterable of fences, got {type(after).__name__}") from None
+    for f in out:
+        if not isinstance(f, Fence):
+            raise TypeError(f"after holds {f!r} ({type(f).__name__}), not a Fence")
+    return out
+
+
+def _check_stream(stream: Stream | None) -> Stream | None:
+    if stream is not None and not isinstance(stream, Stream):
+        raise TypeError(f"stream must be a linear_state Stream or None, got {type(stream).__name__}")
+    return stream

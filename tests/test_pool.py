@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from linear_state import (
+    COMPLETE,
     LinearStatePool,
     NodeOwner,
     PoolExhausted,
@@ -97,10 +98,53 @@ def test_misuse_message_names_both_owners(pool: LinearStatePool) -> None:
     assert "request 'B'" in str(exc.value) and "request 'A'" in str(exc.value)
 
 
-@pytest.mark.parametrize("bad", [-1, 4, 1.5])
-def test_out_of_range_slot(pool: LinearStatePool, bad: float) -> None:
+@pytest.mark.parametrize("bad", [-1, 4])
+def test_out_of_range_slot(pool: LinearStatePool, bad: int) -> None:
     with pytest.raises(IndexError, match="outside"):
+        pool.owner_of(bad)
+
+
+@pytest.mark.parametrize("bad", [1.5, 1.0, True, "1", None])
+def test_a_slot_id_that_is_not_an_int_is_a_type_error(pool: LinearStatePool, bad: object) -> None:
+    with pytest.raises(TypeError, match="a slot id is an int"):
         pool.owner_of(bad)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="a slot id is an int"):
+        pool.free(bad, A)  # type: ignore[arg-type]
+    pool.check_invariants()
+
+
+def test_a_bad_fence_leaves_no_orphan_slot(pool: LinearStatePool) -> None:
+    a = pool.alloc(A)
+    free_before = pool.num_free
+    for bad in (["not a fence"], [None], 5, "abc"):
+        with pytest.raises(TypeError, match=r"(?i)fence"):
+            pool.clone(a, NodeOwner(1), after=bad)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"(?i)fence"):
+            pool.zero(a, owner=A, after=bad)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"(?i)fence"):
+            pool.free(a, A, after=bad)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="single fence"):
+        pool.clone(a, NodeOwner(1), after=COMPLETE)  # type: ignore[arg-type]
+    assert pool.num_free == free_before and pool.owner_of(a) == A
+    assert not pool.slots_of(NodeOwner(1)), "a clone left a slot owned by a node that never got it"
+    pool.check_invariants()
+
+
+def test_bad_owners_counts_and_streams_are_type_errors(pool: LinearStatePool) -> None:
+    with pytest.raises(TypeError, match="RequestOwner or a NodeOwner"):
+        pool.alloc("A")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="int count"):
+        pool.alloc_many(A, 1.0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="int count"):
+        pool.alloc_many(A, True)
+    a = pool.alloc(A)
+    with pytest.raises(TypeError, match="Stream"):
+        pool.zero(a, owner=A, stream="cuda")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="int"):
+        LinearStatePool(pool.layout, 2.5)  # type: ignore[arg-type]
+    pool.free(a, A)
+    assert pool.num_free == pool.capacity
+    pool.check_invariants()
 
 
 def test_write_shape_mismatch_raises(pool: LinearStatePool) -> None:

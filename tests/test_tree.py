@@ -260,27 +260,38 @@ def test_image_ids_are_valid_keys() -> None:
 
 
 @pytest.mark.parametrize(
-    ("key", "message"),
+    ("key", "error", "message"),
     [
-        ([1, -1, 2], "position 1"),
-        ([1, 2, 2**31], "position 2"),
-        ([0, 1.5], "position 1"),
-        (np.array([[1, 2]]), "1-D"),
-        (np.array([1.0, 2.0]), "integers"),
-        (np.array([3, -7]), "-7 at position 1"),
-        (torch.tensor([1.0]), "integers"),
-        (torch.tensor([5, 2**31]), "position 1"),
-        ("abc", "sequence of token ids"),
+        ([1, -1, 2], ValueError, "-1 at position 1"),
+        ([1, 2, 2**31], ValueError, "position 2"),
+        ([0, 1.5], TypeError, "1.5 at position 1 is not an integer"),
+        (np.array([[1, 2]]), ValueError, "1-D"),
+        (np.array([1.0, 2.0]), TypeError, "integers"),
+        (np.array([3, -7]), ValueError, "-7 at position 1"),
+        (np.array([5, 2**64 - 1], dtype=np.uint64), ValueError, "18446744073709551615 at position 1"),
+        (torch.tensor([1.0]), TypeError, "integers"),
+        (torch.tensor([True]), TypeError, "integers"),
+        (torch.tensor([5, 2**31]), ValueError, "position 1"),
+        (np.array([True, False]), TypeError, "integers"),
+        ([True, False, True], TypeError, "bool"),
+        ([1, 2, False], TypeError, "position 2 is a bool"),
+        ({1, 2, 3}, TypeError, "ordered sequence"),
+        ({1: 2}, TypeError, "ordered sequence"),
+        (5, TypeError, "ordered sequence"),
+        (None, TypeError, "ordered sequence"),
+        ("abc", TypeError, "ordered sequence"),
+        (b"abc", TypeError, "ordered sequence"),
     ],
 )
-def test_bad_keys_raise_and_change_nothing(key: object, message: str) -> None:
+def test_bad_keys_raise_and_change_nothing(key: object, error: type[Exception], message: str) -> None:
+    """One key contract for match and insert (and, through them, the manager)."""
     cache, freed = make_cache()
     insert_with_state(cache, [1, 2, 3])
     slot = state_for(cache, R, [1])
     before = (cache.num_nodes, cache.total_kv_tokens, cache.pool.num_free)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(error, match=message):
         cache.match(key)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(error, match=message):
         cache.insert(key, kv(0, 3), state_slot=slot)  # type: ignore[arg-type]
     assert (cache.num_nodes, cache.total_kv_tokens, cache.pool.num_free) == before and freed == []
     cache.check_invariants()
@@ -296,7 +307,7 @@ def test_bad_insert_arguments_change_nothing() -> None:
         cache.insert([1, 2], torch.zeros(2))
     with pytest.raises(ValueError, match="ready was given"):
         cache.insert([1, 2], kv(0, 2), ready=COMPLETE)
-    with pytest.raises(SlotMisuse, match="read of a free slot"):
+    with pytest.raises(SlotMisuse, match="donation of a free slot"):
         cache.insert([1, 2, 5], kv(0, 3), state_slot=2)
     with pytest.raises(ValueError, match="evict amounts"):
         cache.evict(kv_tokens=-1)
@@ -430,7 +441,7 @@ def test_key_bytes_of_strided_and_narrow_arrays() -> None:
     assert key_bytes(np.arange(10, dtype=np.uint32)[::2]) == want
     with pytest.raises(ValueError, match="position 1"):
         key_bytes(np.array([1, 2**31], dtype=np.uint32))
-    with pytest.raises(ValueError, match="integers"):
+    with pytest.raises(TypeError, match="integers"):
         key_bytes(np.array([True, False]))
 
 

@@ -1,6 +1,6 @@
 """The core: cache keys, the radix tree, the manager a host scheduler calls, multimodal ids."""
 
-from .errors import ConcurrentUseError, ProtocolError, RadixCacheError, UnknownRequest
+from .errors import ConcurrentUseError, ForeignObjectError, ProtocolError, RadixCacheError, UnknownRequest
 from .keys import IMAGE_ID_BASE, MAX_ID, KeyLike, key_bytes
 from .lazy_heap import LazyHeap
 from .manager import (
@@ -31,6 +31,7 @@ __all__ = [
     "ConcurrentUseError",
     "EvictResult",
     "FinishResult",
+    "ForeignObjectError",
     "HybridRadixCache",
     "InsertResult",
     "KeyLike",

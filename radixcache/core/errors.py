@@ -7,7 +7,7 @@ written against the builtin types keeps working.
 
 from __future__ import annotations
 
-__all__ = ["ConcurrentUseError", "ProtocolError", "RadixCacheError", "UnknownRequest"]
+__all__ = ["ConcurrentUseError", "ForeignObjectError", "ProtocolError", "RadixCacheError", "UnknownRequest"]
 
 
 class RadixCacheError(Exception):
@@ -30,3 +30,8 @@ class ConcurrentUseError(RadixCacheError, RuntimeError):
     """The manager was entered while another call was running in it (from another thread, or
     from a callback of its own). The manager is not thread-safe by design: one scheduler thread
     drives it. The call that raises this changed nothing."""
+
+
+class ForeignObjectError(RadixCacheError, ValueError):
+    """A node, plan or result made by another cache or manager was passed to this one. Acting on
+    it would copy another pool's slot or corrupt this tree's counters, so it is refused."""

@@ -1,9 +1,22 @@
-"""Cache keys: validation and the canonical byte form the tree compares.
+"""Cache keys: the one contract every call that takes ids applies, and the canonical byte form the
+tree compares.
 
-A key is a 1-D sequence of token ids in ``[0, 2**31)``: text ids below ``2**30``, image-derived
-cache ids in ``[2**30, 2**31)`` (see DESIGN.md, "Multimodal keys"). Keys are stored as native
-``uint32`` bytes, so the tree compares edges with ``memcmp`` and indexes children by the bytes of
-their first page.
+The key contract (``match``, ``insert``, ``admit``, ``can_admit``, ``plan_decode``, image ids):
+
+- a key is an **ordered** 1-D sequence of token ids: a ``list``, ``tuple`` or other
+  :class:`~collections.abc.Sequence`, a numpy array or a torch tensor. Unordered containers
+  (``set``, ``dict``), strings, bytes, scalars and ``None`` raise ``TypeError``;
+- ids are **integers**: numpy and torch integer dtypes, Python ``int`` and numpy integer
+  elements. Floats, bools (a numpy or torch bool dtype, or a list with a bool at either end; a
+  bool inside a list of ints is not looked for, to keep the check O(1)) and other element types
+  raise ``TypeError``;
+- ids are in ``[0, 2**31)``: text ids below ``2**30``, image-derived cache ids in
+  ``[2**30, 2**31)`` (see DESIGN.md, "Multimodal keys"). An id outside raises ``ValueError``
+  naming the first bad position and the value as given;
+- a key of the wrong shape (not 1-D) raises ``ValueError``.
+
+Keys are stored as native ``uint32`` bytes, so the tree compares edges with ``memcmp`` and
+indexes children by the bytes of their first page.
 """
 
 from __future__ import annotations
@@ -28,23 +41,25 @@ TOKEN_BYTES = 4
 
 
 def _bad_position(values: np.ndarray) -> ValueError:
-    bad = np.flatnonzero((values < 0) | (values >= MAX_ID))
+    """The first id outside the range, in ``values``' own dtype (a huge unsigned id stays itself)."""
+    low = values < 0 if values.dtype.kind == "i" else np.zeros(values.shape, dtype=bool)
+    bad = np.flatnonzero(low | (values >= MAX_ID))
     i = int(bad[0])
-    return ValueError(f"key id {int(values[i])} at position {i} is outside [0, 2**31)")
+    return ValueError(f"key id {values[i].item()} at position {i} is outside [0, 2**31)")
 
 
 def _from_array(arr: np.ndarray) -> bytes:
-    if arr.ndim != 1:
-        raise ValueError(f"a key must be 1-D, got shape {tuple(arr.shape)}")
     kind = arr.dtype.kind
     if kind not in "iu":
-        raise ValueError(f"key ids must be integers, got dtype {arr.dtype}")
+        raise TypeError(f"key ids must be integers, got dtype {arr.dtype}")
+    if arr.ndim != 1:
+        raise ValueError(f"a key must be 1-D, got shape {tuple(arr.shape)}")
     if arr.size:
         # int32 cannot exceed the bound, unsigned cannot go below it: one reduction each.
         if kind == "i" and arr.min() < 0:
-            raise _bad_position(arr.astype(np.int64))
+            raise _bad_position(arr)
         if not (kind == "i" and arr.itemsize <= 4) and arr.max() >= MAX_ID:
-            raise _bad_position(arr.astype(np.int64))
+            raise _bad_position(arr)
     if arr.itemsize == TOKEN_BYTES:  # int32 or uint32, checked in range: same bytes, no copy
         return arr.view(np.uint32).tobytes()
     return arr.astype(np.uint32).tobytes()
@@ -56,24 +71,31 @@ def key_bytes(key: KeyLike) -> bytes:
     >>> len(key_bytes([1, 2, 3]))
     12
 
-    :raises ValueError: not 1-D, not integers, or an id outside ``[0, 2**31)`` (the message names
-        the first bad position).
+    :raises TypeError: not an ordered sequence, or ids that are not integers (see the module
+        docstring). :raises ValueError: not 1-D, or an id outside ``[0, 2**31)`` (the message names
+        the first bad position and the value as given).
     """
     if isinstance(key, np.ndarray):
         return _from_array(key)
     if isinstance(key, torch.Tensor):
         if key.dtype.is_floating_point or key.dtype.is_complex or key.dtype == torch.bool:
-            raise ValueError(f"key ids must be integers, got dtype {key.dtype}")
+            raise TypeError(f"key ids must be integers, got dtype {key.dtype}")
         return _from_array(key.detach().cpu().numpy())
-    if isinstance(key, (str, bytes)):
-        raise ValueError(f"a key is a sequence of token ids, got {type(key).__name__}")
+    if not isinstance(key, Sequence) or isinstance(key, (str, bytes, bytearray)):
+        raise TypeError(
+            f"a key is an ordered sequence of token ids (list, tuple, numpy array or torch tensor), "
+            f"got {type(key).__name__}"
+        )
+    if key and (type(key[0]) is bool or type(key[-1]) is bool):
+        i = 0 if type(key[0]) is bool else len(key) - 1
+        raise TypeError(f"key id {key[i]!r} at position {i} is a bool, not a token id")
     try:
         raw = array("I", key)
     except (OverflowError, TypeError):
         # Slow path only to build a precise message.
         for i, v in enumerate(key):
-            if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
-                raise ValueError(f"key id {v!r} at position {i} is not an integer") from None
+            if not isinstance(v, (int, np.integer)) or isinstance(v, (bool, np.bool_)):
+                raise TypeError(f"key id {v!r} at position {i} is not an integer") from None
             if not 0 <= v < MAX_ID:
                 raise ValueError(f"key id {v} at position {i} is outside [0, 2**31)") from None
         raise
@@ -81,5 +103,5 @@ def key_bytes(key: KeyLike) -> bytes:
     if raw.itemsize != TOKEN_BYTES:  # pragma: no cover - platforms where unsigned int is not 32-bit
         return _from_array(np.asarray(raw, dtype=np.int64))
     if b and np.frombuffer(b, dtype=np.uint32).max() >= MAX_ID:
-        raise _bad_position(np.frombuffer(b, dtype=np.uint32).astype(np.int64))
+        raise _bad_position(np.frombuffer(b, dtype=np.uint32))
     return b

@@ -19,31 +19,55 @@ Fields of :class:`TreeNode` are changed only by :class:`HybridRadixCache`.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Hashable, Iterator
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from linear_state import COMPLETE, Fence, LinearStatePool, NodeOwner, Owner, SlotId, SlotWrite, Stream
+from linear_state import (
+    COMPLETE,
+    Fence,
+    LinearStatePool,
+    NodeOwner,
+    Owner,
+    SlotId,
+    SlotMisuse,
+    SlotWrite,
+    Stream,
+)
 
+from .errors import ForeignObjectError
 from .keys import TOKEN_BYTES, KeyLike, key_bytes
 from .lazy_heap import LazyHeap
 
 __all__ = ["EvictResult", "HybridRadixCache", "InsertResult", "MatchResult", "TreeNode"]
 
 _EMPTY_KV = torch.empty(0, dtype=torch.int64)
+_CACHE_SERIAL = itertools.count()  # numbers the caches of a process: node ids never collide
+
+
+def _hashable(namespace: Hashable) -> Hashable:
+    try:
+        hash(namespace)
+    except TypeError:
+        raise TypeError(f"a namespace must be hashable, got {type(namespace).__name__}") from None
+    return namespace
 
 
 class TreeNode:
     """A node of the tree: one page-aligned edge of KV, and maybe a snapshot at its end.
 
-    :ivar id: unique for the life of the cache; the snapshot's owner is ``NodeOwner(id)``.
+    :ivar id: unique in the process (the first cache numbers from 1, each later one from its own
+        multiple of 2**32); the snapshot's owner is ``NodeOwner(id)``.
+    :ivar cache: the :class:`HybridRadixCache` the node belongs to.
     :ivar depth: tokens from the root to the end of this node's edge.
     :ivar snapshot: the pool slot of the snapshot at ``depth``, or ``None`` (a tombstone).
     """
 
     __slots__ = (
+        "cache",
         "children",
         "depth",
         "id",
@@ -58,8 +82,17 @@ class TreeNode:
         "value_np",
     )
 
-    def __init__(self, node_id: int, key: bytes, value: torch.Tensor, parent: TreeNode | None, depth: int) -> None:
+    def __init__(
+        self,
+        node_id: int,
+        key: bytes,
+        value: torch.Tensor,
+        parent: TreeNode | None,
+        depth: int,
+        cache: HybridRadixCache | None = None,
+    ) -> None:
         self.id = node_id
+        self.cache = cache  # the tree that made it: calls with a node of another tree are refused
         self.key = key  # edge key bytes (TOKEN_BYTES per token)
         self.value = value  # KV indices of the edge
         # The same indices as a numpy array when they live on the CPU (the tensor is a view of
@@ -158,8 +191,19 @@ class HybridRadixCache:
         on_free_kv: Callable[[torch.Tensor], None] | None = None,
         stream: Stream | None = None,
     ) -> None:
+        if not isinstance(pool, LinearStatePool):
+            raise TypeError(f"pool must be a LinearStatePool, got {type(pool).__name__}")
+        if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)):
+            raise TypeError(f"page_size must be an int, got {page_size!r}")
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
+        if on_free_kv is not None and not callable(on_free_kv):
+            raise TypeError(f"on_free_kv must be callable, got {type(on_free_kv).__name__}")
+        if stream is not None and not isinstance(stream, Stream):
+            raise TypeError(f"stream must be a linear_state Stream, got {type(stream).__name__}")
+        page_size = int(page_size)
+        self._id_base = next(_CACHE_SERIAL) << 32
+        self._next_id = self._id_base + 1
         self.pool = pool
         self.page_size = page_size
         self.on_free_kv = on_free_kv
@@ -172,8 +216,10 @@ class HybridRadixCache:
     def reset_state(self) -> None:
         """(Re)initialise empty bookkeeping. Internal: use :meth:`reset` on a live cache."""
         self._roots: dict[Hashable, TreeNode] = {}
-        self._null_root = TreeNode(-1, b"", _EMPTY_KV, None, 0)  # for namespaces never inserted
-        self._next_id = 1
+        # for namespaces never inserted
+        self._null_root = TreeNode(self._id_base - 1, b"", _EMPTY_KV, None, 0, self)
+        # NOTE: node ids keep growing across reset(): a policy or a ledger that still names an
+        # old node can never mistake a new one for it.
         self._tick = 0
         # NOTE: eviction candidates live in two lazy-deletion heaps (heapq, in C), keyed by
         # last_access. A touch pushes a fresh entry (O(log n) in C, no Python-level removal); pop
@@ -190,6 +236,11 @@ class HybridRadixCache:
         self._protected_snapshots = 0
 
     # ------------------------------------------------------------------ sizes
+    @property
+    def id_base(self) -> int:
+        """This cache's node ids are ``id_base + 1, id_base + 2, ...`` (roots: ``id_base``)."""
+        return self._id_base
+
     @property
     def num_nodes(self) -> int:
         """Nodes in the tree, roots excluded."""
@@ -253,11 +304,12 @@ class HybridRadixCache:
         path + log(key length)), no per-token Python work. The result is valid until the next
         eviction unless ``result.node`` is locked.
 
-        :raises ValueError: a bad key (see :func:`radixcache.keys.key_bytes`).
+        :raises TypeError, ValueError: a bad key (see :mod:`radixcache.core.keys`), an unhashable
+            namespace. Nothing changed.
         """
         kb = key_bytes(key)
         end = self._cut(kb)
-        root = self._roots.get(namespace)
+        root = self._roots.get(_hashable(namespace))
         if root is None:
             return MatchResult(0, 0, _EMPTY_KV, self._null_root, None)
         pb = self._page_bytes
@@ -288,9 +340,19 @@ class HybridRadixCache:
         kv = used[0].value if snap_at == 1 else torch.cat([n.value for n in used])
         return MatchResult(target.depth, pos // TOKEN_BYTES, kv, target, target.snapshot)
 
+    def _own(self, node: object) -> TreeNode:
+        """``node`` itself, once known to be a node of this tree. :raises TypeError, ForeignObjectError."""
+        if type(node) is not TreeNode:
+            raise TypeError(f"expected a TreeNode, got {type(node).__name__}")
+        if node.cache is not self:
+            raise ForeignObjectError(f"{node!r} belongs to another cache; nothing was done")
+        return node
+
     def touch(self, node: TreeNode) -> None:
         """Refresh the recency of ``node`` and its ancestors (what :meth:`match` does to a hit).
-        O(depth in nodes). :raises ValueError: ``node`` was removed."""
+        O(depth in nodes). :raises ValueError: ``node`` was removed.
+        :raises ForeignObjectError: ``node`` is another cache's."""
+        self._own(node)
         if node.parent is None and node.depth > 0:
             raise ValueError(f"node {node.id} was evicted; it cannot be touched")
         path: list[TreeNode] = []
@@ -328,7 +390,9 @@ class HybridRadixCache:
         would leave as a tombstone leaf. O(nodes in that cascade).
 
         :raises ValueError: ``node`` was removed or holds no snapshot.
+        :raises ForeignObjectError: ``node`` is another cache's.
         """
+        self._own(node)
         if node.parent is None or node.snapshot is None:
             raise ValueError(f"node {node.id} holds no snapshot to evict")
         if node.children:
@@ -346,7 +410,9 @@ class HybridRadixCache:
         return EvictResult(tokens, 1, removed)
 
     def kv_indices(self, node: TreeNode) -> torch.Tensor:
-        """KV indices from the root to the end of ``node`` (1-D int64). O(depth)."""
+        """KV indices from the root to the end of ``node`` (1-D int64). O(depth).
+        :raises ForeignObjectError: ``node`` is another cache's."""
+        self._own(node)
         parts: list[torch.Tensor] = []
         n: TreeNode | None = node
         while n is not None and n.depth > 0:
@@ -388,7 +454,10 @@ class HybridRadixCache:
 
         :raises ValueError: a bad key, ``kv_indices`` not 1-D integers of the key's length, or
             ``ready`` without ``state_slot``. Nothing changed.
-        :raises linear_state.SlotMisuse: ``state_slot`` is free. Nothing changed.
+        :raises TypeError: a key or namespace of the wrong type, ``ready`` not a fence, a slot id
+            that is not an int. Nothing changed.
+        :raises linear_state.SlotMisuse: ``state_slot`` is free, or is a tree snapshot (a snapshot
+            is never a donor). Nothing changed.
         :raises linear_state.PoolExhausted: no free slot for the clone (evict snapshots first).
             Nothing changed.
         """
@@ -399,11 +468,19 @@ class HybridRadixCache:
         kvn = kv.numpy() if kv.is_cpu else None
         if ready is not None and state_slot is None:
             raise ValueError("ready was given without a state_slot to donate")
+        if ready is not None and not isinstance(ready, Fence):
+            raise TypeError(f"ready must be a Fence, got {type(ready).__name__}")
+        if state_slot is not None:
+            donor = self.pool.owner_of(state_slot)  # validates the id
+            if donor is None:
+                raise SlotMisuse("donation of a free slot", slot=int(state_slot), owner=None, actor=None)
+            if isinstance(donor, NodeOwner):
+                raise SlotMisuse("a tree snapshot cannot be a donor", slot=int(state_slot), owner=donor, actor=None)
         end = self._cut(kb)
-        root = self._roots.get(namespace)
+        root = self._roots.get(_hashable(namespace))
         fresh_root = root is None
         if root is None:  # registered only once something is stored
-            root = TreeNode(0, b"", _EMPTY_KV, None, 0)
+            root = TreeNode(self._id_base, b"", _EMPTY_KV, None, 0, self)
         pb = self._page_bytes
         # Phase 1, read only: find where the key leaves the tree.
         node, pos = root, 0
@@ -456,7 +533,7 @@ class HybridRadixCache:
             # rewrites for other requests later.
             own = None if kvn is None else kvn[prefix_len:stop].copy()
             value = kv[prefix_len:stop].clone() if own is None else torch.from_numpy(own)
-            leaf = TreeNode(self._next_id, kb[pos:end], value, node, stop)
+            leaf = TreeNode(self._next_id, kb[pos:end], value, node, stop, self)
             leaf.value_np = own
             self._next_id += 1
             node.children[leaf.key[:pb]] = leaf
@@ -528,7 +605,9 @@ class HybridRadixCache:
         parent = child.parent
         assert parent is not None
         k = at // TOKEN_BYTES
-        upper = TreeNode(self._next_id, child.key[:at], child.value[:k], parent, child.depth - child.num_tokens + k)
+        upper = TreeNode(
+            self._next_id, child.key[:at], child.value[:k], parent, child.depth - child.num_tokens + k, self
+        )
         self._next_id += 1
         upper.kv_lock = child.kv_lock
         upper.last_access = child.last_access
@@ -554,8 +633,10 @@ class HybridRadixCache:
         pass must be ordered after it.
 
         :raises ValueError: ``node`` holds no snapshot.
+        :raises ForeignObjectError: ``node`` is another cache's (its snapshot is not in this pool).
         :raises linear_state.SlotMisuse: ``dst_slot`` is not writable (or not ``dst_owner``'s).
         """
+        self._own(node)
         if node.snapshot is None:
             raise ValueError(f"node {node.id} at depth {node.depth} holds no snapshot to restore")
         return self.pool.copy(
@@ -573,7 +654,9 @@ class HybridRadixCache:
         Locks nest (a counter). O(depth in nodes).
 
         :raises ValueError: ``node`` was removed, or holds no snapshot (only a hit point is locked).
+        :raises ForeignObjectError: ``node`` is another cache's.
         """
+        self._own(node)
         if node.parent is None and node.depth > 0:
             raise ValueError(f"node {node.id} was evicted; it cannot be locked")
         if node.snapshot is None and node.depth > 0:
@@ -593,7 +676,9 @@ class HybridRadixCache:
         """Undo one :meth:`lock` of ``node``. O(depth in nodes).
 
         :raises RuntimeError: ``node`` is not locked (a caller bug: unlock without lock).
+        :raises ForeignObjectError: ``node`` is another cache's.
         """
+        self._own(node)
         if node.snap_lock <= 0:
             raise RuntimeError(f"unlock of node {node.id} at depth {node.depth}, which holds no lock")
         node.snap_lock -= 1
@@ -620,8 +705,11 @@ class HybridRadixCache:
         as a tombstone holding its KV. Freed KV goes to ``on_free_kv``; snapshot slots go back to the
         pool after their clone fence. O(log n) amortised per evicted node; never scans the tree.
 
-        :raises ValueError: a negative amount.
+        :raises ValueError: a negative amount. :raises TypeError: an amount that is not an int.
         """
+        for name, v in (("kv_tokens", kv_tokens), ("snapshots", snapshots)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise TypeError(f"evict {name} must be an int, got {v!r}")
         if kv_tokens < 0 or snapshots < 0:
             raise ValueError(f"evict amounts must be >= 0, got kv_tokens={kv_tokens}, snapshots={snapshots}")
         freed_kv = freed_snaps = removed = 0
@@ -655,7 +743,9 @@ class HybridRadixCache:
 
         :raises ValueError: ``node`` was removed or holds no snapshot.
         :raises RuntimeError: ``node`` is locked.
+        :raises ForeignObjectError: ``node`` is another cache's.
         """
+        self._own(node)
         if node.parent is None or node.snapshot is None:
             raise ValueError(f"node {node.id} holds no snapshot to evict")
         if node.snap_lock:
@@ -748,11 +838,13 @@ class HybridRadixCache:
         """The tree's bookkeeping beyond its nodes (roots, counters, recency clock, eviction
         heaps) as plain objects, for digests and debugging. Reads only."""
         return {
-            "roots": {ns: (r.id, r.kv_lock, r.snap_lock, sorted(r.children)) for ns, r in self._roots.items()},
-            "next_id": self._next_id,
+            "roots": {
+                ns: (r.id - self._id_base, r.kv_lock, r.snap_lock, sorted(r.children)) for ns, r in self._roots.items()
+            },
+            "next_id": self._next_id - self._id_base,
             "tick": self._tick,
-            "kv_heap": sorted((e[0], e[1], e[2].id) for e in self._kv_heap),
-            "snap_heap": sorted((e[0], e[1], e[2].id) for e in self._snap_heap),
+            "kv_heap": sorted((e[0], e[1], e[2]) for e in self._kv_heap),
+            "snap_heap": sorted((e[0], e[1], e[2]) for e in self._snap_heap),
             "counters": (
                 self._num_nodes,
                 self._num_snapshots,

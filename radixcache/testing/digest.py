@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from linear_state import Fence
+from linear_state import Fence, NodeOwner
 
 from ..core.lazy_heap import LazyHeap
 from ..core.manager import CacheManager
@@ -39,8 +39,8 @@ def canonical(obj: Any, _seen: set[int] | None = None) -> Any:
         return obj
     if isinstance(obj, enum.Enum):
         return ("enum", obj.value)
-    if isinstance(obj, TreeNode):
-        return ("node", obj.id)
+    if isinstance(obj, TreeNode):  # ids relative to the cache's base: two caches compare alike
+        return ("node", obj.id - (obj.cache.id_base if obj.cache is not None else 0))
     if isinstance(obj, Fence):
         return ("fence", obj.is_complete())
     if isinstance(obj, torch.Tensor):
@@ -85,10 +85,11 @@ def canonical(obj: Any, _seen: set[int] | None = None) -> Any:
 
 
 def _tree(cache: HybridRadixCache) -> Any:
+    base = cache.id_base
     nodes = sorted(cache.iter_nodes(), key=lambda n: n.id)
     rows = tuple(
         (
-            n.id,
+            n.id - base,
             n.depth,
             n.key,
             tuple(n.value.tolist()),
@@ -96,7 +97,7 @@ def _tree(cache: HybridRadixCache) -> Any:
             n.kv_lock,
             n.snap_lock,
             n.last_access,
-            None if n.parent is None else n.parent.id,
+            None if n.parent is None else n.parent.id - base,
             n.snapshot_fence.is_complete(),
         )
         for n in nodes
@@ -111,21 +112,26 @@ def _tree(cache: HybridRadixCache) -> Any:
     return rows, counters, canonical(cache.describe())
 
 
-def state_digest(manager: CacheManager, *, metrics: bool = True) -> str:
+def state_digest(manager: CacheManager, *, metrics: bool = True, policy: bool = True) -> str:
     """A hex digest of the manager's whole state (see the module docstring); ``metrics=False``
-    leaves its counters out (a refused admission counts a refusal and changes nothing else).
+    leaves its counters out (a refused admission counts a refusal and changes nothing else);
+    ``policy=False`` leaves the policy out (to compare two caches: node ids differ between caches,
+    and a policy may key its state by them; the tree's and manager's parts are taken relative to
+    the cache's id base).
     Fingerprinting a slot first waits the pool's own pending work on it (a queued clone runs), so
     take digests once the device work of the steps before has landed."""
-    pool = manager.pool
-    slots = tuple(
-        (s, str(pool.owner_of(s)), pool.last_use(s).is_complete(), int(pool.fingerprint(s)))
-        for s in range(pool.capacity)
-    )
+    pool, base = manager.pool, manager.cache.id_base
+
+    def owner(s: int) -> object:
+        o = pool.owner_of(s)
+        return ("node", o.node_id - base) if isinstance(o, NodeOwner) else str(o)
+
+    slots = tuple((s, owner(s), pool.last_use(s).is_complete(), int(pool.fingerprint(s))) for s in range(pool.capacity))
     parts = (
         slots,
         pool.num_free,
         _tree(manager.cache),
         canonical({k: v for k, v in manager.describe().items() if metrics or k != "counters"}),
-        canonical(manager.policy.describe()),
+        canonical(manager.policy.describe()) if policy else None,
     )
     return hashlib.blake2b(repr(parts).encode(), digest_size=16).hexdigest()
