@@ -11,12 +11,25 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 
 from .policies import DEFAULT_POLICY, POLICIES
-from .testing.inject import BUGS, FUZZ_BUGS
+from .testing.inject import BUGS, FUZZ_BUGS, MISUSE_BUGS
 
 __all__ = ["main"]
 
 _PRESETS = ["qwen3-next-80b", "nemotron-h-8b"]
 _SHAPES = ["chat", "agentic", "fanout", "edge"]
+
+
+def _print_failures(exc: BaseException) -> None:
+    """Print each failure hypothesis found with its shrunk program (attached as notes); with more
+    than one distinct failure they come inside an exception group, each with its own program."""
+    subs = getattr(exc, "exceptions", None)
+    if subs:
+        for i, sub in enumerate(subs, 1):
+            print(f"--- failure {i} of {len(subs)}: {type(sub).__name__}: {sub}")
+            _print_failures(sub)
+        return
+    for note in getattr(exc, "__notes__", []):
+        print(note)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -91,9 +104,27 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
         )
     except Exception as exc:
         close()
-        # hypothesis attaches the shrunk failing program (each rule call, in order) as notes
-        for note in getattr(exc, "__notes__", []):
-            print(note)
+        _print_failures(exc)
+        print(f"FAIL after {time.perf_counter() - t0:.1f} s: {type(exc).__name__}: {exc}")
+        return 1
+    close()
+    print(f"PASS: {args.examples} examples, seed {args.seed}, {time.perf_counter() - t0:.1f} s, nothing found")
+    return 0
+
+
+def cmd_misuse(args: argparse.Namespace) -> int:
+    """Run the misuse machine: wrong calls between valid steps; each must raise a typed error and
+    change nothing."""
+    from .progress import progress_callback
+    from .testing.misuse import run_misuse
+
+    update, close = progress_callback(args.examples, "misuse")
+    t0 = time.perf_counter()
+    try:
+        run_misuse(args.examples, args.seed, inject=args.inject, progress=update, stateful_step_count=args.steps)
+    except Exception as exc:
+        close()
+        _print_failures(exc)
         print(f"FAIL after {time.perf_counter() - t0:.1f} s: {type(exc).__name__}: {exc}")
         return 1
     close()
@@ -186,6 +217,16 @@ def _parser() -> argparse.ArgumentParser:
     fuzz.add_argument("--steps", type=int, default=50, help="rules per example")
     fuzz.add_argument(
         "--inject", choices=list(FUZZ_BUGS), default=None, help="commit a bug on purpose; the machine must find it"
+    )
+    mu = add("misuse", cmd_misuse, "interleave wrong calls with valid steps: typed errors, nothing changed")
+    mu.add_argument("--examples", type=int, default=1000)
+    mu.add_argument("--seed", type=int, default=0)
+    mu.add_argument("--steps", type=int, default=30, help="rules per example")
+    mu.add_argument(
+        "--inject",
+        choices=list(MISUSE_BUGS),
+        default=None,
+        help="commit an edge bug on purpose; the machine must find it",
     )
     bt = add("bench-trace", cmd_bench_trace, "replay a trace under policies and budgets, side by side (JSON)")
     bt.add_argument("trace", help="a JSONL trace, or a shape: " + ", ".join(_SHAPES))

@@ -51,15 +51,21 @@ def run_demo(echo: Callable[[str], None] = print) -> bool:
     produced = forward.submit(forward_pass, label="A prefill")
     status(f"A's prefill queued on the forward stream ({forward.pending} pending)")
 
+    produced_sum = float(layout.num_layers * torch.Size(layout.recurrent_shape).numel())  # all ones
     stale = pool.clone(live, NodeOwner(0))
     stale_sum = float(pool.read(stale.slot)[1].sum())
-    echo(f"  hazard: a clone NOT ordered after the fence reads sum={stale_sum} (stale)")
+    # The label says what the clone actually read: the state before the producer (zeros), after
+    # it (all ones: the hazard did not show), or neither.
+    label = {0.0: "stale: the producer had not run", produced_sum: "fresh: the hazard did not show"}
+    echo(f"  hazard: a clone NOT ordered after the fence reads sum={stale_sum} ({label.get(stale_sum, 'garbage')})")
+    ok &= stale_sum == 0.0  # on a deferred stream the producer cannot have run: the hazard must show
     pool.free(stale.slot, NodeOwner(0))
 
     snap = pool.clone(live, tree, after=[produced])
     donated_fp = pool.fingerprint(snap.slot)
     snap_sum = float(pool.read(snap.slot)[1].sum())
-    ok &= snap_sum == float(layout.num_layers * torch.Size(layout.recurrent_shape).numel())
+    echo(f"  the clone ordered after the fence reads sum={snap_sum} (expected {produced_sum})")
+    ok &= snap_sum == produced_sum
     status(f"donate: clone of slot {live} after the fence -> slot {snap.slot} (sum={snap_sum})")
 
     try:

@@ -53,3 +53,10 @@ def test_kv_allocator_refuses_double_free() -> None:
 def test_unknown_inject_mode() -> None:
     with pytest.raises(ValueError, match="unknown inject mode"):
         ReferenceEngine(MODEL, inject="typo")
+
+
+def test_a_hammer_without_ground_truth_says_so_and_never_passes() -> None:
+    rep = run_hammer(HammerConfig(requests=6, concurrency=3, seed=1, ground_truth=False), model=MODEL)
+    text = format_report(rep)
+    assert not rep.checked and not rep.ok
+    assert "NOT CHECKED" in text and "PASS" not in text and "not checked (no ground truth)" in text

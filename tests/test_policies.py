@@ -86,7 +86,14 @@ def test_policy_captures() -> None:
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_replay_respects_the_budget_and_conserves(policy: str) -> None:
     budget = 2 * GiB
-    res = replay(generate("edge")[:90], make_policy(policy), Q, budget)
+    seen: list[int] = []
+
+    def held(i: int, nbytes: int) -> None:
+        assert nbytes <= budget, f"request {i}: the tree holds {nbytes} bytes over a budget of {budget}"
+        seen.append(nbytes)
+
+    res = replay(generate("edge")[:90], make_policy(policy), Q, budget, on_step=held)
+    assert len(seen) >= 2 * res.requests and max(seen) > budget // 2, "the budget was never under pressure"
     assert res.requests == 90 and 0 <= res.hit_tokens <= res.prompt_tokens
     assert 0.0 <= res.token_hit_rate <= 1.0 and 0.0 <= res.flops_saved_fraction <= 1.0
     assert res.snapshots_donated > 0

@@ -128,15 +128,31 @@ def test_cuda_stream_requires_cuda() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_cuda_stream_orders_clone_after_event() -> None:  # pragma: no cover - GPU only
+    """A producer long enough (tens of ms of matmuls before its write) that a clone NOT ordered
+    after its event observably reads the stale state; the ordered clone reads the new one. If the
+    fence were ignored, the ordered clone would read stale too and the test would fail."""
     layout = StateLayout(2, (64, 3), (8, 64, 64))
     pool = LinearStatePool(layout, 4, "cuda")
     fwd, copies = CudaStream(), CudaStream()
     req = RequestOwner("r")
     live = pool.alloc(req)
-    produced = fwd.submit(lambda: pool.recurrent[:, live].fill_(2.0))
-    snap = pool.clone(live, NodeOwner(1), stream=copies, after=[produced])
-    snap.fence.wait()
-    assert torch.all(pool.read(snap.slot)[1] == 2)
+    pool.zero(live, owner=req).wait()
+    big = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()  # the set-up ran on the default stream
+
+    def produce() -> None:
+        x = big
+        for _ in range(24):  # ~tens of ms on any current GPU, all before the write
+            x = torch.tanh(x @ big)
+        pool.recurrent[:, live].copy_(torch.full_like(pool.recurrent[:, live], 2.0) + 0.0 * x.mean())
+
+    produced = fwd.submit(produce)
+    unordered = pool.clone(live, NodeOwner(1), stream=copies)  # the hazard: no fence
+    ordered = pool.clone(live, NodeOwner(2), stream=copies, after=[produced])
+    ordered.fence.wait()
+    unordered.fence.wait()
+    assert torch.all(pool.read(unordered.slot)[1] == 0), "the producer was too short to tell ordered from not"
+    assert torch.all(pool.read(ordered.slot)[1] == 2), "the clone ordered after the event read a stale state"
 
 
 def test_run_ready_stops_at_the_first_blocked_item() -> None:

@@ -27,4 +27,6 @@ def test_cli_stress_prints_json(capsys: pytest.CaptureFixture[str]) -> None:
 def test_cli_demo_passes(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo"]) == 0
     out = capsys.readouterr().out
-    assert "stale" in out and "all checks held" in out and "conserved=False" not in out
+    assert "reads sum=0.0 (stale: the producer had not run)" in out, out
+    assert "all checks held" in out and "conserved=False" not in out
+    assert "ordered after the fence reads sum=512.0 (expected 512.0)" in out

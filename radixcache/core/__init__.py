@@ -1,6 +1,13 @@
 """The core: cache keys, the radix tree, the manager a host scheduler calls, multimodal ids."""
 
-from .errors import ConcurrentUseError, ForeignObjectError, ProtocolError, RadixCacheError, UnknownRequest
+from .errors import (
+    ConcurrentUseError,
+    ForeignObjectError,
+    LockError,
+    ProtocolError,
+    RadixCacheError,
+    UnknownRequest,
+)
 from .keys import IMAGE_ID_BASE, MAX_ID, KeyLike, key_bytes
 from .lazy_heap import LazyHeap
 from .manager import (
@@ -35,6 +42,7 @@ __all__ = [
     "HybridRadixCache",
     "InsertResult",
     "KeyLike",
+    "LockError",
     "LazyHeap",
     "MMWindow",
     "ManagerMetrics",

@@ -7,7 +7,14 @@ written against the builtin types keeps working.
 
 from __future__ import annotations
 
-__all__ = ["ConcurrentUseError", "ForeignObjectError", "ProtocolError", "RadixCacheError", "UnknownRequest"]
+__all__ = [
+    "ConcurrentUseError",
+    "ForeignObjectError",
+    "LockError",
+    "ProtocolError",
+    "RadixCacheError",
+    "UnknownRequest",
+]
 
 
 class RadixCacheError(Exception):
@@ -35,3 +42,8 @@ class ConcurrentUseError(RadixCacheError, RuntimeError):
 class ForeignObjectError(RadixCacheError, ValueError):
     """A node, plan or result made by another cache or manager was passed to this one. Acting on
     it would copy another pool's slot or corrupt this tree's counters, so it is refused."""
+
+
+class LockError(RadixCacheError, RuntimeError):
+    """A lock used against its rule: an unlock without a lock, the eviction of a locked snapshot,
+    a reset while requests still hold locks."""

@@ -38,7 +38,7 @@ from linear_state import (
     Stream,
 )
 
-from .errors import ForeignObjectError
+from .errors import ForeignObjectError, LockError
 from .keys import TOKEN_BYTES, KeyLike, key_bytes
 from .lazy_heap import LazyHeap
 
@@ -675,12 +675,13 @@ class HybridRadixCache:
     def unlock(self, node: TreeNode) -> None:
         """Undo one :meth:`lock` of ``node``. O(depth in nodes).
 
-        :raises RuntimeError: ``node`` is not locked (a caller bug: unlock without lock).
+        :raises LockError: ``node`` is not locked (a caller bug: unlock without lock; a
+            ``RuntimeError``).
         :raises ForeignObjectError: ``node`` is another cache's.
         """
         self._own(node)
         if node.snap_lock <= 0:
-            raise RuntimeError(f"unlock of node {node.id} at depth {node.depth}, which holds no lock")
+            raise LockError(f"unlock of node {node.id} at depth {node.depth}, which holds no lock")
         node.snap_lock -= 1
         if node.snap_lock == 0 and node.snapshot is not None:
             self._protected_snapshots -= 1
@@ -742,14 +743,14 @@ class HybridRadixCache:
         O(log n) amortised.
 
         :raises ValueError: ``node`` was removed or holds no snapshot.
-        :raises RuntimeError: ``node`` is locked.
+        :raises LockError: ``node`` is locked (a ``RuntimeError``).
         :raises ForeignObjectError: ``node`` is another cache's.
         """
         self._own(node)
         if node.parent is None or node.snapshot is None:
             raise ValueError(f"node {node.id} holds no snapshot to evict")
         if node.snap_lock:
-            raise RuntimeError(f"node {node.id} is locked; its snapshot cannot be evicted")
+            raise LockError(f"node {node.id} is locked; its snapshot cannot be evicted")
         if node.children:
             self._free_snapshot(node)
             return EvictResult(0, 1, 0)
@@ -815,10 +816,11 @@ class HybridRadixCache:
     def reset(self) -> None:
         """Drop every node: KV to ``on_free_kv``, snapshot slots back to the pool.
 
-        :raises RuntimeError: some node is locked (a request still uses the tree); nothing changed.
+        :raises LockError: some node is locked (a request still uses the tree; a ``RuntimeError``);
+            nothing changed.
         """
         if self._protected_kv or self._protected_snapshots or any(r.kv_lock for r in self._roots.values()):
-            raise RuntimeError(
+            raise LockError(
                 f"reset while locked: {self._protected_kv} KV tokens, {self._protected_snapshots} snapshots protected"
             )
         for root in self._roots.values():

@@ -124,6 +124,7 @@ def replay(
     *,
     chunk: int = 2048,
     progress: Callable[[int], None] | None = None,
+    on_step: Callable[[int, int], None] | None = None,
 ) -> ReplayResult:
     """Replay ``trace`` (in timestamp order, one request at a time) through a
     :class:`~radixcache.CacheManager` with ``policy`` inside, under ``budget_bytes`` of cache
@@ -131,6 +132,8 @@ def replay(
     commit per prefill chunk, one decode window for the answer, finish, and
     :meth:`~radixcache.CacheManager.evict` whenever the bytes held pass the budget.
 
+    :param on_step: called after every window and every finish, once the budget was enforced, with
+        the request's index and the bytes the tree holds (KV plus snapshots).
     :raises ValueError: a budget smaller than one snapshot. :raises TypeError: a budget that is not a
         number (a float is rounded down to whole bytes).
     """
@@ -151,8 +154,11 @@ def replay(
     next_kv = 0
     t0 = time.perf_counter()
 
-    def enforce(now: float) -> None:
-        while cache.total_kv_tokens * kvb + cache.num_snapshots * sb > budget:
+    def held() -> int:
+        return cache.total_kv_tokens * kvb + cache.num_snapshots * sb
+
+    def enforce(now: float, i: int) -> None:
+        while held() > budget:
             before = cache.num_nodes
             t = time.perf_counter()
             out = mgr.evict(snapshots=1, now=now)
@@ -160,6 +166,8 @@ def replay(
             res.evicted_nodes += max(1, before - cache.num_nodes)
             if not out.snapshots:
                 break
+        if on_step is not None:
+            on_step(i, held())
 
     for i, rec in enumerate(sorted(trace, key=lambda r: r.ts)):
         ids = rec.input_tokens
@@ -172,15 +180,15 @@ def replay(
             plan = mgr.plan_prefill(i, end)
             mgr.commit(plan, None, kv_indices=torch.arange(next_kv, next_kv + end - start), now=rec.ts)
             next_kv += end - start
-            enforce(rec.ts)
+            enforce(rec.ts, i)
         out = rec.output_tokens
         if len(out) > 1:  # the last answer token is sampled, never fed
             plan = mgr.plan_decode(i, out[:-1])
             mgr.commit(plan, None, kv_indices=torch.arange(next_kv, next_kv + len(out) - 1), now=rec.ts)
             next_kv += len(out) - 1
-            enforce(rec.ts)
+            enforce(rec.ts, i)
         mgr.finish(i, None, now=rec.ts)
-        enforce(rec.ts)
+        enforce(rec.ts, i)
         res.requests += 1
         res.prompt_tokens += n
         res.hit_tokens += adm.cached_length

@@ -4,6 +4,8 @@
   ``hammer``);
 - the fuzzing kit: hypothesis strategies, the host-adapter protocol with our default adapter, the
   state machine and a seeded runner (``strategies``, ``adapter``, ``fuzz``);
+- the misuse fuzzer: wrong calls between valid steps, each refused with nothing changed
+  (``misuse``), and the state digest it compares (``digest``);
 - the historical bugs to inject (``inject``).
 
 Names are imported on first use, so ``import radixcache.testing`` needs neither hypothesis nor
@@ -41,6 +43,11 @@ _EXPORTS = {
     "Lifecycle": "strategies",
     "BUGS": "inject",
     "FUZZ_BUGS": "inject",
+    "MISUSE_BUGS": "inject",
+    "MisuseMachine": "misuse",
+    "make_misuse_machine": "misuse",
+    "run_misuse": "misuse",
+    "state_digest": "digest",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -111,6 +111,7 @@ class ManagerAdapter:
         self.reqs: dict[int, _Req] = {}
         self.kv_next = 0
         self.kv_free: set[int] = set()
+        self.last_plan: WindowPlan | None = None  # the last window committed (the misuse fuzzer's stale plan)
 
     @classmethod
     def build(
@@ -166,6 +167,7 @@ class ManagerAdapter:
         r.last = self.forward.submit(work, after=after, label=label)
         r.done = plan.end
         res = self.manager.commit(plan, r.last, kv_indices=torch.tensor(kv, dtype=torch.int64))
+        self.last_plan = plan
         r.kv = self.manager.kv_indices(plan.rid).tolist() if res.spliced else r.kv + kv
         self.free_kv(res.free_kv)  # reused only by work ordered after res.free_after
 

@@ -118,14 +118,19 @@ def state_digest(manager: CacheManager, *, metrics: bool = True, policy: bool = 
     ``policy=False`` leaves the policy out (to compare two caches: node ids differ between caches,
     and a policy may key its state by them; the tree's and manager's parts are taken relative to
     the cache's id base).
-    Fingerprinting a slot first waits the pool's own pending work on it (a queued clone runs), so
-    take digests once the device work of the steps before has landed."""
+    The pool's own pending work is waited first (queued clones and restores run, with the forwards
+    they are ordered after), so a digest taken right before a call and one right after it agree
+    unless the call changed something."""
     pool, base = manager.pool, manager.cache.id_base
 
     def owner(s: int) -> object:
         o = pool.owner_of(s)
         return ("node", o.node_id - base) if isinstance(o, NodeOwner) else str(o)
 
+    # Settle first: waiting one slot's pending clone can run a forward that writes another slot, so
+    # every fence is waited before any slot is read (two digests in a row then agree).
+    for s in range(pool.capacity):
+        pool.last_use(s).wait()
     slots = tuple((s, owner(s), pool.last_use(s).is_complete(), int(pool.fingerprint(s))) for s in range(pool.capacity))
     parts = (
         slots,

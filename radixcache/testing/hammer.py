@@ -73,6 +73,7 @@ class HammerReport:
     forensics: str | None = None
     policy: str = "hit-density"
     page_size: int = 1
+    checked: bool = True  # False: served without ground truth; no answer was compared
     metrics: dict[str, object] = field(default_factory=dict)  # the manager's counters at the end
     wrong_examples: list[str] = field(default_factory=list)
 
@@ -88,9 +89,11 @@ class HammerReport:
 
     @property
     def ok(self) -> bool:
-        """No wrong answer, no cross-talk, no leak."""
+        """Answers were compared with the cold run, and: no wrong answer, no cross-talk, no leak.
+        False when nothing was checked (``ground_truth=False``)."""
         return (
-            self.wrong_answers == 0
+            self.checked
+            and self.wrong_answers == 0
             and self.cross_talk == 0
             and self.slots_leaked == 0
             and self.kv_leaked == 0
@@ -273,6 +276,7 @@ def run_hammer(
         forensics=cfg.forensics,
         policy=cfg.policy,
         page_size=cfg.page_size,
+        checked=cfg.ground_truth,
         metrics=metrics,
         wrong_examples=examples,
     )
@@ -302,7 +306,9 @@ def format_report(rep: HammerReport) -> str:
         (
             "wrong answers",
             f"{rep.wrong_answers} (tokens differ: {rep.wrong_answers - rep.logit_mismatches}, "
-            f"only first-token logits off by > tol: {rep.logit_mismatches})",
+            f"only first-token logits off by > tol: {rep.logit_mismatches})"
+            if rep.checked
+            else "not checked (no ground truth)",
         ),
         ("cross-talk (another prompt's answer)", str(rep.cross_talk)),
         ("slots leaked", str(rep.slots_leaked)),
@@ -321,7 +327,10 @@ def format_report(rep: HammerReport) -> str:
     ]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
-    lines.append("RESULT: " + ("PASS" if rep.ok else "FAIL"))
+    if not rep.checked:
+        lines.append("RESULT: NOT CHECKED (served without ground truth: no answer was compared)")
+    else:
+        lines.append("RESULT: " + ("PASS" if rep.ok else "FAIL"))
     lines += [f"  {e}" for e in rep.wrong_examples]
     return "\n".join(lines)
 

@@ -22,23 +22,34 @@ snapshot-off-by-page   a captured state is donated one page shallower than where
 double-free-swallowed  track slots are freed twice and the pool swallows it, putting them on the
                        free list twice.
 =====================  ========================================================================
+
+The misuse fuzzer adds bugs of the edges (:data:`MISUSE_BUGS`):
+
+=========================  ====================================================================
+validates-after-mutating   commit counts the window's tokens before it checks the window's KV
+                           indices: a refused commit leaves the request claiming tokens it has
+                           no KV for.
+accepts-foreign-node       the tree takes any node, whichever cache made it: a foreign node is
+                           locked, unlocked, evicted or restored from this cache's pool.
+=========================  ====================================================================
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 
+import numpy as np
 import torch
 
 from linear_state import COMPLETE, Fence, LinearStatePool, NodeOwner, Owner, SlotId, SlotWrite, StateLayout, Stream
 
 from ..core.keys import KeyLike
-from ..core.manager import Admission, CacheManager, Refusal, _Request
+from ..core.manager import Admission, CacheManager, Refusal, WindowPlan, WindowResult, _Request
 from ..core.tree import HybridRadixCache, TreeNode
 from ..policies import FixedPoints, Policy
 from ..policies.base import DonationReason
 
-__all__ = ["BUGS", "FUZZ_BUGS", "make_cache", "make_fuzz_stack"]
+__all__ = ["BUGS", "FUZZ_BUGS", "MISUSE_BUGS", "make_cache", "make_fuzz_stack"]
 
 
 def _raw_restore(tree: HybridRadixCache, node: TreeNode, dst_slot: int, ordered: bool) -> Fence:
@@ -180,6 +191,29 @@ class _DoubleFreeManager(CacheManager):
         return n
 
 
+class _ValidateLateManager(CacheManager):
+    def _commit(
+        self,
+        plan: WindowPlan,
+        ready: Fence | None,
+        kv_indices: torch.Tensor | np.ndarray | Sequence[int],
+        now: float | None,
+    ) -> WindowResult:
+        rec = self._requests.get(plan.rid) if type(plan) is WindowPlan else None
+        if rec is not None and rec.plan is plan:
+            rec.done = plan.end  # BUG: counted before the KV indices are checked
+        return super()._commit(plan, ready, kv_indices, now)
+
+
+class _ForeignNodeTree(HybridRadixCache):
+    def _own(self, node: object) -> TreeNode:
+        if not isinstance(node, TreeNode):
+            raise TypeError(f"expected a TreeNode, got {type(node).__name__}")
+        return node  # BUG: whichever cache made it
+
+
+MISUSE_BUGS: tuple[str, ...] = ("validates-after-mutating", "accepts-foreign-node")
+
 FUZZ_BUGS: tuple[str, ...] = (
     "alias",
     "no-donate-fence",
@@ -194,6 +228,7 @@ _MANAGERS: dict[str, type[CacheManager]] = {
     "unlock-before-restore": _UnlockBeforeRestoreManager,
     "snapshot-off-by-page": _OffByPageManager,
     "double-free-swallowed": _DoubleFreeManager,
+    "validates-after-mutating": _ValidateLateManager,
 }
 
 
@@ -215,12 +250,15 @@ def make_fuzz_stack(
 
     :raises ValueError: unknown bug name.
     """
-    if inject is not None and inject not in FUZZ_BUGS:
-        raise ValueError(f"unknown fuzz bug {inject!r}; known: {list(FUZZ_BUGS)}")
+    if inject is not None and inject not in FUZZ_BUGS + MISUSE_BUGS:
+        raise ValueError(f"unknown fuzz bug {inject!r}; known: {list(FUZZ_BUGS + MISUSE_BUGS)}")
     pool_cls = _SwallowingPool if inject == "double-free-swallowed" else LinearStatePool
     pool = pool_cls(layout, slots)
-    tree = make_cache(
-        inject if inject in BUGS else None, pool, page_size=page_size, on_free_kv=on_free_kv, stream=stream
-    )
+    if inject == "accepts-foreign-node":
+        tree: HybridRadixCache = _ForeignNodeTree(pool, page_size=page_size, on_free_kv=on_free_kv, stream=stream)
+    else:
+        tree = make_cache(
+            inject if inject in BUGS else None, pool, page_size=page_size, on_free_kv=on_free_kv, stream=stream
+        )
     manager_cls = _MANAGERS.get(inject or "", CacheManager)
     return manager_cls(tree, policy if policy is not None else FixedPoints(track_align), track_slots=track_slots)

@@ -1,0 +1,293 @@
+"""A misuse fuzzer: a hypothesis state machine that interleaves a host's valid steps with calls
+carrying wrong types, wrong values, objects of another cache or manager, and lifecycle steps out
+of order, against the public API of the pool, the tree and the manager.
+
+After every misuse call it asserts that the call raised a typed error (radixcache's own, a
+``TypeError``, ``ValueError``, ``KeyError``, ``IndexError`` or a pool error; never an
+``AttributeError`` or a silent success), that a digest of pool, tree, manager and policy (owners,
+slot fingerprints, nodes, locks, recency, counters, requests, the policy's fields; see
+:mod:`radixcache.testing.digest`) is exactly what it was before the call, and that
+``check_invariants()`` holds. The valid steps are the host machine's (:mod:`.fuzz`), so the
+ground truth keeps being checked in between.
+
+Run it with :func:`run_misuse` (``radixcache misuse``) or as a test:
+``TestMisuse = make_misuse_machine(factory).TestCase``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import seed as hyp_seed
+from hypothesis import strategies as st
+from hypothesis.stateful import precondition, rule, run_state_machine_as_test
+
+from linear_state import COMPLETE, LinearStatePool, NodeOwner, PoolError, RequestOwner
+
+from ..core.errors import RadixCacheError
+from ..core.manager import CacheManager, WindowPlan
+from ..core.tree import HybridRadixCache, TreeNode
+from .adapter import FUZZ_LAYOUT, ManagerAdapter
+from .digest import state_digest
+from .fuzz import HostMachine
+
+__all__ = ["MISUSE_ERRORS", "Misuse", "MisuseMachine", "make_misuse_machine", "run_misuse"]
+
+MISUSE_ERRORS: tuple[type[BaseException], ...] = (
+    RadixCacheError,
+    PoolError,
+    TypeError,
+    ValueError,
+    KeyError,
+    IndexError,
+)
+"""What a refused call may raise: typed errors that name the cause."""
+
+
+def _wrong(value: object) -> Any:
+    """A deliberately wrong argument (typed ``Any`` so the call type-checks)."""
+    return value
+
+
+@dataclass(frozen=True)
+class Misuse:
+    """One wrong call: what it is, and the call itself."""
+
+    label: str
+    call: Callable[[], object]
+
+
+class _Foreign:
+    """Another pool, tree and manager, with one snapshot and one open plan: the source of foreign
+    objects."""
+
+    def __init__(self) -> None:
+        pool = LinearStatePool(FUZZ_LAYOUT, 8)
+        self.cache = HybridRadixCache(pool)
+        self.manager = CacheManager(self.cache, track_slots=1)
+        adm = self.manager.admit(0, [1, 2, 3, 4, 5])
+        assert adm.admitted
+        self.plan = self.manager.plan_prefill(0, 5)
+        donor = pool.alloc(RequestOwner("foreign donor"))
+        self.node = self.cache.insert([1, 2, 3], torch.arange(3), state_slot=donor).node
+
+
+class MisuseMachine(HostMachine):
+    """The host machine plus a ``misuse`` rule (see the module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._foreign: _Foreign | None = None
+        self.misuses = 0
+
+    @property
+    def foreign(self) -> _Foreign:
+        if self._foreign is None:
+            self._foreign = _Foreign()
+        return self._foreign
+
+    def catalogue(self, data: st.DataObject) -> list[Misuse]:
+        """The wrong calls that apply in the current state."""
+        mgr = self.host.manager
+        cache, pool = mgr.cache, mgr.pool
+        fresh = self.next_rid + 10_000
+        bad_keys: list[object] = [{1, 2}, None, 7, "ab", [True, False], [1.5, 2.0], [1, -3], np.array([0.5]), []]
+        out = [
+            Misuse(
+                "admit: bad key", lambda: mgr.admit(fresh, _wrong(data.draw(st.sampled_from(bad_keys), label="key")))
+            ),
+            Misuse("admit: unhashable rid", lambda: mgr.admit(_wrong([fresh]), [1, 2])),
+            Misuse("admit: unhashable namespace", lambda: mgr.admit(fresh, [1, 2], namespace=_wrong({"lora": 1}))),
+            Misuse("admit: now is not a number", lambda: mgr.admit(fresh, [1, 2], now=_wrong("soon"))),
+            Misuse(
+                "can_admit: bad key", lambda: mgr.can_admit(_wrong(data.draw(st.sampled_from(bad_keys), label="key")))
+            ),
+            Misuse("plan_prefill: unknown rid", lambda: mgr.plan_prefill(fresh, 3)),
+            Misuse("plan_decode: unknown rid", lambda: mgr.plan_decode(fresh, [1])),
+            Misuse("plan_decode_batch: unknown rid", lambda: mgr.plan_decode_batch([fresh], [1])),
+            Misuse("commit: not a plan", lambda: mgr.commit(_wrong((fresh, 0, 4)), None, kv_indices=[0, 1, 2, 3])),
+            Misuse(
+                "commit: another manager's plan", lambda: mgr.commit(self.foreign.plan, None, kv_indices=list(range(5)))
+            ),
+            Misuse("finish: unknown rid", lambda: mgr.finish(fresh)),
+            Misuse("abort: unknown rid", lambda: mgr.abort(fresh)),
+            Misuse("evict: negative", lambda: mgr.evict(snapshots=-1)),
+            Misuse("evict: float", lambda: mgr.evict(kv_tokens=_wrong(1.5))),
+            Misuse("tree evict: bool", lambda: cache.evict(snapshots=_wrong(True))),
+            Misuse("tree match: unhashable namespace", lambda: cache.match([1, 2], namespace=_wrong([1]))),
+            Misuse("tree lock: foreign node", lambda: cache.lock(self.foreign.node)),
+            Misuse("tree unlock: foreign node", lambda: cache.unlock(self.foreign.node)),
+            Misuse("tree evict_snapshot: foreign node", lambda: cache.evict_snapshot(self.foreign.node)),
+            Misuse("tree kv_indices: foreign node", lambda: cache.kv_indices(self.foreign.node)),
+            Misuse("tree touch: foreign node", lambda: cache.touch(self.foreign.node)),
+            Misuse("tree lock: not a node", lambda: cache.lock(_wrong("root"))),
+            Misuse("pool alloc: bad owner", lambda: pool.alloc(_wrong("request 1"))),
+            Misuse("pool owner_of: float slot", lambda: pool.owner_of(_wrong(0.5))),
+            Misuse("pool free: out of range", lambda: pool.free(pool.capacity, RequestOwner(fresh))),
+        ]
+        stale = getattr(self.host, "last_plan", None)
+        if isinstance(stale, WindowPlan):
+            out.append(Misuse("commit: a plan committed already", lambda: mgr.commit(stale, None, kv_indices=[0])))
+        snaps = [n for n in cache.iter_nodes() if n.snapshot is not None]
+        if snaps:
+            node = data.draw(st.sampled_from(snaps), label="tree node")
+            slot = node.snapshot
+            assert slot is not None
+            out += [
+                Misuse("tree insert: snapshot as donor", lambda: cache.insert([3, 1], [0, 1], state_slot=slot)),
+                Misuse("pool zero: a frozen snapshot", lambda: pool.zero(slot, owner=NodeOwner(node.id))),
+                Misuse("pool free: not the owner", lambda: pool.free(slot, RequestOwner(fresh))),
+                Misuse("tree restore: into the snapshot itself", lambda: cache.restore(node, slot)),
+            ]
+            if node.snap_lock == 0:
+                out.append(Misuse("tree unlock: not locked", lambda: cache.unlock(node)))
+        if self.active:
+            rid = data.draw(st.sampled_from(self.active), label="request")
+            r = self.host.reqs[rid] if hasattr(self.host, "reqs") else None
+            live = r.adm.live_slot if r is not None else None
+            out += [
+                Misuse("admit: rid already admitted", lambda: mgr.admit(rid, [1, 2, 3])),
+                Misuse("plan_prefill: end not an int", lambda: mgr.plan_prefill(rid, _wrong(2.0))),
+                Misuse("plan_prefill: end beyond the prompt", lambda: mgr.plan_prefill(rid, 10**6)),
+                Misuse("plan_decode: bad id", lambda: mgr.plan_decode(rid, [-5])),
+                Misuse("plan_decode_batch: twice the same rid", lambda: mgr.plan_decode_batch([rid, rid], [1, 2])),
+                Misuse("finish: ready not a fence", lambda: mgr.finish(rid, _wrong("done"))),
+                Misuse("abort: ready not a fence", lambda: mgr.abort(rid, _wrong(0))),
+            ]
+            if live is not None:
+                out += [
+                    Misuse(
+                        "tree insert: ready not a fence",
+                        lambda: cache.insert([2, 2], [0, 1], state_slot=live, ready=_wrong("x")),
+                    ),
+                    Misuse("tree insert: KV of the wrong length", lambda: cache.insert([2, 2], [0], state_slot=live)),
+                    Misuse("pool clone: bad fence", lambda: pool.clone(live, NodeOwner(-5), after=_wrong(["x"]))),
+                    Misuse(
+                        "pool clone: a single fence, not a list",
+                        lambda: pool.clone(live, NodeOwner(-5), after=_wrong(COMPLETE)),
+                    ),
+                    Misuse("pool copy: onto itself", lambda: pool.copy(live, live)),
+                    Misuse("pool free: by another request", lambda: pool.free(live, RequestOwner(fresh))),
+                ]
+        return out
+
+    @rule(data=st.data())
+    def misuse(self, data: st.DataObject) -> None:
+        """One wrong call: a typed error, and nothing changed."""
+        cases = self.catalogue(data)
+        case = data.draw(st.sampled_from(cases), label="misuse")
+        mgr = self.host.manager
+        before = state_digest(mgr)
+        try:
+            case.call()
+        except MISUSE_ERRORS:
+            pass
+        else:
+            raise AssertionError(f"{case.label}: the call was accepted")
+        after = state_digest(mgr)
+        assert after == before, f"{case.label}: raised, but changed the state of pool, tree, manager or policy"
+        mgr.check_invariants()
+        self.misuses += 1
+
+    @precondition(lambda self: bool(self.active))
+    @rule(data=st.data())
+    def misuse_open_window(self, data: st.DataObject) -> None:
+        """A window planned, then committed wrongly: each refused with nothing changed; then the
+        request is aborted (its forward never ran)."""
+        rid = data.draw(st.sampled_from(self.active), label="request")
+        mgr = self.host.manager
+        r = self.host.reqs[rid] if hasattr(self.host, "reqs") else None
+        if r is None or r.done >= r.prompt_len:
+            return
+        plan = mgr.plan_prefill(rid, min(r.prompt_len, r.done + 4))
+        n = plan.end - plan.start
+        wrong = [
+            Misuse("commit: KV of the wrong length", lambda: mgr.commit(plan, None, kv_indices=list(range(n + 1)))),
+            Misuse("commit: float KV", lambda: mgr.commit(plan, None, kv_indices=torch.zeros(n))),
+            Misuse("commit: 2-D KV", lambda: mgr.commit(plan, None, kv_indices=torch.zeros(1, n, dtype=torch.int64))),
+            Misuse("commit: ready not a fence", lambda: mgr.commit(plan, _wrong("done"), kv_indices=list(range(n)))),
+            Misuse(
+                "commit: now not a number", lambda: mgr.commit(plan, None, kv_indices=list(range(n)), now=_wrong("x"))
+            ),
+            Misuse("plan_prefill: a window is open", lambda: mgr.plan_prefill(rid, plan.end)),
+            Misuse("finish: a window is open", lambda: mgr.finish(rid)),
+        ]
+        for case in data.draw(st.lists(st.sampled_from(wrong), min_size=1, max_size=3), label="wrong commits"):
+            before = state_digest(mgr)
+            try:
+                case.call()
+            except MISUSE_ERRORS:
+                pass
+            else:
+                raise AssertionError(f"{case.label}: the call was accepted")
+            assert state_digest(mgr) == before, f"{case.label}: raised, but changed the state"
+            mgr.check_invariants()
+            self.misuses += 1
+        self.host.abort(rid)
+        self.active.remove(rid)
+
+    @precondition(lambda self: bool(self.active))
+    @rule(data=st.data())
+    def foreign_node_restore(self, data: st.DataObject) -> None:
+        """A hit node of another cache restored into a live request's slot: refused."""
+        rid = data.draw(st.sampled_from(self.active), label="request")
+        r = self.host.reqs[rid] if hasattr(self.host, "reqs") else None
+        if r is None:
+            return
+        mgr = self.host.manager
+        before = state_digest(mgr)
+        node: TreeNode = self.foreign.node
+        try:
+            mgr.cache.restore(node, r.adm.live_slot, dst_owner=RequestOwner(rid))
+        except MISUSE_ERRORS:
+            pass
+        else:
+            raise AssertionError("a node of another cache was restored into this pool")
+        assert state_digest(mgr) == before, "a refused foreign restore changed the state"
+
+
+def make_misuse_machine(factory: Callable[[], ManagerAdapter], *, name: str = "MisusedHost") -> type[MisuseMachine]:
+    """A :class:`MisuseMachine` subclass driving adapters from ``factory``."""
+    return type(name, (MisuseMachine,), {"adapter_factory": staticmethod(factory)})
+
+
+def run_misuse(
+    examples: int,
+    seed: int,
+    *,
+    inject: str | None = None,
+    progress: Callable[[int], None] | None = None,
+    stateful_step_count: int = 30,
+) -> None:
+    """Run ``examples`` programs of the misuse machine with ``seed`` (deterministic); raise on the
+    first failure after shrinking it (hypothesis prints the shrunk program).
+
+    :param inject: a bug of :data:`radixcache.testing.inject.MISUSE_BUGS`, committed on purpose.
+    """
+    count = [0]
+
+    def tick() -> None:
+        if progress is not None:
+            progress(count[0])
+        count[0] += 1
+
+    machine = make_misuse_machine(lambda: ManagerAdapter.build(inject=inject))
+    machine.on_example = staticmethod(tick)
+    hyp_seed(seed)(machine)
+    run_state_machine_as_test(
+        machine,
+        settings=settings(
+            max_examples=examples,
+            stateful_step_count=stateful_step_count,
+            deadline=None,
+            database=None,
+            derandomize=False,
+            suppress_health_check=list(HealthCheck),
+            print_blob=True,
+        ),
+    )
