@@ -2,20 +2,22 @@
 "model" synchronously; its forward writes the ground-truth state (``advance``), checked exactly.
 Each window follows the manager's host protocol: plan, forward with the planned captures, commit."""
 
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from linear_state import LinearStatePool
-from radixcache import Admission, CacheManager, HybridRadixCache, WindowPlan
+from radixcache import Admission, CacheManager, HybridRadixCache, WindowPlan, image_cache_ids
 from radixcache.policies import FixedPoints
-from radixcache.testing.adapter import FUZZ_LAYOUT, advance
+from radixcache.testing.adapter import FUZZ_LAYOUT, PLACEHOLDER, advance, model_inputs, ns_salt
 from radixcache.testing.fuzz import run_fuzz
 
 
 @dataclass
-class Req:  # prompt length n; the live state covers ids[:done]
+class Req:  # prompt length n; the live state covers ids[:done] (the model's inputs)
     ids: list[int]
+    salt: int  # the namespace's effect on the model (a LoRA adapter, a tenant)
     n: int
     adm: Admission
     done: int
@@ -29,18 +31,22 @@ class ToyAdapter:
         self.manager = CacheManager(HybridRadixCache(self.pool), FixedPoints(align=4), track_slots=2)
         self.reqs: dict[int, Req] = {}  # request rid's KV index for token i is rid * 10_000 + i
 
-    def admit(self, rid: int, ids: list[int]) -> int | None:
-        adm = self.manager.admit(rid, ids)
+    def admit(
+        self, rid: int, ids: list[int], *, namespace: Hashable = None, images: Sequence[bytes] = ()
+    ) -> int | None:
+        key = image_cache_ids(ids, PLACEHOLDER, images) if images else ids  # what the cache is keyed by
+        adm = self.manager.admit(rid, key, namespace=namespace)
         if not isinstance(adm, Admission):
             return None
-        self.reqs[rid] = Req(list(ids), len(ids), adm, adm.cached_length)
+        inputs = model_inputs(ids, PLACEHOLDER, images)  # what the model consumes
+        self.reqs[rid] = Req(inputs, ns_salt(namespace), len(ids), adm, adm.cached_length)
         return adm.cached_length
 
     def _forward(self, rid: int, plan: WindowPlan, tokens: list[int]) -> None:
         r, pool, live = self.reqs[rid], self.pool, self.reqs[rid].adm.live_slot
         slots = {c.depth: c.slot for c in plan.captures}
         for i, tok in enumerate(tokens, plan.start + 1):
-            advance(pool.conv[:, live], pool.recurrent[:, live], tok)
+            advance(pool.conv[:, live], pool.recurrent[:, live], tok, r.salt)
             if i in slots:  # capture the state after exactly i tokens
                 pool.conv[:, slots[i]], pool.recurrent[:, slots[i]] = pool.conv[:, live], pool.recurrent[:, live]
         r.done = plan.end

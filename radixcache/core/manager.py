@@ -47,7 +47,7 @@ from ..policies.base import DonationReason, Policy, RequestInfo
 from .errors import ConcurrentUseError, ProtocolError, UnknownRequest
 from .keys import IMAGE_ID_BASE, MAX_ID, KeyLike, key_bytes
 from .metrics import ManagerMetrics, MetricsCounters
-from .tree import EvictResult, HybridRadixCache, TreeNode
+from .tree import EvictResult, HybridRadixCache, MatchResult, TreeNode
 
 __all__ = [
     "AdmissionCheck",
@@ -390,6 +390,11 @@ class CacheManager:
             raise ValueError(f"request {rid!r} has no ids")
         return kb, np.frombuffer(kb, dtype=np.uint32).astype(np.int64)
 
+    def _match(self, ids: np.ndarray, namespace: Hashable) -> MatchResult:
+        """The admission's dry-run match: all ids but the last (a request always computes at least
+        one token), in the request's namespace. Changes nothing."""
+        return self.cache.match(ids[:-1], namespace=namespace, touch=False)
+
     def _available(self, hit: TreeNode, length: int) -> int:
         """Slots an admission locking ``hit`` could get: free ones plus evictable snapshots."""
         own = 1 if length and self.cache.is_evictable(hit) else 0
@@ -403,7 +408,7 @@ class CacheManager:
         :raises ValueError: bad or empty ids.
         """
         _, ids = self._ids("(dry run)", cache_ids)
-        m = self.cache.match(ids[:-1], namespace=namespace, touch=False)
+        m = self._match(ids, namespace)
         need = 1 + self.track_slots
         avail = self._available(m.node, m.length)
         return AdmissionCheck(avail >= need, m.length, m.token_length, need, avail)
@@ -441,7 +446,7 @@ class CacheManager:
         kb, ids = self._ids(rid, cache_ids)
         t = self._now(now)
         need = 1 + self.track_slots
-        m = self.cache.match(ids[:-1], namespace=namespace, touch=False)
+        m = self._match(ids, namespace)
         node = m.node
         avail = self._available(node, m.length)
         if avail < need:

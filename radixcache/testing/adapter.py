@@ -3,22 +3,42 @@ default adapter over :class:`~radixcache.CacheManager`.
 
 Ground truth: the "model" of a fuzzed host is a polynomial hash of the prefix, written into the
 pool's tensors token by token (:func:`advance`). It is exact in float64 and remembers every token
-and its position, so any restore, clone or late write that lands the wrong state is seen.
+and its position, so any restore, clone or late write that lands the wrong state is seen. What the
+model consumes is what a real one would: a namespace (a LoRA adapter, a tenant) changes every
+step (:func:`ns_salt`), and an image placeholder is the image's content at that position
+(:func:`model_inputs`, from a SHA-256 of the image's bytes: independent of radixcache's own cache
+ids, so a collision of cache ids is seen as a wrong state).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import hashlib
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from linear_state import DeferredStream, Fence, LinearStatePool, StateLayout
 
+from ..core.keys import IMAGE_ID_BASE
 from ..core.manager import Admission, CacheManager, WindowPlan
+from ..core.multimodal import image_cache_ids, image_runs
 
-__all__ = ["FUZZ_LAYOUT", "HostAdapter", "ManagerAdapter", "advance", "prefix_state"]
+__all__ = [
+    "FUZZ_LAYOUT",
+    "PLACEHOLDER",
+    "HostAdapter",
+    "ManagerAdapter",
+    "advance",
+    "model_inputs",
+    "ns_salt",
+    "prefix_state",
+]
+
+PLACEHOLDER = 9
+"""The image placeholder id of fuzzed prompts."""
 
 FUZZ_LAYOUT = StateLayout(1, (2, 3), (2, 2), conv_dtype=torch.float64, recurrent_dtype=torch.float64)
 """A small float64 layout: exact for the hash below."""
@@ -33,20 +53,56 @@ def _weights(shape: Sequence[int]) -> torch.Tensor:
     return torch.arange(1, n + 1, dtype=torch.float64).reshape(tuple(shape))
 
 
-def advance(conv: torch.Tensor, rec: torch.Tensor, token: int) -> None:
+def ns_salt(namespace: Hashable) -> int:
+    """What a namespace changes in the ground-truth model (0 for none): stable across processes."""
+    if namespace is None:
+        return 0
+    return 1 + int.from_bytes(hashlib.sha256(repr(namespace).encode()).digest()[:2], "little")
+
+
+def model_inputs(ids: Sequence[int], placeholder: int, images: Sequence[bytes]) -> list[int]:
+    """What the ground-truth model consumes for a prompt: text ids as they are, each placeholder
+    replaced by its image's content at its position in the run (from a SHA-256 of the image's
+    bytes; one digest of all images when runs and images cannot be paired)."""
+    out = [int(i) for i in ids]
+    runs = image_runs(np.asarray(out, dtype=np.int64), placeholder)
+    if not runs:
+        return out
+
+    def h(*blobs: bytes) -> int:
+        return int.from_bytes(hashlib.sha256(b"|".join(blobs)).digest()[:4], "little")
+
+    if len(runs) == len(images):
+        for (start, end), img in zip(runs, images, strict=True):
+            base = h(img)
+            for k in range(start, end):
+                out[k] = IMAGE_ID_BASE + (base + k - start) % IMAGE_ID_BASE
+    else:
+        base = h(*images)
+        where = [k for k, i in enumerate(out) if i == placeholder]
+        for j, k in enumerate(where):
+            out[k] = IMAGE_ID_BASE + (base + j) % IMAGE_ID_BASE
+    return out
+
+
+def advance(conv: torch.Tensor, rec: torch.Tensor, token: int, salt: int = 0) -> None:
     """Advance a state (``conv`` [L, *conv_shape], ``rec`` [L, *recurrent_shape], in place) by one
-    token of the ground-truth model: a polynomial hash of the prefix, element-wise."""
-    t = float(token + 1)
+    token of the ground-truth model: a polynomial hash of the prefix, element-wise; ``salt`` (see
+    :func:`ns_salt`) makes each namespace a different model."""
+    t = float(token + 1 + salt * 65_537)
     rec.mul_(31).add_(_weights(rec.shape[1:]) * t).remainder_(_P)
     conv.mul_(37).add_(_weights(conv.shape[1:]) * t).remainder_(_P)
 
 
-def prefix_state(ids: Sequence[int], layout: StateLayout = FUZZ_LAYOUT) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ground-truth state after ``ids``, computed cold from zeros."""
+def prefix_state(
+    ids: Sequence[int], layout: StateLayout = FUZZ_LAYOUT, salt: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ground-truth state after model inputs ``ids`` (see :func:`model_inputs`) in the
+    namespace of ``salt``, computed cold from zeros."""
     conv = torch.zeros(layout.num_layers, *layout.conv_shape, dtype=torch.float64)
     rec = torch.zeros(layout.num_layers, *layout.recurrent_shape, dtype=torch.float64)
     for t in ids:
-        advance(conv, rec, int(t))
+        advance(conv, rec, int(t), salt)
     return conv, rec
 
 
@@ -61,8 +117,13 @@ class HostAdapter(Protocol):
 
     manager: CacheManager
 
-    def admit(self, rid: int, ids: list[int]) -> int | None:
-        """Admit a request; return its cached length, or None when refused (nothing held)."""
+    def admit(
+        self, rid: int, ids: list[int], *, namespace: Hashable = None, images: Sequence[bytes] = ()
+    ) -> int | None:
+        """Admit a request (its ids, with image placeholders :data:`PLACEHOLDER` paired with
+        ``images``, in ``namespace``); return its cached length, or None when refused (nothing
+        held). The host keys it by ``image_cache_ids`` and its model consumes
+        :func:`model_inputs` under :func:`ns_salt`."""
 
     def extend(self, rid: int) -> bool:
         """Prefill the next chunk of the prompt, capturing and committing track points.
@@ -81,13 +142,14 @@ class HostAdapter(Protocol):
         """Run one unit of pending device work; False when nothing was pending."""
 
     def state(self, rid: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """The request's live conv and recurrent state (waiting what it must) and the ids they
-        cover (its cached prefix, the prompt prefilled so far, then decoded tokens)."""
+        """The request's live conv and recurrent state (waiting what it must) and the model inputs
+        they cover (its cached prefix, the prompt prefilled so far, then decoded tokens)."""
 
 
 @dataclass
 class _Req:
-    ids: list[int]
+    ids: list[int]  # model inputs: text ids, image content at placeholders, then decoded ids
+    salt: int
     prompt_len: int
     adm: Admission
     kv: list[int]  # the KV table of [0, done): the tree's pages, then the host's own
@@ -97,7 +159,10 @@ class _Req:
 
 class ManagerAdapter:
     """The default adapter: a small host scheduler on :class:`CacheManager`'s host protocol, with
-    a deferred forward stream, a deferred copy stream and a strict KV allocator.
+    a deferred forward stream, a deferred copy stream and a strict KV allocator. It hands each
+    window's KV indices over in one reused buffer, and overwrites the buffer right after the
+    commit, as hosts that stage their page table do: a cache that kept a view of it would see
+    its indices change (:meth:`check_kv` finds them).
 
     :param manager: a manager whose tree's ``on_free_kv`` is :meth:`free_kv` (see :meth:`build`).
     """
@@ -112,6 +177,7 @@ class ManagerAdapter:
         self.kv_next = 0
         self.kv_free: set[int] = set()
         self.last_plan: WindowPlan | None = None  # the last window committed (the misuse fuzzer's stale plan)
+        self._buf = torch.empty(0, dtype=torch.int64)  # the staging buffer every window's KV goes through
 
     @classmethod
     def build(
@@ -152,11 +218,13 @@ class ManagerAdapter:
         back): never an index freed twice, never one a live request's table still holds."""
         live = {i for r in self.reqs.values() for i in r.kv}
         for i in idx.tolist() if isinstance(idx, torch.Tensor) else idx:
+            assert 0 <= i < self.kv_next, f"KV index {i} was never handed out (a stale view of a reused buffer?)"
             assert i not in self.kv_free, f"KV index {i} freed twice"
             assert i not in live, f"KV index {i} freed while a live request uses it"
             self.kv_free.add(i)
 
-    def _alloc_kv(self, n: int) -> list[int]:
+    def alloc_kv(self, n: int) -> list[int]:
+        """``n`` fresh KV indices of this host's allocator (never reused: a freed one stays free)."""
         out = list(range(self.kv_next, self.kv_next + n))
         self.kv_next += n
         return out
@@ -166,17 +234,27 @@ class ManagerAdapter:
         after = [f for f in [r.last, *plan.after] if f is not None]
         r.last = self.forward.submit(work, after=after, label=label)
         r.done = plan.end
-        res = self.manager.commit(plan, r.last, kv_indices=torch.tensor(kv, dtype=torch.int64))
+        if self._buf.numel() < len(kv):
+            self._buf = torch.empty(max(len(kv), 64), dtype=torch.int64)
+        staged = self._buf[: len(kv)]
+        staged.copy_(torch.tensor(kv, dtype=torch.int64))
+        res = self.manager.commit(plan, r.last, kv_indices=staged)
+        self._buf.fill_(1 << 40)  # the host reuses its buffer at once: junk no index may keep
         self.last_plan = plan
         r.kv = self.manager.kv_indices(plan.rid).tolist() if res.spliced else r.kv + kv
         self.free_kv(res.free_kv)  # reused only by work ordered after res.free_after
 
     # protocol -------------------------------------------------------------
-    def admit(self, rid: int, ids: list[int]) -> int | None:
-        adm = self.manager.admit(rid, list(ids))
+    def admit(
+        self, rid: int, ids: list[int], *, namespace: Hashable = None, images: Sequence[bytes] = ()
+    ) -> int | None:
+        key = image_cache_ids(ids, PLACEHOLDER, images) if images else list(ids)
+        adm = self.manager.admit(rid, key, namespace=namespace)
         if not isinstance(adm, Admission):
             return None
-        self.reqs[rid] = _Req(list(ids), len(ids), adm, adm.kv_indices.tolist(), adm.cached_length, adm.ready)
+        inputs = model_inputs(ids, PLACEHOLDER, images)
+        salt = ns_salt(namespace)
+        self.reqs[rid] = _Req(inputs, salt, len(ids), adm, adm.kv_indices.tolist(), adm.cached_length, adm.ready)
         return adm.cached_length
 
     def extend(self, rid: int) -> bool:
@@ -186,32 +264,32 @@ class ManagerAdapter:
             return False
         plan = self.manager.plan_prefill(rid, end)
         caps = {c.depth: c.slot for c in plan.captures}
-        pool, live, ids = self.pool, r.adm.live_slot, r.ids
+        pool, live, ids, salt = self.pool, r.adm.live_slot, r.ids, r.salt
 
         def forward_pass() -> None:
             conv, rec = pool.conv[:, live], pool.recurrent[:, live]
             for i in range(start, end):
-                advance(conv, rec, ids[i])
+                advance(conv, rec, ids[i], salt)
                 if i + 1 in caps:
                     pool.conv[:, caps[i + 1]].copy_(conv)
                     pool.recurrent[:, caps[i + 1]].copy_(rec)
 
-        self._window(r, plan, self._alloc_kv(end - start), forward_pass, f"extend {rid} [{start},{end})")
+        self._window(r, plan, self.alloc_kv(end - start), forward_pass, f"extend {rid} [{start},{end})")
         return True
 
     def decode(self, rid: int, token: int) -> None:
         r = self.reqs[rid]
         plan = self.manager.plan_decode(rid, [token])
-        pool, live, caps = self.pool, r.adm.live_slot, [c.slot for c in plan.captures]
+        pool, live, caps, salt = self.pool, r.adm.live_slot, [c.slot for c in plan.captures], r.salt
 
         def forward_pass() -> None:
-            advance(pool.conv[:, live], pool.recurrent[:, live], token)
+            advance(pool.conv[:, live], pool.recurrent[:, live], token, salt)
             for t in caps:  # a one-token window: every capture is the state after it
                 pool.conv[:, t].copy_(pool.conv[:, live])
                 pool.recurrent[:, t].copy_(pool.recurrent[:, live])
 
         r.ids.append(token)
-        self._window(r, plan, self._alloc_kv(1), forward_pass, f"decode {rid}")
+        self._window(r, plan, self.alloc_kv(1), forward_pass, f"decode {rid}")
 
     def finish(self, rid: int) -> None:
         r = self.reqs[rid]
@@ -238,6 +316,8 @@ class ManagerAdapter:
     def check_kv(self) -> None:
         """Every KV index handed out is free, held by the tree, or used by a live request."""
         tree = {i for n in self.manager.cache.iter_nodes() for i in n.value.tolist()}
+        stray = [i for i in tree if not 0 <= i < self.kv_next]
+        assert not stray, f"the tree holds KV indices the host never handed out: {stray[:5]} (a view of its buffer?)"
         live = {i for r in self.reqs.values() for i in r.kv}
         assert not tree & self.kv_free, f"KV indices both free and held by the tree: {sorted(tree & self.kv_free)[:5]}"
         lost = set(range(self.kv_next)) - tree - live - self.kv_free

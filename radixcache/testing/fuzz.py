@@ -1,16 +1,21 @@
 """A hypothesis state machine that fuzzes a host integration of the cache.
 
 It drives a :class:`~radixcache.testing.adapter.HostAdapter` through random interleavings of
-admit, extend (with captures and commits), decode, finish, abort, eviction and pending device
-work, and checks after every step:
+admit (prompts that share prefixes, re-sends of identical prompts, several namespaces over the same
+ids, prompts with images: images that differ anywhere, also past their first 4 KiB), extend (with
+captures and commits), decode, finish, abort, eviction, pending device work, and inserts a host
+makes into the tree itself through a KV buffer it reuses at once; and checks after every step:
 
 - ownership conservation (free + tree + requests == capacity) and no slot id held by the tree
   and a request at once; the tree's and the pool's invariants (``manager.check_invariants()``);
 - every tree snapshot's fingerprint unchanged since it was donated;
 - locked nodes never evicted (each live request's lock node alive and locked);
-- every restored state equals the ground truth at its depth, and every finished request's
-  final state equals the ground truth of everything it was fed;
-- KV: never freed twice, never freed while a live request uses it, never lost.
+- every restored state equals the ground truth at its depth, in the request's own namespace and
+  for its own images, and every finished request's final state equals the ground truth of
+  everything it was fed;
+- every admission leaves at least one id to compute (a hit never covers the whole prompt);
+- KV: never freed twice, never freed while a live request uses it, never lost; the tree's KV
+  indices never change under a host's later writes into the buffer it handed them over in.
 
 Run it with :func:`run_fuzz` (``radixcache fuzz``) or as a test: ``TestHost = make_machine(factory).TestCase``.
 """
@@ -25,8 +30,11 @@ from hypothesis import seed as hyp_seed
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
-from .adapter import HostAdapter, ManagerAdapter, prefix_state
-from .strategies import shared_prefix_keys, token_keys
+from linear_state import RequestOwner
+
+from .adapter import HostAdapter, ManagerAdapter, ns_salt, prefix_state
+from .inject import injected
+from .strategies import FuzzRequest, requests, token_keys
 
 __all__ = ["HostMachine", "make_machine", "run_fuzz"]
 
@@ -48,23 +56,40 @@ class HostMachine(RuleBasedStateMachine):
         self.active: list[int] = []
         self.next_rid = 0
         self.fingerprints: dict[tuple[int, int], int] = {}
+        self.salts: dict[int, int] = {}
+        self.sent: list[FuzzRequest] = []
 
     def _check_state(self, rid: int, what: str) -> None:
         conv, rec, fed = self.host.state(rid)
-        want_conv, want_rec = prefix_state(fed)
+        want_conv, want_rec = prefix_state(fed, salt=self.salts.get(rid, 0))
         assert torch.equal(rec, want_rec) and torch.equal(conv, want_conv), (
-            f"request {rid}: {what} state differs from the ground truth after {len(fed)} tokens"
+            f"request {rid}: {what} state differs from the ground truth after {len(fed)} tokens "
+            f"(namespace salt {self.salts.get(rid, 0)})"
         )
 
     @precondition(lambda self: len(self.active) < self.max_active)
-    @rule(key=shared_prefix_keys())
-    def admit(self, key: list[int]) -> None:
+    @rule(req=requests())
+    def admit(self, req: FuzzRequest) -> None:
+        self._admit(req)
+
+    @precondition(lambda self: len(self.active) < self.max_active and bool(self.sent))
+    @rule(data=st.data())
+    def resend(self, data: st.DataObject) -> None:
+        """An identical prompt again (same ids, namespace and images): the deepest hit there is."""
+        self._admit(data.draw(st.sampled_from(self.sent), label="re-send of"))
+
+    def _admit(self, req: FuzzRequest) -> None:
+        self.sent.append(req)
         rid = self.next_rid
         self.next_rid += 1
-        cached = self.host.admit(rid, key)
+        cached = self.host.admit(rid, req.ids, namespace=req.namespace, images=req.images)
         if cached is None:
             return
+        assert cached < len(req.ids), (
+            f"request {rid}: a hit of {cached} covers all {len(req.ids)} ids: nothing to compute"
+        )
         self.active.append(rid)
+        self.salts[rid] = ns_salt(req.namespace)
         self._check_state(rid, f"restored (hit of {cached})")
 
     @precondition(lambda self: bool(self.active))
@@ -102,6 +127,28 @@ class HostMachine(RuleBasedStateMachine):
     @rule(kv_tokens=st.integers(0, 16), snapshots=st.integers(0, 3))
     def evict(self, kv_tokens: int, snapshots: int) -> None:
         self.host.manager.evict(kv_tokens=kv_tokens, snapshots=snapshots)  # through the policy
+
+    @rule(key=token_keys(min_size=1, max_size=12))
+    def direct_insert(self, key: list[int]) -> None:
+        """The host inserts a prefix it computed elsewhere straight into the tree (namespace
+        "direct", with the right state), handing the KV over in a buffer it rewrites at once."""
+        alloc = getattr(self.host, "alloc_kv", None)
+        mgr = self.host.manager
+        pool = mgr.pool
+        if alloc is None or not pool.can_alloc(2):
+            return
+        owner = RequestOwner("direct insert")
+        donor = pool.alloc(owner)
+        conv, rec = prefix_state(key, salt=ns_salt("direct"))
+        pool.write(donor, conv.to(pool.conv.dtype), rec.to(pool.recurrent.dtype), owner=owner).wait()
+        handed = alloc(len(key))
+        buf = torch.tensor(handed, dtype=torch.int64)
+        res = mgr.cache.insert(key, buf, state_slot=donor, namespace="direct")
+        buf.fill_(1 << 40)  # the host's next use of its buffer
+        if res.length:
+            kept = mgr.cache.kv_indices(res.node).tolist()
+            assert all(0 <= i < (1 << 40) for i in kept), "the tree's KV indices changed under the host's buffer"
+        pool.free(donor, owner)
 
     @rule(n=st.integers(1, 4))
     def run_pending(self, n: int) -> None:
@@ -165,6 +212,11 @@ def run_fuzz(
     machine = make_machine(factory or (lambda: ManagerAdapter.build(inject=inject, page_size=page_size)))
     machine.on_example = staticmethod(tick)
     hyp_seed(seed)(machine)
+    with injected(inject):
+        _run(machine, examples, stateful_step_count)
+
+
+def _run(machine: type[HostMachine], examples: int, stateful_step_count: int) -> None:
     run_state_machine_as_test(
         machine,
         settings=settings(

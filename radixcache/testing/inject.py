@@ -21,6 +21,14 @@ unlock-before-restore  the hit is unlocked as soon as the restore is queued: evi
 snapshot-off-by-page   a captured state is donated one page shallower than where it was taken.
 double-free-swallowed  track slots are freed twice and the pool swallows it, putting them on the
                        free list twice.
+tree-keeps-kv-view     the tree keeps a view of the caller's KV index buffer instead of a copy:
+                       a host that reuses its buffer rewrites the tree's pages.
+namespace-blind        admission matches without the request's namespace: a LoRA request is
+                       served the base model's state.
+image-digest-prefix    image digests cover the first 4 KiB of each image only: two images that
+                       differ further on share cache ids.
+full-hit-admission     admission matches all ids instead of all but the last: a full hit leaves
+                       the host no token to compute.
 =====================  ========================================================================
 
 The misuse fuzzer adds bugs of the edges (:data:`MISUSE_BUGS`):
@@ -36,7 +44,8 @@ accepts-foreign-node       the tree takes any node, whichever cache made it: a f
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable, Sequence
+import contextlib
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -45,11 +54,11 @@ from linear_state import COMPLETE, Fence, LinearStatePool, NodeOwner, Owner, Slo
 
 from ..core.keys import KeyLike
 from ..core.manager import Admission, CacheManager, Refusal, WindowPlan, WindowResult, _Request
-from ..core.tree import HybridRadixCache, TreeNode
+from ..core.tree import HybridRadixCache, InsertResult, MatchResult, TreeNode
 from ..policies import FixedPoints, Policy
 from ..policies.base import DonationReason
 
-__all__ = ["BUGS", "FUZZ_BUGS", "MISUSE_BUGS", "make_cache", "make_fuzz_stack"]
+__all__ = ["BUGS", "FUZZ_BUGS", "MISUSE_BUGS", "injected", "make_cache", "make_fuzz_stack"]
 
 
 def _raw_restore(tree: HybridRadixCache, node: TreeNode, dst_slot: int, ordered: bool) -> Fence:
@@ -191,6 +200,65 @@ class _DoubleFreeManager(CacheManager):
         return n
 
 
+class _KVViewTree(HybridRadixCache):
+    """Inserts keep the caller's index memory: the private copy is skipped (the bug)."""
+
+    def insert(
+        self,
+        key: KeyLike,
+        kv_indices: torch.Tensor | np.ndarray | list[int],
+        *,
+        state_slot: int | None = None,
+        ready: Fence | None = None,
+        namespace: Hashable = None,
+        release_duplicates: bool = True,
+    ) -> InsertResult:
+        res = super().insert(
+            key,
+            kv_indices,
+            state_slot=state_slot,
+            ready=ready,
+            namespace=namespace,
+            release_duplicates=release_duplicates,
+        )
+        if isinstance(kv_indices, torch.Tensor) and kv_indices.dtype == torch.int64 and res.length > res.prefix_length:
+            node = res.node  # BUG: the new edge aliases the caller's tensor instead of a copy
+            node.value = kv_indices[node.depth - node.num_tokens : node.depth]
+            node.value_np = node.value.numpy() if node.value.is_cpu else None
+        return res
+
+
+class _NamespaceBlindManager(CacheManager):
+    def _match(self, ids: np.ndarray, namespace: Hashable) -> MatchResult:
+        return self.cache.match(ids[:-1], namespace=None, touch=False)  # BUG: the namespace is ignored
+
+
+class _FullHitManager(CacheManager):
+    def _match(self, ids: np.ndarray, namespace: Hashable) -> MatchResult:
+        return self.cache.match(ids, namespace=namespace, touch=False)  # BUG: all ids, the last too
+
+
+@contextlib.contextmanager
+def injected(inject: str | None) -> Iterator[None]:
+    """Commit bug ``inject`` for the duration of the block when it lives outside the pool, tree and
+    manager classes (``image-digest-prefix`` patches the image digest of ``image_cache_ids``)."""
+    if inject != "image-digest-prefix":
+        yield
+        return
+    from ..core import multimodal
+
+    real = multimodal._digest
+
+    def first_4k(*parts: bytes) -> int:
+        return real(*(p[:4096] for p in parts))  # BUG: the rest of each image is ignored
+
+    multimodal._digest = first_4k
+    try:
+        yield
+    finally:
+        multimodal._digest = real
+
+
 class _ValidateLateManager(CacheManager):
     def _commit(
         self,
@@ -222,6 +290,10 @@ FUZZ_BUGS: tuple[str, ...] = (
     "unlock-before-restore",
     "snapshot-off-by-page",
     "double-free-swallowed",
+    "tree-keeps-kv-view",
+    "namespace-blind",
+    "image-digest-prefix",
+    "full-hit-admission",
 )
 _MANAGERS: dict[str, type[CacheManager]] = {
     "free-before-fence": _FreeBeforeFenceManager,
@@ -229,6 +301,8 @@ _MANAGERS: dict[str, type[CacheManager]] = {
     "snapshot-off-by-page": _OffByPageManager,
     "double-free-swallowed": _DoubleFreeManager,
     "validates-after-mutating": _ValidateLateManager,
+    "namespace-blind": _NamespaceBlindManager,
+    "full-hit-admission": _FullHitManager,
 }
 
 
@@ -254,8 +328,9 @@ def make_fuzz_stack(
         raise ValueError(f"unknown fuzz bug {inject!r}; known: {list(FUZZ_BUGS + MISUSE_BUGS)}")
     pool_cls = _SwallowingPool if inject == "double-free-swallowed" else LinearStatePool
     pool = pool_cls(layout, slots)
-    if inject == "accepts-foreign-node":
-        tree: HybridRadixCache = _ForeignNodeTree(pool, page_size=page_size, on_free_kv=on_free_kv, stream=stream)
+    if inject in ("accepts-foreign-node", "tree-keeps-kv-view"):
+        cls = _ForeignNodeTree if inject == "accepts-foreign-node" else _KVViewTree
+        tree: HybridRadixCache = cls(pool, page_size=page_size, on_free_kv=on_free_kv, stream=stream)
     else:
         tree = make_cache(
             inject if inject in BUGS else None, pool, page_size=page_size, on_free_kv=on_free_kv, stream=stream

@@ -13,7 +13,21 @@ from hypothesis import strategies as st
 
 from ..core.keys import IMAGE_ID_BASE
 
-__all__ = ["Lifecycle", "image_prompts", "lifecycles", "shared_prefix_keys", "token_keys"]
+__all__ = [
+    "FUZZ_IMAGES",
+    "FuzzRequest",
+    "Lifecycle",
+    "image_prompts",
+    "lifecycles",
+    "requests",
+    "shared_prefix_keys",
+    "token_keys",
+]
+
+FUZZ_IMAGES: tuple[bytes, ...] = (b"\x01" * 5000, b"\x01" * 4096 + b"\x02" * 904, b"\x03" * 600)
+"""Images of fuzzed prompts: the first two agree on their first 4 KiB and differ after it."""
+NAMESPACES: tuple[str | None, ...] = (None, None, "lora-a", "lora-b")
+"""Namespaces of fuzzed requests: several tenants and adapters sharing the same ids."""
 
 
 def token_keys(*, alphabet: int = 4, min_size: int = 1, max_size: int = 24) -> st.SearchStrategy[list[int]]:
@@ -34,13 +48,19 @@ def shared_prefix_keys(draw: st.DrawFn, *, roots: int = 3, alphabet: int = 4, ma
 
 
 @st.composite
-def image_prompts(draw: st.DrawFn, *, placeholder: int = 9, max_images: int = 3) -> tuple[list[int], list[bytes]]:
+def image_prompts(
+    draw: st.DrawFn,
+    *,
+    placeholder: int = 9,
+    max_images: int = 3,
+    images_from: tuple[bytes, ...] = (b"red", b"green", b"blue"),
+    lead: list[int] | None = None,
+) -> tuple[list[int], list[bytes]]:
     """A prompt with runs of ``placeholder`` (one per image) between text ids, and the images'
-    bytes (sometimes equal to each other)."""
+    bytes (sometimes equal to each other), after ``lead`` text when given."""
     n = draw(st.integers(0, max_images))
-    pool = [b"red", b"green", b"blue"]
-    images = [pool[draw(st.integers(0, len(pool) - 1))] for _ in range(n)]
-    ids: list[int] = draw(token_keys(alphabet=8, max_size=6))
+    images = [images_from[draw(st.integers(0, len(images_from) - 1))] for _ in range(n)]
+    ids: list[int] = list(lead) if lead is not None else draw(token_keys(alphabet=8, max_size=6))
     for _ in images:
         ids += [placeholder] * draw(st.integers(1, 5)) + draw(token_keys(alphabet=8, min_size=1, max_size=6))
     assert all(i < IMAGE_ID_BASE for i in ids)
@@ -64,3 +84,33 @@ def lifecycles(draw: st.DrawFn) -> Lifecycle:
     decode = draw(token_keys(min_size=0, max_size=4))
     abort_at = draw(st.one_of(st.none(), st.integers(0, 6)))
     return Lifecycle(prompt, decode, abort_at)
+
+
+@dataclass(frozen=True)
+class FuzzRequest:
+    """A request the host machine admits: its ids (image placeholders included), its namespace
+    (``None``: the base model) and the bytes of its images, in placeholder-run order."""
+
+    ids: list[int]
+    namespace: str | None
+    images: tuple[bytes, ...]
+
+
+@st.composite
+def requests(draw: st.DrawFn, *, placeholder: int = 9) -> FuzzRequest:
+    """Mostly :func:`shared_prefix_keys` prompts, some with images (images that differ anywhere,
+    the same image at another position, runs a hit may cut), in one of a few namespaces that share
+    the same ids."""
+    namespace = draw(st.sampled_from(NAMESPACES))
+    if draw(st.booleans()):
+        return FuzzRequest(draw(shared_prefix_keys()), namespace, ())
+    # One shape, so that prompts with different images (or the same image elsewhere) share the
+    # text around them and a hit can reach into an image span.
+    run = 4
+    ids = [1, 2, *([placeholder] * run)]
+    images = [draw(st.sampled_from(FUZZ_IMAGES))]
+    if draw(st.booleans()):  # a second image after a separator: the same one elsewhere, or another
+        ids += [5, *([placeholder] * run)]
+        images.append(draw(st.sampled_from(FUZZ_IMAGES)))
+    ids += draw(token_keys(alphabet=4, min_size=1, max_size=6))
+    return FuzzRequest(ids, namespace, tuple(images))
