@@ -132,10 +132,10 @@ class HostMachine(RuleBasedStateMachine):
     def direct_insert(self, key: list[int]) -> None:
         """The host inserts a prefix it computed elsewhere straight into the tree (namespace
         "direct", with the right state), handing the KV over in a buffer it rewrites at once."""
-        alloc = getattr(self.host, "alloc_kv", None)
+        alloc, free = getattr(self.host, "alloc_kv", None), getattr(self.host, "free_kv", None)
         mgr = self.host.manager
         pool = mgr.pool
-        if alloc is None or not pool.can_alloc(2):
+        if alloc is None or free is None or not pool.can_alloc(2):
             return
         owner = RequestOwner("direct insert")
         donor = pool.alloc(owner)
@@ -148,6 +148,7 @@ class HostMachine(RuleBasedStateMachine):
         if res.length:
             kept = mgr.cache.kv_indices(res.node).tolist()
             assert all(0 <= i < (1 << 40) for i in kept), "the tree's KV indices changed under the host's buffer"
+        free(handed[res.length :])  # the tail beyond the last whole page stays the host's
         pool.free(donor, owner)
 
     @rule(n=st.integers(1, 4))
