@@ -88,40 +88,44 @@ def cmd_forensics(args: argparse.Namespace) -> int:
 
 def cmd_fuzz(args: argparse.Namespace) -> int:
     """Run the host state machine; print the shrunk program on a failure."""
-    from .progress import progress_callback
     from .testing.fuzz import run_fuzz
 
-    update, close = progress_callback(args.examples, "fuzz")
-    t0 = time.perf_counter()
-    try:
-        run_fuzz(
+    return _run_machine(
+        "fuzz",
+        args,
+        lambda update: run_fuzz(
             args.examples,
             args.seed,
             inject=args.inject,
             page_size=args.page_size,
             progress=update,
             stateful_step_count=args.steps,
-        )
-    except Exception as exc:
-        close()
-        _print_failures(exc)
-        print(f"FAIL after {time.perf_counter() - t0:.1f} s: {type(exc).__name__}: {exc}")
-        return 1
-    close()
-    print(f"PASS: {args.examples} examples, seed {args.seed}, {time.perf_counter() - t0:.1f} s, nothing found")
-    return 0
+        ),
+    )
 
 
 def cmd_misuse(args: argparse.Namespace) -> int:
     """Run the misuse machine: wrong calls between valid steps; each must raise a typed error and
     change nothing."""
-    from .progress import progress_callback
     from .testing.misuse import run_misuse
 
-    update, close = progress_callback(args.examples, "misuse")
+    return _run_machine(
+        "misuse",
+        args,
+        lambda update: run_misuse(
+            args.examples, args.seed, inject=args.inject, progress=update, stateful_step_count=args.steps
+        ),
+    )
+
+
+def _run_machine(name: str, args: argparse.Namespace, run: Callable[[Callable[[int], None]], None]) -> int:
+    """Run a state machine with a progress bar; print PASS, or each failure's shrunk program."""
+    from .progress import progress_callback
+
+    update, close = progress_callback(args.examples, name)
     t0 = time.perf_counter()
     try:
-        run_misuse(args.examples, args.seed, inject=args.inject, progress=update, stateful_step_count=args.steps)
+        run(update)
     except Exception as exc:
         close()
         _print_failures(exc)

@@ -36,7 +36,7 @@ from .adapter import HostAdapter, ManagerAdapter, ns_salt, prefix_state
 from .inject import injected
 from .strategies import FuzzRequest, requests, token_keys
 
-__all__ = ["HostMachine", "make_machine", "run_fuzz"]
+__all__ = ["HostMachine", "make_machine", "run_fuzz", "run_machine"]
 
 AdapterFactory = Callable[[], HostAdapter]
 
@@ -203,6 +203,21 @@ def run_fuzz(
 ) -> None:
     """Run ``examples`` programs of the machine with ``seed`` (deterministic); raise on the first
     failure after shrinking it (hypothesis prints the shrunk program)."""
+    machine = make_machine(factory or (lambda: ManagerAdapter.build(inject=inject, page_size=page_size)))
+    with injected(inject):
+        run_machine(machine, examples, seed, stateful_step_count=stateful_step_count, progress=progress)
+
+
+def run_machine(
+    machine: type[HostMachine],
+    examples: int,
+    seed: int,
+    *,
+    stateful_step_count: int = 50,
+    progress: Callable[[int], None] | None = None,
+) -> None:
+    """Run ``examples`` programs of ``machine`` with ``seed`` (deterministic, no example database);
+    raise on the first failure after shrinking it (hypothesis attaches the shrunk program)."""
     count = [0]
 
     def tick() -> None:
@@ -210,14 +225,8 @@ def run_fuzz(
             progress(count[0])
         count[0] += 1
 
-    machine = make_machine(factory or (lambda: ManagerAdapter.build(inject=inject, page_size=page_size)))
     machine.on_example = staticmethod(tick)
     hyp_seed(seed)(machine)
-    with injected(inject):
-        _run(machine, examples, stateful_step_count)
-
-
-def _run(machine: type[HostMachine], examples: int, stateful_step_count: int) -> None:
     run_state_machine_as_test(
         machine,
         settings=settings(

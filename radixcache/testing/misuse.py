@@ -22,10 +22,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from hypothesis import HealthCheck, settings
-from hypothesis import seed as hyp_seed
 from hypothesis import strategies as st
-from hypothesis.stateful import precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import precondition, rule
 
 from linear_state import COMPLETE, LinearStatePool, NodeOwner, PoolError, RequestOwner
 
@@ -34,7 +32,7 @@ from ..core.manager import CacheManager, WindowPlan
 from ..core.tree import HybridRadixCache, TreeNode
 from .adapter import FUZZ_LAYOUT, ManagerAdapter
 from .digest import state_digest
-from .fuzz import HostMachine
+from .fuzz import HostMachine, run_machine
 
 __all__ = ["MISUSE_ERRORS", "Misuse", "MisuseMachine", "make_misuse_machine", "run_misuse"]
 
@@ -176,11 +174,8 @@ class MisuseMachine(HostMachine):
                 ]
         return out
 
-    @rule(data=st.data())
-    def misuse(self, data: st.DataObject) -> None:
-        """One wrong call: a typed error, and nothing changed."""
-        cases = self.catalogue(data)
-        case = data.draw(st.sampled_from(cases), label="misuse")
+    def refused(self, case: Misuse) -> None:
+        """Make the wrong call; assert a typed error, the digest unchanged, invariants holding."""
         mgr = self.host.manager
         before = state_digest(mgr)
         try:
@@ -193,6 +188,11 @@ class MisuseMachine(HostMachine):
         assert after == before, f"{case.label}: raised, but changed the state of pool, tree, manager or policy"
         mgr.check_invariants()
         self.misuses += 1
+
+    @rule(data=st.data())
+    def misuse(self, data: st.DataObject) -> None:
+        """One wrong call: a typed error, and nothing changed."""
+        self.refused(data.draw(st.sampled_from(self.catalogue(data)), label="misuse"))
 
     @precondition(lambda self: bool(self.active))
     @rule(data=st.data())
@@ -218,16 +218,7 @@ class MisuseMachine(HostMachine):
             Misuse("finish: a window is open", lambda: mgr.finish(rid)),
         ]
         for case in data.draw(st.lists(st.sampled_from(wrong), min_size=1, max_size=3), label="wrong commits"):
-            before = state_digest(mgr)
-            try:
-                case.call()
-            except MISUSE_ERRORS:
-                pass
-            else:
-                raise AssertionError(f"{case.label}: the call was accepted")
-            assert state_digest(mgr) == before, f"{case.label}: raised, but changed the state"
-            mgr.check_invariants()
-            self.misuses += 1
+            self.refused(case)
         self.host.abort(rid)
         self.active.remove(rid)
 
@@ -239,16 +230,14 @@ class MisuseMachine(HostMachine):
         r = self.host.reqs[rid] if hasattr(self.host, "reqs") else None
         if r is None:
             return
-        mgr = self.host.manager
-        before = state_digest(mgr)
         node: TreeNode = self.foreign.node
-        try:
-            mgr.cache.restore(node, r.adm.live_slot, dst_owner=RequestOwner(rid))
-        except MISUSE_ERRORS:
-            pass
-        else:
-            raise AssertionError("a node of another cache was restored into this pool")
-        assert state_digest(mgr) == before, "a refused foreign restore changed the state"
+        live = r.adm.live_slot
+        self.refused(
+            Misuse(
+                "tree restore: a node of another cache",
+                lambda: self.host.manager.cache.restore(node, live, dst_owner=RequestOwner(rid)),
+            )
+        )
 
 
 def make_misuse_machine(factory: Callable[[], ManagerAdapter], *, name: str = "MisusedHost") -> type[MisuseMachine]:
@@ -269,25 +258,5 @@ def run_misuse(
 
     :param inject: a bug of :data:`radixcache.testing.inject.MISUSE_BUGS`, committed on purpose.
     """
-    count = [0]
-
-    def tick() -> None:
-        if progress is not None:
-            progress(count[0])
-        count[0] += 1
-
     machine = make_misuse_machine(lambda: ManagerAdapter.build(inject=inject))
-    machine.on_example = staticmethod(tick)
-    hyp_seed(seed)(machine)
-    run_state_machine_as_test(
-        machine,
-        settings=settings(
-            max_examples=examples,
-            stateful_step_count=stateful_step_count,
-            deadline=None,
-            database=None,
-            derandomize=False,
-            suppress_health_check=list(HealthCheck),
-            print_blob=True,
-        ),
-    )
+    run_machine(machine, examples, seed, stateful_step_count=stateful_step_count, progress=progress)
