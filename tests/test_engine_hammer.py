@@ -60,3 +60,13 @@ def test_a_hammer_without_ground_truth_says_so_and_never_passes() -> None:
     text = format_report(rep)
     assert not rep.checked and not rep.ok
     assert "NOT CHECKED" in text and "PASS" not in text and "not checked (no ground truth)" in text
+
+
+def test_the_watchdog_fails_a_hammer_that_stops_making_progress(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request the engine can never move (here: prefill chunks that compute nothing) ends the
+    run as a failure after stall_steps steps, instead of hanging it."""
+    monkeypatch.setattr(ReferenceEngine, "_prefill_chunk", lambda self, r: None)
+    rep = run_hammer(HammerConfig(requests=5, concurrency=2, seed=2, stall_steps=50), model=MODEL)
+    assert rep.stuck > 0 and not rep.ok
+    assert "stuck requests (aborted by the watchdog)" in format_report(rep) and "RESULT: FAIL" in format_report(rep)
+    assert rep.slots_leaked == 0 and rep.kv_leaked == 0, "the watchdog's aborts free what the requests held"

@@ -48,6 +48,7 @@ class EngineRequest:
     t_first: float = 0.0
     aborted: bool = False
     done: bool = False
+    stalled: bool = False  # ended by abort_all (the hammer's watchdog), not by its own life
 
 
 class KVAllocator:
@@ -148,6 +149,7 @@ class ReferenceEngine:
         self.waiting: deque[EngineRequest] = deque()
         self.running: dict[Hashable, _Running] = {}
         self.finished: list[EngineRequest] = []
+        self._progress = 0  # requests admitted and ended so far (see ``progress``)
 
     # ---------------------------------------------------------------- public
     def submit(self, req: EngineRequest, *, front: bool = False) -> None:
@@ -162,6 +164,24 @@ class ReferenceEngine:
     def idle(self) -> bool:
         """Nothing waiting or running."""
         return not self.waiting and not self.running
+
+    @property
+    def progress(self) -> int:
+        """Tokens fed plus requests admitted and finished: grows on every step that does anything."""
+        return self._progress + sum(r.done for r in self.running.values())
+
+    def abort_all(self) -> int:
+        """Abort every running request and drop every waiting one (the hammer's watchdog).
+        Returns how many requests were affected."""
+        n = len(self.running) + len(self.waiting)
+        for r in list(self.running.values()):
+            r.req.stalled = True
+            self._end(r, abort=True)
+        while self.waiting:
+            req = self.waiting.popleft()
+            req.aborted = req.done = req.stalled = True
+            self.finished.append(req)
+        return n
 
     def run(self) -> list[EngineRequest]:
         """Step until idle; return the finished requests (in finishing order)."""
@@ -223,6 +243,7 @@ class ReferenceEngine:
             req.t_admit = time.perf_counter()
             kv = torch.cat([adm.kv_indices, fresh])
             self.running[req.rid] = _Running(req, adm, kv, adm.cached_length, adm.ready)
+            self._progress += 1
             self._device_progress()
 
     def _committed(self, r: _Running, plan: WindowPlan, res: WindowResult) -> None:
@@ -319,6 +340,7 @@ class ReferenceEngine:
         self.kv.free(r.kv[r.done :])  # reserved for tokens never fed: never handed to the manager
         r.req.aborted = abort
         r.req.done = True
+        self._progress += 1 + r.done  # its tokens leave the running sum
         del self.running[rid]
         self.finished.append(r.req)
         self._device_progress()

@@ -43,6 +43,7 @@ class HammerConfig:
     ground_truth: bool = True  # False: serve only (benchmarks); nothing is checked
     policy: str = "hit-density"  # the manager's policy, by name (see radixcache.policies.POLICIES)
     page_size: int = 1  # tokens per KV page of the tree
+    stall_steps: int = 2000  # engine steps without any progress before the watchdog fails the run
 
 
 @dataclass
@@ -74,6 +75,7 @@ class HammerReport:
     policy: str = "hit-density"
     page_size: int = 1
     checked: bool = True  # False: served without ground truth; no answer was compared
+    stuck: int = 0  # requests the watchdog aborted: no progress in stall_steps engine steps
     metrics: dict[str, object] = field(default_factory=dict)  # the manager's counters at the end
     wrong_examples: list[str] = field(default_factory=list)
 
@@ -93,6 +95,7 @@ class HammerReport:
         False when nothing was checked (``ground_truth=False``)."""
         return (
             self.checked
+            and self.stuck == 0
             and self.wrong_answers == 0
             and self.cross_talk == 0
             and self.slots_leaked == 0
@@ -180,6 +183,8 @@ def run_hammer(
     step = 0
     t0 = time.perf_counter()
     seen = 0
+    stuck = 0
+    last_progress, marker = 0, -1
     while created < cfg.requests or delayed or not engine.idle:
         while created < cfg.requests and len(delayed) < cfg.concurrency:
             for delay, req in work.next()[: cfg.requests - created]:
@@ -195,20 +200,29 @@ def run_hammer(
             engine.submit(req, front=follower)  # a burst's followers arrive right behind its head
         engine.step()
         step += 1
+        now_marker = engine.progress
+        if now_marker != marker:
+            marker, last_progress = now_marker, step
+        elif step - last_progress >= cfg.stall_steps:
+            # The watchdog: nothing moved for stall_steps steps (a request the engine can never
+            # schedule, say one admitted with nothing to compute). Fail the run instead of hanging.
+            stuck = engine.abort_all()
+            delayed.clear()
+            created = cfg.requests
         for req in engine.finished[seen:]:
             work.finished(req)
             if progress is not None:
                 progress(seen)
             seen += 1
     engine.drain()
-    served = list(engine.finished)
+    served = [r for r in engine.finished if not r.stalled]  # the watchdog's aborts are counted as stuck
     # TTFT probes, run alone: a cold 2,560-token prompt, then one sharing >= 90% of it, cut at a
     # chunk boundary (where every policy's prefill windows end, so every policy can hit there).
     probe = work._tokens(cfg.probe_tokens)
     shared = -(-int(cfg.probe_tokens * 0.9) // cfg.chunk) * cfg.chunk
     tail = work._tokens(cfg.probe_tokens - shared)
     probes = [EngineRequest("probe-cold", probe, 2), EngineRequest("probe-hit", probe[:shared] + tail, 2)]
-    for p in probes:
+    for p in probes if not stuck else ():  # after the watchdog fired the engine is not to be trusted
         engine.submit(p)
         engine.run()
     if engine.forensics is not None:
@@ -266,8 +280,8 @@ def run_hammer(
         snapshot_corruptions=corruptions,
         ttft_cold_ms=statistics.mean(cold) if cold else 0.0,
         ttft_hit_ms=statistics.mean(hit) if hit else 0.0,
-        probe_ttft_cold_ms=1e3 * (p_cold.t_first - p_cold.t_submit),
-        probe_ttft_hit_ms=1e3 * (p_hit.t_first - p_hit.t_submit),
+        probe_ttft_cold_ms=1e3 * max(0.0, p_cold.t_first - p_cold.t_submit),
+        probe_ttft_hit_ms=1e3 * max(0.0, p_hit.t_first - p_hit.t_submit),
         probe_hit_fraction=p_hit.cached_length / len(p_hit.prompt),
         wall_s=wall,
         ground_truth_s=gt_s,
@@ -277,6 +291,7 @@ def run_hammer(
         policy=cfg.policy,
         page_size=cfg.page_size,
         checked=cfg.ground_truth,
+        stuck=stuck,
         metrics=metrics,
         wrong_examples=examples,
     )
@@ -311,6 +326,7 @@ def format_report(rep: HammerReport) -> str:
             else "not checked (no ground truth)",
         ),
         ("cross-talk (another prompt's answer)", str(rep.cross_talk)),
+        ("stuck requests (aborted by the watchdog)", str(rep.stuck)),
         ("slots leaked", str(rep.slots_leaked)),
         ("snapshot corruptions (forensics)", str(rep.snapshot_corruptions) if rep.forensics else "off"),
         ("KV indices leaked", str(rep.kv_leaked)),
