@@ -629,9 +629,7 @@ class CacheManager:
         policy = self.policy
         wanted = policy.captures(rec.info, start, end, decode=True) if policy.decode_captures else None
         if not wanted and (page == 1 or end % page):  # the common decode step: nothing to capture
-            rec.final = None
-            rec.plan = plan = WindowPlan(rec.rid, start, end, (), (), rec.live, True, id(self))
-            return plan
+            return self._plan(rec, start, end, [], 0, True)
         depths = self._pick(rec, wanted, start, end, self.track_slots) if wanted else []
         # Held back for finish: the deepest page-aligned state, when the final length may not be.
         aligned = page > 1 and end % page == 0 and end > rec.committed and end not in depths
@@ -679,29 +677,25 @@ class CacheManager:
         if len({id(r) for r in recs}) != len(recs):
             raise ValueError("a request appears twice in one decode batch")
         # Validated: from here on nothing raises.
-        batch = DecodeBatchPlan(tuple(rids), {}, (), id(self))
         page = self.cache.page_size
         quiet = not self.policy.decode_captures
-        plans = batch.plans
+        plans: dict[Hashable, WindowPlan] = {}
+        plain: list[_Request] = []  # nothing to capture: their open window is the batch itself
         for rec, t in zip(recs, new_ids, strict=True):
             end = rec.done + 1
             if quiet and (page == 1 or end % page):
                 rec.out.append(t)
                 rec.final = None
-                rec.plan = batch
+                plain.append(rec)
             else:
-                plan = self._apply_decode(rec, [t])
+                plan = self._apply_decode(rec, [t])  # opens the request's own plan
                 if plan.captures:
                     plans[rec.rid] = plan
                 else:
-                    rec.plan = batch
-        if plans:
-            batch = batch._replace(after=tuple(f for p in plans.values() for f in p.after))
-            for p in plans.values():
-                self._requests[p.rid].plan = p
-            for rec in recs:
-                if rec.plan is not None and type(rec.plan) is DecodeBatchPlan:
-                    rec.plan = batch
+                    plain.append(rec)
+        batch = DecodeBatchPlan(tuple(rids), plans, tuple(f for p in plans.values() for f in p.after), id(self))
+        for rec in plain:
+            rec.plan = batch
         return batch
 
     # ------------------------------------------------------------------ commit
@@ -742,8 +736,7 @@ class CacheManager:
         kv_indices: torch.Tensor | np.ndarray | Sequence[int],
         now: float | None,
     ) -> WindowResult:
-        if ready is not None and not isinstance(ready, Fence):
-            raise TypeError(f"ready must be a Fence or None, got {type(ready).__name__}")
+        _check_fence(ready)
         t = None if now is None else self._now(now)
         rec = self._check_plan(plan)
         n = plan.end - plan.start
@@ -840,8 +833,7 @@ class CacheManager:
             raise TypeError(f"commit_batch takes the DecodeBatchPlan of plan_decode_batch, got {type(batch).__name__}")
         if batch.manager_id != id(self):
             raise ProtocolError("decode batch was planned by another manager")
-        if ready is not None and not isinstance(ready, Fence):
-            raise TypeError(f"ready must be a Fence or None, got {type(ready).__name__}")
+        _check_fence(ready)
         t = None if now is None else self._now(now)
         get, plans = self._requests.get, batch.plans
         recs: list[_Request] = []
@@ -1021,8 +1013,7 @@ class CacheManager:
         """
         rec = self._get(rid)
         self._check_open(rec)
-        if ready is not None and not isinstance(ready, Fence):
-            raise TypeError(f"ready must be a Fence or None, got {type(ready).__name__}")
+        _check_fence(ready)
         t = self._now(now)
         if ready is not None:
             rec.last_write[rec.live] = ready
@@ -1060,8 +1051,7 @@ class CacheManager:
         :raises UnknownRequest: unknown rid. :raises TypeError: ``ready`` not a fence. Nothing changed.
         """
         rec = self._get(rid)
-        if ready is not None and not isinstance(ready, Fence):
-            raise TypeError(f"ready must be a Fence or None, got {type(ready).__name__}")
+        _check_fence(ready)
         table = self._table(rec)
         after = ready if ready is not None else self._last_fence(rec)
         held = rec.committed
@@ -1123,6 +1113,12 @@ class CacheManager:
         assert self.pool.num_free + tree_n + req_n == self.pool.capacity, (
             f"free {self.pool.num_free} + tree {tree_n} + requests {req_n} != capacity {self.pool.capacity}"
         )
+
+
+def _check_fence(ready: object) -> None:
+    """:raises TypeError: ``ready`` is neither a Fence nor None."""
+    if ready is not None and not isinstance(ready, Fence):
+        raise TypeError(f"ready must be a Fence or None, got {type(ready).__name__}")
 
 
 def _fields(obj: object) -> dict[str, object]:
