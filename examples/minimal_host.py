@@ -60,7 +60,7 @@ def serve(rid: int, prompt: list[int], answer: list[int], session: str) -> int:
     check = manager.can_admit(prompt)
     need = len(prompt) + len(answer) - check.cached_length
     if len(kv.free_ids) < need:
-        manager.evict(kv_tokens=need - len(kv.free_ids))
+        manager.evict(kv_tokens=need - len(kv.free_ids), keep=prompt)
     fresh = kv.alloc(need)
     adm = manager.admit(rid, prompt, session=session)
     assert isinstance(adm, Admission) and fresh is not None, "sized for it above"

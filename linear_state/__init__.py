@@ -4,7 +4,7 @@ and the streams and fences that order every read and write of them.
 Nothing here imports :mod:`radixcache`.
 """
 
-from .errors import PoolError, PoolExhausted, SlotMisuse
+from .errors import ForeignSlot, PoolError, PoolExhausted, SlotMisuse
 from .fingerprint import Fingerprint
 from .layout import StateLayout
 from .owners import NodeOwner, Owner, RequestOwner, SlotId
@@ -17,6 +17,7 @@ __all__ = [
     "DeferredStream",
     "Fence",
     "Fingerprint",
+    "ForeignSlot",
     "ImmediateStream",
     "LinearStatePool",
     "NodeOwner",

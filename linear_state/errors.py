@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from .owners import Owner
 
-__all__ = ["PoolError", "PoolExhausted", "SlotMisuse"]
+__all__ = ["ForeignSlot", "PoolError", "PoolExhausted", "SlotMisuse"]
 
 
 class PoolError(Exception):
@@ -45,3 +45,21 @@ class SlotMisuse(PoolError, RuntimeError):
         held = "free" if owner is None else f"owned by {owner}"
         by = "" if actor is None else f"; attempted by {actor}"
         super().__init__(f"{message}: slot {slot} is {held}{by}")
+
+
+class ForeignSlot(PoolError, ValueError):
+    """A slot id handed out by another pool was passed to this one. Acting on it would read or
+    write an unrelated slot that happens to have the same index; nothing was done.
+
+    :ivar slot: the index the id carries.
+    :ivar slot_pool: the ``pool_id`` of the pool that handed it out.
+    :ivar pool: the ``pool_id`` of the pool it was passed to.
+    """
+
+    def __init__(self, slot: int, *, slot_pool: int, pool: int) -> None:
+        self.slot = slot
+        self.slot_pool = slot_pool
+        self.pool = pool
+        super().__init__(
+            f"slot {slot} was handed out by pool #{slot_pool}, not by this pool (#{pool}); nothing was done"
+        )

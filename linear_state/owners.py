@@ -3,12 +3,31 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NewType, TypeAlias
+from typing import TypeAlias
 
 __all__ = ["SlotId", "RequestOwner", "NodeOwner", "Owner"]
 
-SlotId = NewType("SlotId", int)
-"""Index of a slot in a :class:`~linear_state.LinearStatePool`, in ``[0, capacity)``."""
+
+class SlotId(int):
+    """Index of a slot in a :class:`~linear_state.LinearStatePool`, in ``[0, capacity)``, that
+    remembers which pool handed it out.
+
+    It is an ``int`` everywhere (indexing, tensors, arithmetic, equality and hashing by value);
+    ``pool_id`` is the :attr:`~linear_state.LinearStatePool.pool_id` of the pool that made it, or 0
+    for an id built by hand. Every pool call given a slot id of another pool raises
+    :class:`~linear_state.ForeignSlot` before it touches anything; plain ints (and ids with
+    ``pool_id`` 0) are taken as indices into the pool they are passed to.
+    """
+
+    pool_id: int
+
+    def __new__(cls, index: int, pool_id: int = 0) -> SlotId:
+        obj = super().__new__(cls, index)
+        obj.pool_id = pool_id
+        return obj
+
+    def __reduce__(self) -> tuple[object, tuple[int, int]]:
+        return (SlotId, (int(self), self.pool_id))
 
 
 @dataclass(frozen=True, slots=True)

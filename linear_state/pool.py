@@ -14,19 +14,22 @@ before its forward, and fingerprints catch whatever slips through.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from .errors import PoolExhausted, SlotMisuse
+from .errors import ForeignSlot, PoolExhausted, SlotMisuse
 from .fingerprint import Fingerprint, SlotHasher
 from .layout import StateLayout
 from .owners import NodeOwner, Owner, RequestOwner, SlotId
 from .stream import COMPLETE, Fence, ImmediateStream, Stream
 
 __all__ = ["LinearStatePool", "SlotWrite"]
+
+_POOL_IDS = itertools.count(1)  # process-unique pool identities; 0 marks a slot id built by hand
 
 
 class SlotWrite(NamedTuple):
@@ -55,6 +58,10 @@ class LinearStatePool:
     :param device: where the tensors live.
     :param stream: default stream for pool work (an :class:`ImmediateStream` when omitted).
     :raises ValueError: ``num_slots`` not positive.
+
+    Slot ids the pool hands out are :class:`~linear_state.SlotId` ints carrying its ``pool_id``;
+    every call given one from another pool raises :class:`~linear_state.ForeignSlot` and changes
+    nothing.
     """
 
     def __init__(
@@ -83,9 +90,13 @@ class LinearStatePool:
         self.recurrent = torch.zeros(
             (L, num_slots, *layout.recurrent_shape), dtype=layout.recurrent_dtype, device=self.device
         )
+        self.pool_id = next(_POOL_IDS)
+        """Process-unique identity of this pool, carried by every slot id it hands out."""
         self._owner: list[Owner | None] = [None] * num_slots
+        # One id object per slot, made once: alloc hands it out without building anything.
+        self._ids = [SlotId(i, self.pool_id) for i in range(num_slots)]
         # Popped from the end: the lowest ids are handed out first, which keeps demos readable.
-        self._free: list[SlotId] = [SlotId(i) for i in reversed(range(num_slots))]
+        self._free: list[SlotId] = self._ids[::-1]
         self._last_use: list[Fence] = [COMPLETE] * num_slots
         self._owned_by: dict[Owner, set[SlotId]] = {}
         self._hasher = SlotHasher([self.conv, self.recurrent])
@@ -213,7 +224,7 @@ class LinearStatePool:
             raise SlotMisuse("a tree snapshot cannot change owner", slot=s, owner=current, actor=owner)
         self._release_owner_entry(s, current)
         self._owner[s] = new_owner
-        self._owned_by.setdefault(new_owner, set()).add(SlotId(s))
+        self._owned_by.setdefault(new_owner, set()).add(self._ids[s])
 
     # ------------------------------------------------------------------ writes
     def check_writable(self, slot: int, owner: Owner | None = None) -> None:
@@ -391,7 +402,13 @@ class LinearStatePool:
 
     # ----------------------------------------------------------------- helpers
     def _index(self, slot: int) -> int:
-        if type(slot) is not int:
+        if isinstance(slot, SlotId):
+            made_by = slot.pool_id
+            if made_by == self.pool_id:
+                return slot  # in range by construction
+            if made_by:
+                raise ForeignSlot(int(slot), slot_pool=made_by, pool=self.pool_id)
+        elif type(slot) is not int:
             if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)):
                 raise TypeError(f"a slot id is an int, got {slot!r} ({type(slot).__name__})")
             slot = int(slot)
@@ -402,11 +419,11 @@ class LinearStatePool:
     def _release(self, s: int, owner: Owner) -> None:
         self._release_owner_entry(s, owner)
         self._owner[s] = None
-        self._free.append(SlotId(s))
+        self._free.append(self._ids[s])
 
     def _release_owner_entry(self, s: int, owner: Owner) -> None:
         held = self._owned_by[owner]
-        held.discard(SlotId(s))
+        held.discard(self._ids[s])
         if not held:
             del self._owned_by[owner]
 

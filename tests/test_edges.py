@@ -9,7 +9,17 @@ import numpy as np
 import pytest
 import torch
 
-from linear_state import COMPLETE, LinearStatePool, NodeOwner, RequestOwner, SlotMisuse, StateLayout
+from linear_state import (
+    COMPLETE,
+    ForeignSlot,
+    LinearStatePool,
+    NodeOwner,
+    PoolError,
+    RequestOwner,
+    SlotId,
+    SlotMisuse,
+    StateLayout,
+)
 from radixcache import CacheManager, ForeignObjectError, HybridRadixCache, RadixCacheError, TreeNode
 from radixcache.policies import FixedPoints
 from radixcache.testing.digest import state_digest
@@ -87,6 +97,46 @@ def test_nodes_of_another_cache_are_refused_everywhere() -> None:
     assert isinstance(ForeignObjectError("x"), RadixCacheError) and isinstance(ForeignObjectError("x"), ValueError)
     pool_b.free(dst, R)
     mgr_a.check_invariants()
+    mgr_b.check_invariants()
+
+
+def test_slots_of_another_pool_are_refused_everywhere() -> None:
+    pool_a, _, _ = stack()
+    pool_b, cache_b, mgr_b = stack()
+    served(mgr_b, "b", list(range(8)))
+    node = cache_b.match(list(range(9))).node
+    own = pool_b.alloc(R)
+    taken = pool_a.alloc_many(R, int(own) + 1)
+    foreign = taken[-1]  # same index as ``own``, another pool
+    assert foreign == own and foreign.pool_id == pool_a.pool_id != own.pool_id == pool_b.pool_id
+    pool_b.write(own, torch.ones(1, 2, 3), torch.ones(1, 2, 2, dtype=torch.float64), owner=R)
+    before = state_digest(mgr_b)
+    calls: list[Callable[[], object]] = [
+        lambda: cache_b.insert([70, 71, 72], torch.arange(3), state_slot=foreign),  # would clone B's slot 0
+        lambda: cache_b.restore(node, foreign, dst_owner=R),  # would overwrite B's slot 0
+        lambda: pool_b.free(foreign, R),
+        lambda: pool_b.owner_of(foreign),
+        lambda: pool_b.clone(foreign, NodeOwner(-1)),
+        lambda: pool_b.copy(own, foreign),
+        lambda: pool_b.copy(foreign, own),
+        lambda: pool_b.zero(foreign),
+        lambda: pool_b.transfer(foreign, R, RequestOwner("x")),
+        lambda: pool_b.check_writable(foreign),
+        lambda: pool_b.read(foreign),
+        lambda: pool_b.fingerprint(foreign),
+        lambda: pool_b.last_use(foreign),
+    ]
+    for call in calls:
+        with pytest.raises(ForeignSlot, match=f"handed out by pool #{pool_a.pool_id}, not by this pool"):
+            call()
+    assert state_digest(mgr_b) == before, "a slot of another pool changed this one"
+    assert isinstance(ForeignSlot(0, slot_pool=1, pool=2), PoolError)
+    # A hand-made id carries no pool: it is an index into whichever pool it is given to.
+    assert pool_b.owner_of(SlotId(int(own))) == R
+    pool_b.free(own, R)
+    for s in taken:
+        pool_a.free(s, R)
+    pool_a.check_invariants()
     mgr_b.check_invariants()
 
 

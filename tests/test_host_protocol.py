@@ -168,6 +168,33 @@ def test_kv_pressure_evicts_leaves_in_the_policy_order_and_never_a_locked_path()
     h.mgr.check_invariants()
 
 
+def test_kv_pressure_with_keep_never_takes_the_hit_the_dry_run_found() -> None:
+    """The soak's find: making room for a request evicted the prefix it was going to hit, so the
+    KV it needed grew between the dry run and the admission."""
+    h = Host(slots=20, policy=HitDensity(block=64))
+    shared = tokens(200)
+    serve(h, "a", shared + tokens(10), [])
+    serve(h, "other", tokens(200), [])  # more recent: an LRU-like order evicts `a`'s path first
+    prompt = shared + tokens(20)
+    check = h.mgr.can_admit(prompt)
+    assert check.cached_length >= 128
+    for n in h.cache.iter_nodes():  # make `a`'s path the policy's first choice
+        n.last_access = 0.0 if n.depth <= len(shared) + 10 else n.last_access
+    before = state_digest(h.mgr)
+    with pytest.raises(ValueError, match="no ids"):
+        h.mgr.evict(kv_tokens=1, keep=[])
+    with pytest.raises(TypeError):
+        h.mgr.evict(kv_tokens=1, keep=prompt, namespace=["unhashable"])  # type: ignore[arg-type]
+    assert state_digest(h.mgr) == before, "a refused evict changed something"
+    res = h.mgr.evict(kv_tokens=10**6, keep=prompt)
+    assert res.kv_tokens > 0, "everything else went"
+    assert h.mgr.can_admit(prompt).cached_length == check.cached_length, "the kept hit was evicted"
+    assert h.cache.protected_kv_tokens == 0, "the lock taken for the eviction was released"
+    h.mgr.evict(kv_tokens=10**6)
+    assert h.mgr.can_admit(prompt).cached_length == 0, "without keep= the hit is evictable"
+    h.mgr.check_invariants()
+
+
 def test_a_policy_choosing_a_locked_victim_is_reported() -> None:
     pol = _Chooser()
     h = Host(slots=20, policy=pol)

@@ -964,28 +964,51 @@ class CacheManager:
         return self.cache.evict_snapshot(victim)
 
     @_exclusive
-    def evict(self, *, snapshots: int = 0, kv_tokens: int = 0, now: float | None = None) -> EvictResult:
+    def evict(
+        self,
+        *,
+        snapshots: int = 0,
+        kv_tokens: int = 0,
+        now: float | None = None,
+        keep: KeyLike | None = None,
+        namespace: Hashable = None,
+    ) -> EvictResult:
         """Free at least ``snapshots`` snapshots and ``kv_tokens`` KV tokens, in the policy's order
         (or as many as are evictable). Call it when the host's KV allocator runs short (the KV goes
         to the tree's ``on_free_kv``; reuse it for work ordered after this call) or to hold a byte
         budget. Locked snapshots and their paths are never touched. O(log n) per snapshot for heap
         policies.
 
-        :raises ValueError: a negative or non-integer amount. Nothing changed.
+        :param keep: the ids of a request about to be admitted: the hit :meth:`can_admit` reports
+            for them (in ``namespace``) is protected during this eviction, so the dry run's
+            ``cached_length`` still holds afterwards. Without it, making room for a request can
+            evict the very prefix it was going to hit, and the KV it needs grows.
+        :raises ValueError: a negative or non-integer amount, bad ``keep`` ids. Nothing changed.
+        :raises TypeError: ``keep`` or ``namespace`` of the wrong type. Nothing changed.
         """
         for name, v in (("snapshots", snapshots), ("kv_tokens", kv_tokens)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
                 raise ValueError(f"evict {name} must be an int >= 0, got {v!r}")
+        hold: TreeNode | None = None
+        if keep is not None:
+            m = self._match(self._ids("(evict keep)", keep)[1], namespace)
+            hold = m.node if m.length else None
         t = self._now(now)
-        out = self._evict_snapshots(int(snapshots), t, "host") if snapshots else EvictResult(0, 0, 0)
-        kv, snaps, removed = out
-        while kv < kv_tokens:
-            r = self._evict_one(t, True)
-            if r is None:
-                break
-            kv, snaps, removed = kv + r.kv_tokens, snaps + r.snapshots, removed + r.nodes_removed
-            self._counters.evictions["kv-pressure"] += r.snapshots
-            self._counters.evicted_kv_tokens += r.kv_tokens
+        if hold is not None:
+            self.cache.lock(hold)  # released below: the hit is kept only for this eviction
+        try:
+            out = self._evict_snapshots(int(snapshots), t, "host") if snapshots else EvictResult(0, 0, 0)
+            kv, snaps, removed = out
+            while kv < kv_tokens:
+                r = self._evict_one(t, True)
+                if r is None:
+                    break
+                kv, snaps, removed = kv + r.kv_tokens, snaps + r.snapshots, removed + r.nodes_removed
+                self._counters.evictions["kv-pressure"] += r.snapshots
+                self._counters.evicted_kv_tokens += r.kv_tokens
+        finally:
+            if hold is not None:
+                self.cache.unlock(hold)
         return EvictResult(kv, snaps, removed)
 
     def verify_all(self) -> int:

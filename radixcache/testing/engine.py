@@ -230,14 +230,15 @@ class ReferenceEngine:
             if not check.admissible:
                 return
             need = len(req.prompt) + req.max_new_tokens - check.cached_length
-            if self.kv.num_free < need:  # KV pressure: the manager evicts through its policy
-                self.manager.evict(kv_tokens=need - self.kv.num_free)
+            if self.kv.num_free < need:  # KV pressure: the manager evicts through its policy,
+                # keeping the hit the dry run found (else `need` would grow under our feet)
+                self.manager.evict(kv_tokens=need - self.kv.num_free, keep=req.prompt)
             if self.kv.num_free < need:
                 return
             adm = self.manager.admit(req.rid, req.prompt, session=req.session)
             assert isinstance(adm, Admission), adm  # the dry run said it would be admitted
             fresh = self.kv.alloc(len(req.prompt) + req.max_new_tokens - adm.cached_length)
-            assert fresh is not None  # the KV eviction above protected nothing admission needed
+            assert fresh is not None  # the eviction above kept the hit: need did not grow
             self.waiting.popleft()
             req.cached_length = adm.cached_length
             req.t_admit = time.perf_counter()

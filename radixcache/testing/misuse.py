@@ -73,6 +73,7 @@ class _Foreign:
         self.plan = self.manager.plan_prefill(0, 5)
         donor = pool.alloc(RequestOwner("foreign donor"))
         self.node = self.cache.insert([1, 2, 3], torch.arange(3), state_slot=donor).node
+        self.slot = donor  # a slot id of another pool (its index is likely in use here too)
 
 
 class MisuseMachine(HostMachine):
@@ -124,6 +125,13 @@ class MisuseMachine(HostMachine):
             Misuse("tree kv_indices: foreign node", lambda: cache.kv_indices(self.foreign.node)),
             Misuse("tree touch: foreign node", lambda: cache.touch(self.foreign.node)),
             Misuse("tree lock: not a node", lambda: cache.lock(_wrong("root"))),
+            Misuse(
+                "tree insert: another pool's slot as donor",
+                lambda: cache.insert([4, 4], [0, 1], state_slot=self.foreign.slot),
+            ),
+            Misuse(
+                "pool free: another pool's slot", lambda: pool.free(self.foreign.slot, RequestOwner("foreign donor"))
+            ),
             Misuse("pool alloc: bad owner", lambda: pool.alloc(_wrong("request 1"))),
             Misuse("pool owner_of: float slot", lambda: pool.owner_of(_wrong(0.5))),
             Misuse("pool free: out of range", lambda: pool.free(pool.capacity, RequestOwner(fresh))),
@@ -141,6 +149,7 @@ class MisuseMachine(HostMachine):
                 Misuse("pool zero: a frozen snapshot", lambda: pool.zero(slot, owner=NodeOwner(node.id))),
                 Misuse("pool free: not the owner", lambda: pool.free(slot, RequestOwner(fresh))),
                 Misuse("tree restore: into the snapshot itself", lambda: cache.restore(node, slot)),
+                Misuse("tree restore: into another pool's slot", lambda: cache.restore(node, self.foreign.slot)),
             ]
             if node.snap_lock == 0:
                 out.append(Misuse("tree unlock: not locked", lambda: cache.unlock(node)))
