@@ -179,7 +179,7 @@ def test_kv_pressure_with_keep_never_takes_the_hit_the_dry_run_found() -> None:
     check = h.mgr.can_admit(prompt)
     assert check.cached_length >= 128
     for n in h.cache.iter_nodes():  # make `a`'s path the policy's first choice
-        n.last_access = 0.0 if n.depth <= len(shared) + 10 else n.last_access
+        n.last_access = 0 if n.depth <= len(shared) + 10 else n.last_access
     before = state_digest(h.mgr)
     with pytest.raises(ValueError, match="no ids"):
         h.mgr.evict(kv_tokens=1, keep=[])
