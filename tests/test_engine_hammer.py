@@ -1,7 +1,10 @@
+import dataclasses
+
 import pytest
 import torch
 
 from radixcache.cli import main
+from radixcache.policies import FixedPoints
 from radixcache.testing.engine import EngineRequest, KVAllocator, ReferenceEngine, generate_cold
 from radixcache.testing.hammer import HammerConfig, format_report, run_hammer
 from radixcache.testing.model import HybridConfig, HybridModel
@@ -70,3 +73,92 @@ def test_the_watchdog_fails_a_hammer_that_stops_making_progress(monkeypatch: pyt
     assert rep.stuck > 0 and not rep.ok
     assert "stuck requests (aborted by the watchdog)" in format_report(rep) and "RESULT: FAIL" in format_report(rep)
     assert rep.slots_leaked == 0 and rep.kv_leaked == 0, "the watchdog's aborts free what the requests held"
+
+
+def test_the_mix_carries_tenants_images_one_token_requests_and_warm_prompts() -> None:
+    cfg = HammerConfig(requests=60, concurrency=6, seed=5, image_share=0.5, tenant_share=0.5, single_token_share=0.2)
+    rep = run_hammer(cfg, model=MODEL)
+    assert rep.ok, format_report(rep)
+    assert rep.tenant_requests > 0 and rep.image_requests > 0
+    assert "tenant / image requests" in format_report(rep)
+
+
+# Each class of keying or KV-aliasing bug fails the hammer. The mix is the default one with more
+# of the requests each bug needs (the default 500-request hammer catches each too: docs/hammer.md).
+FOCUSED = {
+    "namespace-blind": HammerConfig(requests=40, seed=0, tenant_share=0.6),
+    "image-digest-prefix": HammerConfig(requests=120, seed=0, image_share=0.7, tenant_share=0.0),
+    "full-hit-admission": HammerConfig(requests=120, seed=0, single_token_share=0.5, stall_steps=300),
+    "tree-keeps-kv-view": HammerConfig(requests=40, seed=0),
+}
+
+
+@pytest.mark.parametrize("bug", sorted(FOCUSED))
+def test_keying_and_kv_aliasing_bugs_fail_the_hammer(bug: str) -> None:
+    clean = run_hammer(FOCUSED[bug], model=MODEL)
+    assert clean.ok, format_report(clean)
+    rep = run_hammer(dataclasses.replace(FOCUSED[bug], inject=bug), model=MODEL)
+    assert not rep.ok and "RESULT: FAIL" in format_report(rep)
+    assert rep.wrong_answers + rep.stuck > 0 or rep.error is not None, format_report(rep)
+
+
+def test_an_exception_out_of_the_engine_fails_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = {"n": 0}
+    real = ReferenceEngine.step
+
+    def step(self: ReferenceEngine) -> None:
+        calls["n"] += 1
+        if calls["n"] == 30:
+            raise RuntimeError("KV index 7 freed twice")
+        real(self)
+
+    monkeypatch.setattr(ReferenceEngine, "step", step)
+    rep = run_hammer(HammerConfig(requests=8, concurrency=2, seed=2), model=MODEL)
+    assert rep.error == "RuntimeError: KV index 7 freed twice" and not rep.ok
+    assert "error (the run ended here)" in format_report(rep) and "RESULT: FAIL" in format_report(rep)
+
+
+def test_warm_caches_prompts_through_a_reused_staging_buffer() -> None:
+    engine = ReferenceEngine(MODEL, max_running=2)
+    gen = torch.Generator().manual_seed(4)
+    systems = [[int(x) for x in torch.randint(0, 511, (n,), generator=gen)] for n in (200, 130)]
+    assert engine.warm(systems) == 330 and engine.warm(systems, namespace="t") == 330
+    kv_a = engine.cache.kv_indices(engine.cache.match(systems[0]).node)
+    assert len(set(kv_a.tolist())) == 200 and engine.cache.num_snapshots == 4
+    prompt = systems[0] + [5, 6, 7]
+    engine.submit(EngineRequest("a", prompt, 4))
+    engine.submit(EngineRequest("b", prompt, 4, namespace="t"))
+    a, b = engine.run()
+    assert a.cached_length == b.cached_length == 200
+    assert (a.output, b.output) == (
+        generate_cold(MODEL, prompt, 4)[0],
+        generate_cold(MODEL, prompt, 4, namespace="t")[0],
+    )
+    assert a.output != b.output, "the tenant's adapter makes it another model"
+    engine.submit(EngineRequest("c", [1, 2, 3], 2))
+    with pytest.raises(RuntimeError, match="before serving"):
+        engine.warm(systems)
+    engine.run()
+    engine.manager.check_invariants()
+
+
+def test_images_key_by_every_byte_and_a_hit_inside_an_image_is_exact() -> None:
+    ph = MODEL.cfg.placeholder_id
+    image = bytes(range(256)) * 40  # 10 KiB
+    variant = image[:5000] + b"\xff" + image[5001:]  # differs beyond the first 4 KiB only
+    assert not torch.equal(MODEL.image_rows(image, 3), MODEL.image_rows(variant, 3))
+    assert torch.equal(MODEL.image_rows(image, 5)[:3], MODEL.image_rows(image, 3)), "row k depends on k only"
+    prompt = list(range(40)) + [ph] * 30 + list(range(50, 70))
+    engine = ReferenceEngine(MODEL, max_running=2, chunk=64, policy=FixedPoints(16))  # snapshots every 16
+    engine.submit(EngineRequest("a", prompt, 3, images=[image]))
+    engine.run()
+    # Cut inside the image run: the hit ends mid-image; the rest of the run is scattered after it.
+    cut = prompt[:60] + list(range(100, 140))
+    engine.submit(EngineRequest("b", cut, 3, images=[image]))
+    engine.submit(EngineRequest("c", list(prompt), 3, images=[variant]))
+    _, b, c = engine.run()
+    assert 40 < b.cached_length <= 60, b.cached_length
+    assert c.cached_length <= 40, "another image must not hit the first image's states"
+    assert b.output == generate_cold(MODEL, cut, 3, images=[image])[0]
+    assert c.output == generate_cold(MODEL, prompt, 3, images=[variant])[0]
+    assert all(t != ph for r in (b, c) for t in r.output), "the placeholder is never generated"

@@ -14,18 +14,20 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from linear_state import DeferredStream, Fence, ImmediateStream, LinearStatePool, RequestOwner, Stream
 
 from ..core.manager import Admission, CacheManager, WindowPlan, WindowResult
+from ..core.multimodal import image_cache_ids
 from ..core.tree import HybridRadixCache
 from ..forensics import Forensics, Ledger
 from ..policies import HitDensity, Policy
-from .inject import BUGS, make_cache
+from .inject import make_cache, make_manager, make_pool
 from .model import HybridConfig, HybridModel, KVPool
 
 __all__ = ["EngineRequest", "KVAllocator", "ReferenceEngine", "generate_cold"]
@@ -40,6 +42,8 @@ class EngineRequest:
     max_new_tokens: int
     abort_after: int | None = None  # abort once this many tokens were generated (a dropped stream)
     session: Hashable | None = None  # the conversation it continues, told to the manager's policy
+    namespace: Hashable = None  # the tenant's adapter (None: the base model); keys the cache too
+    images: list[bytes] = field(default_factory=list)  # one per placeholder run of the prompt
     output: list[int] = field(default_factory=list)
     first_logits: torch.Tensor | None = None
     cached_length: int = 0
@@ -49,6 +53,11 @@ class EngineRequest:
     aborted: bool = False
     done: bool = False
     stalled: bool = False  # ended by abort_all (the hammer's watchdog), not by its own life
+
+    def cache_ids(self, placeholder_id: int) -> np.ndarray | list[int]:
+        """The ids the cache is keyed on: the prompt, each image's placeholders replaced by ids of
+        its bytes (:func:`~radixcache.image_cache_ids`)."""
+        return image_cache_ids(self.prompt, placeholder_id, self.images) if self.images else self.prompt
 
 
 class KVAllocator:
@@ -98,7 +107,8 @@ class ReferenceEngine:
     :param policy: the manager's policy (default: :class:`~radixcache.policies.HitDensity` with
         ``track_align`` blocks: the reference model's kernels expose states at multiples of 64).
     :param track_slots: captures per window.
-    :param inject: commit one historical bug on purpose (see :mod:`radixcache.testing.inject`).
+    :param inject: commit one bug on purpose (see :mod:`radixcache.testing.inject`; the names of
+        :data:`~radixcache.testing.inject.FUZZ_BUGS`).
     """
 
     def __init__(
@@ -119,13 +129,11 @@ class ReferenceEngine:
         forensics_ledger: str | None = None,
         record_writes: bool = False,
     ) -> None:
-        if inject is not None and inject not in BUGS:
-            raise ValueError(f"unknown inject mode {inject!r}; known: {sorted(BUGS)}")
         self.model = model
         cfg: HybridConfig = model.cfg
         self.forward: Stream = DeferredStream("forward") if deferred else ImmediateStream()
         self.copies: Stream = DeferredStream("copies") if deferred else ImmediateStream()
-        self.pool = LinearStatePool(cfg.state_layout(), max_running * (1 + track_slots) + snapshot_slots)
+        self.pool = make_pool(inject, cfg.state_layout(), max_running * (1 + track_slots) + snapshot_slots)
         self.kv_pool = KVPool(cfg, kv_tokens)
         self.kv = KVAllocator(kv_tokens)
         self.cache: HybridRadixCache = make_cache(
@@ -134,11 +142,12 @@ class ReferenceEngine:
         self.forensics = (
             Forensics(self.pool, ledger=Ledger(forensics_ledger), mode="record") if forensics_ledger else None
         )
-        self.manager = CacheManager(
+        self.manager: CacheManager = make_manager(
+            inject,
             self.cache,
             policy if policy is not None else HitDensity(block=track_align),
             track_slots=track_slots,
-            barrier=barrier,  # type: ignore[arg-type]
+            barrier=barrier,
             forensics=self.forensics,
         )
         # (forensics step when it ran, request, slot) for every slot a forward wrote: ground truth
@@ -150,10 +159,15 @@ class ReferenceEngine:
         self.running: dict[Hashable, _Running] = {}
         self.finished: list[EngineRequest] = []
         self._progress = 0  # requests admitted and ended so far (see ``progress``)
+        self._ids: dict[Hashable, np.ndarray | list[int]] = {}  # cache ids of requests not yet ended
+        self._stage = torch.empty(0, dtype=torch.int64)  # warm()'s KV staging buffer, reused
 
     # ---------------------------------------------------------------- public
     def submit(self, req: EngineRequest, *, front: bool = False) -> None:
-        """Queue a request (at the head of the queue with ``front``)."""
+        """Queue a request (at the head of the queue with ``front``).
+
+        :raises ValueError: its placeholder runs and images cannot be paired."""
+        self._ids[req.rid] = req.cache_ids(self.model.cfg.placeholder_id)
         req.t_submit = time.perf_counter()
         if front:
             self.waiting.appendleft(req)
@@ -179,9 +193,56 @@ class ReferenceEngine:
             self._end(r, abort=True)
         while self.waiting:
             req = self.waiting.popleft()
+            del self._ids[req.rid]
             req.aborted = req.done = req.stalled = True
             self.finished.append(req)
         return n
+
+    def warm(self, prompts: Sequence[Sequence[int]], *, namespace: Hashable = None) -> int:
+        """Pre-cache ``prompts`` (system prompts, in ``namespace``: the base model when ``None``, else
+        that tenant's adapter) at start-up, as hosts do: each is computed cold in
+        a scratch slot and inserted straight into the tree (``cache.insert(ids, kv, state_slot=,
+        ready=)``, no request, no policy), its KV indices staged in one buffer that the engine
+        reuses for the next prompt at once. Call it while idle. Returns the tokens cached.
+
+        :raises RuntimeError: requests are running or waiting."""
+        if not self.idle:
+            raise RuntimeError("warm() runs before serving: requests are running or waiting")
+        owner = RequestOwner("warm-up")
+        slot = self.pool.alloc(owner)
+        pool, kvp, model, page = self.pool, self.kv_pool, self.model, self.cache.page_size
+        last: Fence | None = None
+        cached = 0
+        for prompt in prompts:
+            n = len(prompt) // page * page
+            fresh = self.kv.alloc(n) if n else None
+            if fresh is None:
+                continue
+            if self._stage.numel() < n:
+                self._stage = torch.empty(max(n, 2 * self._stage.numel()), dtype=torch.int64)
+            stage = self._stage[:n]
+            stage.copy_(fresh)  # what the tree is handed: the staging buffer, rewritten next prompt
+            last = pool.zero(slot, owner=owner, stream=self.forward, after=[] if last is None else [last])
+            for start in range(0, n, self.chunk):
+                end = min(n, start + self.chunk)
+                ids = torch.tensor(list(prompt[start:end]))
+                embeds = None if namespace is None else model.inputs(prompt, start, end, namespace=namespace)
+
+                def work(
+                    ids: torch.Tensor = ids,
+                    start: int = start,
+                    kv: torch.Tensor = fresh,
+                    x: torch.Tensor | None = embeds,
+                ) -> None:
+                    # its own KV indices, not the staging buffer: a deferred forward may run late
+                    model.prefill(ids, start, pool, slot, kvp, kv, embeds=x)
+
+                last = self.forward.submit(work, after=[last], label=f"warm-up [{start}, {end})")
+            res = self.cache.insert(list(prompt[:n]), stage, state_slot=slot, ready=last, namespace=namespace)
+            cached += res.length - res.prefix_length
+            self._device_progress()
+        self.pool.free(slot, owner, after=[] if last is None else [last])
+        return cached
 
     def run(self) -> list[EngineRequest]:
         """Step until idle; return the finished requests (in finishing order)."""
@@ -226,16 +287,17 @@ class ReferenceEngine:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_running:
             req = self.waiting[0]
-            check = self.manager.can_admit(req.prompt)
+            ids, ns = self._ids[req.rid], req.namespace
+            check = self.manager.can_admit(ids, namespace=ns)
             if not check.admissible:
                 return
             need = len(req.prompt) + req.max_new_tokens - check.cached_length
             if self.kv.num_free < need:  # KV pressure: the manager evicts through its policy,
                 # keeping the hit the dry run found (else `need` would grow under our feet)
-                self.manager.evict(kv_tokens=need - self.kv.num_free, keep=req.prompt)
+                self.manager.evict(kv_tokens=need - self.kv.num_free, keep=ids, namespace=ns)
             if self.kv.num_free < need:
                 return
-            adm = self.manager.admit(req.rid, req.prompt, session=req.session)
+            adm = self.manager.admit(req.rid, ids, namespace=ns, session=req.session)
             assert isinstance(adm, Admission), adm  # the dry run said it would be admitted
             fresh = self.kv.alloc(len(req.prompt) + req.max_new_tokens - adm.cached_length)
             assert fresh is not None  # the eviction above kept the hit: need did not grow
@@ -268,9 +330,15 @@ class ReferenceEngine:
         kv_idx = r.kv[:end]
         out: dict[str, torch.Tensor] = {}
         model, pool, kvp, live = self.model, self.pool, self.kv_pool, r.adm.live_slot
+        req = r.req
+        embeds = (
+            model.inputs(prompt, start, end, namespace=req.namespace, images=req.images)
+            if req.namespace is not None or req.images
+            else None
+        )
 
         def work() -> None:
-            out["logits"] = model.prefill(ids, start, pool, live, kvp, kv_idx, captures)
+            out["logits"] = model.prefill(ids, start, pool, live, kvp, kv_idx, captures, embeds=embeds)
             self._note_writes(rid, [live, *(t for _, t in captures)])
 
         r.last = self.forward.submit(work, after=after, label=f"prefill {rid} [{start},{end})")
@@ -292,9 +360,10 @@ class ReferenceEngine:
         copies = [(p.live_slot, c.slot, rid) for rid, p in plan.plans.items() for c in p.captures]
         result = torch.empty(len(batch), self.model.cfg.vocab_size, dtype=self.model.cfg.dtype)
         model, pool, kvp = self.model, self.pool, self.kv_pool
+        bias = _biases(model, [r.req.namespace for r in batch])
 
         def work() -> None:
-            result.copy_(model.decode(ids, positions, pool, slots, kvp, kv_idx))
+            result.copy_(model.decode(ids, positions, pool, slots, kvp, kv_idx, bias=bias))
             for live, track, _ in copies:
                 pool.conv[:, track].copy_(pool.conv[:, live])
                 pool.recurrent[:, track].copy_(pool.recurrent[:, live])
@@ -322,7 +391,7 @@ class ReferenceEngine:
     # -------------------------------------------------------------- sampling
     def _sample(self, r: _Running, logits: torch.Tensor) -> None:
         req = r.req
-        tok = int(torch.argmax(logits))
+        tok = self.model.greedy(logits)
         if not req.output:
             req.first_logits = logits.detach().clone()
             req.t_first = time.perf_counter()
@@ -343,27 +412,51 @@ class ReferenceEngine:
         r.req.done = True
         self._progress += 1 + r.done  # its tokens leave the running sum
         del self.running[rid]
+        del self._ids[rid]
         self.finished.append(r.req)
         self._device_progress()
 
 
-def generate_cold(model: HybridModel, prompt: list[int], n: int, *, chunk: int = 256) -> tuple[list[int], torch.Tensor]:
+def generate_cold(
+    model: HybridModel,
+    prompt: list[int],
+    n: int,
+    *,
+    chunk: int = 256,
+    namespace: Hashable = None,
+    images: Sequence[bytes] = (),
+) -> tuple[list[int], torch.Tensor]:
     """Ground truth: ``prompt`` computed alone, cold, with no cache (a private one-slot pool and
-    KV), then ``n`` greedy tokens. Returns the tokens and the first token's logits."""
+    KV), in ``namespace`` and with ``images``, then ``n`` greedy tokens. Returns the tokens and
+    the first token's logits."""
     cfg = model.cfg
     pool = LinearStatePool(cfg.state_layout(), 1)
     kvp = KVPool(cfg, len(prompt) + n)
     kv_idx = torch.arange(len(prompt) + n)
     slot = pool.alloc(RequestOwner("cold"))
     logits = torch.empty(0)
+    plain = namespace is None and not images
     for start in range(0, len(prompt), chunk):
-        ids = torch.tensor(prompt[start : start + chunk])
-        logits = model.prefill(ids, start, pool, slot, kvp, kv_idx)
+        end = min(len(prompt), start + chunk)
+        ids = torch.tensor(prompt[start:end])
+        embeds = None if plain else model.inputs(prompt, start, end, namespace=namespace, images=images)
+        logits = model.prefill(ids, start, pool, slot, kvp, kv_idx, embeds=embeds)
     first = logits.clone()
-    out = [int(torch.argmax(logits))]
+    out = [model.greedy(logits)]
     slots = torch.tensor([slot])
+    bias = _biases(model, [namespace])
     while len(out) < n:
         pos = len(prompt) + len(out) - 1
-        logits = model.decode(torch.tensor([out[-1]]), [pos], pool, slots, kvp, [kv_idx[: pos + 1]])[0]
-        out.append(int(torch.argmax(logits)))
+        logits = model.decode(torch.tensor([out[-1]]), [pos], pool, slots, kvp, [kv_idx[: pos + 1]], bias=bias)[0]
+        out.append(model.greedy(logits))
     return out, first
+
+
+def _biases(model: HybridModel, namespaces: Sequence[Hashable]) -> torch.Tensor | None:
+    """[B, hidden] adapter biases of a decode batch (zero rows for the base model); None when no
+    request has an adapter."""
+    rows = [model.adapter(ns) for ns in namespaces]
+    if all(b is None for b in rows):
+        return None
+    zero = torch.zeros(model.cfg.hidden_size, dtype=model.cfg.dtype)
+    return torch.stack([zero if b is None else b for b in rows])

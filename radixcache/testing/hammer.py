@@ -1,11 +1,19 @@
 """The ground-truth hammer: serve a realistic mix of requests concurrently through the reference
 engine and the cache, then compare every answer with the same prompt computed alone, cold.
 
-The mix (seeded): new sessions on shared system prompts, multi-turn continuations (the previous
-prompt + its answer + a new message), identical re-sends, prefixes cut mid-block followed by a new
-suffix, and streams aborted after a few tokens. A request is wrong when its tokens differ from the
-cold ground truth; cross-talk when its wrong tokens are another prompt's ground truth. Leaks are
-slots or KV indices neither free nor held once everything finished.
+The mix (seeded): new sessions on shared system prompts (pre-cached at start-up by the engine's
+``warm``, straight into the tree through a reused KV staging buffer), multi-turn continuations (the
+previous prompt + its answer + a new message), identical re-sends, prefixes cut mid-block followed
+by a new suffix, streams aborted after a few tokens, one-token requests (whose final state is
+the state at exactly the prompt: a re-send may only hit one token short of it), tenants (each
+with its own adapter: a namespace, sharing the system prompts and ids with the base model), and
+image requests (real image bytes keyed through ``image_cache_ids``: a gallery of images and of
+variants differing from them in one byte anywhere, the same image after other prefixes,
+placeholder runs cut by a later hit). Each request is compared with the same prompt, namespace and
+images computed alone, cold. A request is wrong when its tokens differ from the cold ground truth;
+cross-talk when its wrong tokens are another prompt's ground truth. Leaks are slots or KV indices
+neither free nor held once everything finished. An exception out of the engine or the cache fails
+the run (``error``).
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import torch
 
 from ..policies import make_policy
 from .engine import EngineRequest, ReferenceEngine, generate_cold
+from .inject import injected
 from .model import HybridConfig, HybridModel
 
 __all__ = ["HammerConfig", "HammerReport", "format_report", "run_hammer"]
@@ -44,6 +53,12 @@ class HammerConfig:
     policy: str = "hit-density"  # the manager's policy, by name (see radixcache.policies.POLICIES)
     page_size: int = 1  # tokens per KV page of the tree
     stall_steps: int = 2000  # engine steps without any progress before the watchdog fails the run
+    tenants: int = 2  # adapters (namespaces) besides the base model; 0: base model only
+    tenant_share: float = 0.25  # fraction of new sessions that run on a tenant's adapter
+    images: int = 4  # images in the gallery (each with a variant differing in one byte); 0: text only
+    image_share: float = 0.2  # fraction of new sessions that carry an image
+    single_token_share: float = 0.08  # fraction of requests that generate one token
+    warm: bool = True  # pre-cache the system prompts at start-up (engine.warm)
 
 
 @dataclass
@@ -76,6 +91,9 @@ class HammerReport:
     page_size: int = 1
     checked: bool = True  # False: served without ground truth; no answer was compared
     stuck: int = 0  # requests the watchdog aborted: no progress in stall_steps engine steps
+    error: str | None = None  # an exception out of the engine or the cache ended the run
+    tenant_requests: int = 0  # served requests with a namespace
+    image_requests: int = 0  # served requests with images
     metrics: dict[str, object] = field(default_factory=dict)  # the manager's counters at the end
     wrong_examples: list[str] = field(default_factory=list)
 
@@ -95,6 +113,7 @@ class HammerReport:
         False when nothing was checked (``ground_truth=False``)."""
         return (
             self.checked
+            and self.error is None
             and self.stuck == 0
             and self.wrong_answers == 0
             and self.cross_talk == 0
@@ -110,28 +129,69 @@ class HammerReport:
         return d
 
 
+_Key = tuple[tuple[int, ...], object, tuple[bytes, ...]]  # prompt, namespace, images
+
+
 class _Workload:
     """Seeded request mix; continuations and re-sends draw on requests that already finished."""
+
+    QUESTIONS = 3  # fixed questions after an image: repeats of (image, question) hit deep
 
     def __init__(self, cfg: HammerConfig, vocab: int) -> None:
         self.cfg = cfg
         self.rng = random.Random(cfg.seed)
-        self.vocab = vocab
+        self.vocab = vocab - 1  # the last id is the image placeholder: text never uses it
+        self.placeholder = vocab - 1
         self.systems = [self._tokens(self.rng.randint(150, 1100)) for _ in range(cfg.system_prompts)]
-        self.history: list[tuple[list[int], list[int], object]] = []  # finished (prompt, output, session)
+        self.tenants = [f"tenant-{i}" for i in range(cfg.tenants)]
+        self.questions = [self._tokens(self.rng.randint(8, 40)) for _ in range(self.QUESTIONS)]
+        self.gallery: list[tuple[bytes, int]] = []  # (image bytes, its tokens)
+        for i in range(cfg.images):
+            image = self.rng.randbytes(self.rng.randint(6 * 1024, 12 * 1024))
+            # Its variant differs in one byte: within the first 4 KiB for even i, beyond for odd.
+            at = self.rng.randrange(4096) if i % 2 == 0 else self.rng.randrange(4096, len(image))
+            variant = image[:at] + bytes([image[at] ^ 0x5A]) + image[at + 1 :]
+            n = self.rng.randint(24, 96)
+            self.gallery += [(image, n), (variant, n)]
+        # finished (prompt, output, session, namespace, images)
+        self.history: list[tuple[list[int], list[int], object, object, list[bytes]]] = []
         self.followers: set[object] = set()  # rids of burst followers
         self.n = 0
 
     def _tokens(self, n: int) -> list[int]:
         return [self.rng.randrange(self.vocab) for _ in range(n)]
 
-    def _request(self, prompt: list[int], session: object = None) -> EngineRequest:
+    def _request(
+        self, prompt: list[int], session: object = None, namespace: object = None, images: list[bytes] | None = None
+    ) -> EngineRequest:
         rng, cfg = self.rng, self.cfg
-        n_new = rng.randint(cfg.min_new_tokens, cfg.max_new_tokens)
-        abort_after = rng.randint(1, max(1, n_new - 1)) if rng.random() < 0.10 else None
+        n_new = 1 if rng.random() < cfg.single_token_share else rng.randint(cfg.min_new_tokens, cfg.max_new_tokens)
+        abort_after = rng.randint(1, max(1, n_new - 1)) if n_new > 1 and rng.random() < 0.10 else None
         self.n += 1
+        prompt = prompt[:3000]
+        images = list(images or [])[: self._runs(prompt)]  # a cut prompt keeps the images it still shows
         # A new conversation is its own session; a continuation carries its conversation's.
-        return EngineRequest(self.n, prompt[:3000], n_new, abort_after, session=session or f"s{self.n}")
+        return EngineRequest(
+            self.n, prompt, n_new, abort_after, session=session or f"s{self.n}", namespace=namespace, images=images
+        )
+
+    def _runs(self, prompt: list[int]) -> int:
+        ph = self.placeholder
+        return sum(1 for i, t in enumerate(prompt) if t == ph and (i == 0 or prompt[i - 1] != ph))
+
+    def _new_session(self) -> EngineRequest:
+        rng, cfg = self.rng, self.cfg
+        system = rng.choice(self.systems)
+        ns = rng.choice(self.tenants) if self.tenants and rng.random() < cfg.tenant_share else None
+        if self.gallery and rng.random() < cfg.image_share:
+            image, n = rng.choice(self.gallery)
+            # Mostly the vision app's own system prompt, the image right after it; else the same
+            # image at another position: after another system prompt, or a few words of its own.
+            system = self.systems[0] if rng.random() < 0.8 else system
+            lead = [] if rng.random() < 0.7 else self._tokens(rng.randint(1, 30))
+            prompt = system + lead + [self.placeholder] * n + rng.choice(self.questions)
+            return self._request(prompt, namespace=ns, images=[image])
+        return self._request(system + self._tokens(rng.randint(20, 250)), namespace=ns)
 
     def next(self) -> list[tuple[int, EngineRequest]]:
         """The next request(s), each with a delay in engine steps before it is submitted."""
@@ -144,29 +204,37 @@ class _Workload:
             burst = [(i, self._request(shared + self._tokens(rng.randint(10, 80)))) for i in range(3)]
             self.followers.update(req.rid for _, req in burst[1:])
             return burst
-        session = None
         if kind < 0.35 and self.history:
-            prompt, answer, session = rng.choice(self.history)
+            prompt, answer, session, ns, images = rng.choice(self.history)
             prompt = prompt + answer + self._tokens(rng.randint(10, 120))  # multi-turn continuation
-        elif kind < 0.50 and self.history:
-            prompt = list(rng.choice(self.history)[0])  # identical re-send
-        elif kind < 0.60 and self.history:
-            base = rng.choice(self.history)[0]
-            prompt = base[: rng.randint(1, len(base))] + self._tokens(rng.randint(20, 300))  # cut mid-block
-        else:
-            prompt = rng.choice(self.systems) + self._tokens(rng.randint(20, 250))  # new session
-        return [(0, self._request(prompt, session))]
+            return [(0, self._request(prompt, session, ns, images))]
+        if kind < 0.50 and self.history:
+            prompt, _, _, ns, images = rng.choice(self.history)
+            return [(0, self._request(list(prompt), None, ns, images))]  # identical re-send
+        if kind < 0.60 and self.history:
+            base, _, _, ns, images = rng.choice(self.history)
+            cut = base[: rng.randint(1, len(base))] + self._tokens(rng.randint(20, 300))  # cut mid-block
+            return [(0, self._request(cut, None, ns, images))]
+        return [(0, self._new_session())]
 
     def finished(self, req: EngineRequest) -> None:
         if not req.aborted:
-            self.history.append((req.prompt, req.output, req.session))
+            self.history.append((req.prompt, req.output, req.session, req.namespace, req.images))
+
+
+def _key(r: EngineRequest) -> _Key:
+    return tuple(r.prompt), r.namespace, tuple(r.images)
 
 
 def run_hammer(
     cfg: HammerConfig, *, model: HybridModel | None = None, progress: Callable[[int], None] | None = None
 ) -> HammerReport:
     """Run the hammer and return its report (see the module docstring)."""
-    model = model or HybridModel(HybridConfig())
+    with injected(cfg.inject):
+        return _run(cfg, model or HybridModel(HybridConfig()), progress)
+
+
+def _run(cfg: HammerConfig, model: HybridModel, progress: Callable[[int], None] | None) -> HammerReport:
     engine = ReferenceEngine(
         model,
         max_running=cfg.concurrency,
@@ -178,12 +246,123 @@ def run_hammer(
         policy=None if cfg.policy == "hit-density" else make_policy(cfg.policy),
     )
     work = _Workload(cfg, model.cfg.vocab_size)
+    t0 = time.perf_counter()
+    stuck = n_served = 0
+    error: str | None = None
+    probes: list[EngineRequest] = []
+    try:
+        if cfg.warm:  # the system prompts, for the base model and for each tenant's adapter
+            for tenant in (None, *work.tenants):
+                engine.warm(work.systems, namespace=tenant)
+        stuck = _serve(cfg, engine, work, progress)
+        n_served = len(engine.finished)
+        # TTFT probes, run alone: a cold 2,560-token prompt, then one sharing >= 90% of it, cut at
+        # a chunk boundary (where every policy's prefill windows end, so every policy can hit there).
+        probe = work._tokens(cfg.probe_tokens)
+        shared = -(-int(cfg.probe_tokens * 0.9) // cfg.chunk) * cfg.chunk
+        tail = work._tokens(cfg.probe_tokens - shared)
+        for p in (EngineRequest("probe-cold", probe, 2), EngineRequest("probe-hit", probe[:shared] + tail, 2)):
+            if stuck:  # after the watchdog fired the engine is not to be trusted
+                break
+            engine.submit(p)
+            engine.run()
+            probes.append(p)
+        if engine.forensics is not None:
+            engine.forensics.verify_all()
+            engine.forensics.close()
+    except Exception as e:  # any failure of the engine or the cache fails the run
+        error = f"{type(e).__name__}: {e}"
+    wall = time.perf_counter() - t0
+    # The mix's requests (not the probes); the watchdog's aborts are counted as stuck.
+    served = [r for r in engine.finished[: n_served or len(engine.finished)] if not r.stalled]
+    corruptions = len(engine.forensics.findings) if engine.forensics is not None else 0
+    metrics = engine.manager.metrics().as_dict()
+    leaked_slots = leaked_kv = 0
+    if error is None:
+        try:
+            leaked_slots, leaked_kv = _leaks(engine)
+        except Exception as e:  # a reset that cannot complete is a failure too
+            error = f"{type(e).__name__}: {e}"
+
+    t1 = time.perf_counter()
+    truth: dict[_Key, tuple[list[int], torch.Tensor]] = {}
+    need: dict[_Key, int] = {}
+    for r in served:
+        key = _key(r)
+        need[key] = max(need.get(key, 0), len(r.output))
+    for key, n in need.items() if cfg.ground_truth else ():
+        prompt, namespace, images = key
+        truth[key] = generate_cold(model, list(prompt), n, chunk=cfg.chunk, namespace=namespace, images=images)
+    gt_s = time.perf_counter() - t1
+    wrong = cross = drift = 0
+    examples: list[str] = []
+    outputs_by_prompt = {k: v[0] for k, v in truth.items()}
+    for r in served if cfg.ground_truth else ():
+        gt, first = truth[_key(r)]
+        expected = r.abort_after if r.aborted and r.abort_after is not None else r.max_new_tokens
+        off = float((r.first_logits - first).abs().max()) if r.first_logits is not None else float("inf")
+        tokens_wrong = r.output != gt[: len(r.output)] or len(r.output) != expected
+        if tokens_wrong or off > cfg.logit_tol:
+            wrong += 1
+            drift += not tokens_wrong
+            if tokens_wrong and any(
+                o[: len(r.output)] == r.output for k, o in outputs_by_prompt.items() if k != _key(r)
+            ):
+                cross += 1
+            if len(examples) < 5:
+                extra = "".join(
+                    [
+                        f", namespace {r.namespace!r}" if r.namespace is not None else "",
+                        f", {len(r.images)} image(s)" if r.images else "",
+                    ]
+                )
+                examples.append(
+                    f"request {r.rid}: prompt {len(r.prompt)} tokens{extra}, cached {r.cached_length}: "
+                    f"got {r.output}, cold gives {gt[: len(r.output)]}, first logits off by {off:.2e}"
+                )
+    cold = [1e3 * (r.t_first - r.t_admit) for r in served if r.cached_length == 0 and r.t_first]
+    hit = [1e3 * (r.t_first - r.t_admit) for r in served if r.cached_length >= 0.9 * len(r.prompt) and r.t_first]
+    p_cold, p_hit = probes if len(probes) == 2 else (None, None)
+    return HammerReport(
+        requests=len(served),
+        finished=sum(not r.aborted for r in served),
+        aborted=sum(r.aborted for r in served),
+        hits=sum(r.cached_length > 0 for r in served),
+        prompt_tokens=sum(len(r.prompt) for r in served),
+        cached_tokens=sum(r.cached_length for r in served),
+        wrong_answers=wrong,
+        cross_talk=cross,
+        logit_mismatches=drift,
+        slots_leaked=leaked_slots,
+        kv_leaked=leaked_kv,
+        snapshot_corruptions=corruptions,
+        ttft_cold_ms=statistics.mean(cold) if cold else 0.0,
+        ttft_hit_ms=statistics.mean(hit) if hit else 0.0,
+        probe_ttft_cold_ms=1e3 * max(0.0, p_cold.t_first - p_cold.t_submit) if p_cold else 0.0,
+        probe_ttft_hit_ms=1e3 * max(0.0, p_hit.t_first - p_hit.t_submit) if p_hit else 0.0,
+        probe_hit_fraction=p_hit.cached_length / len(p_hit.prompt) if p_hit else 0.0,
+        wall_s=wall,
+        ground_truth_s=gt_s,
+        inject=cfg.inject,
+        seed=cfg.seed,
+        forensics=cfg.forensics,
+        policy=cfg.policy,
+        page_size=cfg.page_size,
+        checked=cfg.ground_truth,
+        stuck=stuck,
+        error=error,
+        tenant_requests=sum(r.namespace is not None for r in served),
+        image_requests=sum(bool(r.images) for r in served),
+        metrics=metrics,
+        wrong_examples=examples,
+    )
+
+
+def _serve(cfg: HammerConfig, engine: ReferenceEngine, work: _Workload, progress: Callable[[int], None] | None) -> int:
+    """Serve the mix; return how many requests the watchdog aborted."""
     created = 0
     delayed: list[tuple[int, EngineRequest]] = []  # (release step, request)
-    step = 0
-    t0 = time.perf_counter()
-    seen = 0
-    stuck = 0
+    step = seen = stuck = 0
     last_progress, marker = 0, -1
     while created < cfg.requests or delayed or not engine.idle:
         while created < cfg.requests and len(delayed) < cfg.concurrency:
@@ -215,86 +394,7 @@ def run_hammer(
                 progress(seen)
             seen += 1
     engine.drain()
-    served = [r for r in engine.finished if not r.stalled]  # the watchdog's aborts are counted as stuck
-    # TTFT probes, run alone: a cold 2,560-token prompt, then one sharing >= 90% of it, cut at a
-    # chunk boundary (where every policy's prefill windows end, so every policy can hit there).
-    probe = work._tokens(cfg.probe_tokens)
-    shared = -(-int(cfg.probe_tokens * 0.9) // cfg.chunk) * cfg.chunk
-    tail = work._tokens(cfg.probe_tokens - shared)
-    probes = [EngineRequest("probe-cold", probe, 2), EngineRequest("probe-hit", probe[:shared] + tail, 2)]
-    for p in probes if not stuck else ():  # after the watchdog fired the engine is not to be trusted
-        engine.submit(p)
-        engine.run()
-    if engine.forensics is not None:
-        engine.forensics.verify_all()
-        engine.forensics.close()
-    wall = time.perf_counter() - t0
-    corruptions = len(engine.forensics.findings) if engine.forensics is not None else 0
-    metrics = engine.manager.metrics().as_dict()
-    leaked_slots, leaked_kv = _leaks(engine)
-
-    t1 = time.perf_counter()
-    truth: dict[tuple[int, ...], tuple[list[int], torch.Tensor]] = {}
-    need: dict[tuple[int, ...], int] = {}
-    for r in served:
-        key = tuple(r.prompt)
-        need[key] = max(need.get(key, 0), len(r.output))
-    for key, n in need.items() if cfg.ground_truth else ():
-        truth[key] = generate_cold(model, list(key), n, chunk=cfg.chunk)
-    gt_s = time.perf_counter() - t1
-    wrong = cross = drift = 0
-    examples: list[str] = []
-    outputs_by_prompt = {k: v[0] for k, v in truth.items()}
-    for r in served if cfg.ground_truth else ():
-        gt, first = truth[tuple(r.prompt)]
-        expected = r.abort_after if r.aborted and r.abort_after is not None else r.max_new_tokens
-        off = float((r.first_logits - first).abs().max()) if r.first_logits is not None else float("inf")
-        tokens_wrong = r.output != gt[: len(r.output)] or len(r.output) != expected
-        if tokens_wrong or off > cfg.logit_tol:
-            wrong += 1
-            drift += not tokens_wrong
-            if tokens_wrong and any(
-                o[: len(r.output)] == r.output for k, o in outputs_by_prompt.items() if k != tuple(r.prompt)
-            ):
-                cross += 1
-            if len(examples) < 5:
-                examples.append(
-                    f"request {r.rid}: prompt {len(r.prompt)} tokens, cached {r.cached_length}: "
-                    f"got {r.output}, cold gives {gt[: len(r.output)]}, first logits off by {off:.2e}"
-                )
-    cold = [1e3 * (r.t_first - r.t_admit) for r in served if r.cached_length == 0 and r.t_first]
-    hit = [1e3 * (r.t_first - r.t_admit) for r in served if r.cached_length >= 0.9 * len(r.prompt) and r.t_first]
-    p_cold, p_hit = probes
-    return HammerReport(
-        requests=len(served),
-        finished=sum(not r.aborted for r in served),
-        aborted=sum(r.aborted for r in served),
-        hits=sum(r.cached_length > 0 for r in served),
-        prompt_tokens=sum(len(r.prompt) for r in served),
-        cached_tokens=sum(r.cached_length for r in served),
-        wrong_answers=wrong,
-        cross_talk=cross,
-        logit_mismatches=drift,
-        slots_leaked=leaked_slots,
-        kv_leaked=leaked_kv,
-        snapshot_corruptions=corruptions,
-        ttft_cold_ms=statistics.mean(cold) if cold else 0.0,
-        ttft_hit_ms=statistics.mean(hit) if hit else 0.0,
-        probe_ttft_cold_ms=1e3 * max(0.0, p_cold.t_first - p_cold.t_submit),
-        probe_ttft_hit_ms=1e3 * max(0.0, p_hit.t_first - p_hit.t_submit),
-        probe_hit_fraction=p_hit.cached_length / len(p_hit.prompt),
-        wall_s=wall,
-        ground_truth_s=gt_s,
-        inject=cfg.inject,
-        seed=cfg.seed,
-        forensics=cfg.forensics,
-        policy=cfg.policy,
-        page_size=cfg.page_size,
-        checked=cfg.ground_truth,
-        stuck=stuck,
-        metrics=metrics,
-        wrong_examples=examples,
-    )
+    return stuck
 
 
 def _leaks(engine: ReferenceEngine) -> tuple[int, int]:
@@ -326,6 +426,7 @@ def format_report(rep: HammerReport) -> str:
             else "not checked (no ground truth)",
         ),
         ("cross-talk (another prompt's answer)", str(rep.cross_talk)),
+        ("tenant / image requests", f"{rep.tenant_requests} / {rep.image_requests}"),
         ("stuck requests (aborted by the watchdog)", str(rep.stuck)),
         ("slots leaked", str(rep.slots_leaked)),
         ("snapshot corruptions (forensics)", str(rep.snapshot_corruptions) if rep.forensics else "off"),
@@ -341,6 +442,8 @@ def format_report(rep: HammerReport) -> str:
         ("wall time (serving / ground truth)", f"{rep.wall_s:.1f} s / {rep.ground_truth_s:.1f} s"),
         ("injected bug", rep.inject or "none"),
     ]
+    if rep.error is not None:
+        rows.append(("error (the run ended here)", rep.error))
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
     if not rep.checked:

@@ -58,7 +58,7 @@ from ..core.tree import HybridRadixCache, InsertResult, MatchResult, TreeNode
 from ..policies import FixedPoints, Policy
 from ..policies.base import DonationReason
 
-__all__ = ["BUGS", "FUZZ_BUGS", "MISUSE_BUGS", "injected", "make_cache", "make_fuzz_stack"]
+__all__ = ["BUGS", "FUZZ_BUGS", "MISUSE_BUGS", "injected", "make_cache", "make_fuzz_stack", "make_manager", "make_pool"]
 
 
 def _raw_restore(tree: HybridRadixCache, node: TreeNode, dst_slot: int, ordered: bool) -> Fence:
@@ -117,25 +117,6 @@ BUGS: dict[str, type[HybridRadixCache]] = {
     "no-donate-fence": _NoDonateFenceTree,
     "no-restore-fence": _NoRestoreFenceTree,
 }
-
-
-def make_cache(
-    inject: str | None,
-    pool: LinearStatePool,
-    *,
-    page_size: int = 1,
-    on_free_kv: Callable[[torch.Tensor], None] | None = None,
-    stream: Stream | None = None,
-) -> HybridRadixCache:
-    """A correct :class:`HybridRadixCache` (``inject=None``), or one committing bug ``inject``.
-
-    :raises ValueError: unknown bug name.
-    """
-    if inject is None:
-        return HybridRadixCache(pool, page_size=page_size, on_free_kv=on_free_kv, stream=stream)
-    if inject not in BUGS:
-        raise ValueError(f"unknown inject mode {inject!r}; known: {sorted(BUGS)}")
-    return BUGS[inject](pool, page_size=page_size, on_free_kv=on_free_kv, stream=stream)
 
 
 class _FreeBeforeFenceManager(CacheManager):
@@ -306,6 +287,53 @@ _MANAGERS: dict[str, type[CacheManager]] = {
 }
 
 
+_TREES: dict[str, type[HybridRadixCache]] = {
+    **BUGS,
+    "tree-keeps-kv-view": _KVViewTree,
+    "accepts-foreign-node": _ForeignNodeTree,
+}
+
+
+def _check_bug(inject: str | None) -> None:
+    if inject is not None and inject not in FUZZ_BUGS + MISUSE_BUGS:
+        raise ValueError(f"unknown inject mode {inject!r}; known: {list(FUZZ_BUGS + MISUSE_BUGS)}")
+
+
+def make_pool(inject: str | None, layout: StateLayout, slots: int) -> LinearStatePool:
+    """A correct pool, or the pool of bug ``inject`` when the bug lives in the pool.
+
+    :raises ValueError: unknown bug name."""
+    _check_bug(inject)
+    return (_SwallowingPool if inject == "double-free-swallowed" else LinearStatePool)(layout, slots)
+
+
+def make_cache(
+    inject: str | None,
+    pool: LinearStatePool,
+    *,
+    page_size: int = 1,
+    on_free_kv: Callable[[torch.Tensor], None] | None = None,
+    stream: Stream | None = None,
+) -> HybridRadixCache:
+    """A correct :class:`HybridRadixCache`, or the tree of bug ``inject`` when the bug lives in
+    the tree (a bug that lives elsewhere gets a correct tree).
+
+    :raises ValueError: unknown bug name.
+    """
+    _check_bug(inject)
+    cls = _TREES.get(inject or "", HybridRadixCache)
+    return cls(pool, page_size=page_size, on_free_kv=on_free_kv, stream=stream)
+
+
+def make_manager(inject: str | None, cache: HybridRadixCache, policy: Policy | None, **options: object) -> CacheManager:
+    """A correct :class:`CacheManager` over ``cache``, or the manager of bug ``inject`` when the
+    bug lives in the manager. ``options`` are the manager's keyword arguments.
+
+    :raises ValueError: unknown bug name."""
+    _check_bug(inject)
+    return _MANAGERS.get(inject or "", CacheManager)(cache, policy, **options)  # type: ignore[arg-type]
+
+
 def make_fuzz_stack(
     inject: str | None,
     layout: StateLayout,
@@ -324,16 +352,8 @@ def make_fuzz_stack(
 
     :raises ValueError: unknown bug name.
     """
-    if inject is not None and inject not in FUZZ_BUGS + MISUSE_BUGS:
-        raise ValueError(f"unknown fuzz bug {inject!r}; known: {list(FUZZ_BUGS + MISUSE_BUGS)}")
-    pool_cls = _SwallowingPool if inject == "double-free-swallowed" else LinearStatePool
-    pool = pool_cls(layout, slots)
-    if inject in ("accepts-foreign-node", "tree-keeps-kv-view"):
-        cls = _ForeignNodeTree if inject == "accepts-foreign-node" else _KVViewTree
-        tree: HybridRadixCache = cls(pool, page_size=page_size, on_free_kv=on_free_kv, stream=stream)
-    else:
-        tree = make_cache(
-            inject if inject in BUGS else None, pool, page_size=page_size, on_free_kv=on_free_kv, stream=stream
-        )
-    manager_cls = _MANAGERS.get(inject or "", CacheManager)
-    return manager_cls(tree, policy if policy is not None else FixedPoints(track_align), track_slots=track_slots)
+    pool = make_pool(inject, layout, slots)
+    tree = make_cache(inject, pool, page_size=page_size, on_free_kv=on_free_kv, stream=stream)
+    return make_manager(
+        inject, tree, policy if policy is not None else FixedPoints(track_align), track_slots=track_slots
+    )

@@ -19,8 +19,9 @@ projection layout matches Qwen3-Next checkpoints, so weights copy into transform
 
 from __future__ import annotations
 
+import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +29,8 @@ from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
 from linear_state import LinearStatePool, StateLayout
+
+from ..core.multimodal import image_runs, mm_window
 
 __all__ = ["GatedDeltaNet", "HybridConfig", "HybridModel", "KVPool", "gdn_chunk"]
 
@@ -69,6 +72,11 @@ class HybridConfig:
             raise ValueError(f"num_v_heads {self.num_v_heads} must be a multiple of num_k_heads {self.num_k_heads}")
         object.__setattr__(self, "linear_layers", tuple(i for i, t in enumerate(self.layer_types) if t == "linear"))
         object.__setattr__(self, "full_layers", tuple(i for i, t in enumerate(self.layer_types) if t == "full"))
+
+    @property
+    def placeholder_id(self) -> int:
+        """The image placeholder id: the last id of the vocabulary (text never uses it)."""
+        return self.vocab_size - 1
 
     def state_layout(self) -> StateLayout:
         """The per-sequence linear state of this model, for a :class:`LinearStatePool`."""
@@ -333,6 +341,56 @@ class HybridModel(nn.Module):
         )
         self.requires_grad_(False)
 
+    def adapter(self, namespace: Hashable) -> torch.Tensor | None:
+        """The input bias of ``namespace``'s adapter (``None``: the base model): a seeded vector of
+        ``hidden_size``, added to every input embedding, so each tenant is another model."""
+        if namespace is None:
+            return None
+        gen = torch.Generator().manual_seed(_seed(b"adapter", repr(namespace).encode(), self.cfg.seed))
+        return torch.randn(self.cfg.hidden_size, generator=gen, dtype=self.cfg.dtype) * 0.5
+
+    def image_rows(self, image: bytes, n: int) -> torch.Tensor:
+        """Embedding rows of the first ``n`` tokens of ``image`` ([n, hidden_size]): row k is seeded
+        by a SHA-256 of all the image's bytes and k, so images that differ anywhere differ."""
+        digest = hashlib.sha256(bytes(image)).digest()
+        h, dt = self.cfg.hidden_size, self.cfg.dtype
+        rows = [
+            torch.randn(h, generator=torch.Generator().manual_seed(_seed(digest, k.to_bytes(4, "little"))), dtype=dt)
+            for k in range(n)
+        ]
+        return torch.stack(rows) if rows else torch.empty(0, h, dtype=dt)
+
+    def inputs(
+        self,
+        prompt: Sequence[int],
+        start: int,
+        end: int,
+        *,
+        namespace: Hashable = None,
+        images: Sequence[bytes] = (),
+    ) -> torch.Tensor:
+        """Input embeddings of ``prompt[start:end]`` ([end - start, hidden_size]): token
+        embeddings, the i-th run of placeholders replaced by rows of ``images[i]`` (the rows of
+        the placeholders inside the window only, as a host scatters them after a hit), plus the
+        namespace's adapter bias.
+
+        :raises ValueError: the prompt's placeholder runs and ``images`` cannot be paired."""
+        ids = torch.tensor(list(prompt[start:end]), dtype=torch.int64)
+        x = self.embed[ids]
+        if images:
+            runs = image_runs(list(prompt), self.cfg.placeholder_id)
+            if len(runs) != len(images):
+                raise ValueError(f"{len(runs)} placeholder run(s) but {len(images)} image(s)")
+            rows = torch.cat([self.image_rows(img, e - s) for (s, e), img in zip(runs, images, strict=True)])
+            w = mm_window(list(prompt), self.cfg.placeholder_id, start, end)
+            x[torch.from_numpy(w.positions)] = rows[w.rows.start : w.rows.stop]
+        bias = self.adapter(namespace)
+        return x if bias is None else x + bias
+
+    def greedy(self, logits: torch.Tensor) -> int:
+        """The greedy next token: the highest logit, the placeholder id excluded."""
+        return int(torch.argmax(logits[..., : self.cfg.placeholder_id]))
+
     def _gdn(self, i: int) -> tuple[int, GatedDeltaNet]:
         """Layer ``i``'s index among the linear layers (its row in the pool), and its mixer."""
         mixer = self.mixers[i]
@@ -349,12 +407,16 @@ class HybridModel(nn.Module):
         kv: KVPool,
         kv_idx: torch.Tensor,
         captures: Sequence[tuple[int, int]] = (),
+        *,
+        embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Extend a sequence by ``ids`` (positions ``start..``) from the state in ``slot``; write the
         new state back into ``slot`` and, for each ``(depth, track_slot)`` in ``captures``, the
-        state after exactly ``depth`` tokens into ``track_slot``. Returns the last token's logits."""
+        state after exactly ``depth`` tokens into ``track_slot``. Returns the last token's logits.
+
+        :param embeds: the window's input embeddings (see :meth:`inputs`) instead of ``ids``'."""
         cfg = self.cfg
-        x = self.embed[ids]
+        x = self.embed[ids] if embeds is None else embeds
         pos = torch.arange(start, start + ids.shape[0])
         depths = [d for d, _ in captures]
         for i, kind in enumerate(cfg.layer_types):
@@ -385,11 +447,15 @@ class HybridModel(nn.Module):
         slots: torch.Tensor,
         kv: KVPool,
         kv_idx: Sequence[torch.Tensor],
+        *,
+        bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One token for each of B sequences (batched for the linear layers: state rows routed by
-        ``slots``). Returns logits [B, vocab]."""
+        ``slots``). Returns logits [B, vocab].
+
+        :param bias: [B, hidden_size] adapter biases (see :meth:`adapter`; zero rows for none)."""
         cfg = self.cfg
-        x = self.embed[ids]
+        x = self.embed[ids] if bias is None else self.embed[ids] + bias
         for i, kind in enumerate(cfg.layer_types):
             hcur = self.norms1[i](x)
             if kind == "linear":
@@ -408,3 +474,11 @@ class HybridModel(nn.Module):
             x = x + self.mlps[i](self.norms2[i](x))
         logits: torch.Tensor = self.final_norm(x) @ self.lm_head.T
         return logits
+
+
+def _seed(*parts: bytes | int) -> int:
+    """A 63-bit generator seed from ``parts`` (SHA-256)."""
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(p if isinstance(p, bytes) else p.to_bytes(8, "little", signed=True))
+    return int.from_bytes(h.digest()[:8], "little") >> 1
