@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import TypeAlias
 
@@ -19,15 +20,27 @@ class SlotId(int):
     ``pool_id`` 0) are taken as indices into the pool they are passed to.
     """
 
-    pool_id: int
+    # NOTE: no per-object storage: the pool is a class attribute of one subclass per pool, so an
+    # id costs what an int costs (a pool of 100k slots keeps 100k of them).
+    __slots__ = ()
+    pool_id: int = 0
 
     def __new__(cls, index: int, pool_id: int = 0) -> SlotId:
-        obj = super().__new__(cls, index)
-        obj.pool_id = pool_id
-        return obj
+        return int.__new__(_slot_class(pool_id) if pool_id else cls, index)
 
     def __reduce__(self) -> tuple[object, tuple[int, int]]:
         return (SlotId, (int(self), self.pool_id))
+
+
+# Weak: a pool's class goes with its last id (fuzz runs make hundreds of thousands of pools).
+_CLASSES: weakref.WeakValueDictionary[int, type[SlotId]] = weakref.WeakValueDictionary()
+
+
+def _slot_class(pool_id: int) -> type[SlotId]:
+    cls = _CLASSES.get(pool_id)
+    if cls is None:
+        cls = _CLASSES[pool_id] = type("SlotId", (SlotId,), {"__slots__": (), "pool_id": pool_id})
+    return cls
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,13 +17,20 @@ from radixcache.policies import (
     FixedPoints,
     HitDensity,
     RequestInfo,
+    SglangLike,
     TrackAndFinish,
     UtilityHeap,
+    VllmLike,
     make_policy,
 )
 from radixcache.simulator import (
     PRESETS,
+    REFERENCE,
+    FutureKnowledge,
     TraceRecord,
+    bounds_table,
+    ceiling,
+    ceiling_hits,
     edge_case_table,
     generate,
     markdown_table,
@@ -81,6 +88,63 @@ def test_policy_captures() -> None:
     assert FixedPoints(64).captures(req, 0, 2200, decode=True) == []
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("lru-ish")
+
+
+def test_engine_like_baselines_keep_what_those_engines_keep() -> None:
+    req = RequestInfo(prompt_len=2200, hit=0, branch=1500, session="s", ts=0.0)
+    sg, vl = SglangLike(), VllmLike(512)
+    # SGLang: every chunk's end (the prompt's end is the last one) and the final state, no decode.
+    assert sg.captures(req, 0, 2048, decode=False) == [2048] and sg.captures(req, 2048, 2200, decode=False) == [2200]
+    assert sg.captures(req, 2200, 2300, decode=True) == [] and sg.donate_finish(req)
+    # vLLM: every block boundary crossed, in prefill and in decode; nothing off the grid.
+    assert vl.captures(req, 0, 2048, decode=False) == [512, 1024, 1536, 2048]
+    assert vl.captures(req, 2048, 2200, decode=False) == [] and vl.captures(req, 2500, 2600, decode=True) == [2560]
+    assert not vl.donate_finish(req)
+    with pytest.raises(ValueError, match="block must be positive"):
+        VllmLike(0)
+    # Through the manager: what each donates on a two-chunk prompt with an answer.
+    trace = [TraceRecord("s-0", 0, 0.0, list(range(3000)), list(range(5000, 5600)))]
+    sgm = replay(trace, SglangLike(), Q, 64 * GiB, chunk=2048).metrics
+    vlm = replay(trace, VllmLike(512), Q, 64 * GiB, chunk=2048).metrics
+    assert sgm["donations"] == {"capture": 2, "finish": 1}, sgm["donations"]
+    assert vlm["donations"] == {"capture": 7, "finish": 0}, vlm["donations"]  # 512..3584 in 3,599 fed tokens
+
+
+def test_the_ceiling_is_the_longest_prefix_computed_before() -> None:
+    a = TraceRecord("a-0", 0, 0.0, list(range(10)), [11, 12])
+    b = TraceRecord("a-1", 1, 1.0, [*range(10), 11, 20], [1])  # resumes a's prompt and answer
+    c = TraceRecord("b-0", 0, 2.0, list(range(10)), [3])  # a re-send: all but its last id
+    d = TraceRecord("c-0", 0, 3.0, [500, 501], [1])  # nothing shared
+    hits = ceiling_hits([d, c, b, a])  # any order in: replayed by timestamp
+    assert hits == [(0, -1), (11, 0), (9, 0), (0, -1)]  # c: another session, a's sequence reaches 10
+    res = ceiling([a, b, c, d])
+    assert (res.hit_tokens, res.requests_with_hit, res.prompt_tokens) == (20, 2, 34)
+
+
+@pytest.mark.parametrize(("shape", "budget"), [("chat", 4), ("agentic", 2)])
+def test_no_policy_passes_the_ceiling_and_the_reference_reaches_it_unbounded(shape: str, budget: int) -> None:
+    trace = generate(shape)
+    top = ceiling(trace).token_hit_rate
+    for p in ("hit-density", "sglang-like", "vllm-like"):
+        assert replay(trace, make_policy(p), Q, budget * GiB).token_hit_rate <= top
+    # With room for everything the reference places exactly the snapshots the ceiling's hits need.
+    assert replay(trace, FutureKnowledge(trace), Q, 2048 * GiB).token_hit_rate == pytest.approx(top)
+    tight = replay(trace, FutureKnowledge(trace), Q, budget * GiB).token_hit_rate
+    assert tight <= top
+    # Its eviction is what makes it a reference: least recently used in its place does worse.
+
+    class LruInItsPlace(FutureKnowledge):
+        def victim(self, now: float, *, kv: bool = False) -> TreeNode | None:
+            return None  # the tree's least recently used
+
+    assert replay(trace, LruInItsPlace(trace), Q, budget * GiB).token_hit_rate < tight
+
+
+def test_the_reference_refuses_another_trace() -> None:
+    trace = generate("edge")[:5]
+    other = [TraceRecord("x-0", 0, 0.0, [1] * 7, [2])]
+    with pytest.raises(RuntimeError, match="must replay the trace it was made for"):
+        replay(other, FutureKnowledge(trace), Q, 4 * GiB)
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
@@ -319,6 +383,13 @@ def test_report_table_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert short.split(" | ")[2] == "**0**" and "**0**" not in short.split(" | ")[3], short
     assert edge_case_table(rows).count("\n") == 3, "the one case this trace has, 2 budgets"
     assert report_markdown(rows).startswith(table) and "Edge cases" in report_markdown(rows)
+    assert REFERENCE not in table, "the reference has its own table"
+    bounds = bounds_table(rows)
+    assert bounds.count("\n") == 3 and "| edge | 1 GiB |" in bounds and "x |" in bounds
+    ref = [r for r in rows if r["policy"] == REFERENCE]
+    assert len(ref) == 2 and all(r["of_reference"] == pytest.approx(1.0) for r in ref)
+    assert all(0.0 <= float(r["of_ceiling"]) <= 1.0 for r in rows)  # type: ignore[arg-type]
+    assert "Per request" in report_markdown(rows) and "computed p50, p99" in report_markdown(rows)
     write_trace(generate("edge")[:30], tmp_path / "e.jsonl")
     assert main(["bench-trace", str(tmp_path / "e.jsonl"), "--policy", "hit-density", "--budget", "1"]) == 0
     assert '"policy": "hit-density"' in capsys.readouterr().out

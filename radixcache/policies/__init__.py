@@ -9,7 +9,9 @@ from .base import DonationReason, Policy, RequestInfo
 from .branch_flop import BranchFlop, UtilityHeap
 from .fixed_points import FixedPoints
 from .hit_density import HitDensity
+from .sglang_like import SglangLike
 from .track_and_finish import TrackAndFinish
+from .vllm_like import VllmLike
 
 __all__ = [
     "DEFAULT_POLICY",
@@ -21,8 +23,10 @@ __all__ = [
     "HitDensity",
     "Policy",
     "RequestInfo",
+    "SglangLike",
     "TrackAndFinish",
     "UtilityHeap",
+    "VllmLike",
     "make_policy",
 ]
 
@@ -32,6 +36,8 @@ POLICIES: dict[str, type[Policy]] = {
     "track-and-finish": TrackAndFinish,
     "branch-flop": BranchFlop,
     "fixed-points": FixedPoints,
+    "sglang-like": SglangLike,
+    "vllm-like": VllmLike,
 }
 DEFAULT_POLICY = "hit-density"
 

@@ -1,5 +1,5 @@
-"""``track-and-finish``: the prompt's deepest 64-aligned boundary plus the finish state, LRU
-(SGLang's mamba radix cache, and the engine in shared/reference/004)."""
+"""``track-and-finish``: the prompt's deepest 64-aligned boundary plus the finish state, LRU (the
+engine in shared/reference/004; SGLang's own placement is ``sglang-like``)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,33 @@
 """The offline simulator: seeded trace shapes, replay through the real manager under a byte budget,
 and the side-by-side report of policies."""
 
+from .future import CeilingResult, FutureKnowledge, ceiling, ceiling_hits
 from .replay import PRESETS, ModelPreset, ReplayResult, replay
-from .report import DEFAULT_BUDGETS_GIB, edge_case_table, load_trace, markdown_table, report_markdown, run_grid
+from .report import (
+    DEFAULT_BUDGETS_GIB,
+    REFERENCE,
+    bounds_table,
+    edge_case_table,
+    load_trace,
+    markdown_table,
+    report_markdown,
+    requests_table,
+    run_grid,
+)
 from .traces import TraceRecord, generate, read_trace, write_trace
 
 __all__ = [
     "DEFAULT_BUDGETS_GIB",
     "PRESETS",
+    "REFERENCE",
+    "CeilingResult",
+    "FutureKnowledge",
     "ModelPreset",
     "ReplayResult",
     "TraceRecord",
+    "bounds_table",
+    "ceiling",
+    "ceiling_hits",
     "edge_case_table",
     "generate",
     "load_trace",
@@ -18,6 +35,7 @@ __all__ = [
     "read_trace",
     "replay",
     "report_markdown",
+    "requests_table",
     "run_grid",
     "write_trace",
 ]

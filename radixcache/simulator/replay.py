@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from linear_state import LinearStatePool, StateLayout
@@ -89,6 +90,10 @@ class ReplayResult:
     max_nodes: int
     wall_s: float
     per_session_kind: dict[str, tuple[int, int]] = field(default_factory=dict)  # kind -> (hit, prompt)
+    # kind -> (requests with any hit, requests): a tenant's requests, not only its tokens
+    per_session_kind_requests: dict[str, tuple[int, int]] = field(default_factory=dict)
+    computed_p50: float = 0.0  # prefill tokens computed per request (prompt - hit), median
+    computed_p99: float = 0.0  # the same, 99th percentile
     metrics: dict[str, object] = field(default_factory=dict)  # the manager's counters at the end
 
     @property
@@ -152,6 +157,7 @@ def replay(
     mgr = CacheManager(cache, policy, track_slots=_WINDOW_CAPTURES)
     res = ReplayResult(policy.name, preset.name, budget, 0, 0, 0, 0.0, 0.0, 0, 0, 0, 0.0, 0, 0.0)
     next_kv = 0
+    computed: list[int] = []
     t0 = time.perf_counter()
 
     def held() -> int:
@@ -198,10 +204,15 @@ def replay(
         kind = rec.session_id.split("-")[0]
         h, p = res.per_session_kind.get(kind, (0, 0))
         res.per_session_kind[kind] = (h + adm.cached_length, p + n)
+        w, q = res.per_session_kind_requests.get(kind, (0, 0))
+        res.per_session_kind_requests[kind] = (w + (adm.cached_length > 0), q + 1)
+        computed.append(n - adm.cached_length)
         res.max_nodes = max(res.max_nodes, cache.num_nodes)
         if progress is not None:
             progress(i)
     res.wall_s = time.perf_counter() - t0
+    if computed:
+        res.computed_p50, res.computed_p99 = (float(x) for x in np.percentile(computed, [50, 99]))
     m = mgr.metrics()
     res.snapshots_donated = sum(m.donations.values())
     res.metrics = m.as_dict()

@@ -9,10 +9,25 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..policies import make_policy
+from ..policies.base import Policy
+from .future import FutureKnowledge, ceiling
 from .replay import PRESETS, replay
 from .traces import TraceRecord, generate, read_trace
 
-__all__ = ["DEFAULT_BUDGETS_GIB", "edge_case_table", "load_trace", "markdown_table", "report_markdown", "run_grid"]
+__all__ = [
+    "DEFAULT_BUDGETS_GIB",
+    "REFERENCE",
+    "bounds_table",
+    "edge_case_table",
+    "load_trace",
+    "markdown_table",
+    "report_markdown",
+    "requests_table",
+    "run_grid",
+]
+
+REFERENCE = "future-knowledge"
+"""The replay-only reference policy's name in report rows (see :mod:`radixcache.simulator.future`)."""
 
 GiB = 1 << 30
 DEFAULT_BUDGETS_GIB: dict[str, tuple[float, ...]] = {
@@ -42,25 +57,42 @@ def run_grid(
     *,
     preset: str = "qwen3-next-80b",
     progress: Callable[[int], None] | None = None,
+    reference: bool = True,
 ) -> list[dict[str, object]]:
-    """Every (trace, budget, policy) replay; rows of JSON-ready results."""
+    """Every (trace, budget, policy) replay; rows of JSON-ready results. With ``reference``, each
+    (trace, budget) also gets a row of the future-knowledge reference (policy :data:`REFERENCE`),
+    and every row carries ``ceiling_hit_rate`` (the unbounded cache's) and ``of_ceiling`` /
+    ``of_reference``: its token hit rate as a fraction of each."""
     rows: list[dict[str, object]] = []
     n = 0
     for name, records in traces:
+        ceil = ceiling(records).token_hit_rate if reference else None
         for b in budgets_gib(name):
-            for p in policies:
-                r = replay(records, make_policy(p), PRESETS[preset], int(b * GiB))
+            group: list[dict[str, object]] = []
+            for p in [*policies, REFERENCE] if reference else policies:
+                pol: Policy = FutureKnowledge(records) if p == REFERENCE else make_policy(p)
+                r = replay(records, pol, PRESETS[preset], int(b * GiB))
                 row = r.as_dict()
                 row.update(trace=name, budget_gib=b)
-                rows.append(row)
+                group.append(row)
                 if progress is not None:
                     progress(n)
                 n += 1
+            if reference:
+                ref = _f(group[-1]["token_hit_rate"])
+                for row in group:
+                    hit = _f(row["token_hit_rate"])
+                    row.update(
+                        ceiling_hit_rate=ceil, of_ceiling=hit / max(1e-12, _f(ceil)), of_reference=hit / max(1e-12, ref)
+                    )
+            rows += group
     return rows
 
 
 def markdown_table(rows: Sequence[dict[str, object]]) -> str:
-    """Token hit rate and FLOPs saved, one row per (trace, budget), one column pair per policy."""
+    """Token hit rate and FLOPs saved, one row per (trace, budget), one column pair per policy (the
+    future-knowledge reference is left to :func:`bounds_table`)."""
+    rows = [r for r in rows if r["policy"] != REFERENCE]
     policies = list(dict.fromkeys(str(r["policy"]) for r in rows))
     keys = list(dict.fromkeys((str(r["trace"]), _f(r["budget_gib"])) for r in rows))
     head = "| trace | budget | " + " | ".join(f"{p}: hit / FLOPs saved" for p in policies) + " |"
@@ -108,9 +140,60 @@ def edge_case_table(rows: Sequence[dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
+def bounds_table(rows: Sequence[dict[str, object]]) -> str:
+    """Each policy's token hit rate as a fraction of the unbounded ceiling and of the
+    future-knowledge reference, per (trace, budget). Empty without reference rows."""
+    if not any(r["policy"] == REFERENCE for r in rows):
+        return ""
+    policies = [p for p in dict.fromkeys(str(r["policy"]) for r in rows) if p != REFERENCE]
+    keys = list(dict.fromkeys((str(r["trace"]), _f(r["budget_gib"])) for r in rows))
+    head = "| trace | budget | ceiling | future-knowledge | " + " | ".join(policies) + " |"
+    lines = [head, "|" + "---|" * (4 + len(policies))]
+    for trace, b in keys:
+        here = {str(x["policy"]): x for x in rows if x["trace"] == trace and x["budget_gib"] == b}
+        ref = here[REFERENCE]
+        cells = [f"{_f(here[p]['of_ceiling']):.0%} / {_f(here[p]['of_reference']):.2f}x" for p in policies]
+        lines.append(
+            f"| {trace} | {b:g} GiB | {_f(ref['ceiling_hit_rate']):.1%} | {_f(ref['token_hit_rate']):.1%} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+def requests_table(rows: Sequence[dict[str, object]]) -> str:
+    """Per request rather than per token: the share of requests with any hit, and the prefill
+    tokens computed per request (p50 / p99), per (trace, budget) and policy."""
+    policies = list(dict.fromkeys(str(r["policy"]) for r in rows))
+    keys = list(dict.fromkeys((str(r["trace"]), _f(r["budget_gib"])) for r in rows))
+    lines = [
+        "| trace | budget | " + " | ".join(f"{p}: with hit / computed p50, p99" for p in policies) + " |",
+        "|" + "---|" * (2 + len(policies)),
+    ]
+    for trace, b in keys:
+        cells = []
+        for p in policies:
+            r = next(x for x in rows if x["trace"] == trace and x["budget_gib"] == b and x["policy"] == p)
+            share = _f(r["requests_with_hit"]) / max(1.0, _f(r["requests"]))
+            cells.append(f"{share:.0%} / {_f(r['computed_p50']):,.0f}, {_f(r['computed_p99']):,.0f}")
+        lines.append(f"| {trace} | {b:g} GiB | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def report_markdown(rows: Sequence[dict[str, object]]) -> str:
-    """The whole report: the results table, then the edge-case table when there are edge rows."""
+    """The whole report: the results table, the bounds table (with reference rows), the
+    per-request table, then the edge-case table when there are edge rows."""
     body = markdown_table(rows)
+    bounds = bounds_table(rows)
+    if bounds:
+        body += (
+            "\n\nAgainst the limit: each policy's token hit rate as a fraction of the unbounded ceiling "
+            "and of the future-knowledge reference (ceiling and reference in their own columns):\n\n" + bounds
+        )
+    body += (
+        "\n\nPer request: the share of requests with any hit, and the prefill tokens each request "
+        "computed (p50, p99):\n\n" + requests_table(rows)
+    )
     edge = edge_case_table(rows)
     if edge:
         body += "\n\nEdge cases, token hit rate of each (**0**: no hit at all):\n\n" + edge
