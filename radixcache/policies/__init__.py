@@ -6,26 +6,26 @@ trace shape (docs/policies.md). The others are baselines, selectable by name.
 
 from .align_last_block import AlignLastBlock
 from .base import DonationReason, Policy, RequestInfo
-from .branch_flop import BranchFlop, UtilityHeap
 from .fixed_points import FixedPoints
+from .flop_efficiency import ALPHA_GRID, FlopEfficiency
 from .hit_density import HitDensity
 from .sglang_like import SglangLike
 from .track_and_finish import TrackAndFinish
 from .vllm_like import VllmLike
 
 __all__ = [
+    "ALPHA_GRID",
     "DEFAULT_POLICY",
     "POLICIES",
     "AlignLastBlock",
-    "BranchFlop",
     "DonationReason",
     "FixedPoints",
+    "FlopEfficiency",
     "HitDensity",
     "Policy",
     "RequestInfo",
     "SglangLike",
     "TrackAndFinish",
-    "UtilityHeap",
     "VllmLike",
     "make_policy",
 ]
@@ -34,7 +34,7 @@ POLICIES: dict[str, type[Policy]] = {
     "hit-density": HitDensity,
     "align-last-block": AlignLastBlock,
     "track-and-finish": TrackAndFinish,
-    "branch-flop": BranchFlop,
+    "flop-efficiency": FlopEfficiency,
     "fixed-points": FixedPoints,
     "sglang-like": SglangLike,
     "vllm-like": VllmLike,

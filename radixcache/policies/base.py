@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 from ..core.tree import HybridRadixCache, TreeNode
@@ -79,6 +79,10 @@ class Policy(ABC):
         if snapshot_bytes <= 0 or kv_bytes_per_token <= 0:
             raise ValueError(f"costs must be positive, got snapshot {snapshot_bytes}, kv/token {kv_bytes_per_token}")
         self.snapshot_bytes, self.kv_bytes_per_token = snapshot_bytes, kv_bytes_per_token
+
+    def flops(self, prefill_flops: Callable[[int], float]) -> None:  # noqa: B027
+        """The model's FLOP model: FLOPs to prefill positions ``[0, n)``. Policies that weigh
+        compute use it (the replay passes its preset's; a host passes its model's); others ignore it."""
 
     def admitted(self, req: RequestInfo) -> None:  # noqa: B027
         """``req`` was admitted (called once per request, before its captures)."""

@@ -15,6 +15,7 @@ from .report import (
     run_grid,
 )
 from .traces import TraceRecord, generate, read_trace, write_trace
+from .tuning import bootstrap_window, tune_alpha
 
 __all__ = [
     "DEFAULT_BUDGETS_GIB",
@@ -25,6 +26,7 @@ __all__ = [
     "ModelPreset",
     "ReplayResult",
     "TraceRecord",
+    "bootstrap_window",
     "bounds_table",
     "ceiling",
     "ceiling_hits",
@@ -37,5 +39,6 @@ __all__ = [
     "report_markdown",
     "requests_table",
     "run_grid",
+    "tune_alpha",
     "write_trace",
 ]

@@ -154,6 +154,7 @@ def replay(
     cache = HybridRadixCache(pool, page_size=1)
     kvb, sb = preset.kv_bytes_per_token, preset.snapshot_bytes
     policy.costs(sb, kvb)
+    policy.flops(preset.prefill_flops)
     mgr = CacheManager(cache, policy, track_slots=_WINDOW_CAPTURES)
     res = ReplayResult(policy.name, preset.name, budget, 0, 0, 0, 0.0, 0.0, 0, 0, 0, 0.0, 0, 0.0)
     next_kv = 0

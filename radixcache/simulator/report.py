@@ -8,11 +8,12 @@ import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from ..policies import make_policy
+from ..policies import FlopEfficiency, make_policy
 from ..policies.base import Policy
 from .future import FutureKnowledge, ceiling
 from .replay import PRESETS, replay
 from .traces import TraceRecord, generate, read_trace
+from .tuning import tune_alpha
 
 __all__ = [
     "DEFAULT_BUDGETS_GIB",
@@ -70,10 +71,12 @@ def run_grid(
         for b in budgets_gib(name):
             group: list[dict[str, object]] = []
             for p in [*policies, REFERENCE] if reference else policies:
-                pol: Policy = FutureKnowledge(records) if p == REFERENCE else make_policy(p)
+                pol = _policy(p, records, preset, int(b * GiB))
                 r = replay(records, pol, PRESETS[preset], int(b * GiB))
                 row = r.as_dict()
                 row.update(trace=name, budget_gib=b)
+                if isinstance(pol, FlopEfficiency):
+                    row.update(alpha=pol.alpha)
                 group.append(row)
                 if progress is not None:
                     progress(n)
@@ -87,6 +90,16 @@ def run_grid(
                     )
             rows += group
     return rows
+
+
+def _policy(name: str, records: list[TraceRecord], preset: str, budget: int) -> Policy:
+    """A fresh policy for one replay: the reference made for the trace, ``flop-efficiency`` with
+    its alpha tuned on the trace's bootstrap window (as Marconi does), any other by name."""
+    if name == REFERENCE:
+        return FutureKnowledge(records)
+    if name == FlopEfficiency.name:
+        return FlopEfficiency(tune_alpha(records, PRESETS[preset], budget))
+    return make_policy(name)
 
 
 def markdown_table(rows: Sequence[dict[str, object]]) -> str:
