@@ -80,6 +80,11 @@ class Policy(ABC):
             raise ValueError(f"costs must be positive, got snapshot {snapshot_bytes}, kv/token {kv_bytes_per_token}")
         self.snapshot_bytes, self.kv_bytes_per_token = snapshot_bytes, kv_bytes_per_token
 
+    def freed_bytes(self, node: TreeNode) -> int:
+        """What evicting ``node``'s snapshot frees, in the model's bytes: the snapshot, plus its
+        edge's KV when it is a leaf (an inner node's KV stays for its children)."""
+        return self.snapshot_bytes + (node.num_tokens * self.kv_bytes_per_token if node.is_leaf else 0)
+
     def flops(self, prefill_flops: Callable[[int], float]) -> None:  # noqa: B027
         """The model's FLOP model: FLOPs to prefill positions ``[0, n)``. Policies that weigh
         compute use it (the replay passes its preset's; a host passes its model's); others ignore it."""

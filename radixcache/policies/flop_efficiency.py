@@ -66,8 +66,7 @@ class FlopEfficiency(Policy):
 
     def efficiency(self, node: TreeNode) -> float:
         """Prefill FLOPs a hit on ``node`` saves per byte evicting it frees."""
-        held = self.snapshot_bytes + (node.num_tokens * self.kv_bytes_per_token if node.is_leaf else 0)
-        return self._prefill_flops(node.depth) / held
+        return self._prefill_flops(node.depth) / self.freed_bytes(node)
 
     def victim(self, now: float, *, kv: bool = False) -> TreeNode | None:
         cands: list[tuple[TreeNode, float, float]] = []

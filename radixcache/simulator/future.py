@@ -168,18 +168,18 @@ class FutureKnowledge(Policy):
             if not HybridRadixCache.is_evictable(node) or (kv and not node.is_leaf):
                 continue
             i = bisect.bisect_right(uses, self._k)  # consumers not admitted yet
-            size = self._bytes(node)
+            size = self.freed_bytes(node)
             # never used again: first, the biggest first; else (time to next use) x bytes
             score = math.inf if i == len(uses) else max(self._recs[uses[i]].ts - now, 1e-9) * size
-            if best is None or score > best_score or (score == best_score == math.inf and size > self._bytes(best)):
+            if (
+                best is None
+                or score > best_score
+                or (score == best_score == math.inf and size > self.freed_bytes(best))
+            ):
                 best, best_score = node, score
         for nid in gone:
             del self._nodes[nid]
         return best
-
-    def _bytes(self, node: TreeNode) -> int:
-        """What evicting ``node`` frees: its snapshot, and its edge's KV when it is a leaf."""
-        return self.snapshot_bytes + (node.num_tokens * self.kv_bytes_per_token if node.is_leaf else 0)
 
     def describe(self) -> dict[str, object]:
         return {"admitted": self._k + 1, "tracked": len(self._nodes)}

@@ -340,25 +340,35 @@ class HybridModel(nn.Module):
             torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen, dtype=cfg.dtype) * cfg.hidden_size**-0.5
         )
         self.requires_grad_(False)
+        self._adapters: dict[Hashable, torch.Tensor] = {}  # namespace -> its bias, made once
+        self._image_rows: dict[bytes, list[torch.Tensor]] = {}  # image digest -> its rows so far
 
     def adapter(self, namespace: Hashable) -> torch.Tensor | None:
         """The input bias of ``namespace``'s adapter (``None``: the base model): a seeded vector of
         ``hidden_size``, added to every input embedding, so each tenant is another model."""
         if namespace is None:
             return None
-        gen = torch.Generator().manual_seed(_seed(b"adapter", repr(namespace).encode(), self.cfg.seed))
-        return torch.randn(self.cfg.hidden_size, generator=gen, dtype=self.cfg.dtype) * 0.5
+        bias = self._adapters.get(namespace)
+        if bias is None:  # made once per namespace: every decode step of a tenant asks for it
+            gen = torch.Generator().manual_seed(_seed(b"adapter", repr(namespace).encode(), self.cfg.seed))
+            bias = self._adapters[namespace] = (
+                torch.randn(self.cfg.hidden_size, generator=gen, dtype=self.cfg.dtype) * 0.5
+            )
+        return bias
 
     def image_rows(self, image: bytes, n: int) -> torch.Tensor:
         """Embedding rows of the first ``n`` tokens of ``image`` ([n, hidden_size]): row k is seeded
         by a SHA-256 of all the image's bytes and k, so images that differ anywhere differ."""
         digest = hashlib.sha256(bytes(image)).digest()
         h, dt = self.cfg.hidden_size, self.cfg.dtype
-        rows = [
-            torch.randn(h, generator=torch.Generator().manual_seed(_seed(digest, k.to_bytes(4, "little"))), dtype=dt)
-            for k in range(n)
-        ]
-        return torch.stack(rows) if rows else torch.empty(0, h, dtype=dt)
+        rows = self._image_rows.setdefault(digest, [])  # made once per row: each window asks again
+        for k in range(len(rows), n):
+            rows.append(
+                torch.randn(
+                    h, generator=torch.Generator().manual_seed(_seed(digest, k.to_bytes(4, "little"))), dtype=dt
+                )
+            )
+        return torch.stack(rows[:n]) if n else torch.empty(0, h, dtype=dt)
 
     def inputs(
         self,
