@@ -6,7 +6,7 @@ ten batches, alternating between the two sizes so both see the same machine. Pri
 median over the batches of microseconds per evicted node at each size, and the growth ratio
 (target: < 2x).
 
-    python benchmarks/bench_policies.py [--sizes 10000 100000] [--quick]
+    python benchmarks/bench_policies.py [--sizes 10000 100000] [--quick] [--policies NAME ...]
 """
 
 from __future__ import annotations
@@ -77,10 +77,11 @@ def main() -> None:
     ap.add_argument("--sizes", type=int, nargs=2, default=[10_000, 100_000])
     ap.add_argument("--evictions", type=int, default=2000)
     ap.add_argument("--quick", action="store_true", help="smoke size for CI")
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
     args = ap.parse_args()
     sizes, ev = ((500, 2000), 100) if args.quick else ((args.sizes[0], args.sizes[1]), args.evictions)
     out: dict[str, object] = {"bench": "policy_eviction", "sizes": list(sizes), "evictions": ev}
-    for p in POLICIES:
+    for p in args.policies:
         # flop-efficiency scans every candidate per eviction (Marconi's normalisation is over all
         # of them): fewer evictions keep its run to minutes; the cost per node is what is reported.
         small, large = eviction_costs(p, sizes, min(ev, 50) if p == "flop-efficiency" else ev)

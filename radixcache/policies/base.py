@@ -81,9 +81,11 @@ class Policy(ABC):
         self.snapshot_bytes, self.kv_bytes_per_token = snapshot_bytes, kv_bytes_per_token
 
     def freed_bytes(self, node: TreeNode) -> int:
-        """What evicting ``node``'s snapshot frees, in the model's bytes: the snapshot, plus its
-        edge's KV when it is a leaf (an inner node's KV stays for its children)."""
-        return self.snapshot_bytes + (node.num_tokens * self.kv_bytes_per_token if node.is_leaf else 0)
+        """What evicting ``node``'s snapshot frees, in the model's bytes: the snapshot, plus, for a
+        leaf, the KV it alone keeps (its edge and every parent the eviction would leave as a
+        tombstone leaf; see :meth:`HybridRadixCache.eviction_cost`). An inner node's KV stays for
+        its children. The policy must be bound (:meth:`bind`)."""
+        return self.snapshot_bytes + self.cache.eviction_cost(node).kv_tokens * self.kv_bytes_per_token
 
     def flops(self, prefill_flops: Callable[[int], float]) -> None:  # noqa: B027
         """The model's FLOP model: FLOPs to prefill positions ``[0, n)``. Policies that weigh

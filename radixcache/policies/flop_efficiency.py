@@ -11,7 +11,8 @@ Eviction: the candidates are the snapshots of nodes with at most one child. Each
 candidates: recency is the time of the node's last use (donation or hit); FLOP efficiency is the
 prefill FLOPs a hit on the node saves (all ``depth`` tokens, from the model's FLOP model: attention
 quadratic in depth, linear layers and MLP linear) per byte the node holds (its snapshot, plus the
-KV of its edge when it is a leaf: what evicting it frees). The lowest utility goes first. ``alpha``
+KV it alone keeps when it is a leaf: its edge and the tombstone parents that go with it, what
+evicting it frees). The lowest utility goes first. ``alpha``
 is tuned by replaying a bootstrap window of the workload over a grid
 (:func:`radixcache.simulator.tune_alpha`); ``alpha = 0`` is LRU over the candidates.
 """

@@ -9,7 +9,16 @@ plus the new message) and ``output_tokens``. Shapes:
   Poisson gaps, contexts up to 32k;
 - ``fanout``: groups of prompts sharing a 2,048-token system prompt, 128-token questions;
 - ``edge``: identical re-sends; a 1,500-token shared prefix followed by 700 unique tokens;
-  prompts shorter than one block.
+  prompts shorter than one block;
+- ``rag``: retrieval-augmented questions: a shared system prompt, then 3-5 documents drawn from a
+  Zipf-popular corpus in the order the retriever ranked them (the same documents often come in
+  another order), then the question; one in four sessions asks a follow-up;
+- ``tools``: tool-calling agents that branch and backtrack: from the same context an agent tries
+  two or three calls in parallel, keeps one, and now and then returns to a context two or three
+  steps back and tries another path;
+- ``mixed``: four tenants on one cache, told apart by the session id's prefix: ``chat`` sessions,
+  ``agent`` sessions, ``rag`` questions and ``short`` prompts (classification-style: a shared
+  20-40-token instruction and a short input, popular inputs repeated), all interleaved in time.
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ import json
 import os
 import random
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 __all__ = ["SHAPES", "TraceRecord", "generate", "read_trace", "write_trace"]
 
@@ -106,11 +115,97 @@ def _edge(rng: random.Random) -> list[TraceRecord]:
     return out
 
 
+def _zipf(rng: random.Random, n: int, s: float = 1.1) -> Callable[[], int]:
+    """A sampler of ranks ``[0, n)`` with Zipf weights ``1 / (rank + 1) ** s``."""
+    weights = [1.0 / (k + 1) ** s for k in range(n)]
+    ranks = list(range(n))
+    return lambda: rng.choices(ranks, weights)[0]
+
+
+def _rag(
+    rng: random.Random, questions: int = 600, corpus: int = 300, rate: float = 2.0, prefix: str = "rag"
+) -> list[TraceRecord]:
+    out: list[TraceRecord] = []
+    system = _toks(rng, 300)
+    docs = [_toks(rng, rng.randint(300, 800)) for _ in range(corpus)]
+    popular = _zipf(rng, corpus)
+    t = 0.0
+    for q in range(questions):
+        t += rng.expovariate(rate)
+        picked: list[int] = []
+        while len(picked) < rng.randint(3, 5):
+            d = popular()
+            if d not in picked:
+                picked.append(d)
+        if rng.random() < 0.5:  # the retriever's scores moved: the same documents, another order
+            rng.shuffle(picked)
+        history = system + [tok for d in picked for tok in docs[d]] + _toks(rng, rng.randint(20, 80))
+        answer = _toks(rng, rng.randint(50, 200))
+        out.append(TraceRecord(f"{prefix}-{q}", 0, t, list(history), answer))
+        if rng.random() < 0.25:  # a follow-up on the same documents
+            follow = history + answer + _toks(rng, rng.randint(10, 60))
+            later = t + rng.uniform(10, 60)
+            out.append(TraceRecord(f"{prefix}-{q}", 1, later, follow, _toks(rng, rng.randint(50, 200))))
+    return sorted(out, key=lambda r: r.ts)
+
+
+def _tools(rng: random.Random, sessions: int = 16, steps: int = 30, max_context: int = 24_000) -> list[TraceRecord]:
+    out: list[TraceRecord] = []
+    system = _toks(rng, 2000)  # the agent's instructions and tool schemas
+    for s in range(sessions):
+        t = rng.uniform(0, 60)
+        path = [system + _toks(rng, rng.randint(100, 400))]  # contexts along the path kept so far
+        turn = 0
+        for _ in range(steps):
+            context = path[-1]
+            if len(context) > max_context:
+                break
+            tries = []
+            for _ in range(rng.choice((1, 1, 2, 3))):  # parallel calls from the same context
+                call = _toks(rng, rng.randint(30, 120))
+                out.append(TraceRecord(f"tools-{s}", turn, t, list(context), call))
+                turn += 1
+                tries.append(context + call + _toks(rng, rng.randint(500, 3000)))  # the tool's output
+                t += rng.uniform(0.2, 2.0)
+            path.append(rng.choice(tries))
+            if len(path) > 3 and rng.random() < 0.15:  # a dead end: back two or three steps
+                del path[-rng.randint(2, 3) :]
+            t += rng.expovariate(0.5)
+    return sorted(out, key=lambda r: r.ts)
+
+
+def _short(rng: random.Random, n: int, rate: float, prefix: str = "short") -> list[TraceRecord]:
+    """Classification-style prompts shorter than one block: one of 30 instructions (20-40 tokens),
+    then an input of 5-30 tokens; popular inputs come back."""
+    instructions = [_toks(rng, rng.randint(20, 40)) for _ in range(30)]
+    inputs = [_toks(rng, rng.randint(5, 30)) for _ in range(400)]
+    which, what = _zipf(rng, len(instructions)), _zipf(rng, len(inputs), 0.9)
+    out: list[TraceRecord] = []
+    t = 0.0
+    for i in range(n):
+        t += rng.expovariate(rate)
+        prompt = instructions[which()] + inputs[what()]
+        out.append(TraceRecord(f"{prefix}-{i}", 0, t, prompt, _toks(rng, rng.randint(2, 10))))
+    return out
+
+
+def _mixed(rng: random.Random) -> list[TraceRecord]:
+    chat = _chat(rng, sessions=40, rate=0.2)
+    # the agents' sessions spread over the chat's span rather than crowding its start
+    agents = [replace(r, ts=r.ts * 4) for r in _agentic(rng, sessions=6, max_context=24_000)]
+    rag = _rag(rng, questions=250, rate=0.5)
+    short = _short(rng, 800, rate=2.0)
+    return sorted(chat + agents + rag + short, key=lambda r: r.ts)
+
+
 SHAPES: dict[str, Callable[[random.Random], list[TraceRecord]]] = {
     "chat": _chat,
     "agentic": _agentic,
     "fanout": _fanout,
     "edge": _edge,
+    "rag": _rag,
+    "tools": _tools,
+    "mixed": _mixed,
 }
 
 
