@@ -1,8 +1,9 @@
 """Rewrite the results section of docs/policies.md (and docs/policies.json, docs/policies.png) from
-a fresh `radixcache policies-report` run: every trace shape x 3 budgets x every policy, replayed
-through the manager's public API.
+a fresh `radixcache policies-report` run: every trace shape x 3 budgets x every policy, for two
+seeds and both presets, replayed through the manager's public API (about 40 minutes here).
 
-    python benchmarks/policies_report.py [--doc docs/policies.md] [--png docs/policies.png] [--preset NAME]
+    python benchmarks/policies_report.py [--doc docs/policies.md] [--png docs/policies.png]
+                                         [--preset NAME ...] [--seed N ...]
 
 Only the text between the report markers of the document changes.
 """
@@ -16,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from radixcache.policies import POLICIES
-from radixcache.simulator import DEFAULT_BUDGETS_GIB, PRESETS, load_trace, report_markdown, run_grid
+from radixcache.simulator import PRESETS, report_markdown, run_report
 
 MARK_BEGIN = "<!-- policies-report:begin -->"
 MARK_END = "<!-- policies-report:end -->"
@@ -79,10 +80,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--doc", default="docs/policies.md")
     ap.add_argument("--png", default="docs/policies.png")
-    ap.add_argument("--preset", default="qwen3-next-80b", choices=sorted(PRESETS))
+    ap.add_argument("--preset", nargs="+", default=["qwen3-next-80b", "nemotron-h-8b"], choices=sorted(PRESETS))
+    ap.add_argument("--seed", nargs="+", type=int, default=[0, 1])
     args = ap.parse_args()
-    traces = [load_trace(shape) for shape in DEFAULT_BUDGETS_GIB]
-    rows = run_grid(traces, list(POLICIES), lambda t: DEFAULT_BUDGETS_GIB[t], preset=args.preset)
+    rows = run_report(args.seed, args.preset, list(POLICIES))
     write_report(rows, args.doc, args.png)
     print(json.dumps({"doc": args.doc, "png": args.png, "rows": len(rows)}))
 

@@ -11,12 +11,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 
 from .policies import DEFAULT_POLICY, POLICIES
+from .simulator.traces import SHAPES
 from .testing.inject import FUZZ_BUGS, MISUSE_BUGS
 
 __all__ = ["main"]
 
 _PRESETS = ["qwen3-next-80b", "nemotron-h-8b"]
-_SHAPES = ["chat", "agentic", "fanout", "edge"]
+_SHAPES = list(SHAPES)
 
 
 def _print_failures(exc: BaseException) -> None:
@@ -154,17 +155,18 @@ def cmd_bench_trace(args: argparse.Namespace) -> int:
 
 
 def cmd_policies_report(args: argparse.Namespace) -> int:
-    """Every trace shape x 3 budgets x every policy, through the manager; the markdown table (or
-    the rows as JSON). benchmarks/policies_report.py writes it into docs/policies.md."""
+    """Every trace shape x 3 budgets x every policy, for each seed and preset, through the manager;
+    the markdown tables (or the rows as JSON). benchmarks/policies_report.py writes them into
+    docs/policies.md."""
     from .progress import progress_callback
-    from .simulator import DEFAULT_BUDGETS_GIB, load_trace, report_markdown, run_grid
+    from .simulator import DEFAULT_BUDGETS_GIB, report_markdown, run_report
 
-    traces = [load_trace(shape, args.seed) for shape in DEFAULT_BUDGETS_GIB]
     policies = args.policy or list(POLICIES)
-    total = sum(len(b) for b in DEFAULT_BUDGETS_GIB.values()) * len(policies)
-    update, close = progress_callback(total, "policies-report")
+    shapes = args.shape or list(DEFAULT_BUDGETS_GIB)
+    per = sum(len(DEFAULT_BUDGETS_GIB[t]) for t in shapes) * (len(policies) + 1)
+    update, close = progress_callback(per * len(args.seed) * len(args.preset), "policies-report")
     try:
-        rows = run_grid(traces, policies, lambda t: DEFAULT_BUDGETS_GIB[t], preset=args.preset, progress=update)
+        rows = run_report(args.seed, args.preset, policies, shapes=shapes, progress=update)
     finally:
         close()
     print(json.dumps(rows, indent=1, default=str) if args.json else report_markdown(rows))
@@ -239,8 +241,9 @@ def _parser() -> argparse.ArgumentParser:
     bt.add_argument("--preset", default=_PRESETS[0], choices=_PRESETS)
     bt.add_argument("--seed", type=int, default=0)
     pr = add("policies-report", cmd_policies_report, "every trace shape x 3 budgets x every policy: the table")
-    pr.add_argument("--preset", default=_PRESETS[0], choices=_PRESETS)
-    pr.add_argument("--seed", type=int, default=0)
+    pr.add_argument("--preset", nargs="+", default=[_PRESETS[0]], choices=_PRESETS)
+    pr.add_argument("--seed", nargs="+", type=int, default=[0])
+    pr.add_argument("--shape", nargs="+", choices=_SHAPES, default=None, help="default: every shape")
     pr.add_argument("--policy", nargs="+", choices=sorted(POLICIES), default=None, help="default: every policy")
     pr.add_argument("--json", action="store_true", help="the rows as JSON instead of the markdown table")
     mt = add("make-trace", cmd_make_trace, "write a seeded trace as JSONL")

@@ -40,6 +40,9 @@ from radixcache.simulator import (
     replay,
     report_markdown,
     run_grid,
+    run_report,
+    summary_table,
+    tenants_table,
     tune_alpha,
     write_trace,
 )
@@ -504,7 +507,7 @@ def test_report_table_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     short = next(line for line in edge.splitlines() if line.startswith("| shorter than one block"))
     assert short.split(" | ")[2] == "**0**" and "**0**" not in short.split(" | ")[3], short
     assert edge_case_table(rows).count("\n") == 3, "the one case this trace has, 2 budgets"
-    assert report_markdown(rows).startswith(table) and "Edge cases" in report_markdown(rows)
+    assert table in report_markdown(rows) and "Edge cases" in report_markdown(rows)
     assert REFERENCE not in table, "the reference has its own table"
     bounds = bounds_table(rows)
     assert bounds.count("\n") == 3 and "| edge | 1 GiB |" in bounds and "x |" in bounds
@@ -515,6 +518,48 @@ def test_report_table_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     write_trace(generate("edge")[:30], tmp_path / "e.jsonl")
     assert main(["bench-trace", str(tmp_path / "e.jsonl"), "--policy", "hit-density", "--budget", "1"]) == 0
     assert '"policy": "hit-density"' in capsys.readouterr().out
+
+
+def test_report_over_seeds_and_presets_with_tenants_and_summary(capsys: pytest.CaptureFixture[str]) -> None:
+    rows = run_report((0, 1), ("qwen3-next-80b", "nemotron-h-8b"), ["hit-density", "sglang-like"], shapes=["edge"])
+    assert len(rows) == 2 * 2 * 3 * 3, "2 presets x 2 seeds x 3 budgets x (2 policies + the reference)"
+    assert {(r["preset"], r["seed"]) for r in rows} == {(p, s) for p in PRESETS for s in (0, 1)}
+    table = markdown_table(rows)
+    assert table.splitlines()[0].startswith("| preset | seed | trace | budget |") and table.count("\n") == 13
+    assert "| nemotron-h-8b | 1 | edge | 4 GiB |" in table
+    summary = summary_table(rows)
+    assert summary.count("\n") == 5, "one line per (preset, seed, trace)"
+    line = summary.splitlines()[2]
+    assert "| 1 GiB |" in line and "sglang-like" in line and "x |" in line
+    assert summary_table(rows, "fixed-points") == "", "no rows of that policy"
+    assert tenants_table(rows) == "", "no mixed rows"
+    with pytest.raises(KeyError):
+        run_report((0,), ("no-such-model",), ["hit-density"], shapes=["edge"])
+    assert main(["policies-report", "--shape", "edge", "--policy", "hit-density", "--seed", "0", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Summary") and "| seed |" in out
+
+
+def test_tenants_table_marks_ours_behind_a_baseline() -> None:
+    def row(policy: str, kinds: dict[str, tuple[int, int]]) -> dict[str, object]:
+        return {
+            "policy": policy,
+            "preset": "qwen3-next-80b",
+            "seed": 0,
+            "trace": "mixed",
+            "budget_gib": 2.0,
+            "per_session_kind_requests": kinds,
+        }
+
+    rows = [
+        row("hit-density", {"short": (5, 10), "chat": (9, 9)}),
+        row("sglang-like", {"short": (7, 10), "chat": (3, 9)}),
+    ]
+    table = tenants_table(rows)
+    lines = table.splitlines()
+    assert lines[0] == "| trace | budget | tenant | hit-density | sglang-like |"
+    assert lines[2] == "| mixed | 2 GiB | chat | **9/9** | 3/9 |"
+    assert lines[3] == "| mixed | 2 GiB | short | 5/10 < | **7/10** |"
 
 
 def test_policies_report_script_rewrites_only_its_section(tmp_path: Path) -> None:

@@ -13,6 +13,9 @@ from .report import (
     report_markdown,
     requests_table,
     run_grid,
+    run_report,
+    summary_table,
+    tenants_table,
 )
 from .traces import TraceRecord, generate, read_trace, write_trace
 from .tuning import bootstrap_window, tune_alpha
@@ -39,6 +42,9 @@ __all__ = [
     "report_markdown",
     "requests_table",
     "run_grid",
+    "run_report",
+    "summary_table",
+    "tenants_table",
     "tune_alpha",
     "write_trace",
 ]
