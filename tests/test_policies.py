@@ -575,3 +575,40 @@ def test_policies_report_script_rewrites_only_its_section(tmp_path: Path) -> Non
     assert text.startswith("intro") and text.rstrip().endswith("outro") and "old" not in text
     assert markdown_table(rows) in text and "edge case" in text
     assert (tmp_path / "policies.json").exists()
+
+
+def test_ours_keeps_earlier_prompt_ends_when_sessions_come_back() -> None:
+    """A linear conversation's earlier prompt end is superseded by its next turn; an agent that
+    comes back to earlier contexts (parallel calls, dead ends) keeps it."""
+
+    def run(revisit: bool) -> bool:
+        t = _Tree()
+        pol = t.policy(HitDensity())
+        for i in range(40):  # sessions whose second request is no longer (revisit) or longer
+            pol.admitted(RequestInfo(100, 0, 0, f"w{i}", 0.0))
+            pol.admitted(RequestInfo(100 if revisit else 200, 0, 0, f"w{i}", 1.0))
+        prompt = t.fresh()
+        end = t.add(prompt[:-1])
+        req = RequestInfo(64, 0, 0, "a", 10.0, 5)
+        pol.donated(end, req, CAPTURE, 10.0)
+        assert pol._entries[end.id].kind == "resend"
+        final = t.add(np.concatenate([prompt, t.fresh(16)]))  # the session's next turn went past it
+        pol.donated(final, RequestInfo(80, 63, 63, "a", 20.0, 6), FINISH, 21.0)
+        return end.id in pol._superseded
+
+    assert run(revisit=False), "a linear conversation went past its prompt's end"
+    assert not run(revisit=True), "an agent that comes back keeps its earlier prompt ends"
+
+
+def test_ours_waits_less_for_a_snapshot_used_often() -> None:
+    """Two snapshots of the same kind, depth and age: the one hit every second outranks the one hit
+    once, though the kind's mean gap is the same for both."""
+    t = _Tree()
+    pol = t.policy(HitDensity())
+    busy, quiet = t.add(t.fresh()), t.add(t.fresh())
+    for n in (busy, quiet):
+        pol.donated(n, _req("d", 0.0), CAPTURE, 0.0)
+    pol.touched(quiet, _req("q", 50.0), 50.0)
+    for k in range(1, 51):
+        pol.touched(busy, _req(f"b{k}", float(k)), float(k))
+    assert pol.density(busy, 50.0) > 5 * pol.density(quiet, 50.0)

@@ -27,11 +27,16 @@ and bytes)::
   state these come from the conversations' *think time* (the gaps between a session's requests,
   measured on every request whether it hit or not): a conversation just answered waits a whole
   think time, one idle for a while is due soon, one idle beyond every observed gap is over.
-  For other kinds, ``q`` is the kind's measured reuse rate and ``wait`` its mean reuse gap plus
-  the time it has been idle (older is colder).
+  For other kinds, ``q`` is the kind's measured reuse rate and ``wait`` the mean gap between the
+  snapshot's own uses so far (the kind's mean reuse gap standing in for the first), plus the time
+  it has been idle (older is colder): a prefix every conversation hits waits seconds, however
+  many tokens deeper snapshots would save.
 
 Before any of that, a conversation's snapshots from earlier turns go as soon as a later turn went
-past them (superseded), unless another conversation used them.
+past them (superseded), unless another conversation used them. Sessions that come back to where
+they were (a request no longer than the session's last: parallel tool calls, a dead end left, a
+re-send) keep the ends of earlier prompts and what already served a hit, once such requests are
+at least ``min_rate`` of a session's requests.
 
 Why not LRU: with many live conversations and a budget that holds only some, LRU evicts each one
 just before its next turn (the least recently used is the one about to come back) and hits almost
@@ -85,6 +90,8 @@ class _Entry:
     session: Hashable | None
     ts: float  # arrival of the donating request
     users: set[Hashable | None] = field(default_factory=set)
+    born: float = 0.0  # donation, or first sight
+    hits: int = 0
 
 
 class _Decayed:
@@ -203,7 +210,8 @@ class HitDensity(Policy):
         self._repeated = _Decayed()  # requests whose prompt came before: reuse of re-send points
         self._gap = {k: _Decayed() for k in (BLOCK, BRANCH, HIT, RESEND, FINISH)}
         self._think = _Gaps()
-        self._sessions: OrderedDict[Hashable, float] = OrderedDict()
+        self._sessions: OrderedDict[Hashable, tuple[float, int]] = OrderedDict()  # last (arrival, prompt)
+        self._revisited = _Decayed()  # a session's request no longer than its last: it branched or went back
         self._digests: OrderedDict[int, None] = OrderedDict()
         self._skipped = dict.fromkeys((FINISH, RESEND, BLOCK, BRANCH), 0)
 
@@ -211,7 +219,7 @@ class HitDensity(Policy):
 
     def admitted(self, req: RequestInfo) -> None:
         if req.session is not None:
-            self._see_session(req.session, req.ts)
+            self._see_session(req.session, req.ts, req.prompt_len)
         if req.prompt_digest:
             seen = req.prompt_digest in self._digests
             self._repeated.add(seen)
@@ -220,12 +228,13 @@ class HitDensity(Policy):
             if len(self._digests) > _REMEMBER:
                 self._digests.popitem(last=False)
 
-    def _see_session(self, session: Hashable, ts: float) -> None:
+    def _see_session(self, session: Hashable, ts: float, prompt_len: int) -> None:
         last = self._sessions.pop(session, None)
         self._continued.add(last is not None)
         if last is not None:
-            self._think.add(max(0.0, ts - last))
-        self._sessions[session] = ts
+            self._think.add(max(0.0, ts - last[0]))
+            self._revisited.add(prompt_len <= last[1])
+        self._sessions[session] = (ts, prompt_len)
         if len(self._sessions) > _REMEMBER:
             self._sessions.popitem(last=False)
 
@@ -293,24 +302,29 @@ class HitDensity(Policy):
         finish = reason is DonationReason.FINISH
         kind = FINISH if finish else self._kind(req, node.depth)
         self._superseded.pop(node.id, None)
-        self._track(_Entry(node, kind, now, req.session, req.ts, {req.session}))
+        self._track(_Entry(node, kind, now, req.session, req.ts, {req.session}, born=now))
         if not finish or req.session is None:
             return
         # This conversation went past its own earlier snapshots: its next turn continues the new
-        # final state, so those are dead weight unless another conversation used them.
+        # final state, so those are dead weight unless another conversation used them. When
+        # sessions come back to where they were (tool-calling agents: parallel calls, dead ends;
+        # re-sends), the ends of earlier prompts and what already served a hit are kept.
+        revisits = self._revisited.rate >= self.min_rate
         for anc in HybridRadixCache.snapshot_ancestors(node):
             e = self._entries.get(anc.id)
-            if e is not None and e.session == req.session and e.ts < req.ts and len(e.users) <= 1:
+            mine = e is not None and e.session == req.session and e.ts < req.ts and len(e.users) <= 1
+            if mine and not (revisits and e is not None and e.kind in (RESEND, HIT)):
                 self._superseded[anc.id] = None
 
     def touched(self, node: TreeNode, req: RequestInfo, now: float) -> None:
         e = self._entries.get(node.id)
         if e is None or e.node is not node:
-            e = _Entry(node, HIT, now, req.session, req.ts)
+            e = _Entry(node, HIT, now, req.session, req.ts, born=now)
         else:
             if e.kind in self._outcome:
                 self._outcome[e.kind].add(True)
             self._gap[e.kind].add(now - e.last)
+            e.hits += 1
         e.kind, e.last = HIT, now
         e.users.add(req.session)
         self._superseded.pop(node.id, None)
@@ -349,7 +363,9 @@ class HitDensity(Policy):
                 return 0.0  # idle beyond every observed think time: the conversation is over
             q = r * alive / (r * alive + (1.0 - r))
         else:
-            q, wait = r, self._mean_gap(e.kind) + age
+            # the mean gap between this snapshot's uses so far (the kind's mean gap as the prior),
+            # plus the time since the last: a prefix every conversation hits waits seconds
+            q, wait = r, (self._mean_gap(e.kind) + e.last - e.born) / (e.hits + 1) + age
         anchor = self._anchor_depth(e)
         gain = node.depth - anchor + (self.hit_bonus if anchor == 0 else 0.0)  # no anchor: the hit itself
         return q * gain / (self.freed_bytes(node) * max(wait, 1e-3))
