@@ -445,26 +445,30 @@ class _Scored(HitDensity):
         return self.scores[node.id]
 
 
-def test_ours_rescores_a_kept_candidate_that_was_hit_since() -> None:
-    """The sampled eviction keeps low-scored candidates for the next eviction with the scores they
-    had; one that served a hit since must be scored again, not evicted on its stale score."""
+def test_ours_sampled_eviction_takes_the_lowest_of_its_draws() -> None:
+    """Past ``exact_below`` snapshots the victim is the lowest density among the draws: with as many
+    draws as snapshots, the same as the exact path; with one draw, whatever was drawn."""
     t = _Tree()
-    nodes = [t.add(t.fresh()) for _ in range(8)]
-    scores = {n.id: float(i) for i, n in enumerate(nodes)}
-    pol = _Scored(scores, sample=64, pool=16, exact_below=0, seed=1)
-    t.policy(pol)
+    nodes = [t.add(t.fresh()) for _ in range(12)]
+    scores = {n.id: float((7 * i) % 12) for i, n in enumerate(nodes)}  # lowest: nodes[0], then [7]
+    wide = t.policy(_Scored(scores, sample=12, exact_below=0))
     for i, n in enumerate(nodes):
-        pol.donated(n, _req(f"s{i}", float(i)), CAPTURE, float(i))
-    assert pol.victim(10.0) is nodes[0]
+        wide.donated(n, _req(f"s{i}", float(i)), CAPTURE, float(i))
+    assert wide.victim(20.0) is nodes[0]
     t.cache.evict_snapshot(nodes[0])
-    assert sorted(nid for _, _, nid, _ in pol._kept) == sorted(n.id for n in nodes[1:]), "each candidate kept once"
-    scores[nodes[1].id] = 100.0  # the next in line served a hit: worth keeping now
-    pol.touched(nodes[1], _req("hot", 11.0), 11.0)
-    assert pol.victim(11.0) is nodes[2], "a snapshot hit since it was scored went on its stale score"
-    t.cache.evict_snapshot(nodes[2])
-    scores[nodes[3].id] = 50.0  # not used since: its kept score stands until it is rescore evictions old
-    assert pol.victim(12.0) is nodes[3]
-    t.cache.check_invariants()
+    assert wide.victim(20.0) is nodes[7]
+    t2 = _Tree()
+    more = [t2.add(t2.fresh()) for _ in range(12)]
+    narrow = t2.policy(_Scored({n.id: float(i) for i, n in enumerate(more)}, sample=1, exact_below=0, seed=3))
+    for i, n in enumerate(more):
+        narrow.donated(n, _req(f"s{i}", float(i)), CAPTURE, float(i))
+    picks = set()
+    for _ in range(6):
+        v = narrow.victim(20.0)
+        assert v is not None
+        picks.add(v.id)
+        t2.cache.evict_snapshot(v)
+    assert picks != {n.id for n in more[:6]}, "one draw is not the exact order"
 
 
 def test_freed_bytes_count_the_tombstone_parents_a_leaf_takes_with_it() -> None:
