@@ -50,10 +50,9 @@ final states are then kept by default and ranked like any other kind.
 
 Cost per eviction: exact over every tracked snapshot up to ``exact_below`` of them, otherwise the
 best of ``sample`` drawn at random (seeded; a repeat counts once): O(sample x path length), whatever the
-tree size. Fewer draws cost less and choose worse: forced onto the sampled path, the replay's
-token hit rates at the tightest budgets fall by up to a tenth with 16 draws and a sixth with 8
-(chat 41.6% exact, 39.6% with 16, 39.2% with 8); a pool of runners-up carried from one eviction to
-the next (Redis's way) did worse still, its stale scores outranking fresh ones.
+tree size. Fewer draws cost less and choose worse; a pool of runners-up carried from one eviction
+to the next (Redis's way) was faster and worse still, its stale scores outranking fresh ones
+(docs/policies.md has the figures).
 """
 
 from __future__ import annotations
