@@ -29,8 +29,9 @@ def _f(x: object) -> float:
 
 
 def plot(rows: Sequence[dict[str, object]], path: str | os.PathLike[str]) -> bool:
-    """Token hit rate and FLOPs saved against budget, one panel pair per trace, one line per policy.
-    Returns False (drawing nothing) when matplotlib is not installed."""
+    """Token hit rate and FLOPs saved against budget, one panel pair per trace, one line per policy,
+    for the rows' first preset and seed. Returns False (drawing nothing) when matplotlib is not
+    installed."""
     try:
         import matplotlib
 
@@ -38,6 +39,9 @@ def plot(rows: Sequence[dict[str, object]], path: str | os.PathLike[str]) -> boo
         import matplotlib.pyplot as plt
     except ImportError:
         return False
+    if rows:
+        first = (rows[0]["preset"], rows[0].get("seed", 0))
+        rows = [r for r in rows if (r["preset"], r.get("seed", 0)) == first]
     traces = list(dict.fromkeys(str(r["trace"]) for r in rows))
     policies = list(dict.fromkeys(str(r["policy"]) for r in rows))
     fig, axes = plt.subplots(2, len(traces), figsize=(4 * len(traces), 6.5), squeeze=False)
