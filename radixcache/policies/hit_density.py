@@ -20,7 +20,7 @@ and bytes)::
   ``hit_bonus`` (1,000 tokens by default). Without it a short prompt's snapshot, which saves few
   tokens but costs as many bytes as a long one, always goes first, and a tenant of short prompts
   loses nearly every request while the token hit rate looks fine (the ``mixed`` trace: 16 of 800
-  short requests hit at 2 GiB with no bonus, 380 with it; the token hit rate rises too, 27.0% to
+  short requests hit at 2 GiB with no bonus, 428 with it; the token hit rate rises too, 27.0% to
   29.0%);
 - ``bytes``: the snapshot plus, for a leaf, the KV that goes with it (:meth:`Policy.freed_bytes`);
 - ``q`` and ``wait``: the chance it is used again and the expected time until then. For a final
@@ -49,10 +49,10 @@ Without session ids from the host (``session=None``) nothing says when a convers
 final states are then kept by default and ranked like any other kind.
 
 Cost per eviction: exact over every tracked snapshot up to ``exact_below`` of them, otherwise the
-best of ``sample`` drawn at random (seeded; a repeat counts once): O(sample x path length), whatever the
-tree size. Fewer draws cost less and choose worse; a pool of runners-up carried from one eviction
-to the next (Redis's way) was faster and worse still, its stale scores outranking fresh ones
-(docs/policies.md has the figures).
+best of ``sample`` drawn at random (seeded; a repeat counts once): O(sample x path length),
+whatever the tree size. Fewer draws cost less and choose worse; a pool of runners-up carried from
+one eviction to the next (Redis's way) was faster and worse still, its stale scores outranking
+fresh ones (docs/policies.md has the figures).
 """
 
 from __future__ import annotations
@@ -159,7 +159,8 @@ class HitDensity(Policy):
     drawn per eviction once more than ``exact_below`` snapshots are tracked; :param seed: of the
     draw.
 
-    :raises ValueError: a non-positive size or count, or ``min_rate`` outside ``[0, 1)``.
+    :raises ValueError: a non-positive ``block``, ``explore`` or ``sample``, ``min_rate`` outside
+        ``[0, 1)``, or a negative ``hit_bonus``.
     """
 
     name = "hit-density"
