@@ -430,6 +430,10 @@ def test_ours_sampled_eviction_and_argument_errors() -> None:
     t.cache.check_invariants()
     with pytest.raises(ValueError, match=r"min_rate=1\.5"):
         HitDensity(min_rate=1.5)
+    with pytest.raises(ValueError, match=r"hit_bonus=-1\.0"):
+        HitDensity(hit_bonus=-1.0)
+    with pytest.raises(ValueError, match=r"hit_bonus=nan"):
+        HitDensity(hit_bonus=float("nan"))
     with pytest.raises(ValueError, match="kv/token 0"):
         pol.costs(100, 0)
 
