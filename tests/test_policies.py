@@ -620,3 +620,23 @@ def test_ours_waits_less_for_a_snapshot_used_often() -> None:
     for k in range(1, 51):
         pol.touched(busy, _req(f"b{k}", float(k)), float(k))
     assert pol.density(busy, 50.0) > 5 * pol.density(quiet, 50.0)
+
+
+def test_ours_counts_a_hit_below_an_anchor_as_a_use_of_the_anchor() -> None:
+    """A shared prefix that new conversations reach rarely, under conversations that hit their own
+    deeper snapshots often: each of those hits is a use of the prefix too (it would have served)."""
+    t = _Tree()
+    pol = t.policy(HitDensity())
+    shared = t.fresh()
+    anchor = t.add(shared)
+    pol.donated(anchor, _req("a", 0.0), CAPTURE, 0.0)
+    below = t.add(np.concatenate([shared, t.fresh()]))
+    pol.donated(below, _req("b", 1.0, 128), FINISH, 1.0)
+    alone = t.add(t.fresh())
+    pol.donated(alone, _req("z", 0.0), CAPTURE, 0.0)
+    for k in range(2, 40):
+        pol.touched(below, _req("b", float(k), 128), float(k))
+    assert pol._entries[anchor.id].hits == 38 and pol._entries[anchor.id].last == 39.0
+    assert pol.density(anchor, 40.0) > 5 * pol.density(alone, 40.0)
+    pol.touched(alone, _req("z", 41.0), 41.0)  # no anchor above: nothing else is counted
+    assert pol._entries[anchor.id].hits == 38

@@ -30,7 +30,8 @@ and bytes)::
   For other kinds, ``q`` is the kind's measured reuse rate and ``wait`` the mean gap between the
   snapshot's own uses so far (the kind's mean reuse gap standing in for the first), plus the time
   it has been idle (older is colder): a prefix every conversation hits waits seconds, however
-  many tokens deeper snapshots would save.
+  many tokens deeper snapshots would save. A hit counts as a use of the snapshot that served it and
+  of its anchors (below): those would have served the request had it gone.
 
 Before any of that, a conversation's snapshots from earlier turns go as soon as a later turn went
 past them (superseded), unless another conversation used them. Sessions that come back to where
@@ -314,6 +315,13 @@ class HitDensity(Policy):
         e.users.add(req.session)
         self._superseded.pop(node.id, None)
         self._track(e)
+        # The snapshots above it on the path that would serve the request if it went (its anchors:
+        # another conversation's, or shared) were used too: a shared prefix that new
+        # conversations reach rarely stays while the conversations below it live.
+        for anc in HybridRadixCache.snapshot_ancestors(node):
+            a = self._entries.get(anc.id)
+            if a is not None and anc.id not in self._superseded and (len(a.users) > 1 or a.session != req.session):
+                a.last, a.hits = max(a.last, now), a.hits + 1
 
     # -- eviction ---------------------------------------------------------------------------------
 
