@@ -215,7 +215,7 @@ def test_budget_below_one_snapshot_is_refused() -> None:
 
 
 # The lead at the tightest budget: three quarters on chat; on agentic the faithful Marconi
-# (flop-efficiency) comes within 10% (70.0% against 63.9% at its default alpha): issue 14 is open.
+# (flop-efficiency) comes within 10% (70.3% against 63.9% at its default alpha): issue 14 is open.
 @pytest.mark.parametrize(("shape", "budget", "lead"), [("chat", 4, 1.2), ("agentic", 2, 1.05)])
 def test_ours_leads_every_baseline_at_the_tightest_budget(shape: str, budget: int, lead: float) -> None:
     trace = generate(shape)
