@@ -640,3 +640,18 @@ def test_ours_counts_a_hit_below_an_anchor_as_a_use_of_the_anchor() -> None:
     assert pol.density(anchor, 40.0) > 5 * pol.density(alone, 40.0)
     pol.touched(alone, _req("z", 41.0), 41.0)  # no anchor above: nothing else is counted
     assert pol._entries[anchor.id].hits == 38
+
+
+def test_ours_never_supersedes_a_branch_point() -> None:
+    """A branch point is where a prompt left another sequence's KV: shared by construction, so the
+    session that happened to capture it going further does not make it dead weight."""
+    t = _Tree()
+    pol = t.policy(HitDensity())
+    shared = t.fresh()
+    t.add(np.concatenate([shared, t.fresh()]))  # another sequence went on past the prefix
+    branch = t.add(shared)
+    pol.donated(branch, RequestInfo(128, 0, 64, "a", 1.0, 3), CAPTURE, 1.0)
+    assert pol._entries[branch.id].kind == "branch"
+    mine = t.add(np.concatenate([shared, t.fresh(), t.fresh()]))
+    pol.donated(mine, RequestInfo(160, 64, 64, "a", 5.0, 4), FINISH, 6.0)  # the session's next turn
+    assert branch.id not in pol._superseded and pol.density(branch, 6.0) > 0

@@ -34,7 +34,8 @@ and bytes)::
   of its anchors (below): those would have served the request had it gone.
 
 Before any of that, a conversation's snapshots from earlier turns go as soon as a later turn went
-past them (superseded), unless another conversation used them. Sessions that come back to where
+past them (superseded), unless another conversation used them (a branch point counts as used by
+another: the prompt left another sequence's KV there). Sessions that come back to where
 they were (a request no longer than the session's last: parallel tool calls, a dead end left, a
 re-send) keep the ends of earlier prompts and what already served a hit, once such requests are
 at least ``min_rate`` of a session's requests.
@@ -74,6 +75,7 @@ FINISH, RESEND, BLOCK, BRANCH, HIT = "finish", "resend", "block", "branch", "hit
 _DECAY = 0.999  # counts fade with a half-life of ~700 events: a policy for a changing workload
 _MIN_THINK_SAMPLES = 8
 _REMEMBER = 1 << 16  # sessions and prompt digests remembered
+_SHARED = "<shared>"  # a user standing for "another sequence", for branch points
 
 
 def _gone(node: TreeNode) -> bool:
@@ -288,7 +290,9 @@ class HitDensity(Policy):
         finish = reason is DonationReason.FINISH
         kind = FINISH if finish else self._kind(req, node.depth)
         self._superseded.pop(node.id, None)
-        self._track(_Entry(node, kind, now, req.session, req.ts, {req.session}, born=now))
+        # A branch point is shared by construction: another sequence's KV goes on past it.
+        users: set[Hashable | None] = {req.session, _SHARED} if kind == BRANCH else {req.session}
+        self._track(_Entry(node, kind, now, req.session, req.ts, users, born=now))
         if not finish or req.session is None:
             return
         # This conversation went past its own earlier snapshots: its next turn continues the new
