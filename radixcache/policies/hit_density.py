@@ -354,7 +354,7 @@ class HitDensity(Policy):
         e = self._entries[node.id]
         r = self.rate(e.kind)
         age = max(0.0, now - e.last)
-        if e.kind == FINISH and len(self._think._fifo) >= _MIN_THINK_SAMPLES:
+        if e.kind == FINISH and len(self._think) >= _MIN_THINK_SAMPLES:
             alive, wait = self._think.tail(age)
             if alive <= 0.0:
                 return 0.0  # idle beyond every observed think time: the conversation is over
@@ -381,46 +381,29 @@ class HitDensity(Policy):
             self._untrack(nid)
         if first is not None:
             return first
-        if len(self._items) <= self.exact_below:
-            best: TreeNode | None = None
-            best_key = (0.0, 0.0)
-            for nid in list(self._items):
-                cand = self._candidate(nid, leaf)
-                if cand is not None:
-                    key = (self.density(cand, now), self._entries[nid].last)  # ties: least recently used
-                    if best is None or key < best_key:
-                        best, best_key = cand, key
-            return best
-        return self._sampled(now, leaf)
-
-    def _candidate(self, nid: int, leaf: bool) -> TreeNode | None:
-        """The tracked node ``nid`` when it may be evicted now (untracked if it is gone)."""
-        e = self._entries.get(nid)
-        if e is None:
-            return None
-        node = e.node
-        if node.parent is None or node.snapshot is None:
-            self._untrack(nid)
-            return None
-        if node.snap_lock or (leaf and node.children):
-            return None
-        return node
-
-    def _sampled(self, now: float, leaf: bool) -> TreeNode | None:
-        """The lowest density among ``sample`` draws of tracked snapshots (repeats drawn once)."""
-        items, entries, density = self._items, self._entries, self.density
-        best: TreeNode | None = None
-        best_key = (0.0, 0.0)
+        items = self._items
+        if len(items) <= self.exact_below:
+            return self._lowest(list(items), now, leaf)
+        # Sampled: ``sample`` positions drawn at random, a repeat counted once.
         n, rand = len(items), self._rng.random
         draws = range(n) if n <= self.sample else {int(rand() * n) for _ in range(self.sample)}
-        for i in sorted(draws, reverse=True):
-            nid = items[i]  # highest positions first: untracking a gone node moves only the last
-            e = entries[nid]
+        return self._lowest([items[i] for i in sorted(draws, reverse=True)], now, leaf)
+
+    def _lowest(self, nids: list[int], now: float, leaf: bool) -> TreeNode | None:
+        """The evictable node of lowest density among the tracked ``nids`` (a leaf when ``leaf``;
+        ties: least recently used, then the first given); nodes found gone are untracked."""
+        entries, density = self._entries, self.density
+        best: TreeNode | None = None
+        best_key = (0.0, 0.0)
+        for nid in nids:
+            e = entries.get(nid)
+            if e is None:
+                continue
             node = e.node
             if node.parent is None or node.snapshot is None:
                 self._untrack(nid)
             elif not node.snap_lock and not (leaf and node.children):
-                key = (density(node, now), e.last)  # ties: least recently used
+                key = (density(node, now), e.last)
                 if best is None or key < best_key:
                     best, best_key = node, key
         return best

@@ -8,7 +8,7 @@ import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from ..policies import DEFAULT_POLICY, FlopEfficiency, make_policy
+from ..policies import DEFAULT_POLICY, POLICIES, FlopEfficiency, make_policy
 from ..policies.base import Policy
 from .future import FutureKnowledge, ceiling
 from .replay import PRESETS, replay
@@ -115,8 +115,9 @@ def run_report(
     reference, for each seed and preset.
 
     :raises KeyError: an unknown preset, policy or shape."""
-    from ..policies import POLICIES
-
+    unknown = [p for p in presets if p not in PRESETS]
+    if unknown:  # before any replay: a typo should not cost the first preset's run
+        raise KeyError(f"unknown presets {unknown}; known: {sorted(PRESETS)}")
     names = list(policies) if policies is not None else list(POLICIES)
     todo = list(shapes) if shapes is not None else list(DEFAULT_BUDGETS_GIB)
     rows: list[dict[str, object]] = []
@@ -129,7 +130,6 @@ def run_report(
             progress(done - 1)
 
     for preset in presets:
-        PRESETS[preset]
         for seed in seeds:
             traces = [load_trace(shape, seed) for shape in todo]
             rows += run_grid(traces, names, lambda t: DEFAULT_BUDGETS_GIB[t], preset=preset, progress=step, seed=seed)
