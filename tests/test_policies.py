@@ -541,8 +541,14 @@ def test_report_over_seeds_and_presets_with_tenants_and_summary(capsys: pytest.C
     assert "| 1 GiB |" in line and "sglang-like" in line and "x |" in line
     assert summary_table(rows, "fixed-points") == "", "no rows of that policy"
     assert tenants_table(rows) == "", "no mixed rows"
-    with pytest.raises(KeyError):
-        run_report((0,), ("no-such-model",), ["hit-density"], shapes=["edge"])
+    steps: list[int] = []
+    with pytest.raises(KeyError, match="no-such-model"):
+        run_report((0,), ("qwen3-next-80b", "no-such-model"), ["hit-density"], shapes=["edge"], progress=steps.append)
+    assert steps == [], "an unknown preset is refused before any replay"
+    with pytest.raises(ValueError, match="unknown trace shape 'nope'"):
+        run_report((0,), ("qwen3-next-80b",), ["hit-density"], shapes=["nope"])
+    with pytest.raises(ValueError, match="unknown policy 'nope'"):
+        run_report((0,), ("qwen3-next-80b",), ["nope"], shapes=["edge"])
     assert main(["policies-report", "--shape", "edge", "--policy", "hit-density", "--seed", "0", "1"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("Summary") and "| seed |" in out

@@ -114,7 +114,8 @@ def run_report(
     its three budgets, under every policy (default: all of them) and the future-knowledge
     reference, for each seed and preset.
 
-    :raises KeyError: an unknown preset, policy or shape."""
+    :raises KeyError: an unknown preset (before any replay). :raises ValueError: an unknown
+        policy or shape."""
     unknown = [p for p in presets if p not in PRESETS]
     if unknown:  # before any replay: a typo should not cost the first preset's run
         raise KeyError(f"unknown presets {unknown}; known: {sorted(PRESETS)}")
