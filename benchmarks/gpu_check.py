@@ -1,30 +1,39 @@
 """The checks that need a GPU, as one script printing JSON: run it where a CUDA device is lent
 (never needed by CI).
 
-- ``fences``: a producer long enough (tens of ms of matmuls before its write) that a clone NOT
-  ordered after its event reads the stale state, while the clone ordered after it reads the new
-  one (``ordered_ok`` must be true; ``unordered_stale`` true shows the check can tell);
+- ``fences``: :func:`linear_state.cuda_fence_check`: a warmed producer (a chain of matrix products
+  before its write) that a clone NOT ordered after its event reads stale, while the clone ordered
+  after it reads the new state (``ordered_ok`` must be true; ``unordered_stale`` true shows the
+  check can tell);
 - ``clone``: a Qwen3-Next-80B-like slot (36 GDN layers, 77 MB) cloned through the pool against a
-  raw device copy of the same bytes, medians, and the ratio (target >= 0.8x the raw bandwidth);
-- ``fingerprint``: the slot's fingerprint on the device against its clone (target <= 1.0x);
+  raw device copy of the same bytes: medians of host wall time (queue, copy, wait) and of device
+  time (CUDA events around the call), and the ratios (target >= 0.8x the raw bandwidth);
+- ``fingerprint``: the slot's fingerprint against its clone (target <= 1.0x), and against one plain
+  read pass over the slot (``torch.sum`` of its words: the floor of any fingerprint);
 - ``device``: what the numbers were measured on;
-- ``hammer``: the ground-truth hammer on ``cuda`` when the reference engine can run there; it
-  runs on the CPU only today, so the entry says so.
+- ``hammer``: the ground-truth hammer with the reference engine on ``cuda`` (two CUDA streams:
+  forwards and copies run concurrently, ordered by fences alone), clean and with forensics, then
+  with each fence bug injected (``no-donate-fence``, ``no-restore-fence``: on a GPU these race for
+  real, so whether a run catches them depends on timing; they are reported, not required).
 
-    python benchmarks/gpu_check.py [--reps 20]
+    python benchmarks/gpu_check.py [--reps 20] [--hammer-requests 200]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from linear_state import CudaStream, LinearStatePool, NodeOwner, RequestOwner, StateLayout
+from linear_state import LinearStatePool, NodeOwner, RequestOwner, StateLayout, cuda_fence_check
+from radixcache.testing.hammer import HammerConfig, run_hammer
 
 
 def device_info() -> dict[str, Any]:
@@ -42,86 +51,129 @@ def device_info() -> dict[str, Any]:
 
 def fences() -> dict[str, Any]:
     """Ordered clone correct, unordered clone stale, with a long producer."""
-    layout = StateLayout(2, (64, 3), (8, 64, 64))
-    pool = LinearStatePool(layout, 4, "cuda")
-    fwd, copies = CudaStream(), CudaStream()
-    req = RequestOwner("r")
-    live = pool.alloc(req)
-    pool.zero(live, owner=req).wait()
-    big = torch.randn(4096, 4096, device="cuda")
+    c = cuda_fence_check()
+    return {
+        "ordered_ok": c.ordered_ok,
+        "unordered_stale": c.unordered_stale,
+        "matmuls": c.matmuls,
+        "attempts": c.attempts,
+        "producer_ms": c.producer_ms,
+    }
+
+
+def _host_ms(fn: Callable[[], Any]) -> float:
+    """Wall time of ``fn`` from an idle device to an idle device: queueing, the work, the wait."""
     torch.cuda.synchronize()
-
-    def produce() -> None:
-        x = big
-        for _ in range(24):
-            x = torch.tanh(x @ big)
-        pool.recurrent[:, live].copy_(torch.full_like(pool.recurrent[:, live], 2.0) + 0.0 * x.mean())
-
     t0 = time.perf_counter()
-    produced = fwd.submit(produce)
-    unordered = pool.clone(live, NodeOwner(1), stream=copies)
-    ordered = pool.clone(live, NodeOwner(2), stream=copies, after=[produced])
-    ordered.fence.wait()
-    unordered.fence.wait()
-    produced.wait()
-    producer_ms = 1e3 * (time.perf_counter() - t0)
-    ordered_ok = bool(torch.all(pool.read(ordered.slot)[1] == 2))
-    unordered_stale = bool(torch.all(pool.read(unordered.slot)[1] == 0))
-    return {"ordered_ok": ordered_ok, "unordered_stale": unordered_stale, "producer_ms": round(producer_ms, 1)}
+    fn()
+    torch.cuda.synchronize()
+    return 1e3 * (time.perf_counter() - t0)
 
 
-def _median_ms(fn: Any, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+def _device_ms(fn: Callable[[], Any]) -> float:
+    """Device time between two events recorded around ``fn`` on the current stream."""
+    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    torch.cuda.synchronize()
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return float(start.elapsed_time(end))
 
 
 def clone_and_fingerprint(reps: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Clone against a raw copy of the same bytes; fingerprint against clone. Alternating rounds."""
+    """Clone against a raw copy of the same bytes; fingerprint against clone and one read pass.
+    Alternating rounds; medians."""
     layout = StateLayout.for_gdn(36, num_k_heads=16, num_v_heads=32, head_k_dim=128, head_v_dim=128)
     pool = LinearStatePool(layout, 3, "cuda")
     req = RequestOwner("r")
     src = pool.alloc(req)
     pool.recurrent[:, src].normal_()
+    pool.conv[:, src].normal_()
     nbytes = layout.slot_bytes
     raw_src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     raw_dst = torch.empty_like(raw_src)
-    clone_ms, raw_ms, fp_ms = [], [], []
+    rec_words = pool.recurrent[:, src]
 
     def clone() -> None:
         w = pool.clone(src, NodeOwner(9))
         w.fence.wait()
         pool.free(w.slot, NodeOwner(9))
 
+    def raw() -> None:
+        raw_dst.copy_(raw_src)
+
+    def fingerprint() -> None:
+        pool.fingerprint(src)
+
+    def read_pass() -> None:  # the recurrent rows' words summed: one read of ~all the slot's bytes
+        torch.sum(rec_words.reshape(rec_words.shape[0], -1).view(torch.int64))
+
+    fns = {"clone": clone, "raw": raw, "fingerprint": fingerprint, "read_pass": read_pass}
+    host: dict[str, list[float]] = {k: [] for k in fns}
+    dev: dict[str, list[float]] = {k: [] for k in fns}
+    for fn in fns.values():  # warm-up: kernels loaded, allocator blocks cached
+        fn()
     for _ in range(reps):
-        clone_ms.append(_median_ms(clone, 1))
-        raw_ms.append(_median_ms(lambda: raw_dst.copy_(raw_src), 1))
-        fp_ms.append(_median_ms(lambda: pool.fingerprint(src), 1))
-    c, r, f = statistics.median(clone_ms), statistics.median(raw_ms), statistics.median(fp_ms)
+        for k, fn in fns.items():
+            host[k].append(_host_ms(fn))
+            dev[k].append(_device_ms(fn))
+    h = {k: statistics.median(v) for k, v in host.items()}
+    d = {k: statistics.median(v) for k, v in dev.items()}
+    gib = nbytes / 2**30
     clone_row = {
         "slot_bytes": nbytes,
-        "clone_ms": round(c, 3),
-        "raw_copy_ms": round(r, 3),
-        "clone_gib_s": round(nbytes / 2**30 / (c / 1e3), 1),
-        "raw_gib_s": round(nbytes / 2**30 / (r / 1e3), 1),
-        "clone_over_raw_throughput": round(r / c, 3),
+        "clone_ms": round(h["clone"], 4),
+        "raw_copy_ms": round(h["raw"], 4),
+        "clone_over_raw_throughput": round(h["raw"] / h["clone"], 3),
+        "device_clone_ms": round(d["clone"], 4),
+        "device_raw_copy_ms": round(d["raw"], 4),
+        "device_clone_gib_s": round(gib / (d["clone"] / 1e3), 1),
+        "device_raw_gib_s": round(gib / (d["raw"] / 1e3), 1),
+        "device_clone_over_raw_throughput": round(d["raw"] / d["clone"], 3),
     }
-    fingerprint: dict[str, Any] = {
-        "fingerprint_ms": round(f, 3),
-        "clone_ms": round(c, 3),
-        "fingerprint_over_clone": round(f / c, 3),
+    fingerprint_row: dict[str, Any] = {
+        "fingerprint_ms": round(h["fingerprint"], 4),
+        "clone_ms": round(h["clone"], 4),
+        "fingerprint_over_clone": round(h["fingerprint"] / h["clone"], 3),
+        "device_fingerprint_ms": round(d["fingerprint"], 4),
+        "device_read_pass_ms": round(d["read_pass"], 4),
+        "device_fingerprint_over_clone": round(d["fingerprint"] / d["clone"], 3),
+        "device_fingerprint_over_read_pass": round(d["fingerprint"] / d["read_pass"], 3),
     }
-    return clone_row, fingerprint
+    return clone_row, fingerprint_row
+
+
+def hammer(requests: int) -> dict[str, Any]:
+    """The hammer on cuda: clean, with forensics, and with each fence bug injected."""
+    out: dict[str, Any] = {}
+    runs: list[tuple[str, dict[str, Any]]] = [
+        ("clean", {}),
+        ("forensics", {"forensics": "ledger"}),
+        ("no-donate-fence", {"inject": "no-donate-fence"}),
+        ("no-restore-fence", {"inject": "no-restore-fence"}),
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, extra in runs:
+            if "forensics" in extra:
+                extra = {"forensics": os.path.join(tmp, "ledger.jsonl")}
+            n = requests if name in ("clean", "forensics") else max(1, requests // 2)
+            rep = run_hammer(HammerConfig(requests=n, device="cuda", **extra))
+            d = rep.as_dict()
+            keep = (
+                "device", "requests", "hits", "cached_fraction", "wrong_answers", "cross_talk", "logit_mismatches",
+                "slots_leaked", "kv_leaked", "snapshot_corruptions", "stuck", "error", "wall_s", "ground_truth_s",
+                "probe_ttft_ratio", "ok", "wrong_examples",
+            )  # fmt: skip
+            out[name] = {k: d[k] for k in keep}
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--hammer-requests", type=int, default=200, help="requests of each clean hammer run; 0: none")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print(json.dumps({"error": "no CUDA device: this script is for a machine with a GPU"}))
@@ -129,8 +181,15 @@ def main() -> None:
     out: dict[str, Any] = {"bench": "gpu_check", "device": device_info()}
     out["fences"] = fences()
     out["clone"], out["fingerprint"] = clone_and_fingerprint(args.reps)
-    out["hammer"] = {"ran": False, "why": "the reference engine (radixcache.testing.engine) runs on the CPU only"}
-    out["ok"] = out["fences"]["ordered_ok"] and out["fences"]["unordered_stale"]
+    clean: list[bool] = []
+    if args.hammer_requests:
+        try:
+            out["hammer"] = hammer(args.hammer_requests)
+            clean = [out["hammer"][k]["ok"] for k in ("clean", "forensics")]
+        except Exception as e:  # the device figures above still come out
+            out["hammer"] = {"error": f"{type(e).__name__}: {e}"}
+            clean = [False]
+    out["ok"] = out["fences"]["ordered_ok"] and out["fences"]["unordered_stale"] and all(clean)
     print(json.dumps(out, indent=1))
 
 

@@ -5,6 +5,7 @@ Nothing here imports :mod:`radixcache`.
 """
 
 from .errors import ForeignSlot, PoolError, PoolExhausted, SlotMisuse
+from .fencecheck import FenceCheck, cuda_fence_check
 from .fingerprint import Fingerprint
 from .layout import StateLayout
 from .owners import NodeOwner, Owner, RequestOwner, SlotId
@@ -16,6 +17,7 @@ __all__ = [
     "CudaStream",
     "DeferredStream",
     "Fence",
+    "FenceCheck",
     "Fingerprint",
     "ForeignSlot",
     "ImmediateStream",
@@ -30,5 +32,6 @@ __all__ = [
     "SlotWrite",
     "StateLayout",
     "Stream",
+    "cuda_fence_check",
     "device_synchronize",
 ]

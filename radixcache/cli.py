@@ -68,6 +68,7 @@ def cmd_hammer(args: argparse.Namespace) -> int:
         forensics=args.forensics,
         policy=args.policy,
         page_size=args.page_size,
+        device=args.device,
     )
     update, close = progress_callback(cfg.requests, "hammer")
     try:
@@ -213,6 +214,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     hammer.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
     hammer.add_argument("--forensics", metavar="LEDGER", default=None, help="fingerprint snapshots, log to LEDGER")
+    hammer.add_argument(
+        "--device", default="cpu", help="where the reference model runs: cpu, or cuda (two CUDA streams, real races)"
+    )
     fx = add("forensics", cmd_forensics, "read a forensics ledger: findings, suspects, branch timelines")
     fx.add_argument("ledger")
     fx.add_argument("--json", action="store_true")

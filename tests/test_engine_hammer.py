@@ -162,3 +162,31 @@ def test_images_key_by_every_byte_and_a_hit_inside_an_image_is_exact() -> None:
     assert b.output == generate_cold(MODEL, cut, 3, images=[image])[0]
     assert c.output == generate_cold(MODEL, prompt, 3, images=[variant])[0]
     assert all(t != ph for r in (b, c) for t in r.output), "the placeholder is never generated"
+
+
+def test_the_hammer_refuses_a_device_it_cannot_use() -> None:
+    with pytest.raises(ValueError, match="'tpu:0'"):
+        run_hammer(HammerConfig(requests=1, device="tpu:0"))
+    with pytest.raises(ValueError, match="'not-a-device'"):
+        run_hammer(HammerConfig(requests=1, device="not-a-device"))
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"'cuda'.*is_available"):
+            run_hammer(HammerConfig(requests=1, device="cuda"))
+
+
+def test_the_model_draws_its_weights_once_for_every_device() -> None:
+    """The weights come from the CPU generator and are then moved: the same model everywhere."""
+    a, b = HybridModel(HybridConfig(), device="cpu"), HybridModel(HybridConfig())
+    assert a.device == torch.device("cpu")
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
+    assert "mixers.3.inv_freq" not in a.state_dict()  # a buffer that moves with the model, not a weight
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_the_hammer_on_cuda_is_clean_and_hits() -> None:  # pragma: no cover - GPU only
+    """Forwards and copies on two CUDA streams, ordered by fences alone: every answer still equals
+    the cold one (computed on the same device), nothing leaks, and the mix hits."""
+    rep = run_hammer(HammerConfig(requests=60, device="cuda"))
+    assert rep.device.startswith("cuda")
+    assert rep.ok, format_report(rep)
+    assert rep.hits > 0.5 * rep.requests

@@ -10,6 +10,7 @@ from linear_state import (
     NodeOwner,
     RequestOwner,
     StateLayout,
+    cuda_fence_check,
 )
 
 
@@ -128,31 +129,19 @@ def test_cuda_stream_requires_cuda() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_cuda_stream_orders_clone_after_event() -> None:  # pragma: no cover - GPU only
-    """A producer long enough (tens of ms of matmuls before its write) that a clone NOT ordered
-    after its event observably reads the stale state; the ordered clone reads the new one. If the
-    fence were ignored, the ordered clone would read stale too and the test would fail."""
-    layout = StateLayout(2, (64, 3), (8, 64, 64))
-    pool = LinearStatePool(layout, 4, "cuda")
-    fwd, copies = CudaStream(), CudaStream()
-    req = RequestOwner("r")
-    live = pool.alloc(req)
-    pool.zero(live, owner=req).wait()
-    big = torch.randn(4096, 4096, device="cuda")
-    torch.cuda.synchronize()  # the set-up ran on the default stream
+    """A producer long enough (a warmed chain of matrix products before its write) that a clone NOT
+    ordered after its event observably reads the stale state; the ordered clone reads the new one.
+    If the fence were ignored, the ordered clone would read stale too and the test would fail."""
+    check = cuda_fence_check()
+    assert check.unordered_stale, f"the producer was too short to tell ordered from not: {check}"
+    assert check.ordered_ok, f"the clone ordered after the event read a stale state: {check}"
 
-    def produce() -> None:
-        x = big
-        for _ in range(24):  # ~tens of ms on any current GPU, all before the write
-            x = torch.tanh(x @ big)
-        pool.recurrent[:, live].copy_(torch.full_like(pool.recurrent[:, live], 2.0) + 0.0 * x.mean())
 
-    produced = fwd.submit(produce)
-    unordered = pool.clone(live, NodeOwner(1), stream=copies)  # the hazard: no fence
-    ordered = pool.clone(live, NodeOwner(2), stream=copies, after=[produced])
-    ordered.fence.wait()
-    unordered.fence.wait()
-    assert torch.all(pool.read(unordered.slot)[1] == 0), "the producer was too short to tell ordered from not"
-    assert torch.all(pool.read(ordered.slot)[1] == 2), "the clone ordered after the event read a stale state"
+def test_cuda_fence_check_needs_cuda() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA; the GPU test runs the check")
+    with pytest.raises(RuntimeError, match="CUDA"):
+        cuda_fence_check()
 
 
 def test_run_ready_stops_at_the_first_blocked_item() -> None:

@@ -8,6 +8,12 @@ stream; with ``deferred=True`` (default) both the forward stream and the copy st
 :class:`~linear_state.DeferredStream`: forwards run when
 the engine needs their logits, copies run as soon as their fences allow (``run_ready``), so an
 unordered clone or restore really reads a slot before or after the write it should have waited.
+
+On a CUDA model (``HybridModel(cfg, device="cuda")``) the pools live on the model's device and
+both streams are :class:`~linear_state.CudaStream` s: forwards and copies run concurrently on the
+GPU, ordered only by the fences' events, as in a real server. Every tensor a forward uses is made
+inside its work on the forward stream (or lives as long as the engine), so the CUDA caching
+allocator never hands its memory to another stream while the forward still reads it.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from linear_state import DeferredStream, Fence, ImmediateStream, LinearStatePool, RequestOwner, Stream
+from linear_state import CudaStream, DeferredStream, Fence, ImmediateStream, LinearStatePool, RequestOwner, Stream
 
 from ..core.manager import Admission, CacheManager, WindowPlan, WindowResult
 from ..core.multimodal import image_cache_ids
@@ -109,6 +115,8 @@ class ReferenceEngine:
     :param track_slots: captures per window.
     :param inject: commit one bug on purpose (see :mod:`radixcache.testing.inject`; the names of
         :data:`~radixcache.testing.inject.FUZZ_BUGS`).
+    :param deferred: on the CPU, :class:`~linear_state.DeferredStream` s (default) or immediate
+        ones. Ignored for a CUDA model, whose streams are always :class:`~linear_state.CudaStream` s.
     """
 
     def __init__(
@@ -131,10 +139,18 @@ class ReferenceEngine:
     ) -> None:
         self.model = model
         cfg: HybridConfig = model.cfg
-        self.forward: Stream = DeferredStream("forward") if deferred else ImmediateStream()
-        self.copies: Stream = DeferredStream("copies") if deferred else ImmediateStream()
-        self.pool = make_pool(inject, cfg.state_layout(), max_running * (1 + track_slots) + snapshot_slots)
-        self.kv_pool = KVPool(cfg, kv_tokens)
+        self.device = model.device
+        self.forward: Stream
+        self.copies: Stream
+        if self.device.type == "cuda":
+            self.forward, self.copies = CudaStream(self.device), CudaStream(self.device)
+        elif deferred:
+            self.forward, self.copies = DeferredStream("forward"), DeferredStream("copies")
+        else:
+            self.forward, self.copies = ImmediateStream(), ImmediateStream()
+        slots = max_running * (1 + track_slots) + snapshot_slots
+        self.pool = make_pool(inject, cfg.state_layout(), slots, device=self.device)
+        self.kv_pool = KVPool(cfg, kv_tokens, device=self.device)
         self.kv = KVAllocator(kv_tokens)
         self.cache: HybridRadixCache = make_cache(
             inject, self.pool, page_size=page_size, on_free_kv=self.kv.free, stream=self.copies
@@ -226,15 +242,17 @@ class ReferenceEngine:
             for start in range(0, n, self.chunk):
                 end = min(n, start + self.chunk)
                 ids = torch.tensor(list(prompt[start:end]))
-                embeds = None if namespace is None else model.inputs(prompt, start, end, namespace=namespace)
 
                 def work(
                     ids: torch.Tensor = ids,
                     start: int = start,
+                    end: int = end,
                     kv: torch.Tensor = fresh,
-                    x: torch.Tensor | None = embeds,
+                    prompt: Sequence[int] = prompt,
                 ) -> None:
-                    # its own KV indices, not the staging buffer: a deferred forward may run late
+                    # its own KV indices, not the staging buffer: a deferred forward may run late;
+                    # its embeddings made here, on the forward stream (see the module docstring)
+                    x = None if namespace is None else model.inputs(prompt, start, end, namespace=namespace)
                     model.prefill(ids, start, pool, slot, kvp, kv, embeds=x)
 
                 last = self.forward.submit(work, after=[last], label=f"warm-up [{start}, {end})")
@@ -273,8 +291,9 @@ class ReferenceEngine:
             r.last.wait()
             self._sample(r, box["logits"])
         if decoded is not None:
-            fence, logits = decoded
+            fence, box = decoded
             fence.wait()
+            logits = box["logits"]
             for i, r in enumerate(decoding):
                 self._sample(r, logits[i])
         self._device_progress()
@@ -331,13 +350,13 @@ class ReferenceEngine:
         out: dict[str, torch.Tensor] = {}
         model, pool, kvp, live = self.model, self.pool, self.kv_pool, r.adm.live_slot
         req = r.req
-        embeds = (
-            model.inputs(prompt, start, end, namespace=req.namespace, images=req.images)
-            if req.namespace is not None or req.images
-            else None
-        )
 
         def work() -> None:
+            embeds = (
+                model.inputs(prompt, start, end, namespace=req.namespace, images=req.images)
+                if req.namespace is not None or req.images
+                else None
+            )
             out["logits"] = model.prefill(ids, start, pool, live, kvp, kv_idx, captures, embeds=embeds)
             self._note_writes(rid, [live, *(t for _, t in captures)])
 
@@ -347,7 +366,7 @@ class ReferenceEngine:
         self._device_progress()
         return out if end == len(prompt) else None
 
-    def _decode(self, batch: list[_Running]) -> tuple[Fence, torch.Tensor]:
+    def _decode(self, batch: list[_Running]) -> tuple[Fence, dict[str, torch.Tensor]]:
         tokens = [r.next_token for r in batch if r.next_token is not None]
         assert len(tokens) == len(batch), "a decoding request without its next token"
         plan = self.manager.plan_decode_batch([r.req.rid for r in batch], tokens)
@@ -358,12 +377,13 @@ class ReferenceEngine:
         after = [r.last for r in batch if r.last is not None] + list(plan.after)
         # A decode window is one token: each planned capture is the state after it.
         copies = [(p.live_slot, c.slot, rid) for rid, p in plan.plans.items() for c in p.captures]
-        result = torch.empty(len(batch), self.model.cfg.vocab_size, dtype=self.model.cfg.dtype)
+        out: dict[str, torch.Tensor] = {}
         model, pool, kvp = self.model, self.pool, self.kv_pool
-        bias = _biases(model, [r.req.namespace for r in batch])
+        namespaces = [r.req.namespace for r in batch]
 
         def work() -> None:
-            result.copy_(model.decode(ids, positions, pool, slots, kvp, kv_idx, bias=bias))
+            bias = _biases(model, namespaces)
+            out["logits"] = model.decode(ids, positions, pool, slots, kvp, kv_idx, bias=bias)
             for live, track, _ in copies:
                 pool.conv[:, track].copy_(pool.conv[:, live])
                 pool.recurrent[:, track].copy_(pool.recurrent[:, live])
@@ -381,7 +401,7 @@ class ReferenceEngine:
             one = res.results.get(r.req.rid)
             if one is not None:
                 self._committed(r, plan.plans[r.req.rid], one)
-        return fence, result
+        return fence, out
 
     def _note_writes(self, rid: Hashable, slots: list[int]) -> None:
         if self.slot_writes is not None:
@@ -430,8 +450,8 @@ def generate_cold(
     KV), in ``namespace`` and with ``images``, then ``n`` greedy tokens. Returns the tokens and
     the first token's logits."""
     cfg = model.cfg
-    pool = LinearStatePool(cfg.state_layout(), 1)
-    kvp = KVPool(cfg, len(prompt) + n)
+    pool = LinearStatePool(cfg.state_layout(), 1, model.device)
+    kvp = KVPool(cfg, len(prompt) + n, device=model.device)
     kv_idx = torch.arange(len(prompt) + n)
     slot = pool.alloc(RequestOwner("cold"))
     logits = torch.empty(0)
@@ -458,5 +478,5 @@ def _biases(model: HybridModel, namespaces: Sequence[Hashable]) -> torch.Tensor 
     rows = [model.adapter(ns) for ns in namespaces]
     if all(b is None for b in rows):
         return None
-    zero = torch.zeros(model.cfg.hidden_size, dtype=model.cfg.dtype)
+    zero = torch.zeros(model.cfg.hidden_size, dtype=model.cfg.dtype, device=model.device)
     return torch.stack([zero if b is None else b for b in rows])

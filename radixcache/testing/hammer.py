@@ -59,6 +59,7 @@ class HammerConfig:
     image_share: float = 0.2  # fraction of new sessions that carry an image
     single_token_share: float = 0.08  # fraction of requests that generate one token
     warm: bool = True  # pre-cache the system prompts at start-up (engine.warm)
+    device: str = "cpu"  # where the reference model, its pools and its streams live ("cuda": CudaStreams)
 
 
 @dataclass
@@ -96,6 +97,7 @@ class HammerReport:
     image_requests: int = 0  # served requests with images
     metrics: dict[str, object] = field(default_factory=dict)  # the manager's counters at the end
     wrong_examples: list[str] = field(default_factory=list)
+    device: str = "cpu"  # where the model, its pools and its streams ran
 
     @property
     def cached_fraction(self) -> float:
@@ -229,9 +231,20 @@ def _key(r: EngineRequest) -> _Key:
 def run_hammer(
     cfg: HammerConfig, *, model: HybridModel | None = None, progress: Callable[[int], None] | None = None
 ) -> HammerReport:
-    """Run the hammer and return its report (see the module docstring)."""
+    """Run the hammer and return its report (see the module docstring).
+
+    :raises ValueError: ``cfg.device`` names no device torch can use here (CUDA asked for where
+        ``torch.cuda.is_available()`` is False, or a name torch does not know)."""
+    try:
+        device = torch.device(cfg.device)
+    except RuntimeError as e:
+        raise ValueError(f"hammer device {cfg.device!r}: {e}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"hammer device {cfg.device!r}: torch.cuda.is_available() is False on this machine")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"hammer device {cfg.device!r}: the reference engine runs on 'cpu' or 'cuda'")
     with injected(cfg.inject):
-        return _run(cfg, model or HybridModel(HybridConfig()), progress)
+        return _run(cfg, model or HybridModel(HybridConfig(), device=cfg.device), progress)
 
 
 def _run(cfg: HammerConfig, model: HybridModel, progress: Callable[[int], None] | None) -> HammerReport:
@@ -355,6 +368,7 @@ def _run(cfg: HammerConfig, model: HybridModel, progress: Callable[[int], None] 
         image_requests=sum(bool(r.images) for r in served),
         metrics=metrics,
         wrong_examples=examples,
+        device=str(engine.device),
     )
 
 

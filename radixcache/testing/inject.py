@@ -299,12 +299,14 @@ def _check_bug(inject: str | None) -> None:
         raise ValueError(f"unknown inject mode {inject!r}; known: {list(FUZZ_BUGS + MISUSE_BUGS)}")
 
 
-def make_pool(inject: str | None, layout: StateLayout, slots: int) -> LinearStatePool:
-    """A correct pool, or the pool of bug ``inject`` when the bug lives in the pool.
+def make_pool(
+    inject: str | None, layout: StateLayout, slots: int, device: torch.device | str = "cpu"
+) -> LinearStatePool:
+    """A correct pool on ``device``, or the pool of bug ``inject`` when the bug lives in the pool.
 
     :raises ValueError: unknown bug name."""
     _check_bug(inject)
-    return (_SwallowingPool if inject == "double-free-swallowed" else LinearStatePool)(layout, slots)
+    return (_SwallowingPool if inject == "double-free-swallowed" else LinearStatePool)(layout, slots, device)
 
 
 def make_cache(

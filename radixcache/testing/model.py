@@ -245,10 +245,10 @@ class KVPool:
     """A paged KV pool for the attention layers: ``[num_tokens, kv_heads, head_dim]`` per layer,
     addressed by KV indices the host allocates."""
 
-    def __init__(self, cfg: HybridConfig, num_tokens: int) -> None:
+    def __init__(self, cfg: HybridConfig, num_tokens: int, device: torch.device | str = "cpu") -> None:
         shape = (len(cfg.full_layers), num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=cfg.dtype)
-        self.v = torch.zeros(shape, dtype=cfg.dtype)
+        self.k = torch.zeros(shape, dtype=cfg.dtype, device=device)
+        self.v = torch.zeros(shape, dtype=cfg.dtype, device=device)
         self.num_tokens = num_tokens
 
 
@@ -265,7 +265,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Parameter(torch.randn(nkv * hd, h, generator=gen, dtype=dt) * h**-0.5)
         self.o_proj = nn.Parameter(torch.randn(h, nh * hd, generator=gen, dtype=dt) * (nh * hd) ** -0.5)
         inv = 1.0 / cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
-        self.inv_freq: torch.Tensor = inv.to(dt)
+        self.inv_freq: torch.Tensor
+        self.register_buffer("inv_freq", inv.to(dt), persistent=False)  # follows the model's device
 
     def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         ang = pos.to(x.dtype).unsqueeze(-1) * self.inv_freq  # [T, hd/2]
@@ -289,7 +290,7 @@ class Attention(nn.Module):
         keys = k_pool.index_select(0, kv_idx[:end]).repeat_interleave(cfg.num_heads // cfg.num_kv_heads, 1)
         vals = v_pool.index_select(0, kv_idx[:end]).repeat_interleave(cfg.num_heads // cfg.num_kv_heads, 1)
         scores = torch.einsum("thd,shd->hts", q, keys) / math.sqrt(cfg.head_dim)
-        mask = torch.arange(end).unsqueeze(0) > pos.unsqueeze(1)  # [T, end]
+        mask = torch.arange(end, device=x.device).unsqueeze(0) > pos.unsqueeze(1)  # [T, end]
         scores = scores.masked_fill(mask, float("-inf"))
         out = torch.einsum("hts,shd->thd", scores.softmax(-1), vals)
         return out.reshape(T, -1) @ self.o_proj.T
@@ -321,10 +322,15 @@ class HybridModel(nn.Module):
     """Embeddings, pre-norm blocks (GDN or attention mixer + MLP), final norm, LM head.
 
     States live outside the model: linear state in a :class:`LinearStatePool` (one slot per
-    sequence), attention KV in a :class:`KVPool` addressed by the host's KV indices.
+    sequence), attention KV in a :class:`KVPool` addressed by the host's KV indices, both on the
+    model's :attr:`device`.
+
+    :param device: where the weights live and the forward passes run. The weights are drawn on the
+        CPU from ``cfg.seed`` and then moved, so every device holds the same model. Index inputs
+        (token ids, KV indices, slots) may be given on the CPU: each call moves them itself.
     """
 
-    def __init__(self, cfg: HybridConfig) -> None:
+    def __init__(self, cfg: HybridConfig, device: torch.device | str = "cpu") -> None:
         super().__init__()
         self.cfg = cfg
         gen = torch.Generator().manual_seed(cfg.seed)
@@ -342,6 +348,12 @@ class HybridModel(nn.Module):
         self.requires_grad_(False)
         self._adapters: dict[Hashable, torch.Tensor] = {}  # namespace -> its bias, made once
         self._image_rows: dict[bytes, list[torch.Tensor]] = {}  # image digest -> its rows so far
+        self.to(device)
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the weights, where :meth:`prefill` and :meth:`decode` run."""
+        return self.embed.device
 
     def adapter(self, namespace: Hashable) -> torch.Tensor | None:
         """The input bias of ``namespace``'s adapter (``None``: the base model): a seeded vector of
@@ -353,7 +365,7 @@ class HybridModel(nn.Module):
             gen = torch.Generator().manual_seed(_seed(b"adapter", repr(namespace).encode(), self.cfg.seed))
             bias = self._adapters[namespace] = (
                 torch.randn(self.cfg.hidden_size, generator=gen, dtype=self.cfg.dtype) * 0.5
-            )
+            ).to(self.device)
         return bias
 
     def image_rows(self, image: bytes, n: int) -> torch.Tensor:
@@ -366,9 +378,9 @@ class HybridModel(nn.Module):
             rows.append(
                 torch.randn(
                     h, generator=torch.Generator().manual_seed(_seed(digest, k.to_bytes(4, "little"))), dtype=dt
-                )
+                ).to(self.device)
             )
-        return torch.stack(rows[:n]) if n else torch.empty(0, h, dtype=dt)
+        return torch.stack(rows[:n]) if n else torch.empty(0, h, dtype=dt, device=self.device)
 
     def inputs(
         self,
@@ -385,7 +397,7 @@ class HybridModel(nn.Module):
         namespace's adapter bias.
 
         :raises ValueError: the prompt's placeholder runs and ``images`` cannot be paired."""
-        ids = torch.tensor(list(prompt[start:end]), dtype=torch.int64)
+        ids = torch.tensor(list(prompt[start:end]), dtype=torch.int64, device=self.device)
         x = self.embed[ids]
         if images:
             runs = image_runs(list(prompt), self.cfg.placeholder_id)
@@ -393,7 +405,7 @@ class HybridModel(nn.Module):
                 raise ValueError(f"{len(runs)} placeholder run(s) but {len(images)} image(s)")
             rows = torch.cat([self.image_rows(img, e - s) for (s, e), img in zip(runs, images, strict=True)])
             w = mm_window(list(prompt), self.cfg.placeholder_id, start, end)
-            x[torch.from_numpy(w.positions)] = rows[w.rows.start : w.rows.stop]
+            x[torch.from_numpy(w.positions).to(self.device)] = rows[w.rows.start : w.rows.stop]
         bias = self.adapter(namespace)
         return x if bias is None else x + bias
 
@@ -425,9 +437,10 @@ class HybridModel(nn.Module):
         state after exactly ``depth`` tokens into ``track_slot``. Returns the last token's logits.
 
         :param embeds: the window's input embeddings (see :meth:`inputs`) instead of ``ids``'."""
-        cfg = self.cfg
-        x = self.embed[ids] if embeds is None else embeds
-        pos = torch.arange(start, start + ids.shape[0])
+        cfg, dev = self.cfg, self.device
+        ids, kv_idx = ids.to(dev), kv_idx.to(dev)
+        x = self.embed[ids] if embeds is None else embeds.to(dev)
+        pos = torch.arange(start, start + ids.shape[0], device=dev)
         depths = [d for d, _ in captures]
         for i, kind in enumerate(cfg.layer_types):
             hcur = self.norms1[i](x)
@@ -464,8 +477,9 @@ class HybridModel(nn.Module):
         ``slots``). Returns logits [B, vocab].
 
         :param bias: [B, hidden_size] adapter biases (see :meth:`adapter`; zero rows for none)."""
-        cfg = self.cfg
-        x = self.embed[ids] if bias is None else self.embed[ids] + bias
+        cfg, dev = self.cfg, self.device
+        ids, slots = ids.to(dev), slots.to(dev)
+        x = self.embed[ids] if bias is None else self.embed[ids] + bias.to(dev)
         for i, kind in enumerate(cfg.layer_types):
             hcur = self.norms1[i](x)
             if kind == "linear":
@@ -476,7 +490,7 @@ class HybridModel(nn.Module):
                 attn = self.mixers[i]
                 out = torch.cat(
                     [
-                        attn(hcur[b : b + 1], torch.tensor([p]), kv.k[fi], kv.v[fi], kv_idx[b])
+                        attn(hcur[b : b + 1], torch.tensor([p], device=dev), kv.k[fi], kv.v[fi], kv_idx[b].to(dev))
                         for b, p in enumerate(positions)
                     ]
                 )
