@@ -12,11 +12,12 @@
   read pass over the slot (``torch.sum`` of its words: the floor of any fingerprint);
 - ``device``: what the numbers were measured on;
 - ``hammer``: the ground-truth hammer with the reference engine on ``cuda`` (two CUDA streams:
-  forwards and copies run concurrently, ordered by fences alone), clean and with forensics, then
-  with each fence bug injected (``no-donate-fence``, ``no-restore-fence``: on a GPU these race for
-  real, so whether a run catches them depends on timing; they are reported, not required).
+  forwards and copies run concurrently, ordered by fences alone), clean and with forensics; then
+  with every forward delayed on the GPU (``--delay-us``: the tiny model's forwards otherwise finish
+  before the host queues the next copy), clean, and with each fence bug injected
+  (``no-donate-fence``, ``no-restore-fence``), which must then serve wrong answers.
 
-    python benchmarks/gpu_check.py [--reps 20] [--hammer-requests 200]
+    python benchmarks/gpu_check.py [--reps 20] [--hammer-requests 200] [--delay-us 20000]
 """
 
 from __future__ import annotations
@@ -145,28 +146,37 @@ def clone_and_fingerprint(reps: int) -> tuple[dict[str, Any], dict[str, Any]]:
     return clone_row, fingerprint_row
 
 
-def hammer(requests: int) -> dict[str, Any]:
-    """The hammer on cuda: clean, with forensics, and with each fence bug injected."""
+def hammer(requests: int, delay_us: float) -> dict[str, Any]:
+    """The hammer on cuda: clean, with forensics, clean with each forward delayed by ``delay_us``,
+    and each fence bug injected under the same delay (which should make it serve wrong answers)."""
     out: dict[str, Any] = {}
-    runs: list[tuple[str, dict[str, Any]]] = [
-        ("clean", {}),
-        ("forensics", {"forensics": "ledger"}),
-        ("no-donate-fence", {"inject": "no-donate-fence"}),
-        ("no-restore-fence", {"inject": "no-restore-fence"}),
+    runs: list[tuple[str, str | None, float]] = [
+        ("clean", None, 0.0),
+        ("forensics", None, 0.0),
+        ("clean-delayed", None, delay_us),
+        ("no-donate-fence-delayed", "no-donate-fence", delay_us),
+        ("no-restore-fence-delayed", "no-restore-fence", delay_us),
     ]
+    keep = (
+        "device", "requests", "hits", "cached_fraction", "wrong_answers", "cross_talk", "logit_mismatches",
+        "slots_leaked", "kv_leaked", "snapshot_corruptions", "stuck", "error", "wall_s", "ground_truth_s",
+        "probe_ttft_ratio", "ok",
+    )  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
-        for name, extra in runs:
-            if "forensics" in extra:
-                extra = {"forensics": os.path.join(tmp, "ledger.jsonl")}
-            n = requests if name in ("clean", "forensics") else max(1, requests // 2)
-            rep = run_hammer(HammerConfig(requests=n, device="cuda", **extra))
+        for name, bug, delay in runs:
+            cfg = HammerConfig(
+                requests=requests if bug is None else max(1, requests // 2),
+                device="cuda",
+                inject=bug,
+                forward_delay_us=delay,
+                forensics=os.path.join(tmp, "ledger.jsonl") if name == "forensics" else None,
+            )
+            rep = run_hammer(cfg)
             d = rep.as_dict()
-            keep = (
-                "device", "requests", "hits", "cached_fraction", "wrong_answers", "cross_talk", "logit_mismatches",
-                "slots_leaked", "kv_leaked", "snapshot_corruptions", "stuck", "error", "wall_s", "ground_truth_s",
-                "probe_ttft_ratio", "ok", "wrong_examples",
-            )  # fmt: skip
             out[name] = {k: d[k] for k in keep}
+            out[name]["forward_delay_us"] = delay
+            examples = rep.wrong_examples
+            out[name]["example"] = examples[0] if examples else None
     return out
 
 
@@ -174,6 +184,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--hammer-requests", type=int, default=200, help="requests of each clean hammer run; 0: none")
+    ap.add_argument("--delay-us", type=float, default=20000.0, help="forward delay of the delayed hammer runs")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print(json.dumps({"error": "no CUDA device: this script is for a machine with a GPU"}))
@@ -184,12 +195,17 @@ def main() -> None:
     clean: list[bool] = []
     if args.hammer_requests:
         try:
-            out["hammer"] = hammer(args.hammer_requests)
-            clean = [out["hammer"][k]["ok"] for k in ("clean", "forensics")]
+            out["hammer"] = hammer(args.hammer_requests, args.delay_us)
+            clean = [out["hammer"][k]["ok"] for k in ("clean", "forensics", "clean-delayed")]
         except Exception as e:  # the device figures above still come out
             out["hammer"] = {"error": f"{type(e).__name__}: {e}"}
             clean = [False]
-    out["ok"] = out["fences"]["ordered_ok"] and out["fences"]["unordered_stale"] and all(clean)
+    caught = (
+        [not out["hammer"][k]["ok"] for k in ("no-donate-fence-delayed", "no-restore-fence-delayed")]
+        if (args.hammer_requests and "error" not in out["hammer"])
+        else []
+    )
+    out["ok"] = out["fences"]["ordered_ok"] and out["fences"]["unordered_stale"] and all(clean) and all(caught)
     print(json.dumps(out, indent=1))
 
 

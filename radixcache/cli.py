@@ -69,6 +69,7 @@ def cmd_hammer(args: argparse.Namespace) -> int:
         policy=args.policy,
         page_size=args.page_size,
         device=args.device,
+        forward_delay_us=args.forward_delay_us,
     )
     update, close = progress_callback(cfg.requests, "hammer")
     try:
@@ -216,6 +217,12 @@ def _parser() -> argparse.ArgumentParser:
     hammer.add_argument("--forensics", metavar="LEDGER", default=None, help="fingerprint snapshots, log to LEDGER")
     hammer.add_argument(
         "--device", default="cpu", help="where the reference model runs: cpu, or cuda (two CUDA streams, real races)"
+    )
+    hammer.add_argument(
+        "--forward-delay-us",
+        type=float,
+        default=0.0,
+        help="cuda only: every forward first keeps the GPU busy this long, so an unfenced copy races it",
     )
     fx = add("forensics", cmd_forensics, "read a forensics ledger: findings, suspects, branch timelines")
     fx.add_argument("ledger")

@@ -190,3 +190,22 @@ def test_the_hammer_on_cuda_is_clean_and_hits() -> None:  # pragma: no cover - G
     assert rep.device.startswith("cuda")
     assert rep.ok, format_report(rep)
     assert rep.hits > 0.5 * rep.requests
+
+
+def test_a_forward_delay_is_refused_off_cuda_and_when_negative() -> None:
+    with pytest.raises(ValueError, match=r"forward_delay_us=5.*cpu"):
+        ReferenceEngine(MODEL, forward_delay_us=5)
+    with pytest.raises(ValueError, match=r"forward_delay_us=-1"):
+        ReferenceEngine(MODEL, forward_delay_us=-1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("bug", [None, "no-donate-fence", "no-restore-fence"])
+def test_on_cuda_delayed_forwards_expose_each_missing_fence(bug: str | None) -> None:  # pragma: no cover
+    """With every forward held on the GPU longer than the host takes to queue it and its commit, an
+    unfenced copy reads its slot before the forward wrote it: each fence bug serves wrong answers,
+    while the correct cache stays exact. (A 0.5 ms hold was too short on an H200: the host's
+    Python queues a forward in milliseconds, so the GPU had caught up before any copy was queued;
+    20 ms is not yet confirmed on a GPU.)"""
+    rep = run_hammer(HammerConfig(requests=60, device="cuda", inject=bug, forward_delay_us=20_000))
+    assert rep.ok == (bug is None), format_report(rep)

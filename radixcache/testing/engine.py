@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -117,6 +117,13 @@ class ReferenceEngine:
         :data:`~radixcache.testing.inject.FUZZ_BUGS`).
     :param deferred: on the CPU, :class:`~linear_state.DeferredStream` s (default) or immediate
         ones. Ignored for a CUDA model, whose streams are always :class:`~linear_state.CudaStream` s.
+    :param forward_delay_us: CUDA only: every forward first keeps the GPU busy this long, so a copy
+        that does not wait the forward's fence runs while the forward is still pending, as it would
+        behind a large model (the tiny reference model's forwards finish before the host queues the
+        next copy). The GPU's counterpart of the CPU's deferred streams. It must exceed the host's
+        time to queue one forward and its commit (milliseconds of Python here): 0.5 ms exposed
+        nothing on an H200.
+    :raises ValueError: ``forward_delay_us`` is negative, or positive for a model not on CUDA.
     """
 
     def __init__(
@@ -136,7 +143,13 @@ class ReferenceEngine:
         barrier: str = "fence",
         forensics_ledger: str | None = None,
         record_writes: bool = False,
+        forward_delay_us: float = 0.0,
     ) -> None:
+        if forward_delay_us < 0 or (forward_delay_us > 0 and model.device.type != "cuda"):
+            raise ValueError(
+                f"forward_delay_us={forward_delay_us} needs a value >= 0, and > 0 only for a CUDA model "
+                f"(this one is on {model.device})"
+            )
         self.model = model
         cfg: HybridConfig = model.cfg
         self.device = model.device
@@ -171,6 +184,7 @@ class ReferenceEngine:
         self.slot_writes: list[tuple[int, Hashable, int]] | None = [] if record_writes else None
         self.max_running = max_running
         self.chunk = chunk
+        self._spin_cycles = int(forward_delay_us * _spin_cycles_per_us()) if forward_delay_us else 0
         self.waiting: deque[EngineRequest] = deque()
         self.running: dict[Hashable, _Running] = {}
         self.finished: list[EngineRequest] = []
@@ -255,7 +269,7 @@ class ReferenceEngine:
                     x = None if namespace is None else model.inputs(prompt, start, end, namespace=namespace)
                     model.prefill(ids, start, pool, slot, kvp, kv, embeds=x)
 
-                last = self.forward.submit(work, after=[last], label=f"warm-up [{start}, {end})")
+                last = self._forward(work, [last], f"warm-up [{start}, {end})")
             res = self.cache.insert(list(prompt[:n]), stage, state_slot=slot, ready=last, namespace=namespace)
             cached += res.length - res.prefix_length
             self._device_progress()
@@ -360,7 +374,7 @@ class ReferenceEngine:
             out["logits"] = model.prefill(ids, start, pool, live, kvp, kv_idx, captures, embeds=embeds)
             self._note_writes(rid, [live, *(t for _, t in captures)])
 
-        r.last = self.forward.submit(work, after=after, label=f"prefill {rid} [{start},{end})")
+        r.last = self._forward(work, after, f"prefill {rid} [{start},{end})")
         r.done = end
         self._committed(r, plan, self.manager.commit(plan, r.last, kv_indices=r.kv[start:end]))
         self._device_progress()
@@ -392,7 +406,7 @@ class ReferenceEngine:
             for _, track, rid in copies:
                 self._note_writes(rid, [track])
 
-        fence = self.forward.submit(work, after=after, label=f"decode x{len(batch)}")
+        fence = self._forward(work, after, f"decode x{len(batch)}")
         res = self.manager.commit_batch(plan, fence, kv_indices=torch.stack([r.kv[r.done] for r in batch]))
         for r in batch:
             r.done += 1
@@ -402,6 +416,18 @@ class ReferenceEngine:
             if one is not None:
                 self._committed(r, plan.plans[r.req.rid], one)
         return fence, out
+
+    def _forward(self, work: Callable[[], None], after: Sequence[Fence], label: str) -> Fence:
+        """Submit a forward on the forward stream (behind the configured GPU delay, if any)."""
+        cycles = self._spin_cycles
+        if cycles:
+            inner = work
+
+            def work() -> None:
+                torch.cuda._sleep(cycles)  # type: ignore[no-untyped-call]
+                inner()
+
+        return self.forward.submit(work, after=after, label=label)
 
     def _note_writes(self, rid: Hashable, slots: list[int]) -> None:
         if self.slot_writes is not None:
@@ -470,6 +496,19 @@ def generate_cold(
         logits = model.decode(torch.tensor([out[-1]]), [pos], pool, slots, kvp, [kv_idx[: pos + 1]], bias=bias)[0]
         out.append(model.greedy(logits))
     return out, first
+
+
+def _spin_cycles_per_us() -> float:
+    """GPU clock cycles per microsecond of ``torch.cuda._sleep`` on the current device, measured."""
+    torch.cuda._sleep(1000)  # type: ignore[no-untyped-call]  # loaded before the timed run
+    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    cycles = 20_000_000
+    start.record()
+    torch.cuda._sleep(cycles)  # type: ignore[no-untyped-call]
+    end.record()
+    end.synchronize()
+    return cycles / (1e3 * float(start.elapsed_time(end)))
 
 
 def _biases(model: HybridModel, namespaces: Sequence[Hashable]) -> torch.Tensor | None:

@@ -60,6 +60,7 @@ class HammerConfig:
     single_token_share: float = 0.08  # fraction of requests that generate one token
     warm: bool = True  # pre-cache the system prompts at start-up (engine.warm)
     device: str = "cpu"  # where the reference model, its pools and its streams live ("cuda": CudaStreams)
+    forward_delay_us: float = 0.0  # cuda only: each forward first keeps the GPU busy this long (widens races)
 
 
 @dataclass
@@ -257,6 +258,7 @@ def _run(cfg: HammerConfig, model: HybridModel, progress: Callable[[int], None] 
         page_size=cfg.page_size,
         # hit-density gets the engine's default, on the reference kernels' 64-token grid
         policy=None if cfg.policy == "hit-density" else make_policy(cfg.policy),
+        forward_delay_us=cfg.forward_delay_us,
     )
     work = _Workload(cfg, model.cfg.vocab_size)
     t0 = time.perf_counter()

@@ -275,10 +275,19 @@ class Attention(nn.Module):
         return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
 
     def forward(
-        self, x: torch.Tensor, pos: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_idx: torch.Tensor
+        self,
+        x: torch.Tensor,
+        pos: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        kv_idx: torch.Tensor,
+        end: int | None = None,
     ) -> torch.Tensor:
         """``x`` [T, hidden] at absolute positions ``pos`` (contiguous, ending at ``len(kv_idx)``);
-        writes their K/V at ``kv_idx[pos]`` and attends causally over ``kv_idx[:pos+1]``."""
+        writes their K/V at ``kv_idx[pos]`` and attends causally over ``kv_idx[:pos+1]``.
+
+        :param end: ``pos[-1] + 1`` when the caller knows it: reading it off a GPU tensor would
+            make the host wait for the stream."""
         cfg = self.cfg
         T = x.shape[0]
         q = self._rope((x @ self.q_proj.T).view(T, cfg.num_heads, cfg.head_dim), pos)
@@ -286,7 +295,7 @@ class Attention(nn.Module):
         v = (x @ self.v_proj.T).view(T, cfg.num_kv_heads, cfg.head_dim)
         k_pool.index_copy_(0, kv_idx[pos], k)
         v_pool.index_copy_(0, kv_idx[pos], v)
-        end = int(pos[-1]) + 1
+        end = int(pos[-1]) + 1 if end is None else end
         keys = k_pool.index_select(0, kv_idx[:end]).repeat_interleave(cfg.num_heads // cfg.num_kv_heads, 1)
         vals = v_pool.index_select(0, kv_idx[:end]).repeat_interleave(cfg.num_heads // cfg.num_kv_heads, 1)
         scores = torch.einsum("thd,shd->hts", q, keys) / math.sqrt(cfg.head_dim)
@@ -397,7 +406,7 @@ class HybridModel(nn.Module):
         namespace's adapter bias.
 
         :raises ValueError: the prompt's placeholder runs and ``images`` cannot be paired."""
-        ids = torch.tensor(list(prompt[start:end]), dtype=torch.int64, device=self.device)
+        ids = _to(torch.tensor(list(prompt[start:end]), dtype=torch.int64), self.device)
         x = self.embed[ids]
         if images:
             runs = image_runs(list(prompt), self.cfg.placeholder_id)
@@ -405,7 +414,7 @@ class HybridModel(nn.Module):
                 raise ValueError(f"{len(runs)} placeholder run(s) but {len(images)} image(s)")
             rows = torch.cat([self.image_rows(img, e - s) for (s, e), img in zip(runs, images, strict=True)])
             w = mm_window(list(prompt), self.cfg.placeholder_id, start, end)
-            x[torch.from_numpy(w.positions).to(self.device)] = rows[w.rows.start : w.rows.stop]
+            x[_to(torch.from_numpy(w.positions), self.device)] = rows[w.rows.start : w.rows.stop]
         bias = self.adapter(namespace)
         return x if bias is None else x + bias
 
@@ -438,8 +447,8 @@ class HybridModel(nn.Module):
 
         :param embeds: the window's input embeddings (see :meth:`inputs`) instead of ``ids``'."""
         cfg, dev = self.cfg, self.device
-        ids, kv_idx = ids.to(dev), kv_idx.to(dev)
-        x = self.embed[ids] if embeds is None else embeds.to(dev)
+        ids, kv_idx = _to(ids, dev), _to(kv_idx, dev)
+        x = self.embed[ids] if embeds is None else _to(embeds, dev)
         pos = torch.arange(start, start + ids.shape[0], device=dev)
         depths = [d for d, _ in captures]
         for i, kind in enumerate(cfg.layer_types):
@@ -455,7 +464,7 @@ class HybridModel(nn.Module):
                     pool.recurrent[li, t].copy_(r)
             else:
                 fi = cfg.full_layers.index(i)
-                out = self.mixers[i](hcur, pos, kv.k[fi], kv.v[fi], kv_idx)
+                out = self.mixers[i](hcur, pos, kv.k[fi], kv.v[fi], kv_idx, start + ids.shape[0])
             x = x + out
             x = x + self.mlps[i](self.norms2[i](x))
         logits: torch.Tensor = self.final_norm(x[-1]) @ self.lm_head.T
@@ -478,8 +487,10 @@ class HybridModel(nn.Module):
 
         :param bias: [B, hidden_size] adapter biases (see :meth:`adapter`; zero rows for none)."""
         cfg, dev = self.cfg, self.device
-        ids, slots = ids.to(dev), slots.to(dev)
-        x = self.embed[ids] if bias is None else self.embed[ids] + bias.to(dev)
+        ids, slots = _to(ids, dev), _to(slots, dev)
+        pos = _to(torch.tensor(list(positions), dtype=torch.int64), dev)
+        idx = [_to(t, dev) for t in kv_idx]
+        x = self.embed[ids] if bias is None else self.embed[ids] + _to(bias, dev)
         for i, kind in enumerate(cfg.layer_types):
             hcur = self.norms1[i](x)
             if kind == "linear":
@@ -490,7 +501,7 @@ class HybridModel(nn.Module):
                 attn = self.mixers[i]
                 out = torch.cat(
                     [
-                        attn(hcur[b : b + 1], torch.tensor([p], device=dev), kv.k[fi], kv.v[fi], kv_idx[b].to(dev))
+                        attn(hcur[b : b + 1], pos[b : b + 1], kv.k[fi], kv.v[fi], idx[b], p + 1)
                         for b, p in enumerate(positions)
                     ]
                 )
@@ -498,6 +509,17 @@ class HybridModel(nn.Module):
             x = x + self.mlps[i](self.norms2[i](x))
         logits: torch.Tensor = self.final_norm(x) @ self.lm_head.T
         return logits
+
+
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``. A CPU tensor bound for a GPU goes through pinned memory, asynchronously:
+    a copy from pageable memory may wait for the stream's queued work, a hidden host
+    synchronisation that would serialise the host with every forward."""
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def _seed(*parts: bytes | int) -> int:
