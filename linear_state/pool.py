@@ -57,7 +57,9 @@ class LinearStatePool:
     :param num_slots: capacity.
     :param device: where the tensors live.
     :param stream: default stream for pool work (an :class:`ImmediateStream` when omitted).
-    :raises ValueError: ``num_slots`` not positive.
+    :param pin_memory: a pool on the CPU in page-locked memory, so that :meth:`copy_from` a CUDA
+        pool (and back) runs asynchronously on the copy's stream (a host tier).
+    :raises ValueError: ``num_slots`` not positive; ``pin_memory`` for a pool not on the CPU.
 
     Slot ids the pool hands out are :class:`~linear_state.SlotId` ints carrying its ``pool_id``;
     every call given one from another pool raises :class:`~linear_state.ForeignSlot` and changes
@@ -71,6 +73,7 @@ class LinearStatePool:
         device: torch.device | str = "cpu",
         *,
         stream: Stream | None = None,
+        pin_memory: bool = False,
     ) -> None:
         if not isinstance(layout, StateLayout):
             raise TypeError(f"layout must be a StateLayout, got {type(layout).__name__}")
@@ -86,10 +89,14 @@ class LinearStatePool:
         self.stream: Stream = stream if stream is not None else ImmediateStream()
         self._immediate = isinstance(self.stream, ImmediateStream)
         L = layout.num_layers
+        if pin_memory and self.device.type != "cpu":
+            raise ValueError(f"pin_memory is for a pool on the CPU, not on {self.device}")
         self.conv = torch.zeros((L, num_slots, *layout.conv_shape), dtype=layout.conv_dtype, device=self.device)
         self.recurrent = torch.zeros(
             (L, num_slots, *layout.recurrent_shape), dtype=layout.recurrent_dtype, device=self.device
         )
+        if pin_memory:
+            self.conv, self.recurrent = self.conv.pin_memory(), self.recurrent.pin_memory()
         self.pool_id = next(_POOL_IDS)
         """Process-unique identity of this pool, carried by every slot id it hands out."""
         self._owner: list[Owner | None] = [None] * num_slots
@@ -282,6 +289,88 @@ class LinearStatePool:
         if s == d:
             raise SlotMisuse("copy of a slot onto itself", slot=s, owner=self._owner[s], actor=dst_owner)
         return self._submit_copy(s, d, _check_stream(stream), _fences(after), "copy")
+
+    def copy_from(
+        self,
+        src_pool: LinearStatePool,
+        src: int,
+        dst: int,
+        *,
+        dst_owner: Owner | None = None,
+        stream: Stream | None = None,
+        after: Iterable[Fence] = (),
+    ) -> Fence:
+        """Copy slot ``src`` of another pool ``src_pool`` into ``dst`` of this one: a state moving
+        between tiers (a device pool and a host pool of the same layout).
+
+        Ordered behind ``after``, ``src_pool``'s pending writes into ``src`` and this pool's pending
+        work on ``dst``; the returned fence becomes the last use of both slots, so neither pool
+        frees, overwrites or hands out its slot before the copy is done. Asynchronous between a
+        CUDA pool and a pinned CPU pool. O(slot bytes).
+
+        :param dst_owner: when given, ``dst`` must be owned by it.
+        :returns: the fence after which ``dst`` holds the copy.
+        :raises ValueError: the layouts differ, or ``src_pool`` is this pool (use :meth:`copy`).
+        :raises SlotMisuse: ``src`` free, or ``dst`` not writable; nothing was queued.
+        :raises TypeError: ``src_pool`` is not a pool; a bad slot, owner, stream or fence.
+        """
+        s = self._check_source(src_pool, src, dst_owner)
+        self.check_writable(dst, dst_owner)
+        d = self._index(dst)
+        return self._submit_copy_from(src_pool, s, d, _check_stream(stream), _fences(after))
+
+    def clone_from(
+        self,
+        src_pool: LinearStatePool,
+        src: int,
+        owner: Owner,
+        *,
+        stream: Stream | None = None,
+        after: Iterable[Fence] = (),
+    ) -> SlotWrite:
+        """Allocate a slot of this pool for ``owner`` and copy slot ``src`` of ``src_pool`` into
+        it, behind ``after`` (a snapshot demoted to a host tier: the new slot may belong to a tree
+        node, which :meth:`copy_from` would refuse to write). Ordered as :meth:`copy_from`.
+
+        :returns: the new slot and the fence after which it holds the copy.
+        :raises ValueError: the layouts differ, or ``src_pool`` is this pool (use :meth:`clone`).
+        :raises SlotMisuse: ``src`` is free; :raises PoolExhausted: no slot is free. Nothing changed.
+        :raises TypeError: a bad pool, slot, owner, stream or fence; nothing changed.
+        """
+        _check_owner(owner)
+        s = self._check_source(src_pool, src, owner)
+        after, stream = _fences(after), _check_stream(stream)
+        d = self.alloc(owner)
+        return SlotWrite(d, self._submit_copy_from(src_pool, s, d, stream, after))
+
+    def _check_source(self, src_pool: LinearStatePool, src: int, actor: Owner | None) -> int:
+        if not isinstance(src_pool, LinearStatePool):
+            raise TypeError(f"src_pool must be a LinearStatePool, got {type(src_pool).__name__}")
+        if src_pool is self:
+            raise ValueError("the source pool is this pool itself; use copy() or clone()")
+        if src_pool.layout != self.layout:
+            raise ValueError(f"layouts differ: source {src_pool.layout}, destination {self.layout}")
+        return src_pool._check_readable(src, actor)
+
+    def _submit_copy_from(
+        self, src_pool: LinearStatePool, s: int, d: int, stream: Stream | None, after: tuple[Fence, ...]
+    ) -> Fence:
+        fences = list(after)
+        for last in (src_pool._last_use[s], self._last_use[d]):
+            if last is not COMPLETE and not last.is_complete():
+                fences.append(last)
+        # The native rows on both sides: the pools' widened copy views may differ in width.
+        pairs = ((self._conv_rows[d], src_pool._conv_rows[s]), (self._rec_rows[d], src_pool._rec_rows[s]))
+        async_ok = {self.device.type, src_pool.device.type} == {"cpu", "cuda"}
+
+        def work() -> None:
+            for out, inp in pairs:
+                out.copy_(inp, non_blocking=async_ok and (out.is_pinned() or inp.is_pinned()))
+
+        fence = (stream or self.stream).submit(work, after=fences, label=f"copy_from pool {src_pool.pool_id} {s}->{d}")
+        self._last_use[d] = fence
+        src_pool._last_use[s] = fence
+        return fence
 
     def clone(self, src: int, owner: Owner, *, stream: Stream | None = None, after: Iterable[Fence] = ()) -> SlotWrite:
         """Allocate a new slot for ``owner`` and copy ``src`` into it, behind ``after``.

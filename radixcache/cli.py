@@ -70,6 +70,8 @@ def cmd_hammer(args: argparse.Namespace) -> int:
         page_size=args.page_size,
         device=args.device,
         forward_delay_us=args.forward_delay_us,
+        snapshot_slots=args.snapshot_slots,
+        host_slots=args.host_slots,
     )
     update, close = progress_callback(cfg.requests, "hammer")
     try:
@@ -217,6 +219,13 @@ def _parser() -> argparse.ArgumentParser:
     hammer.add_argument("--forensics", metavar="LEDGER", default=None, help="fingerprint snapshots, log to LEDGER")
     hammer.add_argument(
         "--device", default="cpu", help="where the reference model runs: cpu, or cuda (two CUDA streams, real races)"
+    )
+    hammer.add_argument("--snapshot-slots", type=int, default=512, help="device pool slots for the tree's snapshots")
+    hammer.add_argument(
+        "--host-slots",
+        type=int,
+        default=0,
+        help="the tree's host tier, in snapshots (0: evicted snapshots are dropped)",
     )
     hammer.add_argument(
         "--forward-delay-us",

@@ -21,7 +21,8 @@ READER = RequestOwner("reader")
 
 
 def snapshot_prefixes(cache: HybridRadixCache) -> dict[tuple[Hashable, tuple[int, ...]], TreeNode]:
-    """(namespace, prefix) of every node holding a snapshot, read off the tree."""
+    """(namespace, prefix) of every node holding a snapshot (on the device or in the host tier),
+    read off the tree."""
     out: dict[tuple[Hashable, tuple[int, ...]], TreeNode] = {}
     for ns, root in cache._roots.items():
         stack: list[tuple[TreeNode, tuple[int, ...]]] = [(root, ())]
@@ -29,7 +30,7 @@ def snapshot_prefixes(cache: HybridRadixCache) -> dict[tuple[Hashable, tuple[int
             node, prefix = stack.pop()
             for child in node.children.values():
                 p = prefix + tuple(int(x) for x in memoryview(child.key).cast("I"))
-                if child.snapshot is not None:
+                if child.snapshot is not None or child.host is not None:
                     out[(ns, p)] = child
                 stack.append((child, p))
     return out
@@ -61,6 +62,7 @@ def tree_kv(cache: HybridRadixCache) -> dict[KvKey, int]:
 
 class TreeMachine(RuleBasedStateMachine):
     page_size = 1
+    host_slots = 0  # the tree's host tier (0: none)
 
     def __init__(self) -> None:
         super().__init__()
@@ -68,8 +70,13 @@ class TreeMachine(RuleBasedStateMachine):
         self.copies = DeferredStream("copies")
         self.freed: list[int] = []
         self.pool = LinearStatePool(LAYOUT, 24)
+        self.host = LinearStatePool(LAYOUT, self.host_slots) if self.host_slots else None
         self.cache = HybridRadixCache(
-            self.pool, page_size=self.page_size, on_free_kv=lambda t: self.freed.extend(t.tolist()), stream=self.copies
+            self.pool,
+            page_size=self.page_size,
+            on_free_kv=lambda t: self.freed.extend(t.tolist()),
+            stream=self.copies,
+            host_pool=self.host,
         )
         self.next_kv = 0
         self.handed_out: set[int] = set()
@@ -102,6 +109,8 @@ class TreeMachine(RuleBasedStateMachine):
         kv = torch.arange(self.next_kv, self.next_kv + len(key))
         self.next_kv += len(key)
         self.handed_out.update(kv.tolist())
+        before = snapshot_prefixes(self.cache).get((ns, cut))
+        on_host = before is not None and before.host is not None
         res = self.cache.insert(key, kv, state_slot=slot, ready=ready, namespace=ns)
         # The donor keeps decoding into its own slot, ordered after the pool's last use of it (the
         # clone), and frees it later after its own last write.
@@ -111,7 +120,8 @@ class TreeMachine(RuleBasedStateMachine):
         self.donors.append((slot, later))
         assert res.length == len(cut)
         already = (ns, cut) in self.present
-        assert res.snapshot_created == (len(cut) > 0 and not already)
+        # a donation where the host tier holds the state brings it back to the device
+        assert res.snapshot_created == (len(cut) > 0 and (not already or on_host))
         dup = 0
         for i in range(len(cut)):
             p = kv_key(ns, cut, i, self.page_size)
@@ -163,7 +173,10 @@ class TreeMachine(RuleBasedStateMachine):
         assert res.snapshots >= min(snapshots, before_snaps) or self.cache.evictable_snapshots == 0
         now = set(snapshot_prefixes(self.cache))
         assert now <= self.present, f"snapshots appeared from nowhere: {now - self.present}"
-        assert len(self.present - now) == res.snapshots
+        if self.host is None:
+            assert len(self.present - now) == res.snapshots
+        else:  # a demoted snapshot stays present; a host copy dropped (room, a leaf's KV) does not
+            assert len(self.present - now) <= res.snapshots + res.nodes_removed
         for p, n in self.locks.items():
             if n:
                 assert p in now, f"locked snapshot {p} was evicted"
@@ -198,11 +211,20 @@ class TreeMachine(RuleBasedStateMachine):
         assert set(freed) | set(held.values()) == self.handed_out, "a KV index leaked"
         snaps = self.cache.num_snapshots
         assert self.pool.num_free + snaps + len(self.pool.slots_of(DONOR)) == self.pool.capacity
+        if self.host is not None:
+            assert self.host.num_free + self.cache.num_host_snapshots == self.host.capacity
 
 
 class PagedTreeMachine(TreeMachine):
     page_size = 2
 
 
+class HostTierTreeMachine(TreeMachine):
+    """Evicted snapshots go to a three-slot host tier, and come back on a new donation."""
+
+    host_slots = 3
+
+
 TestTreeMachine = TreeMachine.TestCase
 TestPagedTreeMachine = PagedTreeMachine.TestCase
+TestHostTierTreeMachine = HostTierTreeMachine.TestCase

@@ -326,6 +326,9 @@ class CacheManager:
         self.clock = clock
         if forensics is not None:
             cache.on_free_snapshot = lambda n: forensics.snapshot_freed(n.id, int(n.snapshot or 0))
+            if cache.host_pool is not None:
+                host_pool = cache.host_pool
+                cache.on_demote = lambda n: forensics.snapshot_demoted(n.id, host_pool, int(n.host or 0))
         self._requests: dict[Hashable, _Request] = {}
         self._guard = threading.Lock()
         self._counters = MetricsCounters()
@@ -357,6 +360,8 @@ class CacheManager:
             snapshots_held=self.cache.num_snapshots,
             snapshot_bytes=self.pool.layout.slot_bytes,
             live_requests=len(self._requests),
+            demotions=self.cache.demotions,
+            host_snapshots_held=self.cache.num_host_snapshots,
         )
 
     def describe(self) -> dict[str, object]:
@@ -505,6 +510,7 @@ class CacheManager:
             c.hits += 1
             c.hit_tokens += m.length
             c.restores += 1
+            c.host_hits += node.snapshot is None
         self.policy.admitted(info)
         if m.length:
             self.policy.touched(node, info, t)
@@ -1110,10 +1116,11 @@ class CacheManager:
         """
         self.cache.check_invariants()
         self.policy.check_invariants()
-        snapshots = {n.id: n.snapshot for n in self.cache.iter_nodes() if n.snapshot is not None}
+        nodes = self.cache.iter_nodes()
+        snapshots = {n.id: n.snapshot for n in nodes if n.snapshot is not None}
         tree_slots = set(snapshots.values())
         if self.forensics is not None:
-            self.forensics.check_invariants(snapshots)
+            self.forensics.check_invariants(snapshots, {n.id: n.host for n in nodes if n.host is not None})
         req_slots: set[int] = set()
         for rid, rec in self._requests.items():
             slots = (rec.live, *rec.tracks)

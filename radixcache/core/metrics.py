@@ -32,8 +32,11 @@ class ManagerMetrics:
         ``host`` (the host's own :meth:`~radixcache.CacheManager.evict`);
     :ivar evicted_kv_tokens: KV tokens freed by those evictions;
     :ivar restores: hit states copied into a request's slot;
-    :ivar snapshots_held: snapshots in the tree now (a gauge);
+    :ivar host_hits: hits whose state came from the host tier (a demoted snapshot);
+    :ivar demotions: snapshots the tree moved to its host tier instead of dropping them;
+    :ivar snapshots_held: snapshots in the tree now, on the device (a gauge);
     :ivar snapshot_bytes_held: their bytes (a gauge);
+    :ivar host_snapshots_held: snapshots in the host tier now (a gauge);
     :ivar live_requests: requests admitted and not finished or aborted (a gauge).
     """
 
@@ -51,6 +54,9 @@ class ManagerMetrics:
     snapshots_held: int
     snapshot_bytes_held: int
     live_requests: int
+    host_hits: int = 0
+    demotions: int = 0
+    host_snapshots_held: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -86,8 +92,17 @@ class MetricsCounters:
     )
     evicted_kv_tokens: int = 0
     restores: int = 0
+    host_hits: int = 0
 
-    def snapshot(self, *, snapshots_held: int, snapshot_bytes: int, live_requests: int) -> ManagerMetrics:
+    def snapshot(
+        self,
+        *,
+        snapshots_held: int,
+        snapshot_bytes: int,
+        live_requests: int,
+        demotions: int = 0,
+        host_snapshots_held: int = 0,
+    ) -> ManagerMetrics:
         """A frozen copy, with the gauges the caller reads from the tree and the request table."""
         return ManagerMetrics(
             admissions=self.admissions,
@@ -104,17 +119,30 @@ class MetricsCounters:
             snapshots_held=snapshots_held,
             snapshot_bytes_held=snapshots_held * snapshot_bytes,
             live_requests=live_requests,
+            host_hits=self.host_hits,
+            demotions=demotions,
+            host_snapshots_held=host_snapshots_held,
         )
 
 
-_COUNTERS = ("admissions", "refusals", "hits", "hit_tokens", "prompt_tokens", "evicted_kv_tokens", "restores")
+_COUNTERS = (
+    "admissions",
+    "refusals",
+    "hits",
+    "hit_tokens",
+    "prompt_tokens",
+    "evicted_kv_tokens",
+    "restores",
+    "host_hits",
+    "demotions",
+)
 _BY_REASON = {
     "captures_planned": "kind",
     "donations": "reason",
     "donations_skipped": "reason",
     "evictions": "reason",
 }
-_GAUGES = ("snapshots_held", "snapshot_bytes_held", "live_requests")
+_GAUGES = ("snapshots_held", "snapshot_bytes_held", "live_requests", "host_snapshots_held")
 
 
 def register_prometheus(

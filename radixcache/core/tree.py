@@ -63,13 +63,18 @@ class TreeNode:
         multiple of 2**32); the snapshot's owner is ``NodeOwner(id)``.
     :ivar cache: the :class:`HybridRadixCache` the node belongs to.
     :ivar depth: tokens from the root to the end of this node's edge.
-    :ivar snapshot: the pool slot of the snapshot at ``depth``, or ``None`` (a tombstone).
+    :ivar snapshot: the pool slot of the snapshot at ``depth``, or ``None``.
+    :ivar host: the slot of the host tier holding that state instead (a demoted snapshot), or
+        ``None``. At most one of ``snapshot`` and ``host`` is set; a node with neither is a
+        tombstone.
     """
 
     __slots__ = (
         "cache",
         "children",
         "depth",
+        "host",
+        "host_fence",
         "id",
         "key",
         "kv_lock",
@@ -103,6 +108,8 @@ class TreeNode:
         self.depth = depth
         self.snapshot: SlotId | None = None
         self.snapshot_fence: Fence = COMPLETE
+        self.host: SlotId | None = None  # slot in the cache's host pool (a demoted snapshot)
+        self.host_fence: Fence = COMPLETE
         self.kv_lock = 0  # locks on this node or below: protects this edge's KV
         self.snap_lock = 0  # locks on this node itself: protects its snapshot
         self.last_access = 0
@@ -118,7 +125,13 @@ class TreeNode:
         return not self.children
 
     def __repr__(self) -> str:
-        snap = "tombstone" if self.snapshot is None else f"snapshot={self.snapshot}"
+        snap = (
+            f"snapshot={self.snapshot}"
+            if self.snapshot is not None
+            else f"host={self.host}"
+            if self.host is not None
+            else "tombstone"
+        )
         locks = f"{self.kv_lock}/{self.snap_lock}"
         return f"<TreeNode {self.id} depth={self.depth} tokens={self.num_tokens} {snap} locks={locks}>"
 
@@ -130,7 +143,8 @@ class MatchResult(NamedTuple):
     :ivar token_length: depth to which the key agrees with the tree (diagnostic; >= ``length``).
     :ivar kv_indices: KV indices of the first ``length`` tokens (1-D int64).
     :ivar node: the node at ``length`` (a root when ``length`` is 0); pass it to lock/restore.
-    :ivar snapshot_slot: its snapshot slot, or ``None`` when ``length`` is 0.
+    :ivar snapshot_slot: its snapshot slot, or ``None`` when ``length`` is 0 or the snapshot was
+        demoted to the host tier (``cache.tier(node)`` says which).
     """
 
     length: int
@@ -179,8 +193,14 @@ class HybridRadixCache:
     :param page_size: tokens per KV page; keys are cut down to whole pages.
     :param on_free_kv: receives KV indices the tree releases: evicted edges, and duplicates of KV
         it already held (see :meth:`insert`). ``None``: the host does not track KV.
-    :param stream: stream for snapshot clones and restores (default: the pool's).
-    :raises ValueError: ``page_size`` not positive.
+    :param stream: stream for snapshot clones, restores, demotions (default: the pool's).
+    :param host_pool: the host tier: a CPU pool of the same layout (pinned when ``pool`` is on
+        CUDA). A snapshot evicted for lack of device slots is demoted into it (its node keeps its KV
+        and still serves hits, restored from host memory) instead of dropped; when the host tier
+        is full its least recently used copy goes. KV stays the host engine's: the tier holds
+        linear states only. ``None``: no host tier.
+    :raises ValueError: ``page_size`` not positive; ``host_pool`` not on the CPU, of another
+        layout, or ``pool`` itself.
     """
 
     def __init__(
@@ -190,9 +210,19 @@ class HybridRadixCache:
         page_size: int = 1,
         on_free_kv: Callable[[torch.Tensor], None] | None = None,
         stream: Stream | None = None,
+        host_pool: LinearStatePool | None = None,
     ) -> None:
         if not isinstance(pool, LinearStatePool):
             raise TypeError(f"pool must be a LinearStatePool, got {type(pool).__name__}")
+        if host_pool is not None:
+            if not isinstance(host_pool, LinearStatePool):
+                raise TypeError(f"host_pool must be a LinearStatePool, got {type(host_pool).__name__}")
+            if host_pool is pool:
+                raise ValueError("host_pool is the device pool itself")
+            if host_pool.device.type != "cpu":
+                raise ValueError(f"host_pool must live on the CPU, not on {host_pool.device}")
+            if host_pool.layout != pool.layout:
+                raise ValueError(f"host_pool layout {host_pool.layout} differs from the pool's {pool.layout}")
         if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)):
             raise TypeError(f"page_size must be an int, got {page_size!r}")
         if page_size <= 0:
@@ -205,11 +235,14 @@ class HybridRadixCache:
         self._id_base = next(_CACHE_SERIAL) << 32
         self._next_id = self._id_base + 1
         self.pool = pool
+        self.host_pool = host_pool
         self.page_size = page_size
         self.on_free_kv = on_free_kv
         self.stream = stream
-        # Called with a node just before its snapshot slot goes back to the pool (forensics).
+        # Called with a node just before its state is dropped, from either tier (forensics).
         self.on_free_snapshot: Callable[[TreeNode], None] | None = None
+        # Called with a node once its snapshot was demoted to the host tier (``node.host`` set).
+        self.on_demote: Callable[[TreeNode], None] | None = None
         self._page_bytes = page_size * TOKEN_BYTES
         self.reset_state()
 
@@ -229,8 +262,12 @@ class HybridRadixCache:
         # bounds with a Python-level remove+add on every touch, 3-5x slower per match.
         self._kv_heap: LazyHeap[TreeNode] = LazyHeap()
         self._snap_heap: LazyHeap[TreeNode] = LazyHeap()
+        self._host_heap: LazyHeap[TreeNode] = LazyHeap()  # host copies of unlocked nodes, by recency
         self._num_nodes = 0
         self._num_snapshots = 0
+        self._num_host = 0
+        self._protected_host = 0  # host copies of locked nodes
+        self._demotions = 0
         self._evictable_kv = 0
         self._protected_kv = 0
         self._protected_snapshots = 0
@@ -250,6 +287,24 @@ class HybridRadixCache:
     def num_snapshots(self) -> int:
         """Snapshots held (pool slots the tree owns)."""
         return self._num_snapshots
+
+    @property
+    def num_host_snapshots(self) -> int:
+        """Snapshots demoted to the host tier (host pool slots the tree owns)."""
+        return self._num_host
+
+    @property
+    def demotions(self) -> int:
+        """Snapshots moved to the host tier so far (since the last :meth:`reset`)."""
+        return self._demotions
+
+    @staticmethod
+    def tier(node: TreeNode) -> str | None:
+        """Where ``node``'s state is: ``"device"`` (a pool slot), ``"host"`` (the host tier), or
+        ``None`` (a tombstone, or a removed node). O(1)."""
+        if node.parent is None:
+            return None
+        return "device" if node.snapshot is not None else "host" if node.host is not None else None
 
     @property
     def evictable_kv_tokens(self) -> int:
@@ -297,7 +352,9 @@ class HybridRadixCache:
         return lo * pb
 
     def match(self, key: KeyLike, *, namespace: Hashable = None, touch: bool = True) -> MatchResult:
-        """Find the longest usable prefix of ``key``: the deepest snapshot on the matched path.
+        """Find the longest usable prefix of ``key``: the deepest snapshot on the matched path, on
+        the device or in the host tier (``result.snapshot_slot`` is ``None`` for a host copy:
+        :meth:`restore` takes either).
 
         Never splits nodes; refreshes the recency of the nodes it returns unless ``touch`` is
         False (a dry run: nothing at all changes; :meth:`touch` the result later). O(nodes on the
@@ -326,7 +383,7 @@ class HybridRadixCache:
                 pos += n
                 node = child
                 path.append(child)
-                if child.snapshot is not None:
+                if child.snapshot is not None or child.host is not None:
                     snap_at = len(path)
                 continue
             pos += self._common_bytes(kb, pos, edge, min(n, end - pos))
@@ -387,7 +444,8 @@ class HybridRadixCache:
     def eviction_cost(self, node: TreeNode) -> EvictResult:
         """What :meth:`evict_snapshot` of ``node`` would free, computed without changing anything:
         an inner node frees its snapshot alone; a leaf frees its KV and that of every parent it
-        would leave as a tombstone leaf. O(nodes in that cascade).
+        would leave as a tombstone leaf, unless the host tier takes the snapshot (then the slot
+        alone). O(nodes in that cascade).
 
         :raises ValueError: ``node`` was removed or holds no snapshot.
         :raises ForeignObjectError: ``node`` is another cache's.
@@ -395,7 +453,7 @@ class HybridRadixCache:
         self._own(node)
         if node.parent is None or node.snapshot is None:
             raise ValueError(f"node {node.id} holds no snapshot to evict")
-        if node.children:
+        if node.children or self._can_demote():
             return EvictResult(0, 1, 0)
         tokens = removed = 0
         n = node
@@ -404,7 +462,7 @@ class HybridRadixCache:
             removed += 1
             p = n.parent
             assert p is not None
-            if p.depth == 0 or len(p.children) > 1 or p.snapshot is not None:
+            if p.depth == 0 or len(p.children) > 1 or p.snapshot is not None or p.host is not None:
                 break
             n = p
         return EvictResult(tokens, 1, removed)
@@ -543,6 +601,8 @@ class HybridRadixCache:
             path.append(leaf)
         assert node.id == target_id, f"snapshot target {target_id} but the key ends at node {node.id}"
         if clone is not None:
+            if node.host is not None:  # back on the device: the host copy is redundant
+                self._drop_host(node, remove=False)
             node.snapshot = clone.slot
             node.snapshot_fence = clone.fence
             self._num_snapshots += 1
@@ -627,7 +687,8 @@ class HybridRadixCache:
         self, node: TreeNode, dst_slot: int, *, stream: Stream | None = None, dst_owner: Owner | None = None
     ) -> Fence:
         """Copy ``node``'s snapshot into ``dst_slot`` (a slot the caller owns), ordered after the
-        snapshot's clone fence. The copy never aliases: the caller's slot gets its own bytes.
+        snapshot's clone fence (or, for a demoted snapshot, from the host tier after its demotion's
+        fence). The copy never aliases: the caller's slot gets its own bytes.
 
         Returns the fence after which ``dst_slot`` holds the state; the consumer's next forward
         pass must be ordered after it.
@@ -637,6 +698,15 @@ class HybridRadixCache:
         :raises linear_state.SlotMisuse: ``dst_slot`` is not writable (or not ``dst_owner``'s).
         """
         self._own(node)
+        if node.snapshot is None and node.host is not None and self.host_pool is not None:
+            return self.pool.copy_from(
+                self.host_pool,
+                node.host,
+                dst_slot,
+                dst_owner=dst_owner,
+                stream=stream if stream is not None else self.stream,
+                after=(node.host_fence,),
+            )
         if node.snapshot is None:
             raise ValueError(f"node {node.id} at depth {node.depth} holds no snapshot to restore")
         return self.pool.copy(
@@ -659,10 +729,12 @@ class HybridRadixCache:
         self._own(node)
         if node.parent is None and node.depth > 0:
             raise ValueError(f"node {node.id} was evicted; it cannot be locked")
-        if node.snapshot is None and node.depth > 0:
+        if node.snapshot is None and node.host is None and node.depth > 0:
             raise ValueError(f"node {node.id} at depth {node.depth} holds no snapshot; lock a node match returned")
         if node.snap_lock == 0 and node.snapshot is not None:
             self._protected_snapshots += 1
+        if node.snap_lock == 0 and node.host is not None:
+            self._protected_host += 1
         node.snap_lock += 1
         n: TreeNode | None = node
         while n is not None:
@@ -686,6 +758,9 @@ class HybridRadixCache:
         if node.snap_lock == 0 and node.snapshot is not None:
             self._protected_snapshots -= 1
             self._snap_heap.push(node.last_access, node)
+        if node.snap_lock == 0 and node.host is not None:
+            self._protected_host -= 1
+            self._host_heap.push(node.last_access, node)
         n: TreeNode | None = node
         while n is not None:
             n.kv_lock -= 1
@@ -702,9 +777,11 @@ class HybridRadixCache:
         first, or as many as are evictable.
 
         KV comes from unlocked leaves; a parent left as a tombstone leaf goes too (cascade).
-        Snapshots come from any unlocked node: a leaf goes whole (its KV too), an inner node stays
-        as a tombstone holding its KV. Freed KV goes to ``on_free_kv``; snapshot slots go back to the
-        pool after their clone fence. O(log n) amortised per evicted node; never scans the tree.
+        Snapshots come from any unlocked node: with a host tier the snapshot is demoted there (the
+        node keeps its KV and serves hits from host memory); without one, or when it is full of
+        locked copies, a leaf goes whole (its KV too) and an inner node stays as a tombstone. Freed
+        KV goes to ``on_free_kv``; snapshot slots go back to the pool after their clone fence.
+        O(log n) amortised per evicted node; never scans the tree.
 
         :raises ValueError: a negative amount. :raises TypeError: an amount that is not an int.
         """
@@ -726,7 +803,9 @@ class HybridRadixCache:
             n = self._snap_heap.pop_valid(_snap_candidate)
             if n is None:
                 break
-            if n.children:
+            if self._demote(n):
+                freed_snaps += 1
+            elif n.children:
                 self._free_snapshot(n)
                 freed_snaps += 1
             else:
@@ -739,7 +818,8 @@ class HybridRadixCache:
 
     def evict_snapshot(self, node: TreeNode) -> EvictResult:
         """Evict ``node``'s snapshot now, whatever its recency: for policies that rank snapshots
-        themselves. A leaf goes whole (its KV too, cascading); an inner node stays as a tombstone.
+        themselves. With a host tier that has room (or an unlocked copy to make room) it is demoted
+        there; else a leaf goes whole (its KV too, cascading) and an inner node stays a tombstone.
         O(log n) amortised.
 
         :raises ValueError: ``node`` was removed or holds no snapshot.
@@ -751,6 +831,8 @@ class HybridRadixCache:
             raise ValueError(f"node {node.id} holds no snapshot to evict")
         if node.snap_lock:
             raise LockError(f"node {node.id} is locked; its snapshot cannot be evicted")
+        if self._demote(node):
+            return EvictResult(0, 1, 0)
         if node.children:
             self._free_snapshot(node)
             return EvictResult(0, 1, 0)
@@ -765,6 +847,8 @@ class HybridRadixCache:
             if n.snapshot is not None:
                 self._free_snapshot(n)
                 freed_snaps += 1
+            if n.host is not None:
+                self._drop_host(n, remove=False)
             del parent.children[n.key[: self._page_bytes]]
             n.parent = None
             self._evictable_kv -= n.num_tokens
@@ -775,7 +859,7 @@ class HybridRadixCache:
                 self.on_free_kv(n.value)
             if parent.depth == 0 or parent.children:
                 break
-            if parent.snapshot is not None:  # a leaf again, with a snapshot: a candidate
+            if parent.snapshot is not None or parent.host is not None:  # a leaf again, with a state
                 if parent.kv_lock == 0:
                     self._kv_heap.push(parent.last_access, parent)
                 break
@@ -792,12 +876,63 @@ class HybridRadixCache:
         n.snapshot_fence = COMPLETE
         self._num_snapshots -= 1
 
+    def _can_demote(self) -> bool:
+        """The host tier would take one more snapshot (a free host slot, or an unlocked copy to drop)."""
+        hp = self.host_pool
+        return hp is not None and (hp.num_free > 0 or self._num_host > self._protected_host)
+
+    def _demote(self, n: TreeNode) -> bool:
+        """Move unlocked ``n``'s device snapshot into the host tier, dropping the tier's least
+        recently used unlocked copy when it is full. False (nothing changed): no host tier, or no
+        room. The device slot goes back to the pool once the copy to the host is done."""
+        hp = self.host_pool
+        if hp is None or not self._can_demote():
+            return False
+        if hp.num_free == 0:
+            victim = self._host_heap.pop_valid(_host_candidate)
+            if victim is None:
+                return False
+            self._drop_host(victim, remove=True)  # never n (no host copy) nor n's ancestors (n below)
+        slot = n.snapshot
+        assert slot is not None and not n.snap_lock
+        owner = NodeOwner(n.id)
+        hs, fence = hp.clone_from(self.pool, slot, owner, stream=self.stream, after=(n.snapshot_fence,))
+        self.pool.free(slot, owner, after=(fence,))  # the pool also waits the copy: its last use
+        n.snapshot = None
+        n.snapshot_fence = COMPLETE
+        self._num_snapshots -= 1
+        n.host = hs
+        n.host_fence = fence
+        self._num_host += 1
+        self._demotions += 1
+        self._host_heap.push(n.last_access, n)
+        if self.on_demote is not None:
+            self.on_demote(n)
+        return True
+
+    def _drop_host(self, n: TreeNode, *, remove: bool) -> None:
+        """Free ``n``'s host copy; with ``remove``, a leaf left without any state goes too."""
+        hs = n.host
+        assert hs is not None and self.host_pool is not None
+        if self.on_free_snapshot is not None:
+            self.on_free_snapshot(n)
+        if n.snap_lock:
+            self._protected_host -= 1
+        self.host_pool.free(hs, NodeOwner(n.id), after=(n.host_fence,))
+        n.host = None
+        n.host_fence = COMPLETE
+        self._num_host -= 1
+        if remove and n.parent is not None and not n.children and n.snapshot is None and not n.kv_lock:
+            self._remove_leaf(n)
+
     def _maybe_compact(self) -> None:
         limit = 2 * self._num_nodes + 1024
         if len(self._kv_heap) > limit:
             self._kv_heap.compact(_kv_candidate)
         if len(self._snap_heap) > limit:
             self._snap_heap.compact(_snap_candidate)
+        if len(self._host_heap) > limit:
+            self._host_heap.compact(_host_candidate)
 
     def _touch(self, nodes: list[TreeNode]) -> None:
         self._tick += 1
@@ -807,9 +942,11 @@ class HybridRadixCache:
             n.last_access = tick
             if n.snapshot is not None and not n.snap_lock:
                 push_snap(tick, n)
+            elif n.host is not None and not n.snap_lock:
+                self._host_heap.push(tick, n)
             if not n.children and not n.kv_lock:
                 push_kv(tick, n)
-        if len(self._kv_heap) + len(self._snap_heap) > 4 * self._num_nodes + 2048:
+        if len(self._kv_heap) + len(self._snap_heap) + len(self._host_heap) > 4 * self._num_nodes + 2048:
             self._maybe_compact()
 
     # ------------------------------------------------------------------ reset
@@ -819,7 +956,12 @@ class HybridRadixCache:
         :raises LockError: some node is locked (a request still uses the tree; a ``RuntimeError``);
             nothing changed.
         """
-        if self._protected_kv or self._protected_snapshots or any(r.kv_lock for r in self._roots.values()):
+        if (
+            self._protected_kv
+            or self._protected_snapshots
+            or self._protected_host
+            or any(r.kv_lock for r in self._roots.values())
+        ):
             raise LockError(
                 f"reset while locked: {self._protected_kv} KV tokens, {self._protected_snapshots} snapshots protected"
             )
@@ -830,6 +972,8 @@ class HybridRadixCache:
                 stack.extend(n.children.values())
                 if n.snapshot is not None:
                     self._free_snapshot(n)
+                if n.host is not None:
+                    self._drop_host(n, remove=False)
                 if self.on_free_kv is not None:
                     self.on_free_kv(n.value)
                 n.parent = None
@@ -847,9 +991,12 @@ class HybridRadixCache:
             "tick": self._tick,
             "kv_heap": sorted((e[0], e[1], e[2]) for e in self._kv_heap),
             "snap_heap": sorted((e[0], e[1], e[2]) for e in self._snap_heap),
+            "host_heap": sorted((e[0], e[1], e[2]) for e in self._host_heap),
             "counters": (
                 self._num_nodes,
                 self._num_snapshots,
+                self._num_host,
+                self._protected_host,
                 self._evictable_kv,
                 self._protected_kv,
                 self._protected_snapshots,
@@ -881,6 +1028,9 @@ class HybridRadixCache:
         nodes = snaps = ev_kv = pr_kv = pr_snaps = 0
         kv_live: set[int] = set()
         snap_live: set[int] = set()
+        host_live = {e[2].id for e in self._host_heap if _host_candidate(e)}
+        host_slots: dict[int, int] = {}
+        hosts = pr_host = 0
         for e in self._kv_heap:
             if _kv_candidate(e):
                 kv_live.add(e[2].id)
@@ -913,8 +1063,21 @@ class HybridRadixCache:
                     own = n.snap_lock
                     below = sum(c.kv_lock for c in n.children.values())
                     assert n.kv_lock == own + below, f"{n!r} kv_lock {n.kv_lock} != own {own} + children {below}"
-                    assert n.snap_lock == 0 or n.snapshot is not None, f"{n!r} locked without a snapshot"
-                    assert n.children or n.snapshot is not None, f"{n!r} is a tombstone leaf"
+                    stateful = n.snapshot is not None or n.host is not None
+                    assert n.snap_lock == 0 or stateful, f"{n!r} locked without a snapshot"
+                    assert n.children or stateful, f"{n!r} is a tombstone leaf"
+                    assert n.snapshot is None or n.host is None, f"{n!r} holds its state in both tiers"
+                    if n.host is not None:
+                        assert self.host_pool is not None, f"{n!r} holds a host copy but the cache has no host tier"
+                        hosts += 1
+                        assert n.host not in host_slots, f"host slot {n.host} held by {host_slots[n.host]} and {n.id}"
+                        host_slots[n.host] = n.id
+                        howner = self.host_pool.owner_of(n.host)
+                        assert howner == NodeOwner(n.id), f"{n!r} host slot {n.host} is owned by {howner}"
+                        if n.snap_lock:
+                            pr_host += 1
+                        else:
+                            assert n.id in host_live, f"{n!r} unlocked host copy missing from the host heap"
                     if n.kv_lock:
                         pr_kv += n.num_tokens
                     else:
@@ -942,6 +1105,12 @@ class HybridRadixCache:
         pool_nodes = self.pool.num_owned_by(NodeOwner)
         assert pool_nodes == snaps, f"pool has {pool_nodes} node-owned slots, the tree holds {snaps} snapshots"
         self.pool.check_invariants()
+        assert hosts == self._num_host, f"num_host_snapshots {self._num_host} != {hosts}"
+        assert pr_host == self._protected_host, f"protected host copies {self._protected_host} != {pr_host}"
+        if self.host_pool is not None:
+            held = self.host_pool.num_owned_by(NodeOwner)
+            assert held == hosts, f"host pool has {held} node-owned slots, the tree holds {hosts} host copies"
+            self.host_pool.check_invariants()
 
 
 def _kv_candidate(e: tuple[float, int, TreeNode]) -> bool:
@@ -952,6 +1121,11 @@ def _kv_candidate(e: tuple[float, int, TreeNode]) -> bool:
 def _snap_candidate(e: tuple[float, int, TreeNode]) -> bool:
     n = e[2]
     return n.parent is not None and n.snapshot is not None and not n.snap_lock and n.last_access == e[0]
+
+
+def _host_candidate(e: tuple[float, int, TreeNode]) -> bool:
+    n = e[2]
+    return n.parent is not None and n.host is not None and not n.snap_lock and n.last_access == e[0]
 
 
 def _as_kv(kv: torch.Tensor | np.ndarray | list[int], n_tokens: int) -> torch.Tensor:

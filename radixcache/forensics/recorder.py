@@ -107,6 +107,7 @@ class _Snap:
     parent_depth: int
     fp: int | None = None
     clean_step: int = 0
+    host: LinearStatePool | None = None  # the host tier's pool once demoted (``slot`` is its slot)
 
 
 @dataclass
@@ -137,7 +138,10 @@ class Forensics:
     # ------------------------------------------------------------- ledger
     @staticmethod
     def _where(snap: _Snap) -> dict[str, Any]:
-        return {"node": snap.node, "slot": snap.slot, "depth": snap.depth, "key": snap.key}
+        where = {"node": snap.node, "slot": snap.slot, "depth": snap.depth, "key": snap.key}
+        if snap.host is not None:
+            where["tier"] = "host"
+        return where
 
     def _log(self, ev: str, **fields: Any) -> None:
         if self.ledger is not None:
@@ -199,19 +203,34 @@ class Forensics:
         self._log("restore", **self._where(snap), dst=dst, owner=_jsonable(rid), fp=found)
 
     def snapshot_freed(self, node: int, slot: int) -> None:
-        """The tree evicted ``node``'s snapshot."""
+        """The tree dropped ``node``'s snapshot (from the device, or from the host tier)."""
         self.step += 1
         snap = self._snaps.pop(node, None)
         if snap is None:
             return
-        claim = self._by_slot.get(snap.slot)
-        if claim is not None:
-            claim.discard(node)
-            if not claim:
-                del self._by_slot[snap.slot]
+        self._unclaim(snap)
         if snap in self._pending:
             self._pending.remove(snap)
         self._log("evict", **self._where(snap))
+
+    def snapshot_demoted(self, node: int, host_pool: LinearStatePool, host_slot: int) -> None:
+        """The tree moved ``node``'s snapshot into ``host_slot`` of its host tier: from now on the
+        record follows the host copy, which is verified at once against the donation's
+        fingerprint (the demotion copied exactly the donated bytes, or it is a finding)."""
+        self.step += 1
+        snap = self._snaps.get(node)
+        if snap is None:
+            return
+        if snap.fp is None:
+            snap.fence.wait()  # the demotion's copy waited this fence too
+            self._settle()
+        self._unclaim(snap)
+        if snap in self._pending:  # its device slot is gone: no donation fingerprint to take now
+            self._pending.remove(snap)
+        snap.host, snap.slot = host_pool, int(host_slot)
+        self._log("demote", **self._where(snap))
+        if snap.fp is not None:
+            self._verify(snap, "demote")
 
     def verify_all(self) -> int:
         """Verify every snapshot whose fingerprint was taken; returns how many were checked."""
@@ -224,15 +243,25 @@ class Forensics:
                 n += 1
         return n
 
-    def check_invariants(self, live_snapshots: Mapping[int, int] | None = None) -> None:
+    def check_invariants(
+        self, live_snapshots: Mapping[int, int] | None = None, live_host: Mapping[int, int] | None = None
+    ) -> None:
         """Verify the bookkeeping; raise ``AssertionError`` naming the first broken rule. O(snapshots).
 
-        Every tracked snapshot is claimed by its slot in the slot index and vice versa; a snapshot
-        has a donation fingerprint exactly when it is no longer pending. With ``live_snapshots``
-        (tree node id -> snapshot slot), every tracked snapshot is one the tree still holds there.
+        Every tracked device snapshot is claimed by its slot in the slot index and vice versa; a
+        snapshot has a donation fingerprint exactly when it is no longer pending. With
+        ``live_snapshots`` (tree node id -> snapshot slot) and ``live_host`` (node id -> host tier
+        slot), every tracked snapshot is one the tree still holds there.
         """
         for node, snap in self._snaps.items():
             assert snap.node == node, f"snapshot record of node {node} names node {snap.node}"
+            if snap.host is not None:
+                assert snap.fp is not None or not any(p is snap for p in self._pending), f"node {node} pending on host"
+                if live_host is not None:
+                    assert live_host.get(node) == snap.slot, (
+                        f"forensics tracks node {node} at host slot {snap.slot}; the tree holds {live_host.get(node)}"
+                    )
+                continue
             assert node in self._by_slot.get(snap.slot, ()), f"node {node} missing from slot {snap.slot}'s claims"
             pending = any(p is snap for p in self._pending)
             assert pending == (snap.fp is None), f"node {node}: pending={pending} but fingerprint {snap.fp}"
@@ -252,6 +281,16 @@ class Forensics:
             self.ledger.flush()
 
     # ------------------------------------------------------------ internals
+    def _unclaim(self, snap: _Snap) -> None:
+        """Drop ``snap``'s claim on its device slot (none once it lives in the host tier)."""
+        if snap.host is not None:
+            return
+        claim = self._by_slot.get(snap.slot)
+        if claim is not None:
+            claim.discard(snap.node)
+            if not claim:
+                del self._by_slot[snap.slot]
+
     def _settle(self) -> None:
         """Take the donation fingerprint of every snapshot whose clone has completed."""
         if not self._pending:
@@ -279,7 +318,8 @@ class Forensics:
 
     def _verify(self, snap: _Snap, why: str) -> int:
         assert snap.fp is not None
-        found = self.pool.fingerprint(snap.slot)  # waits the pool's own pending work on the slot
+        pool = snap.host if snap.host is not None else self.pool
+        found = pool.fingerprint(snap.slot)  # waits the pool's own pending work on the slot
         ok = found == snap.fp
         self._log("verify", **self._where(snap), fp=found, expected=snap.fp, ok=ok, why=why)
         if ok:
@@ -291,7 +331,7 @@ class Forensics:
         return found
 
     def _suspects(self, snap: _Snap, kind: str) -> list[Hashable]:
-        spans = self._holds.get(snap.slot, _Holds()).spans
+        spans = self._holds.get(snap.slot, _Holds()).spans if snap.host is None else []
         inside = [who for start, end, who in spans if end is None or end > snap.clean_step]
         before = [who for start, end, who in spans if end is not None and end <= snap.clean_step]
         ranked: list[Hashable] = []

@@ -117,6 +117,8 @@ class ReferenceEngine:
         :data:`~radixcache.testing.inject.FUZZ_BUGS`).
     :param deferred: on the CPU, :class:`~linear_state.DeferredStream` s (default) or immediate
         ones. Ignored for a CUDA model, whose streams are always :class:`~linear_state.CudaStream` s.
+    :param host_slots: snapshots the tree's host tier holds (a CPU pool, pinned for a CUDA model);
+        0: no host tier, an evicted snapshot is dropped.
     :param forward_delay_us: CUDA only: every forward first keeps the GPU busy this long, so a copy
         that does not wait the forward's fence runs while the forward is still pending, as it would
         behind a large model (the tiny reference model's forwards finish before the host queues the
@@ -144,6 +146,7 @@ class ReferenceEngine:
         forensics_ledger: str | None = None,
         record_writes: bool = False,
         forward_delay_us: float = 0.0,
+        host_slots: int = 0,
     ) -> None:
         if forward_delay_us < 0 or (forward_delay_us > 0 and model.device.type != "cuda"):
             raise ValueError(
@@ -165,8 +168,18 @@ class ReferenceEngine:
         self.pool = make_pool(inject, cfg.state_layout(), slots, device=self.device)
         self.kv_pool = KVPool(cfg, kv_tokens, device=self.device)
         self.kv = KVAllocator(kv_tokens)
+        self.host_pool = (
+            LinearStatePool(cfg.state_layout(), host_slots, pin_memory=self.device.type == "cuda")
+            if host_slots
+            else None
+        )
         self.cache: HybridRadixCache = make_cache(
-            inject, self.pool, page_size=page_size, on_free_kv=self.kv.free, stream=self.copies
+            inject,
+            self.pool,
+            page_size=page_size,
+            on_free_kv=self.kv.free,
+            stream=self.copies,
+            host_pool=self.host_pool,
         )
         self.forensics = (
             Forensics(self.pool, ledger=Ledger(forensics_ledger), mode="record") if forensics_ledger else None

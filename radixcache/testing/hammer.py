@@ -61,6 +61,8 @@ class HammerConfig:
     warm: bool = True  # pre-cache the system prompts at start-up (engine.warm)
     device: str = "cpu"  # where the reference model, its pools and its streams live ("cuda": CudaStreams)
     forward_delay_us: float = 0.0  # cuda only: each forward first keeps the GPU busy this long (widens races)
+    snapshot_slots: int = 512  # the device pool's slots for tree snapshots
+    host_slots: int = 0  # the tree's host tier, in snapshots; 0: none (evicted snapshots are dropped)
 
 
 @dataclass
@@ -259,6 +261,8 @@ def _run(cfg: HammerConfig, model: HybridModel, progress: Callable[[int], None] 
         # hit-density gets the engine's default, on the reference kernels' 64-token grid
         policy=None if cfg.policy == "hit-density" else make_policy(cfg.policy),
         forward_delay_us=cfg.forward_delay_us,
+        snapshot_slots=cfg.snapshot_slots,
+        host_slots=cfg.host_slots,
     )
     work = _Workload(cfg, model.cfg.vocab_size)
     t0 = time.perf_counter()
@@ -414,13 +418,15 @@ def _serve(cfg: HammerConfig, engine: ReferenceEngine, work: _Workload, progress
 
 
 def _leaks(engine: ReferenceEngine) -> tuple[int, int]:
-    """Slots and KV indices neither free nor held by the tree once every request ended; then the
-    tree is reset and everything must be free."""
-    pool, cache = engine.pool, engine.cache
-    slots = pool.capacity - pool.num_free - cache.num_snapshots
+    """Slots (of the device pool and the host tier) and KV indices neither free nor held by the
+    tree once every request ended; then the tree is reset and everything must be free."""
+    pool, cache, host = engine.pool, engine.cache, engine.host_pool
+    host_held = 0 if host is None else host.capacity - host.num_free
+    slots = pool.capacity - pool.num_free - cache.num_snapshots + host_held - cache.num_host_snapshots
     kv = engine.kv.capacity - engine.kv.num_free - cache.total_kv_tokens
     cache.reset()
-    slots = max(slots, pool.capacity - pool.num_free)
+    host_left = 0 if host is None else host.capacity - host.num_free
+    slots = max(slots, pool.capacity - pool.num_free + host_left)
     kv = max(kv, engine.kv.capacity - engine.kv.num_free)
     return slots, kv
 
@@ -486,4 +492,9 @@ def _metric_rows(m: dict[str, object]) -> list[tuple[str, str]]:
         ("manager: snapshots donated", by("donations")),
         ("manager: donations skipped", by("donations_skipped")),
         ("manager: snapshots evicted", f"{by('evictions')} ({m['evicted_kv_tokens']:,} KV tokens)"),
+        (
+            "manager: host tier",
+            f"{m.get('demotions', 0)} demoted, {m.get('host_hits', 0)} hits restored from host, "
+            f"{m.get('host_snapshots_held', 0)} held at the end",
+        ),
     ]

@@ -316,15 +316,17 @@ def make_cache(
     page_size: int = 1,
     on_free_kv: Callable[[torch.Tensor], None] | None = None,
     stream: Stream | None = None,
+    host_pool: LinearStatePool | None = None,
 ) -> HybridRadixCache:
-    """A correct :class:`HybridRadixCache`, or the tree of bug ``inject`` when the bug lives in
-    the tree (a bug that lives elsewhere gets a correct tree).
+    """A correct :class:`HybridRadixCache` (with the host tier ``host_pool``, if any), or the tree
+    of bug ``inject`` when the bug lives in the tree (a bug that lives elsewhere gets a correct
+    tree).
 
     :raises ValueError: unknown bug name.
     """
     _check_bug(inject)
     cls = _TREES.get(inject or "", HybridRadixCache)
-    return cls(pool, page_size=page_size, on_free_kv=on_free_kv, stream=stream)
+    return cls(pool, page_size=page_size, on_free_kv=on_free_kv, stream=stream, host_pool=host_pool)
 
 
 def make_manager(inject: str | None, cache: HybridRadixCache, policy: Policy | None, **options: object) -> CacheManager:

@@ -1,0 +1,222 @@
+"""The host tier: snapshots evicted from the device pool are demoted to a host pool instead of
+dropped, and restored from there, ordered by fences like every other copy."""
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from linear_state import DeferredStream, LinearStatePool, NodeOwner, RequestOwner, SlotMisuse, StateLayout
+from radixcache import Admission, CacheManager, HybridRadixCache
+from radixcache.forensics import Forensics
+from radixcache.policies import FixedPoints
+from radixcache.testing.hammer import HammerConfig, format_report, run_hammer
+
+from .tree_helpers import LAYOUT, prefix_value, restored_value, state_for
+
+
+def tiered(
+    slots: int = 8, host: int = 2, stream: DeferredStream | None = None
+) -> tuple[HybridRadixCache, LinearStatePool, list[int]]:
+    freed: list[int] = []
+    pool = LinearStatePool(LAYOUT, slots)
+    hp = LinearStatePool(LAYOUT, host)
+    cache = HybridRadixCache(pool, on_free_kv=lambda t: freed.extend(int(x) for x in t), stream=stream, host_pool=hp)
+    return cache, hp, freed
+
+
+def donate(cache: HybridRadixCache, key: Sequence[int], kv0: int, owner: RequestOwner) -> None:
+    slot = state_for(cache, owner, key)
+    cache.insert(list(key), torch.arange(kv0, kv0 + len(key)), state_slot=slot)
+    cache.pool.free(slot, owner)
+
+
+# ------------------------------------------------------------------ pool copies between tiers
+def test_copy_from_and_clone_from_copy_between_pools_and_refuse_bad_arguments() -> None:
+    dev, host = LinearStatePool(LAYOUT, 4), LinearStatePool(LAYOUT, 4)
+    r = RequestOwner("r")
+    src = dev.alloc(r)
+    dev.recurrent[:, src].fill_(7.0)
+    dev.conv[:, src].fill_(3.0)
+    h, fence = host.clone_from(dev, src, NodeOwner(1))
+    fence.wait()
+    assert torch.all(host.read(h)[1] == 7.0) and torch.all(host.read(h)[0] == 3.0)
+    back = dev.alloc(r)
+    dev.copy_from(host, h, back, dst_owner=r).wait()
+    assert torch.equal(dev.read(back)[1], dev.read(src)[1])
+    other = LinearStatePool(StateLayout(2, (3, 3), (2, 2, 3)), 2)
+    with pytest.raises(ValueError, match="layouts differ"):
+        other.clone_from(dev, src, NodeOwner(2))
+    with pytest.raises(ValueError, match="this pool itself"):
+        dev.copy_from(dev, src, back)
+    with pytest.raises(SlotMisuse, match="frozen"):
+        host.copy_from(dev, src, h)  # a tree node's slot is never written in place
+    with pytest.raises(SlotMisuse, match="free"):
+        host.clone_from(dev, dev.num_free and 3, NodeOwner(3))  # slot 3 of dev is free
+    dev.check_invariants()
+    host.check_invariants()
+    assert host.num_free == 3 and dev.num_free == 2
+
+
+def test_clone_from_waits_the_pending_write_of_its_source() -> None:
+    """The demotion copy is ordered after the clone that fills the device snapshot: with the
+    fences deferred, the host copy still holds the donated bytes, never the slot's zeros."""
+    dev = LinearStatePool(LAYOUT, 4, stream=DeferredStream("device copies"))
+    host = LinearStatePool(LAYOUT, 2, stream=DeferredStream("host copies"))  # not FIFO behind the clone
+    r = RequestOwner("r")
+    live = dev.alloc(r)
+    dev.recurrent[:, live].fill_(5.0)
+    snap = dev.clone(live, NodeOwner(1))  # queued, not run
+    assert not snap.fence.is_complete()
+    h, fence = host.clone_from(dev, snap.slot, NodeOwner(1))
+    fence.wait()
+    assert torch.all(host.read(h)[1] == 5.0)
+
+
+# ------------------------------------------------------------------ the tree's host tier
+def test_an_evicted_snapshot_is_demoted_keeps_its_kv_and_still_serves_a_hit() -> None:
+    cache, hp, freed = tiered()
+    r = RequestOwner("r")
+    donate(cache, [1, 2, 3, 4], 0, r)
+    node = cache.match([1, 2, 3, 4]).node
+    res = cache.evict_snapshot(node)
+    assert res == (0, 1, 0) and freed == []  # the slot went, the KV stayed
+    assert cache.tier(node) == "host" and node.snapshot is None and cache.num_host_snapshots == 1
+    assert cache.num_snapshots == 0 and cache.demotions == 1
+    m = cache.match([1, 2, 3, 4, 5])
+    assert m.length == 4 and m.node is node and m.snapshot_slot is None
+    assert restored_value(cache, node, r) == prefix_value([1, 2, 3, 4])
+    cache.lock(node)
+    with pytest.raises(ValueError, match="holds no snapshot"):
+        cache.evict_snapshot(node)  # nothing on the device to evict
+    cache.unlock(node)
+    cache.check_invariants()
+    assert hp.num_owned_by(NodeOwner) == 1
+
+
+def test_a_full_host_tier_drops_its_least_recent_copy_and_the_leaf_goes_with_it() -> None:
+    cache, _hp, freed = tiered(host=2)
+    r = RequestOwner("r")
+    for i, key in enumerate(([1, 2], [3, 4], [5, 6])):
+        donate(cache, key, 10 * i, r)
+    nodes = [cache.match(k).node for k in ([1, 2], [3, 4], [5, 6])]
+    cache.evict(snapshots=3)  # LRU order: [1,2] then [3,4] then [5,6]
+    assert [cache.tier(n) for n in nodes] == [None, "host", "host"]
+    assert nodes[0].parent is None and sorted(freed) == [0, 1]  # its leaf and KV went
+    assert cache.match([3, 4]).node is nodes[1]
+    cache.check_invariants()
+
+
+def test_a_new_donation_brings_a_demoted_snapshot_back_to_the_device() -> None:
+    cache, hp, _ = tiered()
+    r = RequestOwner("r")
+    donate(cache, [1, 2, 3], 0, r)
+    node = cache.match([1, 2, 3]).node
+    cache.evict_snapshot(node)
+    donate(cache, [1, 2, 3], 0, r)
+    assert cache.tier(node) == "device" and cache.num_host_snapshots == 0 and hp.num_free == hp.capacity
+    cache.check_invariants()
+
+
+def test_without_room_in_the_host_tier_eviction_drops_as_before() -> None:
+    cache, _hp, freed = tiered(host=1)
+    r = RequestOwner("r")
+    donate(cache, [1, 2], 0, r)
+    donate(cache, [3, 4], 10, r)
+    a, b = cache.match([1, 2]).node, cache.match([3, 4]).node
+    cache.evict_snapshot(a)
+    cache.lock(a)  # the only host copy is in use: it cannot make room
+    assert cache.eviction_cost(b) == (2, 1, 1)
+    assert cache.evict_snapshot(b) == (2, 1, 1) and sorted(freed) == [10, 11]
+    cache.unlock(a)
+    cache.check_invariants()
+
+
+def test_restore_from_the_host_waits_the_demotion_copy() -> None:
+    """Deferred copies: the donation's clone is still queued when the snapshot is demoted; the
+    demotion copies it only after the clone ran (the device slot is freed once the copy is done),
+    and the restore from the host, on a stream of its own, hands the request the donated state."""
+    stream = DeferredStream("copies")
+    cache, _, _ = tiered(stream=stream)
+    r = RequestOwner("r")
+    slot = state_for(cache, r, [9, 9])
+    cache.insert([9, 9], torch.arange(2), state_slot=slot)
+    node = cache.match([9, 9]).node
+    assert not node.snapshot_fence.is_complete()
+    cache.evict_snapshot(node)
+    dst = cache.pool.alloc(r)
+    cache.restore(node, dst, dst_owner=r, stream=DeferredStream("restores")).wait()  # not FIFO behind it
+    assert torch.all(cache.pool.read(dst)[1] == prefix_value([9, 9]))
+    cache.pool.free(slot, r)
+    cache.pool.free(dst, r)
+    cache.check_invariants()
+
+
+def test_reset_frees_the_host_tier_and_refuses_while_a_host_copy_is_locked() -> None:
+    cache, hp, _ = tiered()
+    r = RequestOwner("r")
+    donate(cache, [1, 2], 0, r)
+    node = cache.match([1, 2]).node
+    cache.evict_snapshot(node)
+    cache.lock(node)
+    with pytest.raises(RuntimeError, match="locked"):
+        cache.reset()
+    cache.unlock(node)
+    cache.reset()
+    assert hp.num_free == hp.capacity and cache.num_host_snapshots == 0
+    cache.check_invariants()
+
+
+def test_the_host_pool_must_fit_the_device_pool() -> None:
+    pool = LinearStatePool(LAYOUT, 2)
+    with pytest.raises(ValueError, match="layout"):
+        HybridRadixCache(pool, host_pool=LinearStatePool(StateLayout(1, (3, 3), (2, 2, 2)), 2))
+    with pytest.raises(ValueError, match="device pool itself"):
+        HybridRadixCache(pool, host_pool=pool)
+    with pytest.raises(TypeError, match="LinearStatePool"):
+        HybridRadixCache(pool, host_pool="host")  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------- manager and forensics
+def test_the_manager_serves_a_hit_from_the_host_tier_and_forensics_verifies_it() -> None:
+    pool, hp = LinearStatePool(LAYOUT, 8), LinearStatePool(LAYOUT, 4)
+    cache = HybridRadixCache(pool, host_pool=hp)
+    fx = Forensics(pool, mode="record")
+    mgr = CacheManager(cache, FixedPoints(align=4), track_slots=1, forensics=fx)
+    prompt = list(range(1, 9))
+    adm = mgr.admit("a", prompt)
+    assert isinstance(adm, Admission)
+    plan = mgr.plan_prefill("a", len(prompt))
+    for c in plan.captures:
+        pool.recurrent[:, c.slot].fill_(float(c.depth))
+    pool.recurrent[:, adm.live_slot].fill_(8.0)
+    mgr.commit(plan, None, kv_indices=torch.arange(len(prompt)))
+    mgr.finish("a", None)
+    assert mgr.evict(snapshots=cache.num_snapshots).snapshots >= 1
+    assert cache.num_host_snapshots >= 1
+    adm = mgr.admit("b", [*prompt, 99])
+    assert isinstance(adm, Admission)
+    assert adm.cached_length == 8
+    adm.ready.wait()
+    assert torch.all(pool.read(adm.live_slot)[1] == 8.0)
+    m = mgr.metrics()
+    assert m.host_hits == 1 and m.demotions >= 1 and m.host_snapshots_held >= 1
+    assert fx.findings == []
+    mgr.check_invariants()
+    mgr.abort("b", None)
+    # A host copy changed behind the tree's back: forensics finds it on the next restore.
+    node = mgr.cache.match(prompt).node
+    assert node.host is not None
+    hp.recurrent[:, node.host].add_(1.0)
+    mgr.admit("c", [*prompt, 98])
+    assert [f.kind for f in fx.findings] == ["changed"]
+    mgr.check_invariants()
+
+
+def test_the_hammer_with_a_small_device_pool_hits_from_the_host_tier_and_stays_exact() -> None:
+    rep = run_hammer(HammerConfig(requests=40, snapshot_slots=12, host_slots=48, seed=1))
+    assert rep.ok, format_report(rep)
+    m = rep.metrics
+    assert isinstance(m["demotions"], int) and isinstance(m["host_hits"], int)
+    assert m["demotions"] > 0 and m["host_hits"] > 0
+    assert "hits restored from host" in format_report(rep)
