@@ -86,8 +86,9 @@ def main() -> None:
     ap.add_argument("--png", default="docs/policies.png")
     ap.add_argument("--preset", nargs="+", default=["qwen3-next-80b", "nemotron-h-8b"], choices=sorted(PRESETS))
     ap.add_argument("--seed", nargs="+", type=int, default=[0, 1])
+    ap.add_argument("--host-factor", type=float, default=8.0, help="host tier, times the device budget (0: none)")
     args = ap.parse_args()
-    rows = run_report(args.seed, args.preset, list(POLICIES))
+    rows = run_report(args.seed, args.preset, list(POLICIES), host_factor=args.host_factor)
     write_report(rows, args.doc, args.png)
     print(json.dumps({"doc": args.doc, "png": args.png, "rows": len(rows)}))
 

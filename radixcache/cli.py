@@ -170,7 +170,9 @@ def cmd_policies_report(args: argparse.Namespace) -> int:
     per = sum(len(DEFAULT_BUDGETS_GIB[t]) for t in shapes) * (len(policies) + 1)
     update, close = progress_callback(per * len(args.seed) * len(args.preset), "policies-report")
     try:
-        rows = run_report(args.seed, args.preset, policies, shapes=shapes, progress=update)
+        rows = run_report(
+            args.seed, args.preset, policies, shapes=shapes, progress=update, host_factor=args.host_factor
+        )
     finally:
         close()
     print(json.dumps(rows, indent=1, default=str) if args.json else report_markdown(rows))
@@ -265,6 +267,12 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--seed", nargs="+", type=int, default=[0])
     pr.add_argument("--shape", nargs="+", choices=_SHAPES, default=None, help="default: every shape")
     pr.add_argument("--policy", nargs="+", choices=sorted(POLICIES), default=None, help="default: every policy")
+    pr.add_argument(
+        "--host-factor",
+        type=float,
+        default=8.0,
+        help="each policy also with a host tier of this many times the device budget (0: none)",
+    )
     pr.add_argument("--json", action="store_true", help="the rows as JSON instead of the markdown table")
     mt = add("make-trace", cmd_make_trace, "write a seeded trace as JSONL")
     mt.add_argument("shape", choices=_SHAPES)

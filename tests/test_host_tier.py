@@ -9,10 +9,14 @@ import torch
 from linear_state import DeferredStream, LinearStatePool, NodeOwner, RequestOwner, SlotMisuse, StateLayout
 from radixcache import Admission, CacheManager, HybridRadixCache
 from radixcache.forensics import Forensics
-from radixcache.policies import FixedPoints
+from radixcache.policies import FixedPoints, HitDensity
+from radixcache.simulator import generate, host_tier_table, load_trace, report_markdown, run_grid
+from radixcache.simulator.replay import PRESETS, replay
 from radixcache.testing.hammer import HammerConfig, format_report, run_hammer
 
 from .tree_helpers import LAYOUT, prefix_value, restored_value, state_for
+
+GIB = 1 << 30
 
 
 def tiered(
@@ -220,3 +224,28 @@ def test_the_hammer_with_a_small_device_pool_hits_from_the_host_tier_and_stays_e
     assert isinstance(m["demotions"], int) and isinstance(m["host_hits"], int)
     assert m["demotions"] > 0 and m["host_hits"] > 0
     assert "hits restored from host" in format_report(rep)
+
+
+# --------------------------------------------------------------------------- replay and report
+def test_the_replay_models_the_host_tier_and_its_restore_time() -> None:
+    records = generate("chat", 0)
+    preset, budget = PRESETS["qwen3-next-80b"], 4 * GIB
+    base = replay(records, HitDensity(), preset, budget)
+    tier = replay(records, HitDensity(), preset, budget, host_budget_bytes=8 * budget, host_gbps=20.0)
+    assert tier.host_budget_bytes == 8 * budget // preset.snapshot_bytes * preset.snapshot_bytes
+    assert tier.token_hit_rate > 1.1 * base.token_hit_rate and base.host_hits == 0
+    assert 0 < tier.host_hits <= tier.requests_with_hit and tier.host_hit_tokens <= tier.hit_tokens
+    assert tier.host_restore_s == pytest.approx(tier.host_hits * preset.snapshot_bytes / 20e9)
+    assert tier.host_prefill_s_saved > tier.host_restore_s  # restoring beat recomputing those prefixes
+    with pytest.raises(ValueError, match="host_budget_bytes"):
+        replay(records[:5], HitDensity(), preset, budget, host_budget_bytes=-1)
+
+
+def test_the_report_shows_each_policy_with_and_without_the_host_tier() -> None:
+    rows = run_grid([load_trace("edge", 0)], ["hit-density", "sglang-like"], lambda t: (1,), host_factor=8)
+    tiered = [r for r in rows if "host_hit_rate" in r]
+    assert {r["policy"] for r in tiered} == {"hit-density", "sglang-like"}  # not the reference
+    table = host_tier_table(rows)
+    assert table.count("->") == 2 and "hit-density: with / without" in table
+    assert "With a host tier of 8x" in report_markdown(rows)
+    assert host_tier_table(run_grid([load_trace("edge", 0)], ["hit-density"], lambda t: (1,))) == ""

@@ -967,7 +967,7 @@ class CacheManager:
                 f"policy {self.policy.name!r} chose {victim!r}, which is not an evictable "
                 f"{'leaf ' if kv else ''}snapshot (a policy bug)"
             )
-        return self.cache.evict_snapshot(victim)
+        return self.cache.evict_snapshot(victim, demote=not kv)  # KV pressure: the leaf goes
 
     @_exclusive
     def evict(

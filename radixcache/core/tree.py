@@ -816,10 +816,11 @@ class HybridRadixCache:
         self._maybe_compact()
         return EvictResult(freed_kv, freed_snaps, removed)
 
-    def evict_snapshot(self, node: TreeNode) -> EvictResult:
+    def evict_snapshot(self, node: TreeNode, *, demote: bool = True) -> EvictResult:
         """Evict ``node``'s snapshot now, whatever its recency: for policies that rank snapshots
         themselves. With a host tier that has room (or an unlocked copy to make room) it is demoted
         there; else a leaf goes whole (its KV too, cascading) and an inner node stays a tombstone.
+        ``demote=False`` never demotes (an eviction for KV: the leaf and its KV must go).
         O(log n) amortised.
 
         :raises ValueError: ``node`` was removed or holds no snapshot.
@@ -831,7 +832,7 @@ class HybridRadixCache:
             raise ValueError(f"node {node.id} holds no snapshot to evict")
         if node.snap_lock:
             raise LockError(f"node {node.id} is locked; its snapshot cannot be evicted")
-        if self._demote(node):
+        if demote and self._demote(node):
             return EvictResult(0, 1, 0)
         if node.children:
             self._free_snapshot(node)

@@ -8,6 +8,7 @@ from .report import (
     REFERENCE,
     bounds_table,
     edge_case_table,
+    host_tier_table,
     load_trace,
     markdown_table,
     report_markdown,
@@ -45,6 +46,7 @@ __all__ = [
     "run_report",
     "summary_table",
     "tenants_table",
+    "host_tier_table",
     "tune_alpha",
     "write_trace",
 ]

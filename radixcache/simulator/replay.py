@@ -67,6 +67,12 @@ PRESETS = {
     ),
 }
 
+
+def _host_hits(mgr: CacheManager) -> int:
+    """Hits the manager restored from its tree's host tier so far."""
+    return mgr.metrics().host_hits
+
+
 _TINY = StateLayout(1, (1, 1), (1,))  # the replay never computes a state: slots are tokens of ownership
 _WINDOW_CAPTURES = 16  # track slots per request: more than any policy asks for in one window
 
@@ -95,6 +101,11 @@ class ReplayResult:
     computed_p50: float = 0.0  # prefill tokens computed per request (prompt - hit), median
     computed_p99: float = 0.0  # the same, 99th percentile
     metrics: dict[str, object] = field(default_factory=dict)  # the manager's counters at the end
+    host_budget_bytes: int = 0  # the host tier (0: none)
+    host_hits: int = 0  # hits restored from the host tier
+    host_hit_tokens: int = 0  # prompt tokens those hits served
+    host_restore_s: float = 0.0  # their restores at the modelled host bandwidth
+    host_prefill_s_saved: float = 0.0  # the prefill those hits avoided, at the modelled FLOP rate
 
     @property
     def token_hit_rate(self) -> float:
@@ -130,6 +141,9 @@ def replay(
     chunk: int = 2048,
     progress: Callable[[int], None] | None = None,
     on_step: Callable[[int, int], None] | None = None,
+    host_budget_bytes: float = 0,
+    host_gbps: float = 25.0,
+    prefill_tflops: float = 400.0,
 ) -> ReplayResult:
     """Replay ``trace`` (in timestamp order, one request at a time) through a
     :class:`~radixcache.CacheManager` with ``policy`` inside, under ``budget_bytes`` of cache
@@ -139,24 +153,39 @@ def replay(
 
     :param on_step: called after every window and every finish, once the budget was enforced, with
         the request's index and the bytes the tree holds (KV plus snapshots).
-    :raises ValueError: a budget smaller than one snapshot. :raises TypeError: a budget that is not a
-        number (a float is rounded down to whole bytes).
+    :param host_budget_bytes: a host tier of this many bytes of snapshots (docs/host_tier.md): an
+        evicted snapshot is demoted there and still serves hits; 0: none. The device budget counts
+        the device's KV and snapshots only.
+    :param host_gbps: the host link, GB/s, that a restore from the host tier is modelled at.
+    :param prefill_tflops: the prefill rate, TFLOP/s, that the prefill a host hit avoids is
+        modelled at (``preset.prefill_flops``).
+    :raises ValueError: a budget smaller than one snapshot, a negative host budget, a bandwidth or
+        rate that is not positive. :raises TypeError: a budget that is not a number (a float is
+        rounded down to whole bytes).
     """
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, float)):
         raise TypeError(f"budget_bytes must be a number of bytes, got {budget_bytes!r}")
     budget = int(budget_bytes)
     if budget < preset.snapshot_bytes:
         raise ValueError(f"budget {budget} bytes is below one snapshot ({preset.snapshot_bytes} bytes)")
+    if host_budget_bytes < 0 or host_gbps <= 0 or prefill_tflops <= 0:
+        raise ValueError(
+            f"host_budget_bytes must be >= 0 and host_gbps, prefill_tflops > 0; got {host_budget_bytes}, "
+            f"{host_gbps}, {prefill_tflops}"
+        )
     max_snaps = budget // preset.snapshot_bytes
+    host_slots = int(host_budget_bytes) // preset.snapshot_bytes
     # Room for the budget's snapshots plus one request's slots and one window's clones: the byte
     # budget, enforced below through the policy, is what binds, never the pool.
     pool = LinearStatePool(_TINY, max_snaps + 2 * (1 + _WINDOW_CAPTURES))
-    cache = HybridRadixCache(pool, page_size=1)
+    host = LinearStatePool(_TINY, host_slots) if host_slots else None
+    cache = HybridRadixCache(pool, page_size=1, host_pool=host)
     kvb, sb = preset.kv_bytes_per_token, preset.snapshot_bytes
     policy.costs(sb, kvb)
     policy.flops(preset.prefill_flops)
     mgr = CacheManager(cache, policy, track_slots=_WINDOW_CAPTURES)
     res = ReplayResult(policy.name, preset.name, budget, 0, 0, 0, 0.0, 0.0, 0, 0, 0, 0.0, 0, 0.0)
+    res.host_budget_bytes = host_slots * preset.snapshot_bytes
     next_kv = 0
     computed: list[int] = []
     t0 = time.perf_counter()
@@ -169,9 +198,12 @@ def replay(
             before = cache.num_nodes
             t = time.perf_counter()
             out = mgr.evict(snapshots=1, now=now)
+            if not out.snapshots and host is not None:
+                # every device snapshot was demoted: what is left over the budget is KV
+                out = mgr.evict(kv_tokens=max(1, (held() - budget) // kvb), now=now)
             res.eviction_seconds += time.perf_counter() - t
             res.evicted_nodes += max(1, before - cache.num_nodes)
-            if not out.snapshots:
+            if not out.snapshots and not out.kv_tokens:
                 break
         if on_step is not None:
             on_step(i, held())
@@ -179,9 +211,15 @@ def replay(
     for i, rec in enumerate(sorted(trace, key=lambda r: r.ts)):
         ids = rec.input_tokens
         n = len(ids)
+        host_hits = _host_hits(mgr) if host is not None else 0
         adm = mgr.admit(i, ids, session=rec.session_id, now=rec.ts)
         if not isinstance(adm, Admission):  # cannot happen with the pool sized above
             raise RuntimeError(f"request {i} refused: {adm.reason}")
+        if host is not None and _host_hits(mgr) > host_hits:
+            res.host_hits += 1
+            res.host_hit_tokens += adm.cached_length
+            res.host_restore_s += sb / (host_gbps * 1e9)
+            res.host_prefill_s_saved += preset.prefill_flops(adm.cached_length) / (prefill_tflops * 1e12)
         for start in range(adm.cached_length, n, chunk):
             end = min(n, start + chunk)
             plan = mgr.plan_prefill(i, end)

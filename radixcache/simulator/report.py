@@ -20,6 +20,7 @@ __all__ = [
     "REFERENCE",
     "bounds_table",
     "edge_case_table",
+    "host_tier_table",
     "load_trace",
     "markdown_table",
     "report_markdown",
@@ -66,12 +67,16 @@ def run_grid(
     progress: Callable[[int], None] | None = None,
     reference: bool = True,
     seed: int = 0,
+    host_factor: float = 0.0,
 ) -> list[dict[str, object]]:
     """Every (trace, budget, policy) replay; rows of JSON-ready results, each tagged with ``seed``
     (the traces' seed, for the tables; the traces themselves are given). With ``reference``, each
     (trace, budget) also gets a row of the future-knowledge reference (policy :data:`REFERENCE`),
     and every row carries ``ceiling_hit_rate`` (the unbounded cache's) and ``of_ceiling`` /
-    ``of_reference``: its token hit rate as a fraction of each.
+    ``of_reference``: its token hit rate as a fraction of each. With ``host_factor``, every policy's
+    row also replays the same trace with a host tier of ``host_factor`` times the device budget
+    (docs/host_tier.md) and carries ``host_hit_rate``, ``host_hits``, ``host_restore_s`` and
+    ``host_prefill_s_saved`` (the reference is not replayed twice).
 
     :raises KeyError: an unknown preset or policy name."""
     rows: list[dict[str, object]] = []
@@ -87,6 +92,21 @@ def run_grid(
                 row.update(trace=name, budget_gib=b, seed=seed)
                 if isinstance(pol, FlopEfficiency):
                     row.update(alpha=pol.alpha)
+                if host_factor and p != REFERENCE:
+                    tiered = replay(
+                        records,
+                        _policy(p, records, preset, int(b * GiB)),
+                        PRESETS[preset],
+                        int(b * GiB),
+                        host_budget_bytes=host_factor * b * GiB,
+                    )
+                    row.update(
+                        host_factor=host_factor,
+                        host_hit_rate=tiered.token_hit_rate,
+                        host_hits=tiered.host_hits,
+                        host_restore_s=tiered.host_restore_s,
+                        host_prefill_s_saved=tiered.host_prefill_s_saved,
+                    )
                 group.append(row)
                 if progress is not None:
                     progress(n)
@@ -109,10 +129,12 @@ def run_report(
     *,
     shapes: Sequence[str] | None = None,
     progress: Callable[[int], None] | None = None,
+    host_factor: float = 0.0,
 ) -> list[dict[str, object]]:
     """The policies report's rows: every shape of :data:`DEFAULT_BUDGETS_GIB` (or ``shapes``) at
     its three budgets, under every policy (default: all of them) and the future-knowledge
-    reference, for each seed and preset.
+    reference, for each seed and preset; with ``host_factor``, each policy also with a host tier
+    of that many times the device budget (see :func:`run_grid`).
 
     :raises KeyError: an unknown preset (before any replay). :raises ValueError: an unknown
         policy or shape."""
@@ -133,7 +155,15 @@ def run_report(
     for preset in presets:
         for seed in seeds:
             traces = [load_trace(shape, seed) for shape in todo]
-            rows += run_grid(traces, names, lambda t: DEFAULT_BUDGETS_GIB[t], preset=preset, progress=step, seed=seed)
+            rows += run_grid(
+                traces,
+                names,
+                lambda t: DEFAULT_BUDGETS_GIB[t],
+                preset=preset,
+                progress=step,
+                seed=seed,
+                host_factor=host_factor,
+            )
     return rows
 
 
@@ -195,6 +225,27 @@ def markdown_table(rows: Sequence[dict[str, object]]) -> str:
             cells.append(f"**{cell}**" if hit == best else cell)
         lines.append(label(key) + cells)
     return _table(head + [f"{p}: hit / FLOPs saved" for p in policies], lines)
+
+
+def host_tier_table(rows: Sequence[dict[str, object]]) -> str:
+    """Token hit rate without and with the host tier, one row per (preset, seed, trace, budget),
+    one column per policy (``device-only -> with host tier``), and the default policy's ratio. Empty
+    when no row carries ``host_hit_rate``."""
+    rows = [r for r in rows if "host_hit_rate" in r]
+    if not rows:
+        return ""
+    policies = list(dict.fromkeys(str(r["policy"]) for r in rows))
+    head, label = _labels(rows)
+    lines = []
+    for key, here in _groups(rows):
+        cells = [
+            f"{_f(here[p]['token_hit_rate']):.1%} -> {_f(here[p]['host_hit_rate']):.1%}" if p in here else "-"
+            for p in policies
+        ]
+        ours = here.get(DEFAULT_POLICY)
+        ratio = f"{_f(ours['host_hit_rate']) / max(1e-12, _f(ours['token_hit_rate'])):.2f}x" if ours else "-"
+        lines.append([*label(key), *cells, ratio])
+    return _table([*head, *policies, f"{DEFAULT_POLICY}: with / without"], lines)
 
 
 _EDGE_CASES = {
@@ -372,6 +423,13 @@ def report_markdown(rows: Sequence[dict[str, object]]) -> str:
         parts.append(
             "Per tenant of the mixed trace: requests with any hit (best in bold; `<`: "
             f"`{DEFAULT_POLICY}` behind a baseline):\n\n" + tenants
+        )
+    host = host_tier_table(rows)
+    if host:
+        factor = next(_f(r["host_factor"]) for r in rows if "host_factor" in r)
+        parts.append(
+            f"With a host tier of {factor:g}x the device budget (docs/host_tier.md): token hit rate "
+            "device-only -> with the tier. The device budget still holds the KV of every hit:\n\n" + host
         )
     edge = edge_case_table(rows)
     if edge:
