@@ -105,6 +105,7 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
             page_size=args.page_size,
             progress=update,
             stateful_step_count=args.steps,
+            host_slots=args.host_slots,
         ),
     )
 
@@ -243,6 +244,7 @@ def _parser() -> argparse.ArgumentParser:
     fuzz.add_argument("--seed", type=int, default=0)
     fuzz.add_argument("--page-size", type=int, default=1)
     fuzz.add_argument("--steps", type=int, default=50, help="rules per example")
+    fuzz.add_argument("--host-slots", type=int, default=0, help="give the tree a host tier of this many snapshots")
     fuzz.add_argument(
         "--inject", choices=list(FUZZ_BUGS), default=None, help="commit a bug on purpose; the machine must find it"
     )

@@ -13,12 +13,26 @@ from hypothesis import given
 
 from radixcache import image_cache_ids
 from radixcache.testing.adapter import HostAdapter, ManagerAdapter, prefix_state
-from radixcache.testing.fuzz import make_machine, run_fuzz
+from radixcache.testing.fuzz import make_machine, run_fuzz, run_machine
 from radixcache.testing.inject import FUZZ_BUGS
 from radixcache.testing.strategies import Lifecycle, image_prompts, lifecycles
 
 TestHostMachine = make_machine(lambda: ManagerAdapter.build(), name="HostMachine").TestCase
 TestPagedHostMachine = make_machine(lambda: ManagerAdapter.build(page_size=2), name="PagedHostMachine").TestCase
+TestHostTierHostMachine = make_machine(lambda: ManagerAdapter.build(host_slots=2), name="HostTierHostMachine").TestCase
+
+
+def test_the_host_tier_machine_demotes_and_hits_from_the_host() -> None:
+    """The machine above really exercises the tier: evictions demote, and admissions hit there."""
+    made: list[ManagerAdapter] = []
+
+    def factory() -> ManagerAdapter:
+        made.append(ManagerAdapter.build(host_slots=2))
+        return made[-1]
+
+    run_machine(make_machine(factory), 40, 1)
+    assert sum(a.manager.cache.demotions for a in made) > 0
+    assert sum(a.manager.metrics().host_hits for a in made) > 0
 
 
 def test_default_adapter_satisfies_the_protocol() -> None:

@@ -189,8 +189,10 @@ class ManagerAdapter:
         track_slots: int = 2,
         chunk: int = 8,
         inject: str | None = None,
+        host_slots: int = 0,
     ) -> ManagerAdapter:
-        """A fresh adapter (and cache) committing fuzzing bug ``inject`` when given.
+        """A fresh adapter (and cache) committing fuzzing bug ``inject`` when given; with a host
+        tier of ``host_slots`` snapshots when positive.
 
         :raises ValueError: ``track_slots`` below 1, or an unknown bug.
         """
@@ -207,6 +209,7 @@ class ManagerAdapter:
             track_slots=track_slots,
             on_free_kv=lambda t: holder[0].free_kv(t),
             stream=copies,
+            host_slots=host_slots,
         )
         adapter = cls(manager, forward, copies, chunk)
         holder.append(adapter)

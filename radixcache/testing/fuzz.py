@@ -55,7 +55,7 @@ class HostMachine(RuleBasedStateMachine):
         self.host = type(self).adapter_factory()
         self.active: list[int] = []
         self.next_rid = 0
-        self.fingerprints: dict[tuple[int, int], int] = {}
+        self.fingerprints: dict[int, int] = {}  # node id -> fingerprint of its snapshot
         self.salts: dict[int, int] = {}
         self.sent: list[FuzzRequest] = []
 
@@ -166,17 +166,23 @@ class HostMachine(RuleBasedStateMachine):
 
     @invariant()
     def snapshots_never_change(self) -> None:
-        pool = self.host.manager.pool
+        """Each snapshot's fingerprint, once its copy landed, is the one it had when first seen: on
+        the device, and across its demotion to the host tier (the same bytes in either pool)."""
+        cache = self.host.manager.cache
         live = set()
-        for node in self.host.manager.cache.iter_nodes():
-            slot = node.snapshot
-            if slot is None or not node.snapshot_fence.is_complete() or not pool.last_use(slot).is_complete():
+        for node in cache.iter_nodes():
+            if node.snapshot is not None:
+                pool, slot, fence = cache.pool, node.snapshot, node.snapshot_fence
+            elif node.host is not None and cache.host_pool is not None:
+                pool, slot, fence = cache.host_pool, node.host, node.host_fence
+            else:
                 continue
-            key = (node.id, slot)
-            live.add(key)
+            if not fence.is_complete() or not pool.last_use(slot).is_complete():
+                continue
+            live.add(node.id)
             fp = pool.fingerprint(slot)
-            seen = self.fingerprints.setdefault(key, fp)
-            assert fp == seen, f"snapshot of node {node.id} (slot {slot}) changed after its donation"
+            seen = self.fingerprints.setdefault(node.id, fp)
+            assert fp == seen, f"snapshot of node {node.id} ({cache.tier(node)} slot {slot}) changed after its donation"
         self.fingerprints = {k: v for k, v in self.fingerprints.items() if k in live}
 
     def teardown(self) -> None:
@@ -200,10 +206,14 @@ def run_fuzz(
     factory: AdapterFactory | None = None,
     progress: Callable[[int], None] | None = None,
     stateful_step_count: int = 50,
+    host_slots: int = 0,
 ) -> None:
     """Run ``examples`` programs of the machine with ``seed`` (deterministic); raise on the first
-    failure after shrinking it (hypothesis prints the shrunk program)."""
-    machine = make_machine(factory or (lambda: ManagerAdapter.build(inject=inject, page_size=page_size)))
+    failure after shrinking it (hypothesis prints the shrunk program). ``host_slots``: the built-in
+    adapter's tree gets a host tier of that many snapshots (ignored with ``factory``)."""
+    machine = make_machine(
+        factory or (lambda: ManagerAdapter.build(inject=inject, page_size=page_size, host_slots=host_slots))
+    )
     with injected(inject):
         run_machine(machine, examples, seed, stateful_step_count=stateful_step_count, progress=progress)
 

@@ -349,15 +349,18 @@ def make_fuzz_stack(
     on_free_kv: Callable[[torch.Tensor], None] | None = None,
     stream: Stream | None = None,
     policy: Policy | None = None,
+    host_slots: int = 0,
 ) -> CacheManager:
     """Pool, tree and manager for the fuzzing kit, correct or committing bug ``inject``
     (one of :data:`FUZZ_BUGS`). The default policy is :class:`~radixcache.policies.FixedPoints`
     on a ``track_align`` grid: the most captures per window, so the most donations to check.
+    ``host_slots``: a host tier of that many snapshots (0: none).
 
     :raises ValueError: unknown bug name.
     """
     pool = make_pool(inject, layout, slots)
-    tree = make_cache(inject, pool, page_size=page_size, on_free_kv=on_free_kv, stream=stream)
+    host = LinearStatePool(layout, host_slots) if host_slots else None
+    tree = make_cache(inject, pool, page_size=page_size, on_free_kv=on_free_kv, stream=stream, host_pool=host)
     return make_manager(
         inject, tree, policy if policy is not None else FixedPoints(track_align), track_slots=track_slots
     )
