@@ -359,13 +359,27 @@ class LinearStatePool:
         for last in (src_pool._last_use[s], self._last_use[d]):
             if last is not COMPLETE and not last.is_complete():
                 fences.append(last)
-        # The native rows on both sides: the pools' widened copy views may differ in width.
-        pairs = ((self._conv_rows[d], src_pool._conv_rows[s]), (self._rec_rows[d], src_pool._rec_rows[s]))
-        async_ok = {self.device.type, src_pool.device.type} == {"cpu", "cuda"}
+        # The widened views where both pools picked the same width (the same bytes as the same
+        # words), else the native rows: a copy between different dtypes would convert values.
+        pairs = tuple(
+            (o, i) if o.dtype == i.dtype and o.shape == i.shape else (native_o, native_i)
+            for (o, i), (native_o, native_i) in zip(
+                zip(self._copy_rows[d], src_pool._copy_rows[s], strict=True),
+                ((self._conv_rows[d], src_pool._conv_rows[s]), (self._rec_rows[d], src_pool._rec_rows[s])),
+                strict=True,
+            )
+        )
+        outs, ins = tuple(o for o, _ in pairs), tuple(i for _, i in pairs)
+        non_blocking = {self.device.type, src_pool.device.type} == {"cpu", "cuda"} and any(
+            t.is_pinned() for t in (*outs, *ins) if t.device.type == "cpu"
+        )
 
         def work() -> None:
-            for out, inp in pairs:
-                out.copy_(inp, non_blocking=async_ok and (out.is_pinned() or inp.is_pinned()))
+            if self.device == src_pool.device:
+                torch._foreach_copy_(outs, ins)  # one dispatch for both, as a clone
+            else:
+                for out, inp in pairs:
+                    out.copy_(inp, non_blocking=non_blocking)
 
         fence = (stream or self.stream).submit(work, after=fences, label=f"copy_from pool {src_pool.pool_id} {s}->{d}")
         self._last_use[d] = fence
