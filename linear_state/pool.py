@@ -355,30 +355,20 @@ class LinearStatePool:
     def _submit_copy_from(
         self, src_pool: LinearStatePool, s: int, d: int, stream: Stream | None, after: tuple[Fence, ...]
     ) -> Fence:
-        fences = list(after)
-        for last in (src_pool._last_use[s], self._last_use[d]):
-            if last is not COMPLETE and not last.is_complete():
-                fences.append(last)
-        # The widened views where both pools picked the same width (the same bytes as the same
-        # words), else the native rows: a copy between different dtypes would convert values.
-        pairs = tuple(
-            (o, i) if o.dtype == i.dtype and o.shape == i.shape else (native_o, native_i)
-            for (o, i), (native_o, native_i) in zip(
-                zip(self._copy_rows[d], src_pool._copy_rows[s], strict=True),
-                ((self._conv_rows[d], src_pool._conv_rows[s]), (self._rec_rows[d], src_pool._rec_rows[s])),
-                strict=True,
-            )
-        )
-        outs, ins = tuple(o for o, _ in pairs), tuple(i for _, i in pairs)
-        non_blocking = {self.device.type, src_pool.device.type} == {"cpu", "cuda"} and any(
-            t.is_pinned() for t in (*outs, *ins) if t.device.type == "cpu"
-        )
+        fences = _behind(after, (src_pool._last_use[s], self._last_use[d]))
+        outs, ins = self._copy_rows[d], src_pool._copy_rows[s]
+        if any(o.dtype != i.dtype for o, i in zip(outs, ins, strict=True)):
+            # the pools widened their rows differently: copy the native rows (a copy between two
+            # word widths would convert values)
+            outs, ins = (self._conv_rows[d], self._rec_rows[d]), (src_pool._conv_rows[s], src_pool._rec_rows[s])
+        same_device = self.device == src_pool.device
+        non_blocking = not same_device and any(t.is_pinned() for t in (*outs, *ins) if t.device.type == "cpu")
 
         def work() -> None:
-            if self.device == src_pool.device:
+            if same_device:
                 torch._foreach_copy_(outs, ins)  # one dispatch for both, as a clone
             else:
-                for out, inp in pairs:
+                for out, inp in zip(outs, ins, strict=True):
                     out.copy_(inp, non_blocking=non_blocking)
 
         fence = (stream or self.stream).submit(work, after=fences, label=f"copy_from pool {src_pool.pool_id} {s}->{d}")
@@ -552,15 +542,16 @@ class LinearStatePool:
     def _submit(
         self, work: Callable[[], None], slots: Sequence[int], stream: Stream | None, after: Iterable[Fence], label: str
     ) -> Fence:
-        fences = list(after)
-        for s in slots:
-            last = self._last_use[s]
-            if last is not COMPLETE and not last.is_complete():
-                fences.append(last)
+        fences = _behind(after, [self._last_use[s] for s in slots])
         fence = (stream or self.stream).submit(work, after=fences, label=label)
         for s in slots:
             self._last_use[s] = fence
         return fence
+
+
+def _behind(after: Iterable[Fence], last_uses: Iterable[Fence]) -> list[Fence]:
+    """``after`` plus every slot's last use still pending: what a pool operation waits."""
+    return [*after, *(f for f in last_uses if f is not COMPLETE and not f.is_complete())]
 
 
 def _widest(rows: torch.Tensor) -> torch.Tensor:

@@ -803,16 +803,10 @@ class HybridRadixCache:
             n = self._snap_heap.pop_valid(_snap_candidate)
             if n is None:
                 break
-            if self._demote(n):
-                freed_snaps += 1
-            elif n.children:
-                self._free_snapshot(n)
-                freed_snaps += 1
-            else:
-                k, s, r = self._remove_leaf(n)
-                freed_kv += k
-                freed_snaps += s
-                removed += r
+            k, s, r = self._evict_device_snapshot(n, demote=True)
+            freed_kv += k
+            freed_snaps += s
+            removed += r
         self._maybe_compact()
         return EvictResult(freed_kv, freed_snaps, removed)
 
@@ -832,12 +826,17 @@ class HybridRadixCache:
             raise ValueError(f"node {node.id} holds no snapshot to evict")
         if node.snap_lock:
             raise LockError(f"node {node.id} is locked; its snapshot cannot be evicted")
-        if demote and self._demote(node):
+        return self._evict_device_snapshot(node, demote=demote)
+
+    def _evict_device_snapshot(self, n: TreeNode, *, demote: bool) -> EvictResult:
+        """Unlocked ``n``'s device snapshot goes: to the host tier (``demote``, when it has room),
+        else dropped; a leaf then goes whole (its KV too, cascading), an inner node stays a tombstone."""
+        if demote and self._demote(n):
             return EvictResult(0, 1, 0)
-        if node.children:
-            self._free_snapshot(node)
+        if n.children:
+            self._free_snapshot(n)
             return EvictResult(0, 1, 0)
-        return EvictResult(*self._remove_leaf(node))
+        return EvictResult(*self._remove_leaf(n))
 
     def _remove_leaf(self, n: TreeNode) -> tuple[int, int, int]:
         """Remove unlocked leaf ``n`` and every parent it leaves as an unlocked tombstone leaf."""

@@ -256,7 +256,7 @@ class Forensics:
         for node, snap in self._snaps.items():
             assert snap.node == node, f"snapshot record of node {node} names node {snap.node}"
             if snap.host is not None:
-                assert snap.fp is not None or not any(p is snap for p in self._pending), f"node {node} pending on host"
+                assert not any(p is snap for p in self._pending), f"node {node} was demoted while still pending"
                 if live_host is not None:
                     assert live_host.get(node) == snap.slot, (
                         f"forensics tracks node {node} at host slot {snap.slot}; the tree holds {live_host.get(node)}"
