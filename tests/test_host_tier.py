@@ -6,7 +6,15 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from linear_state import DeferredStream, LinearStatePool, NodeOwner, RequestOwner, SlotMisuse, StateLayout
+from linear_state import (
+    DeferredStream,
+    LinearStatePool,
+    NodeOwner,
+    PoolExhausted,
+    RequestOwner,
+    SlotMisuse,
+    StateLayout,
+)
 from radixcache import Admission, CacheManager, HybridRadixCache
 from radixcache.forensics import Forensics
 from radixcache.policies import FixedPoints, HitDensity
@@ -249,3 +257,25 @@ def test_the_report_shows_each_policy_with_and_without_the_host_tier() -> None:
     assert table.count("->") == 2 and "hit-density: with / without" in table
     assert "With a host tier of 8x" in report_markdown(rows)
     assert host_tier_table(run_grid([load_trace("edge", 0)], ["hit-density"], lambda t: (1,))) == ""
+
+
+def test_bad_arguments_to_the_tier_calls_raise_typed_errors_and_change_nothing() -> None:
+    dev, host = LinearStatePool(LAYOUT, 2), LinearStatePool(LAYOUT, 1)
+    r = RequestOwner("r")
+    src = dev.alloc(r)
+    with pytest.raises(TypeError, match="src_pool"):
+        host.clone_from("dev", src, NodeOwner(1))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="owner"):
+        host.clone_from(dev, src, "node")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="Fence"):
+        host.clone_from(dev, src, NodeOwner(1), after=[object()])  # type: ignore[list-item]
+    host.clone_from(dev, src, NodeOwner(1)).fence.wait()
+    with pytest.raises(PoolExhausted):
+        host.clone_from(dev, src, NodeOwner(2))  # the host pool is full
+    with pytest.raises(ValueError, match="pin_memory"):
+        LinearStatePool(LAYOUT, 2, "meta", pin_memory=True)
+    with pytest.raises(ValueError, match="host_gbps"):
+        replay(generate("chat", 0)[:3], HitDensity(), PRESETS["qwen3-next-80b"], 4 * GIB, host_gbps=0)
+    assert dev.num_free == 1 and host.num_free == 0 and host.num_owned_by(NodeOwner) == 1
+    dev.check_invariants()
+    host.check_invariants()
