@@ -13,7 +13,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check '$(TORCH_SPEC)'
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,dev,hf,prometheus]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,dev,hf,prometheus,redis]'
 	touch $(STAMP)
 
 demo: $(STAMP)

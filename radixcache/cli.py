@@ -59,6 +59,11 @@ def cmd_hammer(args: argparse.Namespace) -> int:
     from .progress import progress_callback
     from .testing.hammer import HammerConfig, format_report, run_hammer
 
+    try:
+        replica, replicas = (int(x) for x in args.replica.split("/"))
+    except ValueError:
+        print(f"radixcache hammer: --replica takes I/N (e.g. 0/2), got {args.replica!r}", file=sys.stderr)
+        return 2
     cfg = HammerConfig(
         requests=args.requests,
         concurrency=args.concurrency,
@@ -71,7 +76,11 @@ def cmd_hammer(args: argparse.Namespace) -> int:
         device=args.device,
         forward_delay_us=args.forward_delay_us,
         snapshot_slots=args.snapshot_slots,
-        host_slots=args.host_slots,
+        host_slots=None if args.host_slots < 0 else args.host_slots,
+        shared_redis=args.shared_redis,
+        replica=replica,
+        replicas=replicas,
+        warm=not args.no_warm,
     )
     update, close = progress_callback(cfg.requests, "hammer")
     try:
@@ -227,9 +236,23 @@ def _parser() -> argparse.ArgumentParser:
     hammer.add_argument(
         "--host-slots",
         type=int,
-        default=0,
-        help="the tree's host tier, in snapshots (0: evicted snapshots are dropped)",
+        default=-1,
+        help="the tree's host tier, in snapshots (0: evicted snapshots are dropped; default: the tree's "
+        "own budget, 4x the device pool)",
     )
+    hammer.add_argument(
+        "--shared-redis",
+        metavar="URL",
+        default=None,
+        help="a shared tier on this Redis server (redis://127.0.0.1:6379/0): publish every snapshot, fetch misses",
+    )
+    hammer.add_argument(
+        "--replica",
+        default="0/1",
+        metavar="I/N",
+        help="serve replica I's round-robin share of the mix (every N-th request drawn), e.g. 0/2 and 1/2",
+    )
+    hammer.add_argument("--no-warm", action="store_true", help="do not pre-cache the system prompts")
     hammer.add_argument(
         "--forward-delay-us",
         type=float,

@@ -21,7 +21,10 @@ def prefix_value(tokens: Sequence[int]) -> float:
 def make_cache(slots: int = 32, page_size: int = 1) -> tuple[HybridRadixCache, list[int]]:
     freed: list[int] = []
     pool = LinearStatePool(LAYOUT, slots)
-    cache = HybridRadixCache(pool, page_size=page_size, on_free_kv=lambda t: freed.extend(int(x) for x in t))
+    # device tier only: these tests pin down what an eviction drops (tests/test_host_tier.py: demotion)
+    cache = HybridRadixCache(
+        pool, page_size=page_size, on_free_kv=lambda t: freed.extend(int(x) for x in t), host_pool=None
+    )
     return cache, freed
 
 

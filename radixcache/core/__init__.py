@@ -24,9 +24,11 @@ from .manager import (
 )
 from .metrics import ManagerMetrics, register_prometheus
 from .multimodal import MMWindow, image_cache_ids, image_runs, mm_window
-from .tree import EvictResult, HybridRadixCache, InsertResult, MatchResult, TreeNode
+from .shared import KVCodec, MemoryStore, RedisStore, SharedStore, SharedStoreError, SharedTier
+from .tree import HOST_TIER_FACTOR, EvictResult, HybridRadixCache, InsertResult, MatchResult, TreeNode, auto_host_pool
 
 __all__ = [
+    "HOST_TIER_FACTOR",
     "IMAGE_ID_BASE",
     "MAX_ID",
     "Admission",
@@ -41,19 +43,26 @@ __all__ = [
     "ForeignObjectError",
     "HybridRadixCache",
     "InsertResult",
+    "KVCodec",
     "KeyLike",
     "LockError",
     "LazyHeap",
     "MMWindow",
     "ManagerMetrics",
     "MatchResult",
+    "MemoryStore",
     "ProtocolError",
     "RadixCacheError",
+    "RedisStore",
     "Refusal",
+    "SharedStore",
+    "SharedStoreError",
+    "SharedTier",
     "TreeNode",
     "UnknownRequest",
     "WindowPlan",
     "WindowResult",
+    "auto_host_pool",
     "image_cache_ids",
     "image_runs",
     "key_bytes",

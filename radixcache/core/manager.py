@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple, ParamSpec, TypeVar
@@ -47,6 +48,7 @@ from ..policies.base import DonationReason, Policy, RequestInfo
 from .errors import ConcurrentUseError, ProtocolError, UnknownRequest
 from .keys import IMAGE_ID_BASE, MAX_ID, KeyLike, key_bytes
 from .metrics import ManagerMetrics, MetricsCounters
+from .shared import Fetched, Rejection, SharedTier
 from .tree import EvictResult, HybridRadixCache, MatchResult, TreeNode
 
 __all__ = [
@@ -288,7 +290,13 @@ class CacheManager:
         (the pool's slot bytes) against KV in bytes.
     :param clock: seconds for the policy's notion of time when a call passes no ``now``
         (default :func:`time.monotonic`).
-    :raises ValueError: bad options. :raises RuntimeError: the policy serves another manager.
+    :param shared: the shared tier (:class:`~radixcache.core.shared.SharedTier`): every snapshot
+        the tree takes is published once its fences completed (at a later call of the manager, or
+        :meth:`publish_pending`), and an admission whose local match is shorter than the request
+        fetches the deepest verified published prefix into its live slot and the tree. ``None``
+        (default): no shared tier.
+    :raises ValueError: bad options. :raises RuntimeError: the policy (or the shared tier) serves
+        another manager.
     """
 
     def __init__(
@@ -302,7 +310,10 @@ class CacheManager:
         forensics: Forensics | None = None,
         kv_bytes_per_token: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        shared: SharedTier | None = None,
     ) -> None:
+        if shared is not None and not isinstance(shared, SharedTier):
+            raise TypeError(f"shared must be a SharedTier, got {type(shared).__name__}")
         if isinstance(track_slots, bool) or not isinstance(track_slots, int) or track_slots < 1:
             raise ValueError(f"track_slots must be an int >= 1, got {track_slots!r}")
         if barrier not in ("fence", "device"):
@@ -314,6 +325,8 @@ class CacheManager:
 
             policy = HitDensity()
         policy.bind(cache)
+        if shared is not None:
+            shared.bind(cache.pool.layout)
         if kv_bytes_per_token is not None:
             policy.costs(cache.pool.layout.slot_bytes, kv_bytes_per_token)
         self.cache = cache
@@ -329,6 +342,11 @@ class CacheManager:
             if cache.host_pool is not None:
                 host_pool = cache.host_pool
                 cache.on_demote = lambda n: forensics.snapshot_demoted(n.id, host_pool, int(n.host or 0))
+        self.shared = shared
+        if shared is not None:
+            shared.on_reject = self._shared_rejected
+        # Snapshots to publish once their fences completed: (node, ids, namespace, KV writer fence).
+        self._to_publish: deque[tuple[TreeNode, np.ndarray, Hashable, Fence | None]] = deque()
         self._requests: dict[Hashable, _Request] = {}
         self._guard = threading.Lock()
         self._counters = MetricsCounters()
@@ -362,7 +380,19 @@ class CacheManager:
             live_requests=len(self._requests),
             demotions=self.cache.demotions,
             host_snapshots_held=self.cache.num_host_snapshots,
+            shared=None if self.shared is None else self._shared_counts(),
         )
+
+    def _shared_counts(self) -> dict[str, int]:
+        st = self.shared.stats if self.shared is not None else None
+        assert st is not None
+        return {
+            "hits": st.hits,
+            "foreign_hits": st.foreign_hits,
+            "published": st.published,
+            "rejected": sum(st.rejected.values()),
+            "errors": st.errors,
+        }
 
     def describe(self) -> dict[str, object]:
         """The manager's own bookkeeping as plain objects (each request's record, the counters),
@@ -450,6 +480,8 @@ class CacheManager:
             raise ValueError(f"request {rid!r} is already admitted")
         kb, ids = self._ids(rid, cache_ids)
         t = self._now(now)
+        if self._to_publish:
+            self._publish_ready(False)
         need = 1 + self.track_slots
         m = self._match(ids, namespace)
         node = m.node
@@ -472,10 +504,18 @@ class CacheManager:
         fx = self.forensics
         if fx is not None:
             fx.request_slots(rid, slots)
-            if m.length:
-                fx.before_restore(node.id, rid, live)
         stream = self.stream or self.cache.stream
-        if m.length:
+        fetched: Fetched | None = None
+        if self.shared is not None and m.length < ids.size - 1:
+            got = self._fetch_shared(ids, namespace, m, owner, live, stream, t)
+            if got is not None:
+                fetched, m, ready = got
+                node = m.node
+        if fetched is not None:
+            pass  # the live slot holds the fetched state, written behind ``ready``
+        elif m.length:
+            if fx is not None:
+                fx.before_restore(node.id, rid, live)
             ready = self.cache.restore(node, live, stream=stream, dst_owner=owner)
             if self.barrier == "device":
                 ready.wait()
@@ -509,12 +549,106 @@ class CacheManager:
         if m.length:
             c.hits += 1
             c.hit_tokens += m.length
-            c.restores += 1
-            c.host_hits += node.snapshot is None
+            c.restores += fetched is None
+            c.host_hits += fetched is None and node.snapshot is None
         self.policy.admitted(info)
+        if fetched is not None:
+            self.policy.donated(node, info, DonationReason.CAPTURE, t)
         if m.length:
             self.policy.touched(node, info, t)
         return Admission(rid, m.length, m.token_length, m.kv_indices, live, tracks, ready)
+
+    # ------------------------------------------------------------- shared tier
+    def _fetch_shared(
+        self,
+        ids: np.ndarray,
+        namespace: Hashable,
+        m: MatchResult,
+        owner: RequestOwner,
+        live: SlotId,
+        stream: Stream | None,
+        now: float,
+    ) -> tuple[Fetched, MatchResult, Fence] | None:
+        """A deeper prefix from the shared tier: verified, written into ``live``, inserted into the
+        tree (the tree clones ``live`` behind the write) and locked in place of ``m.node``. None: a
+        miss; nothing changed but the tier's counters."""
+        shared = self.shared
+        assert shared is not None
+        try:
+            got = shared.fetch(ids, namespace, m.length)
+        except TypeError:  # a namespace the store cannot address: never shared
+            return None
+        if got is None:
+            return None
+        d = got.depth
+        if not self.pool.can_alloc(1):
+            self._evict_snapshots(1, now, "admission")
+        if not self.pool.can_alloc(1):
+            shared.stats.no_room += 1
+            return None
+        kv = shared.kv.import_kv(got.kv, d)
+        if kv is None:
+            shared.stats.no_room += 1
+            return None
+        stage, sslot, _ = shared.staging
+        ready = self.pool.copy_from(stage, sslot, live, dst_owner=owner, stream=stream)
+        key = ids[:d]
+        res = self.cache.insert(key, kv, state_slot=live, ready=ready, namespace=namespace)
+        node = res.node
+        if res.snapshot_created and self.forensics is not None:
+            self._record_donation(f"shared:{got.publisher}", node, key)
+        self.cache.lock(node)
+        self.cache.unlock(m.node)
+        shared.counted_hit(got, d - m.length)
+        hit = MatchResult(d, max(d, m.token_length), self.cache.kv_indices(node), node, node.snapshot)
+        return got, hit, ready
+
+    def _queue_publication(self, node: TreeNode, key: np.ndarray, namespace: Hashable, kv_after: Fence | None) -> None:
+        q = self._to_publish
+        q.append((node, key.copy(), namespace, kv_after))
+        shared = self.shared
+        assert shared is not None
+        while len(q) > shared.max_pending:
+            q.popleft()
+            shared.stats.publish_skipped += 1
+
+    def _publish_ready(self, wait: bool) -> int:
+        """Publish the queued snapshots whose fences completed (all of them with ``wait``)."""
+        shared = self.shared
+        assert shared is not None
+        q, n = self._to_publish, 0
+        keep: deque[tuple[TreeNode, np.ndarray, Hashable, Fence | None]] = deque()
+        while q:
+            item = q.popleft()
+            node, key, ns, kv_after = item
+            if node.snapshot is not None:
+                pool, slot, fence = self.pool, node.snapshot, node.snapshot_fence
+            elif node.host is not None and self.cache.host_pool is not None:
+                pool, slot, fence = self.cache.host_pool, node.host, node.host_fence
+            else:  # evicted before it could be published
+                shared.stats.publish_skipped += 1
+                continue
+            if not wait and not (
+                (fence is None or fence.is_complete()) and (kv_after is None or kv_after.is_complete())
+            ):
+                keep.append(item)
+                continue
+            n += shared.publish(key, ns, pool, slot, self.cache.kv_indices(node), kv_after)
+        self._to_publish = keep
+        return n
+
+    @_exclusive
+    def publish_pending(self, *, wait: bool = False) -> int:
+        """Publish the snapshots queued for the shared tier whose fences completed (every one with
+        ``wait``, waiting their fences). The manager also does this at each admission. Returns the
+        blobs stored (0 without a shared tier)."""
+        if self.shared is None:
+            return 0
+        return self._publish_ready(wait)
+
+    def _shared_rejected(self, rej: Rejection) -> None:
+        if self.forensics is not None:
+            self.forensics.shared_rejected(rej.reason, rej.key, rej.depth, rej.publisher, rej.expected, rej.found)
 
     # ------------------------------------------------------------------ plans
     def _pick(self, rec: _Request, depths: Iterable[int], start: int, end: int, budget: int) -> list[int]:
@@ -916,7 +1050,9 @@ class CacheManager:
         if res.snapshot_created:
             self._counters.donations[reason.value] += 1
             if self.forensics is not None:
-                self._record_donation(rec, node, key)
+                self._record_donation(rec.rid, node, key)
+            if self.shared is not None:
+                self._queue_publication(node, key, ns, ready)
         else:
             self._counters.donations_skipped["held"] += 1
         if node.depth > rec.lock.depth:
@@ -929,7 +1065,7 @@ class CacheManager:
             self.policy.donated(node, rec.info, reason, now)
         return node
 
-    def _record_donation(self, rec: _Request, node: TreeNode, key: np.ndarray) -> None:
+    def _record_donation(self, donor: Hashable, node: TreeNode, key: np.ndarray) -> None:
         fx = self.forensics
         assert fx is not None and node.snapshot is not None
         anc = next(self.cache.snapshot_ancestors(node), None)
@@ -938,7 +1074,7 @@ class CacheManager:
             node.depth,
             key_bytes(key),
             node.snapshot,
-            rec.rid,
+            donor,
             node.snapshot_fence,
             anc.id if anc is not None else None,
             anc.depth if anc is not None else 0,

@@ -37,7 +37,12 @@ class ManagerMetrics:
     :ivar snapshots_held: snapshots in the tree now, on the device (a gauge);
     :ivar snapshot_bytes_held: their bytes (a gauge);
     :ivar host_snapshots_held: snapshots in the host tier now (a gauge);
-    :ivar live_requests: requests admitted and not finished or aborted (a gauge).
+    :ivar live_requests: requests admitted and not finished or aborted (a gauge);
+    :ivar shared_hits: hits served from the shared tier (a blob fetched, verified and inserted);
+    :ivar shared_foreign_hits: those whose blob another replica published;
+    :ivar shared_published: blobs this manager published;
+    :ivar shared_rejected: blobs refused at fetch (corrupt, another layout, a wrong fingerprint);
+    :ivar shared_errors: shared-store calls that failed (server down).
     """
 
     admissions: int
@@ -57,6 +62,11 @@ class ManagerMetrics:
     host_hits: int = 0
     demotions: int = 0
     host_snapshots_held: int = 0
+    shared_hits: int = 0
+    shared_foreign_hits: int = 0
+    shared_published: int = 0
+    shared_rejected: int = 0
+    shared_errors: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -102,6 +112,7 @@ class MetricsCounters:
         live_requests: int,
         demotions: int = 0,
         host_snapshots_held: int = 0,
+        shared: Mapping[str, int] | None = None,
     ) -> ManagerMetrics:
         """A frozen copy, with the gauges the caller reads from the tree and the request table."""
         return ManagerMetrics(
@@ -122,6 +133,7 @@ class MetricsCounters:
             host_hits=self.host_hits,
             demotions=demotions,
             host_snapshots_held=host_snapshots_held,
+            **{f"shared_{k}": v for k, v in (shared or {}).items()},
         )
 
 
@@ -135,6 +147,11 @@ _COUNTERS = (
     "restores",
     "host_hits",
     "demotions",
+    "shared_hits",
+    "shared_foreign_hits",
+    "shared_published",
+    "shared_rejected",
+    "shared_errors",
 )
 _BY_REASON = {
     "captures_planned": "kind",

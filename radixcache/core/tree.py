@@ -20,8 +20,9 @@ Fields of :class:`TreeNode` are changed only by :class:`HybridRadixCache`.
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Callable, Hashable, Iterator
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -42,9 +43,52 @@ from .errors import ForeignObjectError, LockError
 from .keys import TOKEN_BYTES, KeyLike, key_bytes
 from .lazy_heap import LazyHeap
 
-__all__ = ["EvictResult", "HybridRadixCache", "InsertResult", "MatchResult", "TreeNode"]
+__all__ = [
+    "HOST_TIER_FACTOR",
+    "EvictResult",
+    "HybridRadixCache",
+    "InsertResult",
+    "MatchResult",
+    "TreeNode",
+    "auto_host_pool",
+]
 
 _EMPTY_KV = torch.empty(0, dtype=torch.int64)
+#: The default host tier holds this many times the device pool's bytes (see :func:`auto_host_pool`).
+HOST_TIER_FACTOR = 4
+
+
+def _physical_memory() -> int | None:
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def auto_host_pool(pool: LinearStatePool, budget_bytes: int | None = None) -> LinearStatePool | None:
+    """The host tier ``HybridRadixCache(host_pool="auto")`` builds for ``pool``.
+
+    A CPU pool of ``pool``'s layout with ``budget_bytes // slot_bytes`` slots, page-locked when
+    ``pool`` is on CUDA. ``budget_bytes=None``: :data:`HOST_TIER_FACTOR` times ``pool``'s bytes,
+    capped at a quarter of the machine's physical memory (when the platform reports it).
+
+    :returns: the pool, or ``None`` when the budget holds less than one slot.
+    :raises ValueError: a negative budget.
+    """
+    slot = pool.layout.slot_bytes
+    if budget_bytes is None:
+        budget_bytes = HOST_TIER_FACTOR * pool.capacity * slot
+        phys = _physical_memory()
+        if phys is not None:
+            budget_bytes = min(budget_bytes, phys // 4)
+    if budget_bytes < 0:
+        raise ValueError(f"host budget must be >= 0 bytes, got {budget_bytes}")
+    n = int(budget_bytes) // slot
+    if n < 1:
+        return None
+    return LinearStatePool(pool.layout, n, device="cpu", pin_memory=pool.device.type == "cuda")
+
+
 _CACHE_SERIAL = itertools.count()  # numbers the caches of a process: node ids never collide
 
 
@@ -198,9 +242,14 @@ class HybridRadixCache:
         CUDA). A snapshot evicted for lack of device slots is demoted into it (its node keeps its KV
         and still serves hits, restored from host memory) instead of dropped; when the host tier
         is full its least recently used copy goes. KV stays the host engine's: the tier holds
-        linear states only. ``None``: no host tier.
+        linear states only. ``"auto"`` (default): the tree builds one of ``host_budget_bytes``;
+        ``None``: no host tier.
+    :param host_budget_bytes: bytes of the pool ``host_pool="auto"`` builds (whole slots; fewer
+        than one slot's bytes: no host tier). Default: :data:`HOST_TIER_FACTOR` times the device
+        pool's bytes, at most a quarter of the machine's physical memory. The memory is taken
+        up front (page-locked when the device is CUDA).
     :raises ValueError: ``page_size`` not positive; ``host_pool`` not on the CPU, of another
-        layout, or ``pool`` itself.
+        layout, or ``pool`` itself; a negative ``host_budget_bytes``, or one given with a pool.
     """
 
     def __init__(
@@ -210,13 +259,23 @@ class HybridRadixCache:
         page_size: int = 1,
         on_free_kv: Callable[[torch.Tensor], None] | None = None,
         stream: Stream | None = None,
-        host_pool: LinearStatePool | None = None,
+        host_pool: LinearStatePool | Literal["auto"] | None = "auto",
+        host_budget_bytes: int | None = None,
     ) -> None:
         if not isinstance(pool, LinearStatePool):
             raise TypeError(f"pool must be a LinearStatePool, got {type(pool).__name__}")
+        if host_budget_bytes is not None:
+            if isinstance(host_budget_bytes, bool) or not isinstance(host_budget_bytes, (int, np.integer)):
+                raise TypeError(f"host_budget_bytes must be an int, got {host_budget_bytes!r}")
+            if host_budget_bytes < 0:
+                raise ValueError(f"host_budget_bytes must be >= 0, got {host_budget_bytes}")
+            if host_pool != "auto":
+                raise ValueError("host_budget_bytes sizes the host pool of host_pool='auto'; a pool was given")
+        if isinstance(host_pool, str) and host_pool == "auto":
+            host_pool = auto_host_pool(pool, host_budget_bytes)
         if host_pool is not None:
             if not isinstance(host_pool, LinearStatePool):
-                raise TypeError(f"host_pool must be a LinearStatePool, got {type(host_pool).__name__}")
+                raise TypeError(f"host_pool must be a LinearStatePool, 'auto' or None, got {host_pool!r}")
             if host_pool is pool:
                 raise ValueError("host_pool is the device pool itself")
             if host_pool.device.type != "cpu":

@@ -13,6 +13,9 @@ changed         the snapshot's fingerprint differs from the one taken at donatio
 never-written   at donation the snapshot equals the zero state, or the snapshot of its nearest
                 ancestor although tokens were consumed in between: the host never wrote the state
                 it claimed to capture (the bug in shared/reference/004).
+shared-*        the shared tier refused a fetched blob (``shared-fingerprint``: its state is not
+                what was published; ``shared-format``, ``shared-length``, ``shared-layout``): a
+                miss, recorded but never raised (nothing was restored from it).
 ==============  ===============================================================================
 
 Suspects: every request that held the snapshot's slot id since it was last known clean (donation
@@ -231,6 +234,29 @@ class Forensics:
         self._log("demote", **self._where(snap))
         if snap.fp is not None:
             self._verify(snap, "demote")
+
+    def shared_rejected(
+        self, reason: str, key: str, depth: int, publisher: str, expected: int = 0, found: int = 0
+    ) -> None:
+        """The shared tier refused a blob (``reason``: format, layout, length, fingerprint; see
+        :class:`~radixcache.core.shared.Rejection`). Recorded as a finding of kind
+        ``shared-<reason>`` (its ``key`` the store key, its donor and suspect the publisher the blob
+        names) in either mode: the refusal already made it a miss, so serving goes on."""
+        self.step += 1
+        finding = SnapshotCorruption(
+            f"shared-{reason}",
+            node=0,
+            depth=depth,
+            key=key,
+            slot=-1,
+            expected=expected,
+            found=found,
+            donor=publisher,
+            suspects=[publisher],
+            step=self.step,
+        )
+        self._log("corruption", note="shared tier: blob refused, served as a miss", **finding.as_dict())
+        self.findings.append(finding)
 
     def verify_all(self) -> int:
         """Verify every snapshot whose fingerprint was taken; returns how many were checked."""

@@ -21,6 +21,7 @@ import torch
 from linear_state import LinearStatePool, StateLayout
 
 from ..core.manager import Admission, CacheManager
+from ..core.shared import MemoryStore, SharedTier
 from ..core.tree import HybridRadixCache
 from ..policies.base import Policy
 from .traces import TraceRecord
@@ -73,6 +74,23 @@ def _host_hits(mgr: CacheManager) -> int:
     return mgr.metrics().host_hits
 
 
+class _ReplayKV:
+    """The replay's KV codec: no bytes travel (no model runs); an import takes fresh KV indices."""
+
+    identity = "replay"
+
+    def __init__(self) -> None:
+        self.next_kv = 0
+
+    def export_kv(self, kv_indices: torch.Tensor, after: object) -> bytes:
+        return b""
+
+    def import_kv(self, data: bytes, num_tokens: int) -> torch.Tensor:
+        out = torch.arange(self.next_kv, self.next_kv + num_tokens)
+        self.next_kv += num_tokens
+        return out
+
+
 _TINY = StateLayout(1, (1, 1), (1,))  # the replay never computes a state: slots are tokens of ownership
 _WINDOW_CAPTURES = 16  # track slots per request: more than any policy asks for in one window
 
@@ -106,6 +124,10 @@ class ReplayResult:
     host_hit_tokens: int = 0  # prompt tokens those hits served
     host_restore_s: float = 0.0  # their restores at the modelled host bandwidth
     host_prefill_s_saved: float = 0.0  # the prefill those hits avoided, at the modelled FLOP rate
+    shared_hits: int = 0  # hits fetched from the shared store (its state and the prefix's KV)
+    shared_hit_tokens: int = 0  # prompt tokens those hits served
+    shared_restore_s: float = 0.0  # their fetches (snapshot + KV bytes) at the modelled store bandwidth
+    shared_prefill_s_saved: float = 0.0  # the prefill those hits avoided, at the modelled FLOP rate
 
     @property
     def token_hit_rate(self) -> float:
@@ -144,6 +166,7 @@ def replay(
     host_budget_bytes: float = 0,
     host_gbps: float = 25.0,
     prefill_tflops: float = 400.0,
+    shared_gbps: float = 0.0,
 ) -> ReplayResult:
     """Replay ``trace`` (in timestamp order, one request at a time) through a
     :class:`~radixcache.CacheManager` with ``policy`` inside, under ``budget_bytes`` of cache
@@ -157,8 +180,12 @@ def replay(
         evicted snapshot is demoted there and still serves hits; 0: none. The device budget counts
         the device's KV and snapshots only.
     :param host_gbps: the host link, GB/s, that a restore from the host tier is modelled at.
-    :param prefill_tflops: the prefill rate, TFLOP/s, that the prefill a host hit avoids is
-        modelled at (``preset.prefill_flops``).
+    :param prefill_tflops: the prefill rate, TFLOP/s, that the prefill a host or shared hit
+        avoids is modelled at (``preset.prefill_flops``).
+    :param shared_gbps: a shared tier (docs/host_tier.md) whose store keeps every snapshot ever
+        published, fetched at this many GB/s (the snapshot and the KV of its prefix); 0: none. With
+        one replica replayed, that is the bound a fleet's store gives it: every prefix this trace
+        computed before stays fetchable after the tree dropped it.
     :raises ValueError: a budget smaller than one snapshot, a negative host budget, a bandwidth or
         rate that is not positive. :raises TypeError: a budget that is not a number (a float is
         rounded down to whole bytes).
@@ -168,10 +195,10 @@ def replay(
     budget = int(budget_bytes)
     if budget < preset.snapshot_bytes:
         raise ValueError(f"budget {budget} bytes is below one snapshot ({preset.snapshot_bytes} bytes)")
-    if host_budget_bytes < 0 or host_gbps <= 0 or prefill_tflops <= 0:
+    if host_budget_bytes < 0 or host_gbps <= 0 or prefill_tflops <= 0 or not shared_gbps >= 0:
         raise ValueError(
-            f"host_budget_bytes must be >= 0 and host_gbps, prefill_tflops > 0; got {host_budget_bytes}, "
-            f"{host_gbps}, {prefill_tflops}"
+            f"host_budget_bytes and shared_gbps must be >= 0 and host_gbps, prefill_tflops > 0; got "
+            f"{host_budget_bytes}, {shared_gbps}, {host_gbps}, {prefill_tflops}"
         )
     max_snaps = budget // preset.snapshot_bytes
     host_slots = int(host_budget_bytes) // preset.snapshot_bytes
@@ -183,10 +210,11 @@ def replay(
     kvb, sb = preset.kv_bytes_per_token, preset.snapshot_bytes
     policy.costs(sb, kvb)
     policy.flops(preset.prefill_flops)
-    mgr = CacheManager(cache, policy, track_slots=_WINDOW_CAPTURES)
+    codec = _ReplayKV()
+    shared = SharedTier(MemoryStore(), model=preset.name, kv=codec) if shared_gbps else None
+    mgr = CacheManager(cache, policy, track_slots=_WINDOW_CAPTURES, shared=shared)
     res = ReplayResult(policy.name, preset.name, budget, 0, 0, 0, 0.0, 0.0, 0, 0, 0, 0.0, 0, 0.0)
     res.host_budget_bytes = host_slots * preset.snapshot_bytes
-    next_kv = 0
     computed: list[int] = []
     t0 = time.perf_counter()
 
@@ -212,6 +240,7 @@ def replay(
         ids = rec.input_tokens
         n = len(ids)
         host_hits = _host_hits(mgr) if host is not None else 0
+        shared_hits = shared.stats.hits if shared is not None else 0
         adm = mgr.admit(i, ids, session=rec.session_id, now=rec.ts)
         if not isinstance(adm, Admission):  # cannot happen with the pool sized above
             raise RuntimeError(f"request {i} refused: {adm.reason}")
@@ -220,17 +249,21 @@ def replay(
             res.host_hit_tokens += adm.cached_length
             res.host_restore_s += sb / (host_gbps * 1e9)
             res.host_prefill_s_saved += preset.prefill_flops(adm.cached_length) / (prefill_tflops * 1e12)
+        if shared is not None and shared.stats.hits > shared_hits:
+            res.shared_hits += 1
+            res.shared_hit_tokens += adm.cached_length
+            res.shared_restore_s += (sb + adm.cached_length * kvb) / (shared_gbps * 1e9)
+            res.shared_prefill_s_saved += preset.prefill_flops(adm.cached_length) / (prefill_tflops * 1e12)
+            enforce(rec.ts, i)  # the fetched prefix's KV now sits in the device budget
         for start in range(adm.cached_length, n, chunk):
             end = min(n, start + chunk)
             plan = mgr.plan_prefill(i, end)
-            mgr.commit(plan, None, kv_indices=torch.arange(next_kv, next_kv + end - start), now=rec.ts)
-            next_kv += end - start
+            mgr.commit(plan, None, kv_indices=codec.import_kv(b"", end - start), now=rec.ts)
             enforce(rec.ts, i)
         out = rec.output_tokens
         if len(out) > 1:  # the last answer token is sampled, never fed
             plan = mgr.plan_decode(i, out[:-1])
-            mgr.commit(plan, None, kv_indices=torch.arange(next_kv, next_kv + len(out) - 1), now=rec.ts)
-            next_kv += len(out) - 1
+            mgr.commit(plan, None, kv_indices=codec.import_kv(b"", len(out) - 1), now=rec.ts)
             enforce(rec.ts, i)
         mgr.finish(i, None, now=rec.ts)
         enforce(rec.ts, i)

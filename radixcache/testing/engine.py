@@ -30,13 +30,14 @@ from linear_state import CudaStream, DeferredStream, Fence, ImmediateStream, Lin
 
 from ..core.manager import Admission, CacheManager, WindowPlan, WindowResult
 from ..core.multimodal import image_cache_ids
+from ..core.shared import SharedStore, SharedTier
 from ..core.tree import HybridRadixCache
 from ..forensics import Forensics, Ledger
 from ..policies import HitDensity, Policy
 from .inject import make_cache, make_manager, make_pool
 from .model import HybridConfig, HybridModel, KVPool
 
-__all__ = ["EngineRequest", "KVAllocator", "ReferenceEngine", "generate_cold"]
+__all__ = ["EngineKVCodec", "EngineRequest", "KVAllocator", "ReferenceEngine", "generate_cold"]
 
 
 @dataclass
@@ -97,6 +98,52 @@ class KVAllocator:
             self._free.append(i)
 
 
+class EngineKVCodec:
+    """The reference engine's :class:`~radixcache.core.shared.KVCodec`: the K and V rows of every
+    attention layer for each token, raw, in the model's dtype."""
+
+    def __init__(self, kv_pool: KVPool, kv: KVAllocator, forward: Stream, cfg: HybridConfig) -> None:
+        self.kv_pool, self.kv, self.forward = kv_pool, kv, forward
+        k = kv_pool.k
+        self._row = (k.shape[0], k.shape[2], k.shape[3])
+        self.identity = f"reference-kv layers={k.shape[0]} heads={k.shape[2]} dim={k.shape[3]} dtype={k.dtype}"
+        self.bytes_per_token = 2 * k.shape[0] * k.shape[2] * k.shape[3] * k.element_size()
+
+    def export_kv(self, kv_indices: torch.Tensor, after: Fence | None) -> bytes:
+        """K then V of these tokens (``[layers, tokens, heads, dim]`` each), once ``after`` completed
+        (every earlier forward too: they run in order on one stream)."""
+        if after is not None:
+            after.wait()
+        else:
+            self.forward.synchronize()
+        idx = kv_indices.to(self.kv_pool.k.device)
+        k = self.kv_pool.k[:, idx].cpu().contiguous()
+        v = self.kv_pool.v[:, idx].cpu().contiguous()
+        return k.view(torch.uint8).numpy().tobytes() + v.view(torch.uint8).numpy().tobytes()
+
+    def import_kv(self, data: bytes, num_tokens: int) -> torch.Tensor | None:
+        """Allocate ``num_tokens`` indices and write ``data`` into them on the forward stream (so
+        every later forward reads it). None: the bytes do not fit the layout, or no room."""
+        if len(data) != num_tokens * self.bytes_per_token:
+            return None
+        idx = self.kv.alloc(num_tokens)
+        if idx is None:
+            return None
+        pool = self.kv_pool
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(pool.k.dtype)
+        half = raw.numel() // 2
+        shape = (self._row[0], num_tokens, self._row[1], self._row[2])
+        k, v = raw[:half].reshape(shape), raw[half:].reshape(shape)
+
+        def work() -> None:
+            dev = idx.to(pool.k.device)
+            pool.k[:, dev] = k.to(pool.k.device)
+            pool.v[:, dev] = v.to(pool.v.device)
+
+        self.forward.submit(work, label=f"import KV of {num_tokens} tokens")
+        return idx
+
+
 @dataclass(eq=False)
 class _Running:
     req: EngineRequest
@@ -118,7 +165,12 @@ class ReferenceEngine:
     :param deferred: on the CPU, :class:`~linear_state.DeferredStream` s (default) or immediate
         ones. Ignored for a CUDA model, whose streams are always :class:`~linear_state.CudaStream` s.
     :param host_slots: snapshots the tree's host tier holds (a CPU pool, pinned for a CUDA model);
-        0: no host tier, an evicted snapshot is dropped.
+        0: no host tier, an evicted snapshot is dropped; ``None``: the tree's default
+        (``host_pool="auto"``, :data:`~radixcache.core.tree.HOST_TIER_FACTOR` times the device pool).
+    :param shared_store: a shared tier's store: snapshots (with their KV, through
+        :class:`EngineKVCodec`) are published to it and fetched from it (see
+        :mod:`radixcache.core.shared`); ``None``: no shared tier.
+    :param publisher: this engine's name in the blobs it publishes (a replica's name).
     :param forward_delay_us: CUDA only: every forward first keeps the GPU busy this long, so a copy
         that does not wait the forward's fence runs while the forward is still pending, as it would
         behind a large model (the tiny reference model's forwards finish before the host queues the
@@ -146,7 +198,9 @@ class ReferenceEngine:
         forensics_ledger: str | None = None,
         record_writes: bool = False,
         forward_delay_us: float = 0.0,
-        host_slots: int = 0,
+        host_slots: int | None = None,
+        shared_store: SharedStore | None = None,
+        publisher: str | None = None,
     ) -> None:
         if forward_delay_us < 0 or (forward_delay_us > 0 and model.device.type != "cuda"):
             raise ValueError(
@@ -168,18 +222,26 @@ class ReferenceEngine:
         self.pool = make_pool(inject, cfg.state_layout(), slots, device=self.device)
         self.kv_pool = KVPool(cfg, kv_tokens, device=self.device)
         self.kv = KVAllocator(kv_tokens)
-        self.host_pool = (
-            LinearStatePool(cfg.state_layout(), host_slots, pin_memory=self.device.type == "cuda")
-            if host_slots
-            else None
-        )
         self.cache: HybridRadixCache = make_cache(
             inject,
             self.pool,
             page_size=page_size,
             on_free_kv=self.kv.free,
             stream=self.copies,
-            host_pool=self.host_pool,
+            host_pool=(
+                "auto"
+                if host_slots is None
+                else LinearStatePool(cfg.state_layout(), host_slots, pin_memory=self.device.type == "cuda")
+                if host_slots
+                else None
+            ),
+        )
+        self.host_pool = self.cache.host_pool
+        self.kv_codec = EngineKVCodec(self.kv_pool, self.kv, self.forward, cfg)
+        self.shared = (
+            None
+            if shared_store is None
+            else SharedTier(shared_store, model=f"reference {cfg!r}", kv=self.kv_codec, publisher=publisher)
         )
         self.forensics = (
             Forensics(self.pool, ledger=Ledger(forensics_ledger), mode="record") if forensics_ledger else None
@@ -191,6 +253,7 @@ class ReferenceEngine:
             track_slots=track_slots,
             barrier=barrier,
             forensics=self.forensics,
+            shared=self.shared,
         )
         # (forensics step when it ran, request, slot) for every slot a forward wrote: ground truth
         # for tests of the forensics' attribution.

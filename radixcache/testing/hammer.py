@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ..core.shared import RedisStore
 from ..policies import make_policy
 from .engine import EngineRequest, ReferenceEngine, generate_cold
 from .inject import injected
@@ -62,7 +63,10 @@ class HammerConfig:
     device: str = "cpu"  # where the reference model, its pools and its streams live ("cuda": CudaStreams)
     forward_delay_us: float = 0.0  # cuda only: each forward first keeps the GPU busy this long (widens races)
     snapshot_slots: int = 512  # the device pool's slots for tree snapshots
-    host_slots: int = 0  # the tree's host tier, in snapshots; 0: none (evicted snapshots are dropped)
+    host_slots: int | None = None  # the tree's host tier, in snapshots; 0: none; None: the tree's default budget
+    shared_redis: str | None = None  # a shared tier on this Redis server (redis://host:port/db)
+    replica: int = 0  # with replicas > 1: serve only the drawn requests whose index % replicas == replica
+    replicas: int = 1
 
 
 @dataclass
@@ -246,6 +250,8 @@ def run_hammer(
         raise ValueError(f"hammer device {cfg.device!r}: torch.cuda.is_available() is False on this machine")
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"hammer device {cfg.device!r}: the reference engine runs on 'cpu' or 'cuda'")
+    if not (isinstance(cfg.replicas, int) and cfg.replicas >= 1 and 0 <= cfg.replica < cfg.replicas):
+        raise ValueError(f"hammer replica {cfg.replica} of {cfg.replicas}: need 0 <= replica < replicas")
     with injected(cfg.inject):
         return _run(cfg, model or HybridModel(HybridConfig(), device=cfg.device), progress)
 
@@ -263,6 +269,8 @@ def _run(cfg: HammerConfig, model: HybridModel, progress: Callable[[int], None] 
         forward_delay_us=cfg.forward_delay_us,
         snapshot_slots=cfg.snapshot_slots,
         host_slots=cfg.host_slots,
+        shared_store=None if cfg.shared_redis is None else RedisStore(cfg.shared_redis),
+        publisher=f"replica-{cfg.replica}",
     )
     work = _Workload(cfg, model.cfg.vocab_size)
     t0 = time.perf_counter()
@@ -380,13 +388,16 @@ def _run(cfg: HammerConfig, model: HybridModel, progress: Callable[[int], None] 
 
 def _serve(cfg: HammerConfig, engine: ReferenceEngine, work: _Workload, progress: Callable[[int], None] | None) -> int:
     """Serve the mix; return how many requests the watchdog aborted."""
-    created = 0
+    created = drawn = 0
     delayed: list[tuple[int, EngineRequest]] = []  # (release step, request)
     step = seen = stuck = 0
     last_progress, marker = 0, -1
     while created < cfg.requests or delayed or not engine.idle:
         while created < cfg.requests and len(delayed) < cfg.concurrency:
             for delay, req in work.next()[: cfg.requests - created]:
+                drawn += 1
+                if (drawn - 1) % cfg.replicas != cfg.replica:  # another replica's share of the mix
+                    continue
                 delayed.append((step + delay, req))
                 created += 1
         delayed.sort(key=lambda x: x[0])
@@ -496,5 +507,11 @@ def _metric_rows(m: dict[str, object]) -> list[tuple[str, str]]:
             "manager: host tier",
             f"{m.get('demotions', 0)} demoted, {m.get('host_hits', 0)} hits restored from host, "
             f"{m.get('host_snapshots_held', 0)} held at the end",
+        ),
+        (
+            "manager: shared tier",
+            f"{m.get('shared_hits', 0)} hits ({m.get('shared_foreign_hits', 0)} on another replica's "
+            f"prefixes), {m.get('shared_published', 0)} published, {m.get('shared_rejected', 0)} refused, "
+            f"{m.get('shared_errors', 0)} store errors",
         ),
     ]

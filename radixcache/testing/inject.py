@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from typing import Literal
 
 import numpy as np
 import torch
@@ -316,7 +317,7 @@ def make_cache(
     page_size: int = 1,
     on_free_kv: Callable[[torch.Tensor], None] | None = None,
     stream: Stream | None = None,
-    host_pool: LinearStatePool | None = None,
+    host_pool: LinearStatePool | Literal["auto"] | None = None,
 ) -> HybridRadixCache:
     """A correct :class:`HybridRadixCache` (with the host tier ``host_pool``, if any), or the tree
     of bug ``inject`` when the bug lives in the tree (a bug that lives elsewhere gets a correct

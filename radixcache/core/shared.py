@@ -1,0 +1,606 @@
+"""The shared tier: snapshots published to a store several replicas reach, fetched on a miss.
+
+A replica's manager publishes every snapshot its tree takes (the linear state, the KV of the
+prefix through the host's :class:`KVCodec`, and the slot fingerprint) under a content address: the
+tier's namespace, the model and layout identity, the request's namespace and the cache ids up to
+the snapshot's depth. Another replica admitting a request whose local match is shorter asks the
+store for the deepest published prefix of its ids, verifies the blob (format, layout identity,
+lengths, then the fingerprint of the state as it will be restored) and only then writes it into the
+request's live slot and inserts it into its own tree. A blob that fails any check is a miss (and a
+forensics finding when the manager has forensics), never a restore; it is deleted from the store so
+that a healthy replica can publish it again.
+
+Why KV travels too: a replica that never computed a prefix holds no attention KV for it, and the
+state alone cannot be served without it. Models without attention layers pass a codec whose KV is
+empty.
+
+The store is reached through :class:`SharedStore`: :class:`RedisStore` (the ``redis`` extra, a real
+server) or :class:`MemoryStore` (one process, tests). A store that cannot be reached raises
+:class:`SharedStoreError`; the tier turns it into a miss (or a skipped publication), stops asking
+for ``retry_s`` seconds, then tries again, so a replica keeps serving, from its own tree only,
+while the server is down and uses it again once it is back.
+
+Costs: a publication reads the snapshot (and its KV) back to the host once its fences completed
+(the manager defers it until then and publishes at its next call), plus one store round trip; a
+probe is one round trip for the published depths and one for the blobs' existence, a fetch one
+more. Probes happen only when the local match is shorter than the request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from linear_state import Fence, LinearStatePool, RequestOwner, StateLayout
+
+from .errors import RadixCacheError
+
+__all__ = [
+    "BLOB_MAGIC",
+    "Fetched",
+    "KVCodec",
+    "MemoryStore",
+    "Rejection",
+    "RedisStore",
+    "SharedStats",
+    "SharedStore",
+    "SharedStoreError",
+    "SharedTier",
+    "encode_blob",
+]
+
+BLOB_MAGIC = b"RCSHARE1"
+_LEN = struct.Struct("<I")
+
+
+class SharedStoreError(RadixCacheError, ConnectionError):
+    """The shared store could not be reached or answered out of protocol."""
+
+
+@runtime_checkable
+class SharedStore(Protocol):
+    """What the shared tier needs of a store (keys and index names are ASCII strings).
+
+    Every method raises :class:`SharedStoreError` when the store cannot be reached.
+    """
+
+    def get(self, key: str) -> bytes | None:
+        """The blob under ``key``, or None."""
+        ...
+
+    def put(self, key: str, blob: bytes) -> bool:
+        """Store ``blob`` under ``key`` unless a blob is there already; True when it was stored."""
+        ...
+
+    def delete(self, key: str) -> None:
+        """Remove ``key`` (nothing when absent)."""
+        ...
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        """For each key, whether a blob is stored under it (one round trip)."""
+        ...
+
+    def add_depth(self, index: str, depth: int) -> None:
+        """Record that a blob of ``depth`` tokens was published under ``index``."""
+        ...
+
+    def depths(self, index: str, lo: int, hi: int) -> list[int]:
+        """Depths recorded under ``index`` in ``(lo, hi]``, ascending."""
+        ...
+
+
+class MemoryStore:
+    """A :class:`SharedStore` in this process's memory (tests, a single process). Not thread-safe."""
+
+    def __init__(self) -> None:
+        self.blobs: dict[str, bytes] = {}
+        self.indexes: dict[str, set[int]] = {}
+
+    def get(self, key: str) -> bytes | None:
+        """See :class:`SharedStore`."""
+        return self.blobs.get(key)
+
+    def put(self, key: str, blob: bytes) -> bool:
+        """See :class:`SharedStore`."""
+        if key in self.blobs:
+            return False
+        self.blobs[key] = bytes(blob)
+        return True
+
+    def delete(self, key: str) -> None:
+        """See :class:`SharedStore`."""
+        self.blobs.pop(key, None)
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        """See :class:`SharedStore`."""
+        return [k in self.blobs for k in keys]
+
+    def add_depth(self, index: str, depth: int) -> None:
+        """See :class:`SharedStore`."""
+        self.indexes.setdefault(index, set()).add(int(depth))
+
+    def depths(self, index: str, lo: int, hi: int) -> list[int]:
+        """See :class:`SharedStore`."""
+        return sorted(d for d in self.indexes.get(index, ()) if lo < d <= hi)
+
+
+class RedisStore:
+    """A :class:`SharedStore` on a Redis server (needs the ``redis`` extra).
+
+    Blobs are plain string values written with ``SET NX``; each index is a sorted set of depths.
+    The client reconnects by itself once the server is back.
+
+    :param url: e.g. ``redis://127.0.0.1:6379/0``.
+    :param timeout_s: socket connect and read timeout: a dead server costs at most this per call.
+    :param ttl_s: expire blobs after this many seconds (``None``: keep them; bound the server's
+        memory with its own ``maxmemory`` and an eviction policy instead).
+    :raises ImportError: the ``redis`` package is not installed.
+    """
+
+    def __init__(self, url: str, *, timeout_s: float = 0.5, ttl_s: float | None = None) -> None:
+        try:
+            import redis
+        except ImportError as e:  # pragma: no cover - depends on the environment
+            raise ImportError("RedisStore needs the redis client: pip install 'radixcache[redis]'") from e
+        self.url = url
+        self.ttl_s = ttl_s
+        self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
+        self._r = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+
+    def _call(self, what: str, fn: Callable[[], object]) -> object:
+        try:
+            return fn()
+        except self._errors as e:
+            raise SharedStoreError(f"redis at {self.url}: {what} failed: {e}") from e
+
+    def get(self, key: str) -> bytes | None:
+        """See :class:`SharedStore`."""
+        out = self._call("GET", lambda: self._r.get(key))
+        assert out is None or isinstance(out, bytes)
+        return out
+
+    def put(self, key: str, blob: bytes) -> bool:
+        """See :class:`SharedStore`."""
+        px = None if self.ttl_s is None else int(self.ttl_s * 1000)
+        return bool(self._call("SET", lambda: self._r.set(key, blob, nx=True, px=px)))
+
+    def delete(self, key: str) -> None:
+        """See :class:`SharedStore`."""
+        self._call("DEL", lambda: self._r.delete(key))
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        """See :class:`SharedStore`."""
+        if not keys:
+            return []
+
+        def run() -> list[object]:
+            pipe = self._r.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(k)
+            return list(pipe.execute())
+
+        out = self._call("EXISTS", run)
+        assert isinstance(out, list)
+        return [bool(x) for x in out]
+
+    def add_depth(self, index: str, depth: int) -> None:
+        """See :class:`SharedStore`."""
+        self._call("ZADD", lambda: self._r.zadd(index, {str(int(depth)): int(depth)}))
+
+    def depths(self, index: str, lo: int, hi: int) -> list[int]:
+        """See :class:`SharedStore`."""
+        out = self._call("ZRANGEBYSCORE", lambda: self._r.zrangebyscore(index, f"({int(lo)}", int(hi)))
+        assert isinstance(out, list)
+        return [int(x) for x in out]
+
+
+class KVCodec(Protocol):
+    """How the host's attention KV travels with a shared snapshot.
+
+    :ivar identity: what a KV blob's bytes mean (layers, heads, head size, dtype): part of the
+        content address, so replicas with another KV layout never read each other's blobs.
+    """
+
+    identity: str
+
+    def export_kv(self, kv_indices: torch.Tensor, after: Fence | None) -> bytes:
+        """The KV of these indices (one per token, in order), read once ``after`` completed."""
+        ...
+
+    def import_kv(self, data: bytes, num_tokens: int) -> torch.Tensor | None:
+        """Allocate ``num_tokens`` KV indices, write ``data`` (what :meth:`export_kv` returned) into
+        them, ordered before any later forward of the host's, and return them (the host's, until
+        the tree takes them); None when the host has no room (nothing allocated)."""
+        ...
+
+
+@dataclass
+class SharedStats:
+    """What a :class:`SharedTier` did (monotonic counters).
+
+    :ivar published: blobs stored; :ivar publish_skipped: publications dropped (the snapshot left
+        the device before its fences completed, or too many were pending);
+    :ivar probes: admissions that asked the store; :ivar hits: blobs fetched, verified and
+        inserted; :ivar foreign_hits: those published by another replica;
+    :ivar hit_tokens: tokens those hits covered beyond the local match;
+    :ivar rejected: blobs refused, by why (``format``, ``layout``, ``length``, ``fingerprint``);
+    :ivar no_room: verified blobs not used for want of a slot or KV room;
+    :ivar errors: store calls that failed (server down); :ivar skipped_down: calls not made while
+        the store was considered down.
+    """
+
+    published: int = 0
+    publish_skipped: int = 0
+    probes: int = 0
+    hits: int = 0
+    foreign_hits: int = 0
+    hit_tokens: int = 0
+    rejected: dict[str, int] = field(default_factory=dict)
+    no_room: int = 0
+    errors: int = 0
+    skipped_down: int = 0
+
+    def as_dict(self) -> dict[str, object]:
+        """JSON-ready fields."""
+        return {k: dict(v) if isinstance(v, dict) else v for k, v in self.__dict__.items()}
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A blob the tier refused: a miss, reported to the manager's forensics.
+
+    :ivar reason: ``format`` (not a blob, or truncated), ``layout`` (published for another layout
+        or model under this address), ``length`` (its sizes disagree with the layout or the
+        depth), ``fingerprint`` (the state is not what was published).
+    :ivar key: the store key; :ivar depth: the depth it was published for;
+    :ivar publisher: who published it (as the blob says; ``?`` when unreadable);
+    :ivar expected: the stored fingerprint; :ivar found: the state's fingerprint (0 when not
+        computed).
+    """
+
+    reason: str
+    key: str
+    depth: int
+    publisher: str
+    expected: int = 0
+    found: int = 0
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """A verified blob: the state after ``depth`` tokens (in the tier's one-slot staging pool) and
+    the KV bytes of ``[0, depth)``."""
+
+    depth: int
+    kv: bytes
+    publisher: str
+    fingerprint: int
+
+
+def encode_blob(header: dict[str, object], state: bytes, kv: bytes) -> bytes:
+    """A blob: magic, header length, JSON header (which must give ``state_bytes`` and
+    ``kv_bytes``), the state's raw bytes (conv rows, then recurrent rows), the KV bytes."""
+    h = json.dumps(header, sort_keys=True).encode()
+    return BLOB_MAGIC + _LEN.pack(len(h)) + h + state + kv
+
+
+def _parse(blob: bytes) -> tuple[dict[str, object], bytes] | None:
+    """Header and body of a blob, or None when it is not one (or was cut inside its header)."""
+    n = len(BLOB_MAGIC)
+    if len(blob) < n + _LEN.size or blob[:n] != BLOB_MAGIC:
+        return None
+    (hl,) = _LEN.unpack_from(blob, n)
+    start = n + _LEN.size
+    if len(blob) < start + hl:
+        return None
+    try:
+        header = json.loads(blob[start : start + hl])
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(header, dict):
+        return None
+    return header, blob[start + hl :]
+
+
+def _ns_name(namespace: Hashable) -> str:
+    """A request namespace as it enters a content address (stable across processes)."""
+    if namespace is None or isinstance(namespace, (str, int, bytes)):
+        return repr(namespace)
+    raise TypeError(f"the shared tier addresses namespaces that are None, str, int or bytes, got {namespace!r}")
+
+
+class SharedTier:
+    """Publish and fetch snapshots through a :class:`SharedStore` (see the module docstring).
+
+    Give it to :class:`~radixcache.CacheManager` (``shared=``); the manager calls it. One tier per
+    manager.
+
+    :param store: where blobs live.
+    :param model: the model's identity (name and revision, say): replicas share blobs only when
+        it, the pool's :class:`~linear_state.StateLayout` and the codec's identity all agree.
+    :param kv: how the host's KV travels with a state.
+    :param namespace: the deployment's namespace in the store (a key prefix).
+    :param publisher: this replica's name, written into its blobs (default: host and process id).
+    :param max_probes: the deepest this many published depths are checked per probe.
+    :param retry_s: after a failed store call, no call is made for this long.
+    :param max_pending: publications waiting for their fences beyond this are dropped (oldest first).
+    :param clock: seconds, for ``retry_s``.
+    :raises ValueError: an empty ``model`` or ``namespace``, a bad number.
+    """
+
+    def __init__(
+        self,
+        store: SharedStore,
+        *,
+        model: str,
+        kv: KVCodec,
+        namespace: str = "radixcache",
+        publisher: str | None = None,
+        max_probes: int = 32,
+        retry_s: float = 1.0,
+        max_pending: int = 1024,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not isinstance(store, SharedStore):
+            raise TypeError(f"store must implement SharedStore, got {type(store).__name__}")
+        if not isinstance(model, str) or not model:
+            raise ValueError(f"model must be a non-empty string, got {model!r}")
+        if not isinstance(namespace, str) or not namespace or ":" in namespace:
+            raise ValueError(f"namespace must be a non-empty string without ':', got {namespace!r}")
+        if not isinstance(getattr(kv, "identity", None), str):
+            raise TypeError("kv must be a KVCodec (an `identity` string, export_kv and import_kv)")
+        for name, v in (("max_probes", max_probes), ("max_pending", max_pending)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if not retry_s >= 0:
+            raise ValueError(f"retry_s must be >= 0, got {retry_s!r}")
+        if publisher is None:
+            import os
+            import socket
+
+            publisher = f"{socket.gethostname()}:{os.getpid()}"
+        self.store = store
+        self.model = model
+        self.kv = kv
+        self.namespace = namespace
+        self.publisher = publisher
+        self.max_probes = max_probes
+        self.retry_s = float(retry_s)
+        self.max_pending = max_pending
+        self.clock = clock
+        self.stats = SharedStats()
+        self.on_reject: Callable[[Rejection], None] | None = None
+        self._down_until = -1.0
+        self._layout: StateLayout | None = None
+        self._identity = ""
+        self._id_digest = ""
+        self._stage: LinearStatePool | None = None
+        self._stage_slot = 0
+        self._stage_owner = RequestOwner("shared-tier staging")
+        self._done: OrderedDict[str, None] = OrderedDict()  # keys published or fetched here (bounded)
+
+    # ----------------------------------------------------------------- set-up
+    def bind(self, layout: StateLayout) -> None:
+        """Called by the manager: the layout of the pool the tier serves (once).
+
+        :raises RuntimeError: bound already to another layout.
+        """
+        if self._layout is not None:
+            if self._layout != layout:
+                raise RuntimeError("this SharedTier serves another manager already (one tier per manager)")
+            return
+        self._layout = layout
+        self._identity = f"model={self.model}|layout={layout!r}|kv={self.kv.identity}"
+        self._id_digest = hashlib.blake2b(self._identity.encode(), digest_size=10).hexdigest()
+        self._stage = LinearStatePool(layout, 1)
+        self._stage_slot = self._stage.alloc(self._stage_owner)
+
+    @property
+    def identity(self) -> str:
+        """Model, layout and KV identity this tier's blobs carry (empty until bound)."""
+        return self._identity
+
+    def key(self, ids: np.ndarray, namespace: Hashable) -> str:
+        """The store key of the snapshot after all of ``ids`` (int64 cache ids) in ``namespace``."""
+        h = hashlib.blake2b(digest_size=20)
+        h.update(self._identity.encode())
+        h.update(b"\0" + _ns_name(namespace).encode() + b"\0")
+        h.update(np.ascontiguousarray(ids, dtype=np.int64).tobytes())
+        return f"{self.namespace}:{self._id_digest}:{h.hexdigest()}"
+
+    def index(self, namespace: Hashable) -> str:
+        """The store's index of published depths for ``namespace``."""
+        ns = hashlib.blake2b(_ns_name(namespace).encode(), digest_size=8).hexdigest()
+        return f"{self.namespace}:{self._id_digest}:depths:{ns}"
+
+    # ----------------------------------------------------------- store calls
+    @property
+    def down(self) -> bool:
+        """The store failed recently; calls are skipped until ``retry_s`` passed."""
+        return self.clock() < self._down_until
+
+    def _guarded(self, fn: Callable[[], object]) -> tuple[bool, object]:
+        if self.down:
+            self.stats.skipped_down += 1
+            return False, None
+        try:
+            return True, fn()
+        except SharedStoreError:
+            self.stats.errors += 1
+            self._down_until = self.clock() + self.retry_s
+            return False, None
+
+    # ------------------------------------------------------------- publish
+    def publish(
+        self,
+        ids: np.ndarray,
+        namespace: Hashable,
+        pool: LinearStatePool,
+        slot: int,
+        kv_indices: torch.Tensor,
+        kv_after: Fence | None,
+    ) -> bool:
+        """Publish the state in ``pool``'s ``slot`` (the state after all of ``ids``) with the KV of
+        ``kv_indices``; the caller made sure the slot's and the KV's writers completed or passes
+        their fence (``kv_after``; the pool orders its own reads). True when a blob was stored.
+        A key this tier published or fetched before is not published again."""
+        if self._layout is None:
+            raise RuntimeError("SharedTier.publish before bind (give the tier to a CacheManager)")
+        depth = int(ids.size)
+        key = self.key(ids, namespace)
+        if key in self._done or self.down:
+            return False
+        conv, rec = pool.read(slot)
+        fp = pool.fingerprint(slot)
+        state = _raw(conv) + _raw(rec)
+        kv = self.kv.export_kv(kv_indices, kv_after)
+        header = {
+            "identity": self._identity,
+            "depth": depth,
+            "fingerprint": fp,
+            "state_bytes": len(state),
+            "kv_bytes": len(kv),
+            "publisher": self.publisher,
+        }
+        blob = encode_blob(header, state, kv)
+        index = self.index(namespace)
+
+        def put() -> bool:
+            stored = self.store.put(key, blob)
+            self.store.add_depth(index, depth)
+            return stored
+
+        ok, stored = self._guarded(put)
+        if not ok:
+            return False
+        self._remember(key)
+        if stored:
+            self.stats.published += 1
+        return bool(stored)
+
+    def _remember(self, key: str) -> None:
+        self._done[key] = None
+        if len(self._done) > 65536:
+            self._done.popitem(last=False)
+
+    # --------------------------------------------------------------- fetch
+    def fetch(self, ids: np.ndarray, namespace: Hashable, local: int) -> Fetched | None:
+        """The deepest verified blob for a prefix of ``ids`` deeper than ``local`` tokens (and
+        shorter than ``ids``), staged in the tier's staging slot; None: a miss (nothing deeper, the
+        store down, or the blob rejected: then ``on_reject`` heard why and the blob was deleted)."""
+        if self._layout is None:
+            raise RuntimeError("SharedTier.fetch before bind (give the tier to a CacheManager)")
+        n = int(ids.size) - 1
+        if n <= local:
+            return None
+        self.stats.probes += 1
+        index = self.index(namespace)
+        ok, got = self._guarded(lambda: self.store.depths(index, local, n))
+        if not ok or not got:
+            return None
+        assert isinstance(got, list)
+        depths = got[-self.max_probes :][::-1]
+        keys = [self.key(ids[:d], namespace) for d in depths]
+        ok, there = self._guarded(lambda: self.store.exists(keys))
+        if not ok:
+            return None
+        assert isinstance(there, list)
+        for d, k, present in zip(depths, keys, there, strict=True):
+            if not present:
+                continue
+            ok, blob = self._guarded(lambda k=k: self.store.get(k))  # type: ignore[misc]
+            if not ok:
+                return None
+            if blob is None:  # deleted in between
+                continue
+            assert isinstance(blob, bytes)
+            got_blob = self._verify(blob, k, d)
+            if got_blob is None:
+                self._guarded(lambda k=k: self.store.delete(k))  # type: ignore[misc]
+                return None
+            return got_blob
+        return None
+
+    def _reject(self, reason: str, key: str, depth: int, publisher: str, **kw: object) -> None:
+        self.stats.rejected[reason] = self.stats.rejected.get(reason, 0) + 1
+        if self.on_reject is not None:
+            self.on_reject(Rejection(reason, key, depth, publisher, **kw))  # type: ignore[arg-type]
+
+    def _verify(self, blob: bytes, key: str, depth: int) -> Fetched | None:
+        parsed = _parse(blob)
+        if parsed is None:
+            self._reject("format", key, depth, "?", detail=f"{len(blob)} bytes, not a whole blob header")
+            return None
+        header, body = parsed
+        publisher = str(header.get("publisher", "?"))
+        if header.get("identity") != self._identity:
+            self._reject("layout", key, depth, publisher, detail=f"published for {header.get('identity')!r}")
+            return None
+        layout = self._layout
+        assert layout is not None and self._stage is not None
+        state_bytes, kv_bytes, fp = header.get("state_bytes"), header.get("kv_bytes"), header.get("fingerprint")
+        if (
+            header.get("depth") != depth
+            or state_bytes != layout.slot_bytes
+            or not isinstance(kv_bytes, int)
+            or not isinstance(fp, int)
+            or len(body) != layout.slot_bytes + kv_bytes
+        ):
+            self._reject(
+                "length",
+                key,
+                depth,
+                publisher,
+                detail=f"depth {header.get('depth')}, state {state_bytes} of {layout.slot_bytes} bytes, "
+                f"kv {kv_bytes}, body {len(body)} bytes",
+            )
+            return None
+        conv_n = layout.num_layers * layout.conv_bytes_per_layer
+        conv = _tensor(body[:conv_n], layout.conv_dtype, (layout.num_layers, *layout.conv_shape))
+        rec = _tensor(
+            body[conv_n : layout.slot_bytes], layout.recurrent_dtype, (layout.num_layers, *layout.recurrent_shape)
+        )
+        stage, s = self._stage, self._stage_slot
+        stage.write(s, conv, rec, owner=self._stage_owner).wait()
+        found = stage.fingerprint(s)
+        if found != fp:
+            self._reject("fingerprint", key, depth, publisher, expected=fp, found=found)
+            return None
+        self._remember(key)
+        return Fetched(depth, body[layout.slot_bytes :], publisher, fp)
+
+    @property
+    def staging(self) -> tuple[LinearStatePool, int, RequestOwner]:
+        """The one-slot CPU pool, its slot and owner a verified fetch is staged in."""
+        assert self._stage is not None, "bind first"
+        return self._stage, self._stage_slot, self._stage_owner
+
+    def counted_hit(self, fetched: Fetched, extra_tokens: int) -> None:
+        """The manager served a request from ``fetched`` (covering ``extra_tokens`` beyond its
+        local match)."""
+        self.stats.hits += 1
+        self.stats.hit_tokens += extra_tokens
+        self.stats.foreign_hits += fetched.publisher != self.publisher
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    """A CPU tensor's raw bytes (any dtype, bf16 included)."""
+    flat = t.contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().tobytes()
+
+
+def _tensor(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """Raw bytes as a tensor of ``dtype`` and ``shape`` (a copy: the blob may go)."""
+    if not data:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)

@@ -1,0 +1,487 @@
+"""The shared tier: replicas publish snapshots (state, KV, fingerprint) to a store and fetch what
+they miss; every fetched blob is verified before it is restored, and a store that goes away costs
+hits, never answers."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from linear_state import LinearStatePool, StateLayout
+from radixcache import Admission, CacheManager, HybridRadixCache
+from radixcache.core.shared import BLOB_MAGIC, MemoryStore, RedisStore, SharedStore, SharedStoreError, SharedTier
+from radixcache.core.tree import HOST_TIER_FACTOR, auto_host_pool
+from radixcache.testing.engine import EngineRequest, ReferenceEngine, generate_cold
+from radixcache.testing.model import HybridConfig, HybridModel
+
+from .redis_server import RedisServer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def model() -> HybridModel:
+    return HybridModel(HybridConfig())
+
+
+def _prompts(n: int, seed: int = 0, shared: int = 300) -> list[list[int]]:
+    rng = random.Random(seed)
+    system = [rng.randrange(500) for _ in range(shared)]
+    return [system + [rng.randrange(500) for _ in range(rng.randint(20, 60))] for _ in range(n)]
+
+
+def _serve(engine: ReferenceEngine, prompts: list[list[int]], tag: str, new: int = 4) -> list[EngineRequest]:
+    for i, p in enumerate(prompts):
+        engine.submit(EngineRequest(f"{tag}{i}", p, new))
+    return engine.run()
+
+
+def _assert_exact(model: HybridModel, finished: list[EngineRequest]) -> None:
+    for r in finished:
+        gt, first = generate_cold(model, r.prompt, len(r.output))
+        assert r.output == gt, f"{r.rid}: wrong answer after a hit of {r.cached_length} tokens"
+        assert r.first_logits is not None
+        assert float((r.first_logits - first).abs().max()) < 1e-6, r.rid
+
+
+def _publisher_and_fetcher(
+    model: HybridModel, store: SharedStore, **kw: object
+) -> tuple[ReferenceEngine, ReferenceEngine]:
+    a = ReferenceEngine(model, shared_store=store, publisher="A", **kw)  # type: ignore[arg-type]
+    b = ReferenceEngine(model, shared_store=store, publisher="B", **kw)  # type: ignore[arg-type]
+    return a, b
+
+
+def _publish(a: ReferenceEngine, prompts: list[list[int]]) -> None:
+    _serve(a, prompts, "a")
+    assert a.manager.publish_pending(wait=True) >= 0
+    assert a.manager.metrics().shared_published > 0
+
+
+# ----------------------------------------------------------------- in process
+def test_a_replica_serves_exact_answers_from_another_replicas_snapshots(model: HybridModel) -> None:
+    store = MemoryStore()
+    a, b = _publisher_and_fetcher(model, store)
+    prompts = _prompts(4)
+    _publish(a, prompts[:2])
+    finished = _serve(b, prompts, "b")
+    m = b.manager.metrics()
+    assert m.shared_hits >= 2 and m.shared_foreign_hits == m.shared_hits
+    assert m.shared_rejected == 0
+    # the first two prompts were computed whole by A: B's hit covers far beyond the system prompt
+    deep = [r.cached_length for r in finished if r.rid in ("b0", "b1")]
+    assert min(deep) > 300, deep
+    _assert_exact(model, finished)
+    b.manager.check_invariants()
+
+
+def test_the_hit_is_inserted_into_the_local_tree_and_not_fetched_twice(model: HybridModel) -> None:
+    store = MemoryStore()
+    a, b = _publisher_and_fetcher(model, store)
+    prompts = _prompts(1)
+    _publish(a, prompts)
+    _serve(b, prompts, "b")
+    first = b.manager.metrics().shared_hits
+    _serve(b, prompts, "again")
+    assert first == 1 and b.manager.metrics().shared_hits == 1  # the second hit is local
+    assert b.manager.metrics().hits == 2
+
+
+def _corrupt(store: MemoryStore, how: Callable[[bytes], bytes]) -> int:
+    n = 0
+    for k, blob in list(store.blobs.items()):
+        store.blobs[k] = how(blob)
+        n += 1
+    return n
+
+
+def _flip_state_byte(blob: bytes) -> bytes:
+    hl = int.from_bytes(blob[len(BLOB_MAGIC) : len(BLOB_MAGIC) + 4], "little")
+    at = len(BLOB_MAGIC) + 4 + hl + 37  # inside the conv state
+    return blob[:at] + bytes([blob[at] ^ 0x10]) + blob[at + 1 :]
+
+
+def _with_header(blob: bytes, **changes: object) -> bytes:
+    n = len(BLOB_MAGIC)
+    hl = int.from_bytes(blob[n : n + 4], "little")
+    header = json.loads(blob[n + 4 : n + 4 + hl])
+    header.update(changes)
+    h = json.dumps(header, sort_keys=True).encode()
+    return BLOB_MAGIC + len(h).to_bytes(4, "little") + h + blob[n + 4 + hl :]
+
+
+@pytest.mark.parametrize(
+    ("how", "reason"),
+    [
+        (_flip_state_byte, "fingerprint"),
+        (lambda b: b[: len(b) // 2], "length"),  # truncated inside the state
+        (lambda b: b[:10], "format"),  # truncated inside the header
+        (lambda b: _with_header(b, identity="model=other|layout=StateLayout(...)|kv=x"), "layout"),
+        (lambda b: _with_header(b, kv_bytes=7), "length"),
+    ],
+    ids=["flipped-state-byte", "truncated-body", "truncated-header", "another-layout", "lying-header"],
+)
+def test_a_bad_blob_is_a_miss_and_a_forensics_finding_never_a_restore(
+    model: HybridModel, tmp_path: Path, how: Callable[[bytes], bytes], reason: str
+) -> None:
+    store = MemoryStore()
+    a = ReferenceEngine(model, shared_store=store, publisher="A")
+    b = ReferenceEngine(model, shared_store=store, publisher="B", forensics_ledger=str(tmp_path / "b.jsonl"))
+    prompts = _prompts(2)
+    _publish(a, prompts)
+    assert _corrupt(store, how) > 0
+    finished = _serve(b, prompts, "b")
+    _assert_exact(model, finished)  # served from B's own computation
+    m = b.manager.metrics()
+    assert m.shared_hits == 0 and m.shared_rejected >= 1
+    assert b.shared is not None and set(b.shared.stats.rejected) == {reason}
+    fx = b.forensics
+    assert fx is not None
+    kinds = {f.kind for f in fx.findings}
+    assert kinds == {f"shared-{reason}"}
+    assert all(f.donor == ("A" if reason != "format" else "?") for f in fx.findings)
+    ledger = [json.loads(line) for line in (tmp_path / "b.jsonl").read_text().splitlines()]
+    assert any(e.get("kind") == f"shared-{reason}" for e in ledger)
+    # the refused blobs were deleted from the store, so a healthy replica can publish them again
+    assert b.manager.publish_pending(wait=True) >= 0
+    b.manager.check_invariants()
+
+
+def test_without_the_fingerprint_check_a_corrupted_blob_would_serve_a_wrong_state(
+    model: HybridModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The check above can fail: with the verification's fingerprint comparison skipped, the
+    corrupted state is restored and the answer's logits move."""
+    store = MemoryStore()
+    a, b = _publisher_and_fetcher(model, store)
+    prompts = _prompts(1)
+    _publish(a, prompts)
+    _corrupt(store, _flip_state_byte)
+    import radixcache.core.shared as shared_mod
+
+    real_parse, seen = shared_mod._parse, [0]
+
+    def parse(blob: bytes) -> tuple[dict[str, object], bytes] | None:
+        out = real_parse(blob)
+        if out is not None:
+            fp = out[0]["fingerprint"]
+            assert isinstance(fp, int)
+            seen[0] = fp
+        return out
+
+    monkeypatch.setattr(shared_mod, "_parse", parse)
+    monkeypatch.setattr(LinearStatePool, "fingerprint", lambda self, slot: seen[0])  # the check passes
+    finished = _serve(b, prompts, "b")
+    assert b.manager.metrics().shared_hits == 1
+    _, first = generate_cold(model, prompts[0], len(finished[0].output))
+    assert finished[0].first_logits is not None
+    assert float((finished[0].first_logits - first).abs().max()) > 1e-6
+
+
+def test_no_room_for_the_kv_is_a_miss_that_changes_nothing(model: HybridModel) -> None:
+    store = MemoryStore()
+    a, b = _publisher_and_fetcher(model, store)
+    prompts = _prompts(1)
+    _publish(a, prompts)
+    b.kv_codec.import_kv = lambda data, num_tokens: None  # type: ignore[method-assign]
+    finished = _serve(b, prompts, "b")
+    _assert_exact(model, finished)
+    assert b.shared is not None and b.shared.stats.no_room == 1 and b.manager.metrics().shared_hits == 0
+    b.manager.check_invariants()
+
+
+class _DownStore(MemoryStore):
+    """A store whose every call fails while ``down`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.is_down = False
+        self.calls = 0
+
+    def _gate(self) -> None:
+        self.calls += 1
+        if self.is_down:
+            raise SharedStoreError("store down (test)")
+
+    def get(self, key: str) -> bytes | None:
+        self._gate()
+        return super().get(key)
+
+    def put(self, key: str, blob: bytes) -> bool:
+        self._gate()
+        return super().put(key, blob)
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        self._gate()
+        return super().exists(keys)
+
+    def depths(self, index: str, lo: int, hi: int) -> list[int]:
+        self._gate()
+        return super().depths(index, lo, hi)
+
+
+def test_a_store_that_fails_is_left_alone_for_retry_s_then_asked_again() -> None:
+    t = [0.0]
+    store = _DownStore()
+    layout = StateLayout(2, (4, 3), (2, 4, 4))
+    tier = SharedTier(store, model="m", kv=_NoKV(), retry_s=5.0, clock=lambda: t[0])
+    tier.bind(layout)
+    ids = np.arange(100, dtype=np.int64)
+    store.is_down = True
+    assert tier.fetch(ids, None, 0) is None and tier.stats.errors == 1 and tier.down
+    calls = store.calls
+    assert tier.fetch(ids, None, 0) is None and store.calls == calls  # not asked while down
+    assert tier.stats.skipped_down == 1
+    store.is_down = False
+    t[0] = 5.1
+    assert not tier.down
+    assert tier.fetch(ids, None, 0) is None and store.calls == calls + 1  # asked again: nothing there
+
+
+class _NoKV:
+    identity = "none"
+
+    def export_kv(self, kv_indices: torch.Tensor, after: object) -> bytes:
+        return b""
+
+    def import_kv(self, data: bytes, num_tokens: int) -> torch.Tensor | None:
+        return torch.arange(num_tokens)
+
+
+def test_bad_tier_arguments_raise_typed_errors() -> None:
+    store = MemoryStore()
+    with pytest.raises(TypeError, match="SharedStore"):
+        SharedTier(object(), model="m", kv=_NoKV())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="model"):
+        SharedTier(store, model="", kv=_NoKV())
+    with pytest.raises(ValueError, match="namespace"):
+        SharedTier(store, model="m", kv=_NoKV(), namespace="a:b")
+    with pytest.raises(ValueError, match="max_probes"):
+        SharedTier(store, model="m", kv=_NoKV(), max_probes=0)
+    with pytest.raises(TypeError, match="KVCodec"):
+        SharedTier(store, model="m", kv=object())  # type: ignore[arg-type]
+    layout = StateLayout(2, (4, 3), (2, 4, 4))
+    pool = LinearStatePool(layout, 4)
+    with pytest.raises(TypeError, match="SharedTier"):
+        CacheManager(HybridRadixCache(pool), shared=store)  # type: ignore[arg-type]
+    tier = SharedTier(store, model="m", kv=_NoKV())
+    CacheManager(HybridRadixCache(pool), shared=tier)
+    other = LinearStatePool(StateLayout(3, (4, 3), (2, 4, 4)), 4)
+    with pytest.raises(RuntimeError, match="another manager"):
+        CacheManager(HybridRadixCache(other), shared=tier)
+
+
+def test_keys_separate_models_namespaces_and_prefixes() -> None:
+    layout = StateLayout(2, (4, 3), (2, 4, 4))
+    tiers = []
+    for model_id in ("m1", "m2"):
+        t = SharedTier(MemoryStore(), model=model_id, kv=_NoKV())
+        t.bind(layout)
+        tiers.append(t)
+    ids = np.arange(64, dtype=np.int64)
+    keys = {
+        tiers[0].key(ids, None),
+        tiers[1].key(ids, None),
+        tiers[0].key(ids, "tenant"),
+        tiers[0].key(ids[:63], None),
+    }
+    assert len(keys) == 4
+    assert tiers[0].key(ids, None) == tiers[0].key(ids.copy(), None)  # content addressed
+
+
+# -------------------------------------------------------------- default host tier
+def test_the_host_tier_is_on_by_default_with_a_byte_budget() -> None:
+    layout = StateLayout(2, (4, 3), (2, 4, 4))
+    pool = LinearStatePool(layout, 10)
+    cache = HybridRadixCache(pool)
+    assert cache.host_pool is not None
+    assert cache.host_pool.capacity == HOST_TIER_FACTOR * 10
+    assert cache.host_pool.device.type == "cpu"
+    assert HybridRadixCache(pool, host_pool=None).host_pool is None
+    sized = HybridRadixCache(pool, host_budget_bytes=3 * layout.slot_bytes + 1)
+    assert sized.host_pool is not None and sized.host_pool.capacity == 3
+    assert HybridRadixCache(pool, host_budget_bytes=layout.slot_bytes - 1).host_pool is None
+    assert auto_host_pool(pool, 0) is None
+    with pytest.raises(ValueError, match="host_budget_bytes"):
+        HybridRadixCache(pool, host_budget_bytes=-1)
+    with pytest.raises(ValueError, match="a pool was given"):
+        HybridRadixCache(pool, host_pool=None, host_budget_bytes=100)
+    with pytest.raises(TypeError, match="'auto'"):
+        HybridRadixCache(pool, host_pool="on")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="host_budget_bytes"):
+        HybridRadixCache(pool, host_budget_bytes=1.5)  # type: ignore[arg-type]
+
+
+# -------------------------------------------------------------------- Redis
+def test_replicas_share_through_a_real_redis_server(model: HybridModel, redis_server: RedisServer) -> None:
+    a, b = _publisher_and_fetcher(model, RedisStore(redis_server.url))
+    prompts = _prompts(3, seed=1)
+    _publish(a, prompts[:2])
+    finished = _serve(b, prompts, "b")
+    assert b.manager.metrics().shared_foreign_hits >= 2
+    _assert_exact(model, finished)
+
+
+def test_a_replica_keeps_serving_while_redis_is_down_and_uses_it_again_when_it_returns(
+    model: HybridModel, redis_server: RedisServer
+) -> None:
+    store = RedisStore(redis_server.url, timeout_s=0.2)
+    a = ReferenceEngine(model, shared_store=store, publisher="A")
+    assert a.shared is not None
+    a.shared.retry_s = 0.0  # ask again at once after a failure
+    prompts = _prompts(6, seed=2)
+    _serve(a, prompts[:1], "up")
+    redis_server.kill()  # mid-run: the server crashes
+    down = _serve(a, prompts[1:3], "down")
+    _assert_exact(model, down)  # misses only, no wrong answer
+    a.manager.publish_pending(wait=True)
+    errors = a.manager.metrics().shared_errors
+    assert errors >= 1
+    a.manager.check_invariants()
+    redis_server.start()  # the server returns (empty: it persisted nothing)
+    _serve(a, prompts[3:4], "back")
+    published = a.manager.publish_pending(wait=True)
+    assert published >= 1  # reconnected by itself
+    b = ReferenceEngine(model, shared_store=RedisStore(redis_server.url), publisher="B")
+    finished = _serve(b, prompts[3:4], "b")
+    assert b.manager.metrics().shared_foreign_hits == 1
+    _assert_exact(model, finished)
+
+
+def _hammer(url: str, replica: str, requests: int, *extra: str) -> subprocess.Popen[str]:
+    env = dict(os.environ, RADIXCACHE_NO_PROGRESS="1")
+    args = [sys.executable, "-m", "radixcache.cli", "hammer", "--json", "--no-warm", "--shared-redis", url]
+    args += ["--replica", replica, "--requests", str(requests), "--concurrency", "4", "--seed", "3", *extra]
+    return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _report(p: subprocess.Popen[str]) -> dict[str, object]:
+    out, err = p.communicate(timeout=900)
+    assert out.strip(), err[-2000:]
+    rep = json.loads(out)
+    assert isinstance(rep, dict)
+    return rep
+
+
+def test_two_replica_processes_share_prefixes_through_redis(redis_server: RedisServer) -> None:
+    procs = [_hammer(redis_server.url, f"{i}/2", 24) for i in range(2)]
+    reps = [_report(p) for p in procs]
+    for rep in reps:
+        assert rep["wrong_answers"] == 0 and rep["slots_leaked"] == 0 and rep["kv_leaked"] == 0, rep
+        assert rep["ok"], rep
+    foreign = [rep["metrics"]["shared_foreign_hits"] for rep in reps]  # type: ignore[index]
+    assert sum(foreign) > 0, foreign  # hits on prefixes only the other replica computed
+
+
+def test_a_corrupted_blob_between_replicas_is_reported_and_no_answer_is_wrong(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    first = _report(_hammer(redis_server.url, "0/2", 16))
+    assert first["ok"], first
+    import redis
+
+    r = redis.Redis.from_url(redis_server.url)
+    blobs = [k for k in r.scan_iter() if b":depths:" not in k]
+    assert blobs
+    for k in blobs:
+        v = r.get(k)
+        assert isinstance(v, bytes)
+        r.set(k, _flip_state_byte(v))
+    ledger = tmp_path / "replica1.jsonl"
+    second = _report(_hammer(redis_server.url, "1/2", 16, "--forensics", str(ledger)))
+    assert second["wrong_answers"] == 0 and second["slots_leaked"] == 0, second
+    assert second["metrics"]["shared_rejected"] >= 1  # type: ignore[index]
+    assert int(second["snapshot_corruptions"]) >= 1  # type: ignore[call-overload]  # forensics reports it
+    kinds = {json.loads(line).get("kind") for line in ledger.read_text().splitlines()}
+    assert "shared-fingerprint" in kinds
+
+
+# -------------------------------------------------------------------- replay
+def test_replay_models_the_shared_store_and_its_fetch_time() -> None:
+    from radixcache.policies import make_policy
+    from radixcache.simulator.replay import PRESETS, replay
+    from radixcache.simulator.traces import generate
+
+    trace = sorted(generate("chat", 0), key=lambda r: r.ts)[:300]
+    preset = PRESETS["qwen3-next-80b"]
+    budget = 2 * 2**30
+    base = replay(trace, make_policy("hit-density"), preset, budget)
+    shared = replay(trace, make_policy("hit-density"), preset, budget, shared_gbps=10.0)
+    assert base.shared_hits == 0 and shared.shared_hits > 0
+    assert shared.token_hit_rate > base.token_hit_rate
+    assert shared.shared_hit_tokens <= shared.hit_tokens
+    # each fetch moves the snapshot and the KV of its prefix at 10 GB/s
+    lower = shared.shared_hits * preset.snapshot_bytes / 10e9
+    upper = (shared.shared_hits * preset.snapshot_bytes + shared.shared_hit_tokens * preset.kv_bytes_per_token) / 10e9
+    assert lower < shared.shared_restore_s <= upper * (1 + 1e-9)
+    assert shared.shared_prefill_s_saved > 0
+    with pytest.raises(ValueError, match="shared_gbps"):
+        replay(trace, make_policy("hit-density"), preset, budget, shared_gbps=-1.0)
+
+
+def test_a_fetched_state_is_in_the_live_slot_exactly_when_the_admissions_fence_completed() -> None:
+    """The fetch's copy into the request's slot runs on the manager's stream; ``admission.ready``
+    is its fence. Read raw (no pool wait): before the fence the slot is not written, after it is."""
+    from linear_state import DeferredStream
+
+    layout = StateLayout(2, (4, 3), (2, 4, 4), conv_dtype=torch.float32)
+    store = MemoryStore()
+    src = LinearStatePool(layout, 2)
+    publisher = SharedTier(store, model="m", kv=_NoKV(), publisher="A")
+    publisher.bind(layout)
+    from linear_state import RequestOwner
+
+    owner = RequestOwner("a")
+    slot = src.alloc(owner)
+    gen = torch.Generator().manual_seed(1)
+    conv = torch.randn(2, 4, 3, generator=gen)
+    rec = torch.randn(2, 2, 4, 4, generator=gen)
+    src.write(slot, conv, rec, owner=owner).wait()
+    ids = np.arange(100, dtype=np.int64)
+    assert publisher.publish(ids[:64], None, src, slot, torch.arange(64), None)
+
+    copies = DeferredStream("copies")
+    pool = LinearStatePool(layout, 8)
+    mgr = CacheManager(
+        HybridRadixCache(pool, stream=copies, host_pool=None),
+        shared=SharedTier(store, model="m", kv=_NoKV(), publisher="B"),
+    )
+    adm = mgr.admit("r", ids)
+    assert isinstance(adm, Admission) and adm.cached_length == 64
+    assert mgr.metrics().shared_foreign_hits == 1
+    assert not adm.ready.is_complete()
+    assert not torch.equal(pool.conv[:, adm.live_slot], conv)  # not written yet
+    adm.ready.wait()
+    assert torch.equal(pool.conv[:, adm.live_slot], conv) and torch.equal(pool.recurrent[:, adm.live_slot], rec)
+    node = mgr.cache.match(ids[:64], touch=False)
+    assert node.length == 64 and node.snapshot_slot is not None  # the tree holds its own clone
+    copies.synchronize()
+    assert torch.equal(pool.conv[:, node.snapshot_slot], conv)
+    mgr.abort("r")
+    copies.synchronize()
+    mgr.check_invariants()
+
+
+def test_replicas_of_another_model_never_read_each_others_blobs(model: HybridModel) -> None:
+    """A replica serving another model (here: other weights) addresses other keys: no hit, and no
+    blob of the other model is even fetched (nothing refused either)."""
+    store = MemoryStore()
+    a = ReferenceEngine(model, shared_store=store, publisher="A")
+    other = HybridModel(HybridConfig(seed=1))
+    b = ReferenceEngine(other, shared_store=store, publisher="B")
+    prompts = _prompts(2)
+    _publish(a, prompts)
+    finished = _serve(b, prompts, "b")
+    m = b.manager.metrics()
+    assert m.shared_hits == 0 and m.shared_rejected == 0
+    assert b.shared is not None and a.shared is not None and b.shared.identity != a.shared.identity
+    _assert_exact(other, finished)
