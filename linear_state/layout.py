@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -18,7 +19,13 @@ class StateLayout:
     layers, one conv window of ``conv_shape`` (``conv_dtype``) and one recurrent state of
     ``recurrent_shape`` (``recurrent_dtype``).
 
-    :raises ValueError: a non-positive layer count or dimension, or a non-floating dtype.
+    ``model_layers``, when given, names the model layer of each slot layer (slot layer ``i`` holds
+    the state of model layer ``model_layers[i]``; hybrid models number their layers over attention
+    and linear layers alike). The dtypes are explicit: a state of a wider dtype is never silently
+    narrowed into a slot (see :mod:`radixcache.hf`).
+
+    :raises ValueError: a non-positive layer count or dimension, a non-floating dtype, or
+        ``model_layers`` not ``num_layers`` distinct non-negative ascending ints.
     """
 
     num_layers: int
@@ -26,6 +33,7 @@ class StateLayout:
     recurrent_shape: tuple[int, ...]
     conv_dtype: torch.dtype = torch.bfloat16
     recurrent_dtype: torch.dtype = torch.float32
+    model_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.num_layers <= 0:
@@ -37,6 +45,30 @@ class StateLayout:
         for name, dtype in (("conv_dtype", self.conv_dtype), ("recurrent_dtype", self.recurrent_dtype)):
             if not dtype.is_floating_point:
                 raise ValueError(f"{name} must be a floating dtype, got {dtype}")
+        if self.model_layers is not None:
+            ids = tuple(int(i) for i in self.model_layers)
+            if len(ids) != self.num_layers or any(i < 0 for i in ids) or list(ids) != sorted(set(ids)):
+                raise ValueError(
+                    f"model_layers must be {self.num_layers} distinct ascending layer ids >= 0, got {self.model_layers}"
+                )
+            object.__setattr__(self, "model_layers", ids)
+
+    @classmethod
+    def from_hf_config(
+        cls, config: Any, *, conv_dtype: torch.dtype | None = None, recurrent_dtype: torch.dtype | None = None
+    ) -> StateLayout:
+        """The layout of a transformers hybrid model from its config (see :mod:`linear_state.hf`:
+        the families covered, each family's own state shapes, which layers are linear; the conv
+        state in the model's dtype, the recurrent state in float32, unless overridden).
+
+        :raises ValueError: a family not covered (with the reason for those transformers ships).
+        :raises ImportError: transformers is not installed (``pip install 'radixcache[hf]'``).
+        """
+        from .hf import layout_from_hf_config
+
+        out = layout_from_hf_config(config, conv_dtype=conv_dtype, recurrent_dtype=recurrent_dtype)
+        assert isinstance(out, cls)
+        return out
 
     @property
     def conv_bytes_per_layer(self) -> int:

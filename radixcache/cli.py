@@ -81,6 +81,8 @@ def cmd_hammer(args: argparse.Namespace) -> int:
         replica=replica,
         replicas=replicas,
         warm=not args.no_warm,
+        model=args.model,
+        logit_tol=args.logit_tol if args.logit_tol is not None else (1e-6 if args.model == "reference" else 1e-5),
     )
     update, close = progress_callback(cfg.requests, "hammer")
     try:
@@ -253,6 +255,19 @@ def _parser() -> argparse.ArgumentParser:
         help="serve replica I's round-robin share of the mix (every N-th request drawn), e.g. 0/2 and 1/2",
     )
     hammer.add_argument("--no-warm", action="store_true", help="do not pre-cache the system prompts")
+    hammer.add_argument(
+        "--model",
+        default="reference",
+        metavar="reference|hf:FAMILY",
+        help="the reference hybrid model, or a tiny seeded transformers model of FAMILY (qwen3_next, nemotron_h, "
+        "...: radixcache.hf.TINY_CONFIGS; needs the hf extra)",
+    )
+    hammer.add_argument(
+        "--logit-tol",
+        type=float,
+        default=None,
+        help="first-token logits must match the cold run within this (default 1e-6; 1e-5 for hf models)",
+    )
     hammer.add_argument(
         "--forward-delay-us",
         type=float,

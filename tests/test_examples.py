@@ -41,3 +41,16 @@ def test_integration_guide_step_table_is_the_minimal_hosts_code() -> None:
     assert len(calls) >= 8, table
     for call in calls:
         assert call in code, f"the guide shows {call!r}, which examples/minimal_host.py does not do"
+
+
+def test_hf_host_serves_a_transformers_model_with_exact_hits(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    _load("hf_host").main()  # asserts every hit's first-token logits within 1e-5 of the cold run
+    out = capsys.readouterr().out
+    m = re.search(r"(\d+) requests, (\d+) hits, max \|hit - cold\| first-token logit (\S+)", out)
+    assert m is not None, out
+    assert int(m.group(2)) >= 3 and float(m.group(3)) < 1e-5
+
+
+def test_hf_host_is_short() -> None:
+    assert len((ROOT / "examples" / "hf_host.py").read_text().splitlines()) < 150

@@ -23,6 +23,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
@@ -67,6 +68,9 @@ class HammerConfig:
     shared_redis: str | None = None  # a shared tier on this Redis server (redis://host:port/db)
     replica: int = 0  # with replicas > 1: serve only the drawn requests whose index % replicas == replica
     replicas: int = 1
+    # "reference" (the reference hybrid model) or "hf:FAMILY": a tiny seeded transformers model of
+    # that family (radixcache.hf.families) served by radixcache.hf.HFEngine: text only, base model
+    model: str = "reference"
 
 
 @dataclass
@@ -252,12 +256,70 @@ def run_hammer(
         raise ValueError(f"hammer device {cfg.device!r}: the reference engine runs on 'cpu' or 'cuda'")
     if not (isinstance(cfg.replicas, int) and cfg.replicas >= 1 and 0 <= cfg.replica < cfg.replicas):
         raise ValueError(f"hammer replica {cfg.replica} of {cfg.replicas}: need 0 <= replica < replicas")
+    if cfg.model != "reference":
+        return _run(_hf_config(cfg), None, progress)
     with injected(cfg.inject):
         return _run(cfg, model or HybridModel(HybridConfig(), device=cfg.device), progress)
 
 
-def _run(cfg: HammerConfig, model: HybridModel, progress: Callable[[int], None] | None) -> HammerReport:
-    engine = ReferenceEngine(
+def _hf_config(cfg: HammerConfig) -> HammerConfig:
+    """``cfg`` for a transformers model: checked, with what the HF engine serves (text, base model)."""
+    from dataclasses import replace
+
+    family = cfg.model.removeprefix("hf:")
+    from ..hf.families import TINY_CONFIGS
+
+    if not cfg.model.startswith("hf:") or family not in TINY_CONFIGS:
+        raise ValueError(
+            f"hammer model {cfg.model!r}: 'reference' or hf:FAMILY with FAMILY in {', '.join(TINY_CONFIGS)}"
+        )
+    bad = [
+        name
+        for name, v in (
+            ("inject", cfg.inject),
+            ("forensics", cfg.forensics),
+            ("shared_redis", cfg.shared_redis),
+            ("device", None if cfg.device == "cpu" else cfg.device),
+        )
+        if v is not None
+    ]
+    if bad:
+        raise ValueError(f"hammer on {cfg.model}: {', '.join(bad)} need the reference engine")
+    return replace(cfg, tenants=0, images=0, warm=False)
+
+
+def _hf_engine(cfg: HammerConfig) -> tuple[Any, Callable[[list[int], int], tuple[list[int], torch.Tensor]], int]:
+    from ..hf import HFEngine, generate_cold_hf, tiny_model
+
+    config, model = tiny_model(cfg.model.removeprefix("hf:"), seed=cfg.seed)
+    engine = HFEngine(
+        model,
+        config,
+        max_running=cfg.concurrency,
+        chunk=cfg.chunk,
+        snapshot_slots=cfg.snapshot_slots,
+        host_slots=cfg.host_slots,
+        policy=None if cfg.policy == "hit-density" else make_policy(cfg.policy),
+    )
+    return engine, lambda prompt, n: generate_cold_hf(model, engine.bridge, prompt, n), int(config.vocab_size)
+
+
+def _run(cfg: HammerConfig, model: HybridModel | None, progress: Callable[[int], None] | None) -> HammerReport:
+    if model is None:
+        engine, cold, vocab = _hf_engine(cfg)
+    else:
+        engine, vocab = _reference_engine(cfg, model), model.cfg.vocab_size
+
+        def cold(
+            prompt: list[int], n: int, namespace: object = None, images: object = ()
+        ) -> tuple[list[int], torch.Tensor]:
+            return generate_cold(model, prompt, n, chunk=cfg.chunk, namespace=namespace, images=images)  # type: ignore[arg-type]
+
+    return _hammer(cfg, engine, cold, vocab, progress)
+
+
+def _reference_engine(cfg: HammerConfig, model: HybridModel) -> ReferenceEngine:
+    return ReferenceEngine(
         model,
         max_running=cfg.concurrency,
         chunk=cfg.chunk,
@@ -272,7 +334,16 @@ def _run(cfg: HammerConfig, model: HybridModel, progress: Callable[[int], None] 
         shared_store=None if cfg.shared_redis is None else RedisStore(cfg.shared_redis),
         publisher=f"replica-{cfg.replica}",
     )
-    work = _Workload(cfg, model.cfg.vocab_size)
+
+
+def _hammer(
+    cfg: HammerConfig,
+    engine: Any,
+    cold_run: Callable[..., tuple[list[int], torch.Tensor]],
+    vocab: int,
+    progress: Callable[[int], None] | None,
+) -> HammerReport:
+    work = _Workload(cfg, vocab)
     t0 = time.perf_counter()
     stuck = n_served = 0
     error: str | None = None
@@ -319,7 +390,9 @@ def _run(cfg: HammerConfig, model: HybridModel, progress: Callable[[int], None] 
         need[key] = max(need.get(key, 0), len(r.output))
     for key, n in need.items() if cfg.ground_truth else ():
         prompt, namespace, images = key
-        truth[key] = generate_cold(model, list(prompt), n, chunk=cfg.chunk, namespace=namespace, images=images)
+        truth[key] = (
+            cold_run(list(prompt), n, namespace, images) if cfg.model == "reference" else cold_run(list(prompt), n)
+        )
     gt_s = time.perf_counter() - t1
     wrong = cross = drift = 0
     examples: list[str] = []

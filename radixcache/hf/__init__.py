@@ -1,0 +1,29 @@
+"""radixcache on transformers hybrid models (the ``hf`` extra): the slot/cache bridge, a host
+engine, tiny seeded configs of every covered family. Importing it needs transformers.
+
+Layouts come from :meth:`linear_state.StateLayout.from_hf_config` (families, shapes, dtypes:
+:mod:`linear_state.hf`; docs/models.md).
+"""
+
+from __future__ import annotations
+
+from linear_state.hf import FAMILIES, UNSUPPORTED, hf_family, linear_layer_ids
+
+from .bridge import HFStateBridge, PrecisionLoss
+from .engine import HFEngine, KVStore, generate_cold_hf
+from .families import TINY_CONFIGS, tiny_config, tiny_model
+
+__all__ = [
+    "FAMILIES",
+    "TINY_CONFIGS",
+    "UNSUPPORTED",
+    "HFEngine",
+    "HFStateBridge",
+    "KVStore",
+    "PrecisionLoss",
+    "generate_cold_hf",
+    "hf_family",
+    "linear_layer_ids",
+    "tiny_config",
+    "tiny_model",
+]

@@ -1,0 +1,167 @@
+"""The bridge between a pool slot and a transformers cache, for every covered hybrid family.
+
+A host running a transformers hybrid model keeps one cache object per request
+(``bridge.new_cache()``: transformers' ``DynamicCache`` for the model's config). The bridge moves
+the linear states between that object and pool slots:
+
+- :meth:`HFStateBridge.load`: a slot's states into a fresh cache, marked as a continuation (the
+  next forward extends them instead of starting from zero): the state of a hit, restored.
+- :meth:`HFStateBridge.store`: the cache's states after a forward into a slot: a capture (split
+  the forward at the capture's depth: forward ``[start, depth)``, store, forward ``[depth, end)``),
+  or the live state before ``finish`` donates it.
+
+Attention KV is not the bridge's: the host keeps its KV by index (the tree's ``kv_indices``) and
+appends a hit's prefix to the cache's attention layers itself (:meth:`HFStateBridge.attention_layers`
+names them; :class:`~radixcache.hf.engine.HFEngine` shows how).
+
+Layouts are :meth:`StateLayout.from_hf_config <linear_state.StateLayout.from_hf_config>`'s: each
+family's own shapes, transformers' ``kernel``-column conv windows, pool layer ``i`` = model layer
+``layout.model_layers[i]``.
+
+Precision: :meth:`store` never narrows silently. A state wider than its slot's dtype (an fp32 conv
+state into a bf16 slot, say) raises :class:`PrecisionLoss` with ``on_narrowing="raise"`` (the
+default), or is narrowed with one ``RuntimeWarning`` per bridge with ``"warn"``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Literal
+
+import torch
+
+from linear_state import Fence, LinearStatePool, Owner, StateLayout
+from linear_state.hf import INEXACT, hf_family
+
+try:
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError("radixcache.hf needs transformers: pip install 'radixcache[hf]'") from e
+
+__all__ = ["HFStateBridge", "PrecisionLoss"]
+
+
+class PrecisionLoss(TypeError):
+    """A state would be narrowed into a slot of a narrower dtype (``on_narrowing="raise"``)."""
+
+
+def _wider(src: torch.dtype, dst: torch.dtype) -> bool:
+    if src == dst:
+        return False
+    if src.itemsize != dst.itemsize:
+        return src.itemsize > dst.itemsize
+    return True  # same width, other format (bf16 vs fp16): either direction loses values
+
+
+class HFStateBridge:
+    """Load and store a transformers hybrid model's linear states (see the module docstring).
+
+    :param config: the model's config (a ``PretrainedConfig`` of a covered family).
+    :param layout: the pool's layout (default: ``StateLayout.from_hf_config(config)``); it must name
+        its ``model_layers``.
+    :param on_narrowing: ``"raise"`` (default) or ``"warn"`` (once per bridge) when a state is wider
+        than its slot.
+    :param device: where the model (and so the cache's states) lives.
+    :param allow_inexact: serve a family of :data:`linear_state.hf.INEXACT` anyway (its hits will
+        not equal its cold runs within 1e-5: transformers' own forward does not).
+    :raises ValueError: an uncovered family (or an inexact one, see ``allow_inexact``), a layout
+        whose layers or shapes are not the config's.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        layout: StateLayout | None = None,
+        *,
+        on_narrowing: Literal["raise", "warn"] = "raise",
+        device: torch.device | str = "cpu",
+        allow_inexact: bool = False,
+    ) -> None:
+        family = hf_family(config)
+        if family in INEXACT and not allow_inexact:
+            raise ValueError(f"{family}: {INEXACT[family]} (pass allow_inexact=True to serve it anyway)")
+        if on_narrowing not in ("raise", "warn"):
+            raise ValueError(f"on_narrowing must be 'raise' or 'warn', got {on_narrowing!r}")
+        auto = StateLayout.from_hf_config(config)
+        layout = auto if layout is None else layout
+        if layout.model_layers != auto.model_layers:
+            raise ValueError(
+                f"layout model_layers {layout.model_layers} are not the config's linear layers {auto.model_layers}"
+            )
+        if (layout.conv_shape, layout.recurrent_shape) != (auto.conv_shape, auto.recurrent_shape):
+            raise ValueError(
+                f"layout shapes {layout.conv_shape}, {layout.recurrent_shape} are not the config's "
+                f"{auto.conv_shape}, {auto.recurrent_shape}"
+            )
+        self.config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self.layout = layout
+        self.on_narrowing = on_narrowing
+        self.device = torch.device(device)
+        self.narrowed = 0  # states narrowed so far (with on_narrowing="warn")
+        assert layout.model_layers is not None
+        self._layers: tuple[int, ...] = layout.model_layers
+
+    def new_cache(self) -> Any:
+        """A fresh transformers cache for one request (batch 1) of this model."""
+        return DynamicCache(config=self.config)
+
+    def attention_layers(self, cache: Any) -> list[int]:
+        """The cache's layers that hold attention KV (the host appends a hit's prefix to them)."""
+        return [i for i, layer in enumerate(cache.layers) if isinstance(layer, DynamicLayer)]
+
+    def _linear(self, cache: Any, i: int) -> Any:
+        layer = cache.layers[i]
+        if not isinstance(layer, LinearAttentionCacheLayerMixin):
+            raise ValueError(f"cache layer {i} is {type(layer).__name__}, not a linear layer")
+        return layer
+
+    def load(self, pool: LinearStatePool, slot: int, cache: Any) -> None:
+        """Write ``slot``'s states (after the pool's pending work on it) into ``cache``, a fresh
+        cache of this model, as the state after the prefix: the next forward continues from it.
+
+        :raises ValueError: ``cache`` is not a fresh cache of this model's layers.
+        """
+        conv, rec = pool.read(slot)
+        k = self.layout.conv_shape[-1]
+        for j, i in enumerate(self._layers):
+            layer = self._linear(cache, i)
+            if layer.is_conv_states_initialized[0] or layer.has_previous_state[0]:
+                raise ValueError(f"cache layer {i} already holds a state: load into a fresh cache")
+            c = conv[j].unsqueeze(0).to(device=self.device, dtype=self.layout.conv_dtype)
+            r = rec[j].unsqueeze(0).to(device=c.device)
+            layer.lazy_initialization(conv_states=c, recurrent_states=r, conv_kernel_size=k)
+            layer.conv_states[0].copy_(c)
+            layer.recurrent_states[0].copy_(r)
+            layer.has_previous_state[0] = True
+
+    def store(
+        self, cache: Any, pool: LinearStatePool, slot: int, *, owner: Owner | None = None, after: tuple[Fence, ...] = ()
+    ) -> Fence:
+        """Copy ``cache``'s current linear states (batch row 0) into ``slot`` (a pool write,
+        ordered behind ``after``); returns its fence.
+
+        :raises PrecisionLoss: a state wider than the slot's dtype, with ``on_narrowing="raise"``;
+            nothing was written.
+        :raises ValueError: a layer has no state yet (no forward ran), or shapes differ.
+        """
+        convs, recs = [], []
+        for i in self._layers:
+            layer = self._linear(cache, i)
+            c, r = layer.conv_states[0], layer.recurrent_states[0]
+            if c is None or r is None:
+                raise ValueError(f"cache layer {i} holds no state yet: run a forward first")
+            convs.append(c[0])
+            recs.append(r[0])
+        conv, rec = torch.stack(convs), torch.stack(recs)
+        for what, t, dtype in (("conv", conv, self.layout.conv_dtype), ("recurrent", rec, self.layout.recurrent_dtype)):
+            if _wider(t.dtype, dtype):
+                msg = f"the {what} state is {t.dtype}, the slot keeps {dtype}: storing it loses precision"
+                if self.on_narrowing == "raise":
+                    raise PrecisionLoss(msg + " (pass on_narrowing='warn', or a layout of the state's dtype)")
+                if not self.narrowed:
+                    warnings.warn(msg + " (reported once per bridge)", RuntimeWarning, stacklevel=2)
+                self.narrowed += 1
+        conv = conv.to(dtype=self.layout.conv_dtype, device=pool.device)
+        rec = rec.to(dtype=self.layout.recurrent_dtype, device=pool.device)
+        return pool.write(slot, conv, rec, owner=owner, after=after)

@@ -1,0 +1,293 @@
+"""A host on a real transformers hybrid model: the manager's host protocol around ``model(...)``.
+
+One transformers cache object per running request. Per step: one prefill window of every
+prefilling request (plan; forward split at each capture's depth, the bridge storing the state
+there; commit), admissions (a hit: the live slot's state loaded into a fresh cache and the tree's
+KV of the prefix appended to its attention layers), one decode token of every decoding request,
+then greedy sampling; at finish the cache's state is stored into the live slot, which the manager
+donates. Transformers' hybrid caches keep one sequence length per cache object, so decode runs
+request by request (a batch would need left padding, which the linear states cannot take).
+
+The engine keeps the attention KV by index (:class:`KVStore`): the tree's ``kv_indices`` are rows
+of it, so a later hit reads the KV another request computed. Everything runs on the CPU's
+immediate stream: each pool write is complete when it returns.
+
+It is duck-typed to :class:`~radixcache.testing.engine.ReferenceEngine` for the hammer
+(``radixcache hammer --model hf:FAMILY``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from linear_state import LinearStatePool, RequestOwner
+
+from ..core.manager import Admission, CacheManager, WindowPlan, WindowResult
+from ..core.tree import HybridRadixCache
+from ..policies import HitDensity, Policy
+from ..testing.engine import EngineRequest, KVAllocator
+from .bridge import HFStateBridge
+
+__all__ = ["HFEngine", "KVStore", "generate_cold_hf"]
+
+
+class KVStore:
+    """Attention K and V rows by KV index, one pair of ``[num_tokens, heads, head_dim]`` tensors per
+    attention layer of the model (shapes learnt from one probe forward)."""
+
+    def __init__(self, model: Any, bridge: HFStateBridge, num_tokens: int) -> None:
+        cache = bridge.new_cache()
+        with torch.no_grad():
+            model(input_ids=torch.ones(1, 1, dtype=torch.long), cache=cache, use_cache=True)
+        self.layers = bridge.attention_layers(cache)
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+        for i in self.layers:
+            keys, values = cache.layers[i].keys, cache.layers[i].values
+            self.k[i] = torch.zeros(num_tokens, keys.shape[1], keys.shape[3], dtype=keys.dtype)
+            self.v[i] = torch.zeros(num_tokens, values.shape[1], values.shape[3], dtype=values.dtype)
+
+    def save(self, cache: Any, start: int, end: int, idx: torch.Tensor) -> None:
+        """Rows ``[start, end)`` of ``cache``'s attention layers into KV indices ``idx``."""
+        for i in self.layers:
+            layer = cache.layers[i]
+            self.k[i][idx] = layer.keys[0, :, start:end].transpose(0, 1)
+            self.v[i][idx] = layer.values[0, :, start:end].transpose(0, 1)
+
+    def load(self, cache: Any, idx: torch.Tensor) -> None:
+        """Append the KV of ``idx`` (a prefix, in order) to ``cache``'s attention layers."""
+        for i in self.layers:
+            k = self.k[i][idx].transpose(0, 1).unsqueeze(0)
+            v = self.v[i][idx].transpose(0, 1).unsqueeze(0)
+            cache.layers[i].update(k, v)
+
+
+@dataclass(eq=False)
+class _Running:
+    req: EngineRequest
+    adm: Admission
+    cache: Any  # the request's transformers cache
+    kv: torch.Tensor  # KV indices of every id the request will feed
+    done: int
+    next_token: int | None = None
+
+
+def _logits(model: Any, cache: Any, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([ids], dtype=torch.long), cache=cache, use_cache=True)
+    logits: torch.Tensor = out.logits[0, -1].float()
+    return logits
+
+
+class HFEngine:
+    """Serves :class:`~radixcache.testing.engine.EngineRequest` s (text, base model) with a
+    transformers hybrid model and a radix prefix cache (see the module docstring).
+
+    :param model: a causal LM of a covered family (``radixcache.hf.families.tiny_model``).
+    :param config: its config.
+    :param policy: the manager's policy (default ``HitDensity(block=track_align)``).
+    :param host_slots: the tree's host tier in snapshots (``None``: the tree's default, 0: none).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        config: Any,
+        *,
+        max_running: int = 4,
+        snapshot_slots: int = 256,
+        kv_tokens: int = 65536,
+        chunk: int = 256,
+        track_slots: int = 2,
+        track_align: int = 64,
+        policy: Policy | None = None,
+        host_slots: int | None = None,
+    ) -> None:
+        self.model = model
+        self.bridge = HFStateBridge(config)
+        layout = self.bridge.layout
+        self.device = torch.device("cpu")
+        self.pool = LinearStatePool(layout, max_running * (1 + track_slots) + snapshot_slots)
+        self.kv = KVAllocator(kv_tokens)
+        self.kv_store = KVStore(model, self.bridge, kv_tokens)
+        host: LinearStatePool | str | None = "auto" if host_slots is None else None
+        if host_slots:
+            host = LinearStatePool(layout, host_slots)
+        self.cache = HybridRadixCache(self.pool, on_free_kv=self.kv.free, host_pool=host)  # type: ignore[arg-type]
+        self.host_pool = self.cache.host_pool
+        self.manager = CacheManager(
+            self.cache, policy if policy is not None else HitDensity(block=track_align), track_slots=track_slots
+        )
+        self.forensics = None
+        self.max_running, self.chunk = max_running, chunk
+        self.waiting: deque[EngineRequest] = deque()
+        self.running: dict[Hashable, _Running] = {}
+        self.finished: list[EngineRequest] = []
+        self._progress = 0
+
+    # ---------------------------------------------------------------- public
+    def submit(self, req: EngineRequest, *, front: bool = False) -> None:
+        """Queue a text request of the base model.
+
+        :raises ValueError: images or a namespace (the HF host serves plain text)."""
+        if req.images or req.namespace is not None:
+            raise ValueError("the HF engine serves text requests of the base model only")
+        req.t_submit = time.perf_counter()
+        (self.waiting.appendleft if front else self.waiting.append)(req)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing waiting or running."""
+        return not self.waiting and not self.running
+
+    @property
+    def progress(self) -> int:
+        """Grows on every step that does anything (the hammer's watchdog)."""
+        return self._progress + sum(r.done for r in self.running.values())
+
+    def abort_all(self) -> int:
+        """Abort everything running, drop everything waiting; returns how many."""
+        n = len(self.running) + len(self.waiting)
+        for r in list(self.running.values()):
+            r.req.stalled = True
+            self._end(r, abort=True)
+        while self.waiting:
+            req = self.waiting.popleft()
+            req.aborted = req.done = req.stalled = True
+            self.finished.append(req)
+        return n
+
+    def run(self) -> list[EngineRequest]:
+        """Step until idle; the finished requests."""
+        while not self.idle:
+            self.step()
+        return self.finished
+
+    def drain(self) -> None:
+        """Nothing is queued on any stream: everything ran already."""
+
+    def step(self) -> None:
+        """Prefill one window of each prefilling request, admit, decode one token of each decoding
+        request, sample, finish what is done."""
+        for r in [r for r in self.running.values() if r.done < len(r.req.prompt)]:
+            logits = self._prefill(r)
+            if logits is not None:
+                self._sample(r, logits)
+        self._admit()
+        for r in [r for r in self.running.values() if r.next_token is not None]:
+            self._sample(r, self._decode(r))
+
+    # ------------------------------------------------------------- internals
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_running:
+            req = self.waiting[0]
+            check = self.manager.can_admit(req.prompt)
+            if not check.admissible:
+                return
+            need = len(req.prompt) + req.max_new_tokens - check.cached_length
+            if self.kv.num_free < need:
+                self.manager.evict(kv_tokens=need - self.kv.num_free, keep=req.prompt)
+            if self.kv.num_free < need:
+                return
+            adm = self.manager.admit(req.rid, req.prompt)
+            assert isinstance(adm, Admission), adm
+            fresh = self.kv.alloc(len(req.prompt) + req.max_new_tokens - adm.cached_length)
+            assert fresh is not None
+            self.waiting.popleft()
+            cache = self.bridge.new_cache()
+            if adm.cached_length:
+                adm.ready.wait()
+                self.bridge.load(self.pool, adm.live_slot, cache)
+                self.kv_store.load(cache, adm.kv_indices)
+            req.cached_length = adm.cached_length
+            req.t_admit = time.perf_counter()
+            self.running[req.rid] = _Running(req, adm, cache, torch.cat([adm.kv_indices, fresh]), adm.cached_length)
+            self._progress += 1
+
+    def _committed(self, r: _Running, plan: WindowPlan, res: WindowResult) -> None:
+        if res.spliced:
+            r.kv = torch.cat([self.manager.kv_indices(r.req.rid), r.kv[plan.end :]])
+        if res.free_kv.numel():
+            self.kv.free(res.free_kv)
+
+    def _forward(self, r: _Running, plan: WindowPlan, ids: list[int]) -> torch.Tensor:
+        """Forward ``ids`` (tokens ``[plan.start, plan.end)``), split at each capture, whose state
+        the bridge stores into its slot; save the window's KV; commit."""
+        owner = RequestOwner(r.req.rid)
+        pos, logits = plan.start, None
+        for cap in plan.captures:
+            if cap.depth > pos:
+                logits = _logits(self.model, r.cache, ids[pos - plan.start : cap.depth - plan.start])
+                pos = cap.depth
+            self.bridge.store(r.cache, self.pool, cap.slot, owner=owner, after=plan.after)
+        if plan.end > pos:
+            logits = _logits(self.model, r.cache, ids[pos - plan.start :])
+        assert logits is not None
+        self.kv_store.save(r.cache, plan.start, plan.end, r.kv[plan.start : plan.end])
+        r.done = plan.end
+        self._committed(r, plan, self.manager.commit(plan, None, kv_indices=r.kv[plan.start : plan.end]))
+        return logits
+
+    def _prefill(self, r: _Running) -> torch.Tensor | None:
+        prompt = r.req.prompt
+        start, end = r.done, min(len(prompt), r.done + self.chunk)
+        logits = self._forward(r, self.manager.plan_prefill(r.req.rid, end), list(prompt[start:end]))
+        return logits if end == len(prompt) else None
+
+    def _decode(self, r: _Running) -> torch.Tensor:
+        tok = r.next_token
+        assert tok is not None
+        r.next_token = None
+        return self._forward(r, self.manager.plan_decode(r.req.rid, [tok]), [tok])
+
+    def _sample(self, r: _Running, logits: torch.Tensor) -> None:
+        req = r.req
+        tok = int(torch.argmax(logits))
+        if not req.output:
+            req.first_logits = logits.detach().clone()
+            req.t_first = time.perf_counter()
+        req.output.append(tok)
+        if req.abort_after is not None and len(req.output) >= req.abort_after:
+            self._end(r, abort=True)
+        elif len(req.output) >= req.max_new_tokens:
+            self._end(r, abort=False)
+        else:
+            r.next_token = tok
+
+    def _end(self, r: _Running, *, abort: bool) -> None:
+        rid = r.req.rid
+        if abort:
+            res = self.manager.abort(rid)
+        else:
+            # the live slot must hold the state the manager donates at finish: the cache's
+            ready = self.bridge.store(r.cache, self.pool, r.adm.live_slot, owner=RequestOwner(rid))
+            res = self.manager.finish(rid, ready)
+        self.kv.free(res.free_kv)
+        self.kv.free(r.kv[r.done :])
+        r.req.aborted = abort
+        r.req.done = True
+        self._progress += 1 + r.done
+        del self.running[rid]
+        self.finished.append(r.req)
+
+
+def generate_cold_hf(model: Any, bridge: HFStateBridge, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy ``n`` tokens of ``prompt`` from an empty cache, one forward for the prompt: the
+    ground truth. Returns the tokens and the first token's logits."""
+    cache = bridge.new_cache()
+    logits = _logits(model, cache, list(prompt))
+    first = logits.clone()
+    out: list[int] = []
+    for _ in range(n):
+        tok = int(torch.argmax(logits))
+        out.append(tok)
+        if len(out) == n:
+            break
+        logits = _logits(model, cache, [tok])
+    return out, first

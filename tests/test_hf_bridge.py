@@ -1,0 +1,207 @@
+"""Real hybrid models: layouts from transformers configs, the slot/cache bridge, and a host serving
+tiny seeded models of every covered family with hits equal to cold runs."""
+
+from __future__ import annotations
+
+import random
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from linear_state import LinearStatePool, RequestOwner, StateLayout
+from linear_state.hf import FAMILIES, INEXACT, UNSUPPORTED
+from radixcache.hf import HFEngine, HFStateBridge, PrecisionLoss, generate_cold_hf, tiny_config, tiny_model
+from radixcache.hf.families import INEXACT_CONFIGS, TINY_CONFIGS
+from radixcache.testing.engine import EngineRequest
+
+COVERED = sorted(TINY_CONFIGS)
+TOL = 1e-5
+
+warnings.filterwarnings("ignore", message=".*falling back to its reference PyTorch implementation.*")
+
+
+def _forward(model: Any, cache: Any, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True)
+    logits: torch.Tensor = out.logits[0, -1]
+    return logits
+
+
+def test_every_family_transformers_ships_is_covered_or_says_why() -> None:
+    shipped = {
+        "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "kimi_linear", "nemotron_h",
+        "falcon_h1", "bamba", "granitemoehybrid", "zamba2", "jamba", "lfm2", "minimax", "recurrent_gemma",
+    }  # fmt: skip
+    assert shipped <= set(FAMILIES) | set(UNSUPPORTED)
+    assert set(TINY_CONFIGS) == set(FAMILIES) - set(INEXACT)  # every exact family is served in tests
+    assert set(INEXACT_CONFIGS) == set(INEXACT)
+
+
+@pytest.mark.parametrize("family", COVERED + sorted(INEXACT_CONFIGS))
+def test_the_layout_is_what_the_familys_cache_holds(family: str) -> None:
+    cfg, model = tiny_model(family)
+    layout = StateLayout.from_hf_config(cfg)
+    assert layout.conv_dtype == torch.float32 and layout.recurrent_dtype == torch.float32
+    cache = HFStateBridge(cfg, allow_inexact=True).new_cache()
+    _forward(model, cache, list(range(3, 12)))
+    assert layout.model_layers is not None
+    linear = [i for i, layer in enumerate(cache.layers) if hasattr(layer, "conv_states")]
+    assert list(layout.model_layers) == linear
+    for i in layout.model_layers:
+        layer = cache.layers[i]
+        assert tuple(layer.conv_states[0].shape[1:]) == layout.conv_shape
+        assert tuple(layer.recurrent_states[0].shape[1:]) == layout.recurrent_shape
+
+
+def test_dtypes_follow_the_model_unless_overridden() -> None:
+    cfg = tiny_config("qwen3_next")
+    cfg.dtype = torch.bfloat16
+    layout = StateLayout.from_hf_config(cfg)
+    assert (layout.conv_dtype, layout.recurrent_dtype) == (torch.bfloat16, torch.float32)
+    assert "conv_dtype=torch.bfloat16" in repr(layout) and "recurrent_dtype=torch.float32" in repr(layout)
+    over = StateLayout.from_hf_config(cfg, conv_dtype=torch.float32, recurrent_dtype=torch.bfloat16)
+    assert (over.conv_dtype, over.recurrent_dtype) == (torch.float32, torch.bfloat16)
+
+
+@pytest.mark.parametrize("family", sorted(UNSUPPORTED))
+def test_uncovered_families_say_why(family: str) -> None:
+    from transformers import AutoConfig
+
+    with pytest.raises(ValueError, match="not covered"):
+        StateLayout.from_hf_config(AutoConfig.for_model(family))
+
+
+@pytest.mark.parametrize("family", sorted(INEXACT_CONFIGS))
+def test_inexact_families_are_refused_and_transformers_still_cannot_continue_them(family: str) -> None:
+    """When transformers fixes its cached forward for these, this test fails: cover them then."""
+    cfg, model = tiny_model(family)
+    with pytest.raises(ValueError, match="allow_inexact"):
+        HFStateBridge(cfg)
+    bridge = HFStateBridge(cfg, allow_inexact=True)
+    ids = [random.Random(1).randrange(3, 256) for _ in range(40)]
+    full = _forward(model, bridge.new_cache(), ids)
+    cache = bridge.new_cache()
+    for s in range(0, 40, 5):
+        out = _forward(model, cache, ids[s : s + 5])
+    assert float((full - out).abs().max()) > TOL
+
+
+def test_model_layers_are_validated() -> None:
+    with pytest.raises(ValueError, match="model_layers"):
+        StateLayout(2, (4, 3), (2, 2), model_layers=(0,))
+    with pytest.raises(ValueError, match="model_layers"):
+        StateLayout(2, (4, 3), (2, 2), model_layers=(3, 1))
+    assert StateLayout(2, (4, 3), (2, 2), model_layers=(1, 3)).model_layers == (1, 3)
+
+
+def test_storing_a_wider_state_into_a_narrower_slot_is_refused_or_reported_once() -> None:
+    cfg, model = tiny_model("qwen3_next")
+    narrow = StateLayout.from_hf_config(cfg, conv_dtype=torch.bfloat16)
+    pool = LinearStatePool(narrow, 2)
+    owner = RequestOwner("r")
+    slot = pool.alloc(owner)
+    cache = HFStateBridge(cfg).new_cache()
+    _forward(model, cache, list(range(3, 20)))
+    before = pool.read(slot)
+    with pytest.raises(PrecisionLoss, match="float32"):
+        HFStateBridge(cfg, narrow).store(cache, pool, slot, owner=owner)
+    assert all(torch.equal(a, b) for a, b in zip(before, pool.read(slot), strict=True))  # nothing written
+    warn = HFStateBridge(cfg, narrow, on_narrowing="warn")
+    with pytest.warns(RuntimeWarning, match="reported once"):
+        warn.store(cache, pool, slot, owner=owner)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn.store(cache, pool, slot, owner=owner)  # not reported again
+    assert warn.narrowed == 2
+
+
+def test_load_refuses_a_cache_that_already_ran() -> None:
+    cfg, model = tiny_model("nemotron_h")
+    bridge = HFStateBridge(cfg)
+    pool = LinearStatePool(bridge.layout, 2)
+    slot = pool.alloc(RequestOwner("r"))
+    cache = bridge.new_cache()
+    _forward(model, cache, [5, 6, 7])
+    with pytest.raises(ValueError, match="fresh cache"):
+        bridge.load(pool, slot, cache)
+
+
+def _serve(engine: HFEngine, prompts: list[list[int]], new: int = 3) -> list[EngineRequest]:
+    for i, p in enumerate(prompts):
+        engine.submit(EngineRequest(len(engine.finished) + len(engine.waiting) + 1000 * i, p, new))
+        engine.run()  # one at a time: each later prompt finds the earlier ones in the tree
+    return engine.finished
+
+
+def _prompts(seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    system = [rng.randrange(3, 256) for _ in range(150)]
+    first = system + [rng.randrange(3, 256) for _ in range(30)]
+    return [first, first + [rng.randrange(3, 256) for _ in range(20)], [*system, 7, 8, 9, 10]]
+
+
+@pytest.mark.parametrize("family", COVERED)
+def test_a_hit_equals_the_cold_run_and_a_perturbed_state_does_not(family: str) -> None:
+    cfg, model = tiny_model(family)
+    engine = HFEngine(model, cfg, track_align=16)
+    finished = _serve(engine, _prompts())
+    assert finished[0].cached_length == 0 and finished[1].cached_length >= len(_prompts()[0]) - 1  # the finish state
+    for r in finished:
+        gt, first = generate_cold_hf(model, engine.bridge, r.prompt, len(r.output))
+        assert r.output == gt
+        assert r.first_logits is not None and float((r.first_logits - first).abs().max()) < TOL, family
+    engine.manager.check_invariants()
+
+    # The same hit with its restored state perturbed: the check above fails.
+    cfg, model = tiny_model(family)
+    engine = HFEngine(model, cfg, track_align=16)
+    prompts = _prompts()
+    _serve(engine, prompts[:1])
+    for node in engine.cache.iter_nodes():
+        if node.snapshot is not None:
+            engine.pool.recurrent[:, node.snapshot] += 0.5
+            engine.pool.conv[:, node.snapshot] += 0.5
+    r = _serve(engine, prompts[1:2])[-1]
+    assert r.cached_length > 0
+    _, first = generate_cold_hf(model, engine.bridge, r.prompt, 1)
+    assert r.first_logits is not None and float((r.first_logits - first).abs().max()) > TOL
+
+
+def test_the_hammer_serves_a_transformers_model_exactly() -> None:
+    from radixcache.testing.hammer import HammerConfig, run_hammer
+
+    rep = run_hammer(HammerConfig(model="hf:nemotron_h", requests=16, concurrency=4, logit_tol=TOL, probe_tokens=512))
+    assert rep.ok, rep.as_dict()
+    assert rep.cached_tokens > 0 and rep.wrong_answers == 0
+
+
+def test_the_hammer_refuses_what_the_hf_engine_cannot_do() -> None:
+    from radixcache.testing.hammer import HammerConfig, run_hammer
+
+    with pytest.raises(ValueError, match="hf:FAMILY"):
+        run_hammer(HammerConfig(model="hf:lfm2"))
+    with pytest.raises(ValueError, match="reference engine"):
+        run_hammer(HammerConfig(model="hf:qwen3_next", inject="alias"))
+
+
+def test_docs_models_table_is_the_generated_one() -> None:
+    from pathlib import Path
+
+    from radixcache.hf.table import models_table
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "models.md").read_text()
+    table = doc.split("-->", 1)[1].split("<!-- table:end -->", 1)[0].strip()
+    assert table == models_table()
+
+
+def test_the_readme_lists_exactly_the_covered_families() -> None:
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    line = next(ln for ln in readme.splitlines() if ln.startswith("Hybrid families served:"))
+    listed = {x.strip(" .`") for x in line.split(":", 1)[1].split(",")}
+    assert listed == set(TINY_CONFIGS)
