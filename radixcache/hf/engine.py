@@ -31,7 +31,7 @@ from linear_state import LinearStatePool, RequestOwner
 from ..core.manager import Admission, CacheManager, WindowPlan, WindowResult
 from ..core.tree import HybridRadixCache
 from ..policies import HitDensity, Policy
-from ..testing.engine import EngineRequest, KVAllocator
+from ..testing.engine import EngineRequest, KVAllocator, ServingQueue, take_token
 from .bridge import HFStateBridge
 
 __all__ = ["HFEngine", "KVStore", "generate_cold_hf"]
@@ -85,7 +85,7 @@ def _logits(model: Any, cache: Any, ids: list[int]) -> torch.Tensor:
     return logits
 
 
-class HFEngine:
+class HFEngine(ServingQueue):
     """Serves :class:`~radixcache.testing.engine.EngineRequest` s (text, base model) with a
     transformers hybrid model and a radix prefix cache (see the module docstring).
 
@@ -127,7 +127,7 @@ class HFEngine:
         self.forensics = None
         self.max_running, self.chunk = max_running, chunk
         self.waiting: deque[EngineRequest] = deque()
-        self.running: dict[Hashable, _Running] = {}
+        self.running: dict[Hashable, Any] = {}
         self.finished: list[EngineRequest] = []
         self._progress = 0
 
@@ -140,34 +140,6 @@ class HFEngine:
             raise ValueError("the HF engine serves text requests of the base model only")
         req.t_submit = time.perf_counter()
         (self.waiting.appendleft if front else self.waiting.append)(req)
-
-    @property
-    def idle(self) -> bool:
-        """Nothing waiting or running."""
-        return not self.waiting and not self.running
-
-    @property
-    def progress(self) -> int:
-        """Grows on every step that does anything (the hammer's watchdog)."""
-        return self._progress + sum(r.done for r in self.running.values())
-
-    def abort_all(self) -> int:
-        """Abort everything running, drop everything waiting; returns how many."""
-        n = len(self.running) + len(self.waiting)
-        for r in list(self.running.values()):
-            r.req.stalled = True
-            self._end(r, abort=True)
-        while self.waiting:
-            req = self.waiting.popleft()
-            req.aborted = req.done = req.stalled = True
-            self.finished.append(req)
-        return n
-
-    def run(self) -> list[EngineRequest]:
-        """Step until idle; the finished requests."""
-        while not self.idle:
-            self.step()
-        return self.finished
 
     def drain(self) -> None:
         """Nothing is queued on any stream: everything ran already."""
@@ -247,18 +219,12 @@ class HFEngine:
         return self._forward(r, self.manager.plan_decode(r.req.rid, [tok]), [tok])
 
     def _sample(self, r: _Running, logits: torch.Tensor) -> None:
-        req = r.req
         tok = int(torch.argmax(logits))
-        if not req.output:
-            req.first_logits = logits.detach().clone()
-            req.t_first = time.perf_counter()
-        req.output.append(tok)
-        if req.abort_after is not None and len(req.output) >= req.abort_after:
-            self._end(r, abort=True)
-        elif len(req.output) >= req.max_new_tokens:
-            self._end(r, abort=False)
-        else:
+        end = take_token(r.req, tok, logits)
+        if end is None:
             r.next_token = tok
+        else:
+            self._end(r, abort=end == "abort")
 
     def _end(self, r: _Running, *, abort: bool) -> None:
         rid = r.req.rid

@@ -22,6 +22,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -37,7 +38,15 @@ from ..policies import HitDensity, Policy
 from .inject import make_cache, make_manager, make_pool
 from .model import HybridConfig, HybridModel, KVPool
 
-__all__ = ["EngineKVCodec", "EngineRequest", "KVAllocator", "ReferenceEngine", "generate_cold"]
+__all__ = [
+    "EngineKVCodec",
+    "EngineRequest",
+    "KVAllocator",
+    "ReferenceEngine",
+    "ServingQueue",
+    "generate_cold",
+    "take_token",
+]
 
 
 @dataclass
@@ -154,7 +163,63 @@ class _Running:
     next_token: int | None = None
 
 
-class ReferenceEngine:
+class ServingQueue:
+    """What the hammer drives in an engine: a waiting queue, the running requests (each with its
+    ``req`` and ``done`` tokens), the finished ones, and the watchdog's measures. An engine
+    subclasses it and provides ``step``, ``drain`` and ``_end(running, abort=)``."""
+
+    waiting: deque[EngineRequest]
+    running: dict[Hashable, Any]
+    finished: list[EngineRequest]
+    _progress: int  # requests admitted and ended so far (see ``progress``)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing waiting or running."""
+        return not self.waiting and not self.running
+
+    @property
+    def progress(self) -> int:
+        """Tokens fed plus requests admitted and finished: grows on every step that does anything."""
+        return self._progress + sum(int(r.done) for r in self.running.values())
+
+    def abort_all(self) -> int:
+        """Abort every running request and drop every waiting one (the hammer's watchdog).
+        Returns how many requests were affected."""
+        n = len(self.running) + len(self.waiting)
+        for r in list(self.running.values()):
+            r.req.stalled = True
+            self._end(r, abort=True)
+        while self.waiting:
+            req = self.waiting.popleft()
+            self._dropped(req)
+            req.aborted = req.done = req.stalled = True
+            self.finished.append(req)
+        return n
+
+    def run(self) -> list[EngineRequest]:
+        """Step until idle; return the finished requests (in finishing order)."""
+        while not self.idle:
+            self.step()
+        self.drain()
+        return self.finished
+
+    def step(self) -> None:
+        """One scheduler step."""
+        raise NotImplementedError
+
+    def drain(self) -> None:
+        """Let all queued device work complete."""
+        raise NotImplementedError
+
+    def _end(self, r: Any, *, abort: bool) -> None:
+        raise NotImplementedError
+
+    def _dropped(self, req: EngineRequest) -> None:
+        """A waiting request dropped by :meth:`abort_all` (engines forget what they kept for it)."""
+
+
+class ReferenceEngine(ServingQueue):
     """Serves :class:`EngineRequest` s with the reference model and a radix prefix cache.
 
     :param policy: the manager's policy (default: :class:`~radixcache.policies.HitDensity` with
@@ -262,7 +327,7 @@ class ReferenceEngine:
         self.chunk = chunk
         self._spin_cycles = int(forward_delay_us * _spin_cycles_per_us()) if forward_delay_us else 0
         self.waiting: deque[EngineRequest] = deque()
-        self.running: dict[Hashable, _Running] = {}
+        self.running: dict[Hashable, Any] = {}
         self.finished: list[EngineRequest] = []
         self._progress = 0  # requests admitted and ended so far (see ``progress``)
         self._ids: dict[Hashable, np.ndarray | list[int]] = {}  # cache ids of requests not yet ended
@@ -280,29 +345,8 @@ class ReferenceEngine:
         else:
             self.waiting.append(req)
 
-    @property
-    def idle(self) -> bool:
-        """Nothing waiting or running."""
-        return not self.waiting and not self.running
-
-    @property
-    def progress(self) -> int:
-        """Tokens fed plus requests admitted and finished: grows on every step that does anything."""
-        return self._progress + sum(r.done for r in self.running.values())
-
-    def abort_all(self) -> int:
-        """Abort every running request and drop every waiting one (the hammer's watchdog).
-        Returns how many requests were affected."""
-        n = len(self.running) + len(self.waiting)
-        for r in list(self.running.values()):
-            r.req.stalled = True
-            self._end(r, abort=True)
-        while self.waiting:
-            req = self.waiting.popleft()
-            del self._ids[req.rid]
-            req.aborted = req.done = req.stalled = True
-            self.finished.append(req)
-        return n
+    def _dropped(self, req: EngineRequest) -> None:
+        del self._ids[req.rid]
 
     def warm(self, prompts: Sequence[Sequence[int]], *, namespace: Hashable = None) -> int:
         """Pre-cache ``prompts`` (system prompts, in ``namespace``: the base model when ``None``, else
@@ -351,13 +395,6 @@ class ReferenceEngine:
             self._device_progress()
         self.pool.free(slot, owner, after=[] if last is None else [last])
         return cached
-
-    def run(self) -> list[EngineRequest]:
-        """Step until idle; return the finished requests (in finishing order)."""
-        while not self.idle:
-            self.step()
-        self.drain()
-        return self.finished
 
     def drain(self) -> None:
         """Let all queued device work complete (and flush the forensics ledger)."""
@@ -512,18 +549,12 @@ class ReferenceEngine:
 
     # -------------------------------------------------------------- sampling
     def _sample(self, r: _Running, logits: torch.Tensor) -> None:
-        req = r.req
         tok = self.model.greedy(logits)
-        if not req.output:
-            req.first_logits = logits.detach().clone()
-            req.t_first = time.perf_counter()
-        req.output.append(tok)
-        if req.abort_after is not None and len(req.output) >= req.abort_after:
-            self._end(r, abort=True)
-        elif len(req.output) >= req.max_new_tokens:
-            self._end(r, abort=False)
-        else:
+        end = take_token(r.req, tok, logits)
+        if end is None:
             r.next_token = tok
+        else:
+            self._end(r, abort=end == "abort")
 
     def _end(self, r: _Running, *, abort: bool) -> None:
         rid = r.req.rid
@@ -537,6 +568,19 @@ class ReferenceEngine:
         del self._ids[rid]
         self.finished.append(r.req)
         self._device_progress()
+
+
+def take_token(req: EngineRequest, tok: int, logits: torch.Tensor) -> Literal["abort", "finish"] | None:
+    """Record a sampled token of ``req`` (its first logits and time on the first one); return
+    ``"abort"`` when the request aborts now (``abort_after``), ``"finish"`` when it has all its
+    tokens, None when it decodes on. Engines share it: the hammer judges every engine the same way."""
+    if not req.output:
+        req.first_logits = logits.detach().clone()
+        req.t_first = time.perf_counter()
+    req.output.append(tok)
+    if req.abort_after is not None and len(req.output) >= req.abort_after:
+        return "abort"
+    return "finish" if len(req.output) >= req.max_new_tokens else None
 
 
 def generate_cold(
