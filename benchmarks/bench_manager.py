@@ -57,7 +57,7 @@ def main() -> None:
 
     # The bookkeeping: a manager over the same layout, `batch` requests admitted and prefilled.
     mpool = LinearStatePool(cfg.state_layout(), batch * 3 + 64)
-    mgr = CacheManager(HybridRadixCache(mpool, host_pool=None))
+    mgr = CacheManager(HybridRadixCache(mpool), host_tier=None)  # the manager alone, no demotion copies
     kv_next = 0
     for rid in range(batch):
         mgr.admit(rid, torch.randint(0, cfg.vocab_size, (n,)).tolist())

@@ -29,9 +29,9 @@ def build(policy_name: str, n: int, seed: int = 0) -> tuple[HybridRadixCache, Ca
     """A tree of ``n`` snapshot nodes the policy was told about (donations and some hits)."""
     rng = random.Random(seed)
     pool = LinearStatePool(StateLayout(1, (1, 1), (1,)), n + 8)
-    cache = HybridRadixCache(pool, host_pool=None)  # eviction drops: the policy cost alone
+    cache = HybridRadixCache(pool)
     policy = make_policy(policy_name)
-    mgr = CacheManager(cache, policy)  # evictions go through the manager, as a host's do
+    mgr = CacheManager(cache, policy, host_tier=None)  # evictions go through the manager, as a host's do
     slot = pool.alloc(RequestOwner("donor"))
     prefixes = [np.array([rng.randrange(1 << 20) for _ in range(64)], dtype=np.int32) for _ in range(256)]
     nodes = []

@@ -39,7 +39,7 @@ def one_round(seqs: list[np.ndarray], rng: np.random.Generator, prefix: int, suf
     layout = StateLayout(2, (8, 3), (2, 4, 4))
     pool = LinearStatePool(layout, len(seqs) + 8)
     freed: list[torch.Tensor] = []
-    cache = HybridRadixCache(pool, page_size=1, on_free_kv=freed.append, host_pool=None)  # as SGLang: no host tier
+    cache = HybridRadixCache(pool, page_size=1, on_free_kv=freed.append)
     donor = RequestOwner("donor")
     slot = pool.alloc(donor)
     kvs = [torch.arange(i * len(s), (i + 1) * len(s)) for i, s in enumerate(seqs)]
@@ -94,7 +94,7 @@ def python_bytes_per_node(seqs: list[np.ndarray]) -> float:
     """Python heap bytes per node of a W1 tree (tracemalloc; KV tensors' storage is not Python
     memory and is excluded, their tensor objects are included)."""
     pool = LinearStatePool(StateLayout(2, (8, 3), (2, 4, 4)), len(seqs) + 8)
-    cache = HybridRadixCache(pool, host_pool=None)
+    cache = HybridRadixCache(pool)
     slot = pool.alloc(RequestOwner("donor"))
     kvs = [torch.arange(i * len(s), (i + 1) * len(s)) for i, s in enumerate(seqs)]
     gc.collect()

@@ -232,7 +232,7 @@ class _Tree:
 
     def __init__(self) -> None:
         self.pool = LinearStatePool(StateLayout(1, (1, 1), (1,)), 64)
-        self.cache = HybridRadixCache(self.pool, host_pool=None)  # what an eviction drops, device only
+        self.cache = HybridRadixCache(self.pool)
         self.slot = self.pool.alloc(RequestOwner("donor"))
         self.rng = np.random.default_rng(0)
 

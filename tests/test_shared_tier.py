@@ -301,24 +301,37 @@ def test_keys_separate_models_namespaces_and_prefixes() -> None:
 # -------------------------------------------------------------- default host tier
 def test_the_host_tier_is_on_by_default_with_a_byte_budget() -> None:
     layout = StateLayout(2, (4, 3), (2, 4, 4))
-    pool = LinearStatePool(layout, 10)
-    cache = HybridRadixCache(pool)
-    assert cache.host_pool is not None
-    assert cache.host_pool.capacity == HOST_TIER_FACTOR * 10
-    assert cache.host_pool.device.type == "cpu"
-    assert HybridRadixCache(pool, host_pool=None).host_pool is None
-    sized = HybridRadixCache(pool, host_budget_bytes=3 * layout.slot_bytes + 1)
-    assert sized.host_pool is not None and sized.host_pool.capacity == 3
-    assert HybridRadixCache(pool, host_budget_bytes=layout.slot_bytes - 1).host_pool is None
-    assert auto_host_pool(pool, 0) is None
+
+    def tree() -> HybridRadixCache:
+        return HybridRadixCache(LinearStatePool(layout, 10))
+
+    assert tree().host_pool is None  # the tree alone: what it is given
+    mgr = CacheManager(tree())  # the manager: a host tier of 4x the device pool's bytes
+    assert mgr.cache.host_pool is not None and mgr.cache.host_pool.device.type == "cpu"
+    assert mgr.cache.host_pool.capacity == HOST_TIER_FACTOR * 10
+    assert CacheManager(tree(), host_tier=None).cache.host_pool is None
+    sized = CacheManager(tree(), host_budget_bytes=3 * layout.slot_bytes + 1).cache.host_pool
+    assert sized is not None and sized.capacity == 3
+    assert CacheManager(tree(), host_budget_bytes=layout.slot_bytes - 1).cache.host_pool is None
+    own = LinearStatePool(layout, 2)
+    assert CacheManager(HybridRadixCache(LinearStatePool(layout, 10), host_pool=own)).cache.host_pool is own
+    auto = HybridRadixCache(LinearStatePool(layout, 10), host_pool="auto", host_budget_bytes=layout.slot_bytes)
+    assert auto.host_pool is not None and auto.host_pool.capacity == 1
+    assert auto_host_pool(LinearStatePool(layout, 10), 0) is None
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="host_budget_bytes"):
+            CacheManager(tree(), host_budget_bytes=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="host_tier"):
+        CacheManager(tree(), host_tier="on")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="host_budget_bytes"):
-        HybridRadixCache(pool, host_budget_bytes=-1)
-    with pytest.raises(ValueError, match="a pool was given"):
-        HybridRadixCache(pool, host_pool=None, host_budget_bytes=100)
+        HybridRadixCache(LinearStatePool(layout, 10), host_budget_bytes=-1)
+    with pytest.raises(ValueError, match="host_pool='auto'"):
+        HybridRadixCache(LinearStatePool(layout, 10), host_pool=None, host_budget_bytes=100)
     with pytest.raises(TypeError, match="'auto'"):
-        HybridRadixCache(pool, host_pool="on")  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="host_budget_bytes"):
-        HybridRadixCache(pool, host_budget_bytes=1.5)  # type: ignore[arg-type]
+        HybridRadixCache(LinearStatePool(layout, 10), host_pool="on")  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="already"):
+        mgr.cache.attach_host_pool(LinearStatePool(layout, 2))
+    mgr.check_invariants()
 
 
 # -------------------------------------------------------------------- Redis

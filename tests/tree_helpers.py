@@ -21,10 +21,7 @@ def prefix_value(tokens: Sequence[int]) -> float:
 def make_cache(slots: int = 32, page_size: int = 1) -> tuple[HybridRadixCache, list[int]]:
     freed: list[int] = []
     pool = LinearStatePool(LAYOUT, slots)
-    # device tier only: these tests pin down what an eviction drops (tests/test_host_tier.py: demotion)
-    cache = HybridRadixCache(
-        pool, page_size=page_size, on_free_kv=lambda t: freed.extend(int(x) for x in t), host_pool=None
-    )
+    cache = HybridRadixCache(pool, page_size=page_size, on_free_kv=lambda t: freed.extend(int(x) for x in t))
     return cache, freed
 
 

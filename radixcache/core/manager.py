@@ -49,7 +49,7 @@ from .errors import ConcurrentUseError, ProtocolError, UnknownRequest
 from .keys import IMAGE_ID_BASE, MAX_ID, KeyLike, key_bytes
 from .metrics import ManagerMetrics, MetricsCounters
 from .shared import Fetched, Rejection, SharedTier
-from .tree import EvictResult, HybridRadixCache, MatchResult, TreeNode
+from .tree import EvictResult, HybridRadixCache, MatchResult, TreeNode, auto_host_pool
 
 __all__ = [
     "AdmissionCheck",
@@ -295,6 +295,12 @@ class CacheManager:
         :meth:`publish_pending`), and an admission whose local match is shorter than the request
         fetches the deepest verified published prefix into its live slot and the tree. ``None``
         (default): no shared tier.
+    :param host_tier: ``"auto"`` (default): a tree built without a host tier gets
+        :func:`~radixcache.core.tree.auto_host_pool` (``host_budget_bytes``; by default 4x the
+        device pool's bytes, at most a quarter of physical memory, allocated now, page-locked for a
+        CUDA pool): evicted snapshots are demoted to host memory instead of dropped
+        (docs/host_tier.md). ``None``: no host tier unless the tree has its own.
+    :param host_budget_bytes: the auto host tier's bytes (fewer than one slot's: none).
     :raises ValueError: bad options. :raises RuntimeError: the policy (or the shared tier) serves
         another manager.
     """
@@ -311,7 +317,17 @@ class CacheManager:
         kv_bytes_per_token: int | None = None,
         clock: Callable[[], float] = time.monotonic,
         shared: SharedTier | None = None,
+        host_tier: Literal["auto"] | None = "auto",
+        host_budget_bytes: int | None = None,
     ) -> None:
+        if host_tier not in ("auto", None):
+            raise ValueError(f"host_tier must be 'auto' or None, got {host_tier!r}")
+        if host_budget_bytes is not None and (
+            isinstance(host_budget_bytes, bool)
+            or not isinstance(host_budget_bytes, (int, np.integer))
+            or host_budget_bytes < 0
+        ):
+            raise ValueError(f"host_budget_bytes must be an int >= 0, got {host_budget_bytes!r}")
         if shared is not None and not isinstance(shared, SharedTier):
             raise TypeError(f"shared must be a SharedTier, got {type(shared).__name__}")
         if isinstance(track_slots, bool) or not isinstance(track_slots, int) or track_slots < 1:
@@ -327,6 +343,10 @@ class CacheManager:
         policy.bind(cache)
         if shared is not None:
             shared.bind(cache.pool.layout)
+        if host_tier == "auto" and cache.host_pool is None:
+            host = auto_host_pool(cache.pool, host_budget_bytes)
+            if host is not None:
+                cache.attach_host_pool(host)
         if kv_bytes_per_token is not None:
             policy.costs(cache.pool.layout.slot_bytes, kv_bytes_per_token)
         self.cache = cache

@@ -66,7 +66,8 @@ def _physical_memory() -> int | None:
 
 
 def auto_host_pool(pool: LinearStatePool, budget_bytes: int | None = None) -> LinearStatePool | None:
-    """The host tier ``HybridRadixCache(host_pool="auto")`` builds for ``pool``.
+    """The host tier ``CacheManager`` gives its tree by default (and ``HybridRadixCache(host_pool=
+    "auto")`` builds) for ``pool``.
 
     A CPU pool of ``pool``'s layout with ``budget_bytes // slot_bytes`` slots, page-locked when
     ``pool`` is on CUDA. ``budget_bytes=None``: :data:`HOST_TIER_FACTOR` times ``pool``'s bytes,
@@ -87,6 +88,17 @@ def auto_host_pool(pool: LinearStatePool, budget_bytes: int | None = None) -> Li
     if n < 1:
         return None
     return LinearStatePool(pool.layout, n, device="cpu", pin_memory=pool.device.type == "cuda")
+
+
+def _check_host_pool(pool: LinearStatePool, host_pool: object) -> None:
+    if not isinstance(host_pool, LinearStatePool):
+        raise TypeError(f"host_pool must be a LinearStatePool, 'auto' or None, got {host_pool!r}")
+    if host_pool is pool:
+        raise ValueError("host_pool is the device pool itself")
+    if host_pool.device.type != "cpu":
+        raise ValueError(f"host_pool must live on the CPU, not on {host_pool.device}")
+    if host_pool.layout != pool.layout:
+        raise ValueError(f"host_pool layout {host_pool.layout} differs from the pool's {pool.layout}")
 
 
 _CACHE_SERIAL = itertools.count()  # numbers the caches of a process: node ids never collide
@@ -242,14 +254,16 @@ class HybridRadixCache:
         CUDA). A snapshot evicted for lack of device slots is demoted into it (its node keeps its KV
         and still serves hits, restored from host memory) instead of dropped; when the host tier
         is full its least recently used copy goes. KV stays the host engine's: the tier holds
-        linear states only. ``"auto"`` (default): the tree builds one of ``host_budget_bytes``;
-        ``None``: no host tier.
+        linear states only. ``"auto"``: the tree builds one of ``host_budget_bytes``; ``None``
+        (default): none here; a :class:`~radixcache.CacheManager` then gives the tree its default
+        host tier (see its ``host_tier``) unless told not to.
     :param host_budget_bytes: bytes of the pool ``host_pool="auto"`` builds (whole slots; fewer
         than one slot's bytes: no host tier). Default: :data:`HOST_TIER_FACTOR` times the device
         pool's bytes, at most a quarter of the machine's physical memory. The memory is taken
         up front (page-locked when the device is CUDA).
     :raises ValueError: ``page_size`` not positive; ``host_pool`` not on the CPU, of another
-        layout, or ``pool`` itself; a negative ``host_budget_bytes``, or one given with a pool.
+        layout, or ``pool`` itself; a negative ``host_budget_bytes``, or one given without
+        ``host_pool="auto"``.
     """
 
     def __init__(
@@ -259,7 +273,7 @@ class HybridRadixCache:
         page_size: int = 1,
         on_free_kv: Callable[[torch.Tensor], None] | None = None,
         stream: Stream | None = None,
-        host_pool: LinearStatePool | Literal["auto"] | None = "auto",
+        host_pool: LinearStatePool | Literal["auto"] | None = None,
         host_budget_bytes: int | None = None,
     ) -> None:
         if not isinstance(pool, LinearStatePool):
@@ -270,18 +284,14 @@ class HybridRadixCache:
             if host_budget_bytes < 0:
                 raise ValueError(f"host_budget_bytes must be >= 0, got {host_budget_bytes}")
             if host_pool != "auto":
-                raise ValueError("host_budget_bytes sizes the host pool of host_pool='auto'; a pool was given")
+                raise ValueError(
+                    f"host_budget_bytes sizes the pool of host_pool='auto'; host_pool is {host_pool!r} "
+                    "(or let CacheManager(host_budget_bytes=) size its default tier)"
+                )
         if isinstance(host_pool, str) and host_pool == "auto":
             host_pool = auto_host_pool(pool, host_budget_bytes)
         if host_pool is not None:
-            if not isinstance(host_pool, LinearStatePool):
-                raise TypeError(f"host_pool must be a LinearStatePool, 'auto' or None, got {host_pool!r}")
-            if host_pool is pool:
-                raise ValueError("host_pool is the device pool itself")
-            if host_pool.device.type != "cpu":
-                raise ValueError(f"host_pool must live on the CPU, not on {host_pool.device}")
-            if host_pool.layout != pool.layout:
-                raise ValueError(f"host_pool layout {host_pool.layout} differs from the pool's {pool.layout}")
+            _check_host_pool(pool, host_pool)
         if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)):
             raise TypeError(f"page_size must be an int, got {page_size!r}")
         if page_size <= 0:
@@ -304,6 +314,18 @@ class HybridRadixCache:
         self.on_demote: Callable[[TreeNode], None] | None = None
         self._page_bytes = page_size * TOKEN_BYTES
         self.reset_state()
+
+    def attach_host_pool(self, host_pool: LinearStatePool) -> None:
+        """Give a tree built without a host tier its host pool (what ``host_pool=`` does at
+        construction). From now on evicted snapshots are demoted into it.
+
+        :raises RuntimeError: the tree has a host tier already. :raises TypeError, ValueError: as
+            for ``host_pool=``. Nothing changed.
+        """
+        if self.host_pool is not None:
+            raise RuntimeError("this tree has a host tier already")
+        _check_host_pool(self.pool, host_pool)
+        self.host_pool = host_pool
 
     def reset_state(self) -> None:
         """(Re)initialise empty bookkeeping. Internal: use :meth:`reset` on a live cache."""

@@ -92,7 +92,7 @@ class HFEngine(ServingQueue):
     :param model: a causal LM of a covered family (``radixcache.hf.families.tiny_model``).
     :param config: its config.
     :param policy: the manager's policy (default ``HitDensity(block=track_align)``).
-    :param host_slots: the tree's host tier in snapshots (``None``: the tree's default, 0: none).
+    :param host_slots: the tree's host tier in snapshots (``None``: the manager's default, 0: none).
     """
 
     def __init__(
@@ -116,14 +116,15 @@ class HFEngine(ServingQueue):
         self.pool = LinearStatePool(layout, max_running * (1 + track_slots) + snapshot_slots)
         self.kv = KVAllocator(kv_tokens)
         self.kv_store = KVStore(model, self.bridge, kv_tokens)
-        host: LinearStatePool | str | None = "auto" if host_slots is None else None
-        if host_slots:
-            host = LinearStatePool(layout, host_slots)
-        self.cache = HybridRadixCache(self.pool, on_free_kv=self.kv.free, host_pool=host)  # type: ignore[arg-type]
-        self.host_pool = self.cache.host_pool
+        host = LinearStatePool(layout, host_slots) if host_slots else None
+        self.cache = HybridRadixCache(self.pool, on_free_kv=self.kv.free, host_pool=host)
         self.manager = CacheManager(
-            self.cache, policy if policy is not None else HitDensity(block=track_align), track_slots=track_slots
+            self.cache,
+            policy if policy is not None else HitDensity(block=track_align),
+            track_slots=track_slots,
+            host_tier="auto" if host_slots is None else None,
         )
+        self.host_pool = self.cache.host_pool
         self.forensics = None
         self.max_running, self.chunk = max_running, chunk
         self.waiting: deque[EngineRequest] = deque()

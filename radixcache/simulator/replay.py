@@ -212,7 +212,7 @@ def replay(
     policy.flops(preset.prefill_flops)
     codec = _ReplayKV()
     shared = SharedTier(MemoryStore(), model=preset.name, kv=codec) if shared_gbps else None
-    mgr = CacheManager(cache, policy, track_slots=_WINDOW_CAPTURES, shared=shared)
+    mgr = CacheManager(cache, policy, track_slots=_WINDOW_CAPTURES, shared=shared, host_tier=None)
     res = ReplayResult(policy.name, preset.name, budget, 0, 0, 0, 0.0, 0.0, 0, 0, 0, 0.0, 0, 0.0)
     res.host_budget_bytes = host_slots * preset.snapshot_bytes
     computed: list[int] = []

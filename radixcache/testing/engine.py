@@ -230,8 +230,8 @@ class ReferenceEngine(ServingQueue):
     :param deferred: on the CPU, :class:`~linear_state.DeferredStream` s (default) or immediate
         ones. Ignored for a CUDA model, whose streams are always :class:`~linear_state.CudaStream` s.
     :param host_slots: snapshots the tree's host tier holds (a CPU pool, pinned for a CUDA model);
-        0: no host tier, an evicted snapshot is dropped; ``None``: the tree's default
-        (``host_pool="auto"``, :data:`~radixcache.core.tree.HOST_TIER_FACTOR` times the device pool).
+        0: no host tier, an evicted snapshot is dropped; ``None``: the manager's default
+        (``host_tier="auto"``, :data:`~radixcache.core.tree.HOST_TIER_FACTOR` times the device pool).
     :param shared_store: a shared tier's store: snapshots (with their KV, through
         :class:`EngineKVCodec`) are published to it and fetched from it (see
         :mod:`radixcache.core.shared`); ``None``: no shared tier.
@@ -294,14 +294,11 @@ class ReferenceEngine(ServingQueue):
             on_free_kv=self.kv.free,
             stream=self.copies,
             host_pool=(
-                "auto"
-                if host_slots is None
-                else LinearStatePool(cfg.state_layout(), host_slots, pin_memory=self.device.type == "cuda")
+                LinearStatePool(cfg.state_layout(), host_slots, pin_memory=self.device.type == "cuda")
                 if host_slots
                 else None
             ),
         )
-        self.host_pool = self.cache.host_pool
         self.kv_codec = EngineKVCodec(self.kv_pool, self.kv, self.forward, cfg)
         self.shared = (
             None
@@ -319,7 +316,9 @@ class ReferenceEngine(ServingQueue):
             barrier=barrier,
             forensics=self.forensics,
             shared=self.shared,
+            host_tier="auto" if host_slots is None else None,
         )
+        self.host_pool = self.cache.host_pool  # the manager's default tier when host_slots is None
         # (forensics step when it ran, request, slot) for every slot a forward wrote: ground truth
         # for tests of the forensics' attribution.
         self.slot_writes: list[tuple[int, Hashable, int]] | None = [] if record_writes else None

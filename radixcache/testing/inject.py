@@ -363,5 +363,9 @@ def make_fuzz_stack(
     host = LinearStatePool(layout, host_slots) if host_slots else None
     tree = make_cache(inject, pool, page_size=page_size, on_free_kv=on_free_kv, stream=stream, host_pool=host)
     return make_manager(
-        inject, tree, policy if policy is not None else FixedPoints(track_align), track_slots=track_slots
+        inject,
+        tree,
+        policy if policy is not None else FixedPoints(track_align),
+        track_slots=track_slots,
+        host_tier=None,  # the machine's tier is host_slots, exactly
     )
