@@ -15,7 +15,7 @@ from linear_state import (
     SlotMisuse,
     StateLayout,
 )
-from radixcache import Admission, CacheManager, HybridRadixCache
+from radixcache import Admission, CacheManager, EvictResult, HybridRadixCache
 from radixcache.forensics import Forensics
 from radixcache.policies import FixedPoints, HitDensity
 from radixcache.simulator import generate, host_tier_table, load_trace, report_markdown, run_grid
@@ -279,3 +279,21 @@ def test_bad_arguments_to_the_tier_calls_raise_typed_errors_and_change_nothing()
     assert dev.num_free == 1 and host.num_free == 0 and host.num_owned_by(NodeOwner) == 1
     dev.check_invariants()
     host.check_invariants()
+
+
+def test_eviction_cost_says_what_each_kind_of_eviction_frees() -> None:
+    """With room in the host tier an eviction for slots demotes (the slot alone); one for KV
+    pressure (``demote=False``) drops the leaf and its KV: the cost, and the policies' freed bytes,
+    say which."""
+    cache, _, _ = tiered(host=2)
+    donate(cache, list(range(1, 41)), 0, RequestOwner("a"))
+    leaf = cache.match(list(range(1, 41)), touch=False).node
+    assert cache.eviction_cost(leaf) == EvictResult(0, 1, 0)
+    assert cache.eviction_cost(leaf, demote=False) == EvictResult(40, 1, 1)
+    pol = HitDensity()
+    pol.bind(cache)
+    pol.costs(1000, 10)
+    assert pol.freed_bytes(leaf) == 1000 and pol.freed_bytes(leaf, demote=False) == 1000 + 400
+    expected = cache.eviction_cost(leaf, demote=False)
+    assert cache.evict_snapshot(leaf, demote=False) == expected
+    cache.check_invariants()

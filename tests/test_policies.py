@@ -445,7 +445,7 @@ class _Scored(HitDensity):
         super().__init__(**kw)
         self.scores = scores
 
-    def density(self, node: TreeNode, now: float) -> float:
+    def density(self, node: TreeNode, now: float, *, demote: bool = True) -> float:
         return self.scores[node.id]
 
 

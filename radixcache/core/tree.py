@@ -522,11 +522,12 @@ class HybridRadixCache:
                 yield anc
             anc = anc.parent
 
-    def eviction_cost(self, node: TreeNode) -> EvictResult:
-        """What :meth:`evict_snapshot` of ``node`` would free, computed without changing anything:
-        an inner node frees its snapshot alone; a leaf frees its KV and that of every parent it
-        would leave as a tombstone leaf, unless the host tier takes the snapshot (then the slot
-        alone). O(nodes in that cascade).
+    def eviction_cost(self, node: TreeNode, *, demote: bool = True) -> EvictResult:
+        """What :meth:`evict_snapshot` of ``node`` (with the same ``demote``) would free, computed
+        without changing anything: an inner node frees its snapshot alone; a leaf frees its KV and
+        that of every parent it would leave as a tombstone leaf, unless the host tier takes the
+        snapshot (``demote`` and a host tier with room: then the slot alone). O(nodes in that
+        cascade).
 
         :raises ValueError: ``node`` was removed or holds no snapshot.
         :raises ForeignObjectError: ``node`` is another cache's.
@@ -534,7 +535,7 @@ class HybridRadixCache:
         self._own(node)
         if node.parent is None or node.snapshot is None:
             raise ValueError(f"node {node.id} holds no snapshot to evict")
-        if node.children or self._can_demote():
+        if node.children or (demote and self._can_demote()):
             return EvictResult(0, 1, 0)
         tokens = removed = 0
         n = node

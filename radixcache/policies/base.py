@@ -80,12 +80,15 @@ class Policy(ABC):
             raise ValueError(f"costs must be positive, got snapshot {snapshot_bytes}, kv/token {kv_bytes_per_token}")
         self.snapshot_bytes, self.kv_bytes_per_token = snapshot_bytes, kv_bytes_per_token
 
-    def freed_bytes(self, node: TreeNode) -> int:
+    def freed_bytes(self, node: TreeNode, *, demote: bool = True) -> int:
         """What evicting ``node``'s snapshot frees, in the model's bytes: the snapshot, plus, for a
         leaf, the KV it alone keeps (its edge and every parent the eviction would leave as a
-        tombstone leaf; see :meth:`HybridRadixCache.eviction_cost`). An inner node's KV stays for
-        its children. The policy must be bound (:meth:`bind`)."""
-        return self.snapshot_bytes + self.cache.eviction_cost(node).kv_tokens * self.kv_bytes_per_token
+        tombstone leaf; see :meth:`HybridRadixCache.eviction_cost`), unless the host tier takes the
+        snapshot (``demote``, as an eviction for slots does; one for KV pressure drops the leaf:
+        ``demote=False``). An inner node's KV stays for its children. The policy must be bound
+        (:meth:`bind`)."""
+        cost = self.cache.eviction_cost(node, demote=demote)
+        return self.snapshot_bytes + cost.kv_tokens * self.kv_bytes_per_token
 
     def flops(self, prefill_flops: Callable[[int], float]) -> None:  # noqa: B027
         """The model's FLOP model: FLOPs to prefill positions ``[0, n)``. Policies that weigh

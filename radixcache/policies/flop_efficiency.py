@@ -65,9 +65,10 @@ class FlopEfficiency(Policy):
     def touched(self, node: TreeNode, req: RequestInfo, now: float) -> None:
         self._last[node.id] = (node, now)
 
-    def efficiency(self, node: TreeNode) -> float:
-        """Prefill FLOPs a hit on ``node`` saves per byte evicting it frees."""
-        return self._prefill_flops(node.depth) / self.freed_bytes(node)
+    def efficiency(self, node: TreeNode, *, demote: bool = True) -> float:
+        """Prefill FLOPs a hit on ``node`` saves per byte evicting it frees (``demote``: as
+        :meth:`freed_bytes`)."""
+        return self._prefill_flops(node.depth) / self.freed_bytes(node, demote=demote)
 
     def victim(self, now: float, *, kv: bool = False) -> TreeNode | None:
         cands: list[tuple[TreeNode, float, float]] = []
@@ -76,7 +77,7 @@ class FlopEfficiency(Policy):
             if not HybridRadixCache.holds_snapshot(node):
                 gone.append(nid)
             elif len(node.children) <= 1 and HybridRadixCache.is_evictable(node) and (node.is_leaf or not kv):
-                cands.append((node, last, self.efficiency(node)))
+                cands.append((node, last, self.efficiency(node, demote=not kv)))  # KV pressure drops
         for nid in gone:
             del self._last[nid]
         if not cands:

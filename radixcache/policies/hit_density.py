@@ -346,9 +346,10 @@ class HitDensity(Policy):
         n = sum(x.n for x in self._gap.values())
         return total / n if n else 1.0
 
-    def density(self, node: TreeNode, now: float) -> float:
+    def density(self, node: TreeNode, now: float, *, demote: bool = True) -> float:
         """Expected prefill tokens saved per byte per second by keeping ``node``'s snapshot (lower
-        goes first; superseded ones are -1). :raises KeyError: the node is not tracked."""
+        goes first; superseded ones are -1); ``demote``: as :meth:`freed_bytes`.
+        :raises KeyError: the node is not tracked."""
         if node.id in self._superseded:
             return -1.0
         e = self._entries[node.id]
@@ -365,7 +366,7 @@ class HitDensity(Policy):
             q, wait = r, (self._mean_gap(e.kind) + e.last - e.born) / (e.hits + 1) + age
         anchor = self._anchor_depth(e)
         gain = node.depth - anchor + (self.hit_bonus if anchor == 0 else 0.0)  # no anchor: the hit itself
-        return q * gain / (self.freed_bytes(node) * max(wait, 1e-3))
+        return q * gain / (self.freed_bytes(node, demote=demote) * max(wait, 1e-3))
 
     def _victim(self, now: float, leaf: bool) -> TreeNode | None:
         dead: list[int] = []
@@ -403,7 +404,7 @@ class HitDensity(Policy):
             if node.parent is None or node.snapshot is None:
                 self._untrack(nid)
             elif not node.snap_lock and not (leaf and node.children):
-                key = (density(node, now), e.last)
+                key = (density(node, now, demote=not leaf), e.last)  # a KV-pressure leaf is dropped
                 if best is None or key < best_key:
                     best, best_key = node, key
         return best

@@ -168,13 +168,13 @@ class FutureKnowledge(Policy):
             if not HybridRadixCache.is_evictable(node) or (kv and not node.is_leaf):
                 continue
             i = bisect.bisect_right(uses, self._k)  # consumers not admitted yet
-            size = self.freed_bytes(node)
+            size = self.freed_bytes(node, demote=not kv)
             # never used again: first, the biggest first; else (time to next use) x bytes
             score = math.inf if i == len(uses) else max(self._recs[uses[i]].ts - now, 1e-9) * size
             if (
                 best is None
                 or score > best_score
-                or (score == best_score == math.inf and size > self.freed_bytes(best))
+                or (score == best_score == math.inf and size > self.freed_bytes(best, demote=not kv))
             ):
                 best, best_score = node, score
         for nid in gone:
