@@ -14,6 +14,7 @@ nemotron_h, falcon_h1,    Mamba2              ``(inner + 2 * groups * state, ker
 bamba, granitemoehybrid,
 zamba2
 jamba                     Mamba               ``(inner, kernel)``                        ``(inner, state)``
+lfm2, lfm2_moe            short convolution   ``(hidden, L_cache)``                      ``(1,)`` placeholder
 ========================  ==================  =========================================  ===================
 
 The conv window keeps ``kernel`` columns, as transformers does (``StateLayout.for_gdn`` and
@@ -27,8 +28,10 @@ widens losslessly). Both can be overridden; the layout's repr shows them.
 Layout only (the bridge refuses them unless ``allow_inexact=True``): ``bamba`` and ``jamba``, whose
 transformers forward cannot continue a prompt from its own cache exactly (:data:`INEXACT`).
 
-Not covered, and why: ``lfm2`` (a short convolution and no recurrent state: a layout here needs
-both), ``minimax`` (lightning attention keeps a ``linear_cache`` outside transformers' linear
+LFM2 keeps no recurrent state: its slots carry a one-element placeholder (4 bytes per layer) that
+the bridge writes as zero and never loads.
+
+Not covered, and why: ``minimax`` (lightning attention keeps a ``linear_cache`` outside transformers' linear
 cache layers), ``recurrent_gemma`` (its state lives in the modules and its prefill always starts
 from zero, so a prompt cannot continue from a restored state).
 
@@ -42,7 +45,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FAMILIES", "INEXACT", "UNSUPPORTED", "hf_family", "layout_from_hf_config", "linear_layer_ids"]
+__all__ = ["CONV_ONLY", "FAMILIES", "INEXACT", "UNSUPPORTED", "hf_family", "layout_from_hf_config", "linear_layer_ids"]
 
 Shapes = tuple[tuple[int, ...], tuple[int, ...]]
 
@@ -77,6 +80,10 @@ def _expand(c: Any) -> int:
 
 
 _MAMBA2_N = _mamba2("mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups", "mamba_d_conv", _expand)
+
+
+def _short_conv(c: Any) -> Shapes:
+    return (c.hidden_size, c.conv_L_cache), (1,)  # no recurrent state: a one-element placeholder
 
 
 def _jamba(c: Any) -> Shapes:
@@ -126,7 +133,12 @@ FAMILIES: dict[str, tuple[str, Callable[[Any], Shapes]]] = {
         _mamba2("n_mamba_heads", "mamba_headdim", "mamba_d_state", "mamba_ngroups", "mamba_d_conv", _expand),
     ),
     "jamba": ("mamba", _jamba),
+    "lfm2": ("short-conv", _short_conv),
+    "lfm2_moe": ("short-conv", _short_conv),
 }
+
+#: families without a recurrent state: their slots carry a one-element placeholder in its place
+CONV_ONLY = frozenset({"lfm2", "lfm2_moe"})
 
 #: families whose layout is known but whose transformers forward cannot continue a prompt from its
 #: own cache exactly (measured on tiny fp32 models with transformers 5.24; no radixcache involved):
@@ -141,8 +153,6 @@ INEXACT: dict[str, str] = {
 
 #: families transformers ships with a recurrent or convolutional state that this layout does not cover
 UNSUPPORTED: dict[str, str] = {
-    "lfm2": "a short convolution and no recurrent state: a StateLayout needs both",
-    "lfm2_moe": "a short convolution and no recurrent state: a StateLayout needs both",
     "minimax": "lightning attention keeps its state in MiniMaxCache.linear_cache, outside transformers' linear layers",
     "recurrent_gemma": "its state lives in the modules and every multi-token forward restarts it from zero",
 }

@@ -31,7 +31,7 @@ from typing import Any, Literal
 import torch
 
 from linear_state import Fence, LinearStatePool, Owner, StateLayout
-from linear_state.hf import INEXACT, hf_family
+from linear_state.hf import CONV_ONLY, INEXACT, hf_family
 
 try:
     from transformers import DynamicCache
@@ -97,6 +97,7 @@ class HFStateBridge:
         self.config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.layout = layout
         self.on_narrowing = on_narrowing
+        self.conv_only = family in CONV_ONLY  # no recurrent state: the slot's is a placeholder
         self.device = torch.device(device)
         self.narrowed = 0  # states narrowed so far (with on_narrowing="warn")
         assert layout.model_layers is not None
@@ -129,10 +130,11 @@ class HFStateBridge:
             if layer.is_conv_states_initialized[0] or layer.has_previous_state[0]:
                 raise ValueError(f"cache layer {i} already holds a state: load into a fresh cache")
             c = conv[j].unsqueeze(0).to(device=self.device, dtype=self.layout.conv_dtype)
-            r = rec[j].unsqueeze(0).to(device=c.device)
+            r = None if self.conv_only else rec[j].unsqueeze(0).to(device=c.device)
             layer.lazy_initialization(conv_states=c, recurrent_states=r, conv_kernel_size=k)
             layer.conv_states[0].copy_(c)
-            layer.recurrent_states[0].copy_(r)
+            if r is not None:
+                layer.recurrent_states[0].copy_(r)
             layer.has_previous_state[0] = True
 
     def store(
@@ -149,6 +151,8 @@ class HFStateBridge:
         for i in self._layers:
             layer = self._linear(cache, i)
             c, r = layer.conv_states[0], layer.recurrent_states[0]
+            if self.conv_only and c is not None:
+                r = c.new_zeros((1, *self.layout.recurrent_shape), dtype=self.layout.recurrent_dtype)
             if c is None or r is None:
                 raise ValueError(f"cache layer {i} holds no state yet: run a forward first")
             convs.append(c[0])

@@ -103,6 +103,17 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         chunk_size=16,
         attention_head_dim=32,
     ),
+    "lfm2": dict(_COMMON, num_hidden_layers=4, layer_types=["conv", "full_attention", "conv", "conv"], conv_L_cache=3),
+    "lfm2_moe": dict(
+        _COMMON,
+        num_hidden_layers=4,
+        layer_types=["conv", "full_attention", "conv", "conv"],
+        conv_L_cache=3,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        num_dense_layers=1,
+    ),
 }
 
 #: tiny configs of the families transformers cannot continue exactly (linear_state.hf.INEXACT): the
