@@ -498,3 +498,46 @@ def test_replicas_of_another_model_never_read_each_others_blobs(model: HybridMod
     assert m.shared_hits == 0 and m.shared_rejected == 0
     assert b.shared is not None and a.shared is not None and b.shared.identity != a.shared.identity
     _assert_exact(other, finished)
+
+
+def test_a_kv_codec_that_raises_costs_a_hit_or_a_publication_never_the_admission(model: HybridModel) -> None:
+    store = MemoryStore()
+    a, b = _publisher_and_fetcher(model, store)
+    prompts = _prompts(2)
+
+    def boom(*args: object) -> bytes:
+        raise RuntimeError("codec bug")
+
+    a.kv_codec.export_kv = boom  # type: ignore[method-assign,assignment]
+    with pytest.warns(RuntimeWarning, match="export_kv"):
+        _serve(a, prompts[:1], "a")
+        a.manager.publish_pending(wait=True)
+    assert a.shared is not None and a.shared.stats.codec_errors >= 1 and not store.blobs
+    a.kv_codec.export_kv = type(a.kv_codec).export_kv.__get__(a.kv_codec)  # type: ignore[method-assign]
+    _publish(a, prompts)
+    b.kv_codec.import_kv = boom  # type: ignore[method-assign,assignment]
+    with pytest.warns(RuntimeWarning, match="import_kv"):
+        finished = _serve(b, prompts, "b")
+    _assert_exact(model, finished)
+    assert b.manager.metrics().shared_hits == 0
+    b.manager.check_invariants()
+
+
+def test_namespaces_a_store_cannot_address_are_served_locally_only() -> None:
+    layout = StateLayout(2, (4, 3), (2, 4, 4))
+    store = MemoryStore()
+    tier = SharedTier(store, model="m", kv=_NoKV())
+    mgr = CacheManager(HybridRadixCache(LinearStatePool(layout, 16)), shared=tier, track_slots=1)
+    ids = list(range(1, 200))
+    for ns, rid in ((("tenant", 1), "tuple"), ("tenant-1", "str")):  # hashable; only the str is addressable
+        adm = mgr.admit(rid, ids, namespace=ns)
+        assert isinstance(adm, Admission)
+        plan = mgr.plan_prefill(rid, len(ids))
+        mgr.commit(plan, None, kv_indices=torch.arange(len(ids)) + (0 if rid == "tuple" else 1000))
+        mgr.finish(rid)
+    mgr.publish_pending(wait=True)
+    assert not tier.addressable(("tenant", 1)) and tier.addressable("tenant-1")
+    assert tier.stats.published >= 1
+    indexed = [k for k in store.indexes]
+    assert len(indexed) == 1  # the str namespace's index only
+    mgr.check_invariants()

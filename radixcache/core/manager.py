@@ -594,10 +594,9 @@ class CacheManager:
         miss; nothing changed but the tier's counters."""
         shared = self.shared
         assert shared is not None
-        try:
-            got = shared.fetch(ids, namespace, m.length)
-        except TypeError:  # a namespace the store cannot address: never shared
+        if not shared.addressable(namespace):  # served locally only
             return None
+        got = shared.fetch(ids, namespace, m.length)
         if got is None:
             return None
         d = got.depth
@@ -606,7 +605,11 @@ class CacheManager:
         if not self.pool.can_alloc(1):
             shared.stats.no_room += 1
             return None
-        kv = shared.kv.import_kv(got.kv, d)
+        try:
+            kv = shared.kv.import_kv(got.kv, d)
+        except Exception as e:  # the host's code: a miss, never a half-made admission
+            shared.codec_failed("import_kv", e)
+            return None
         if kv is None:
             shared.stats.no_room += 1
             return None
@@ -624,10 +627,12 @@ class CacheManager:
         return got, hit, ready
 
     def _queue_publication(self, node: TreeNode, key: np.ndarray, namespace: Hashable, kv_after: Fence | None) -> None:
-        q = self._to_publish
-        q.append((node, key.copy(), namespace, kv_after))
         shared = self.shared
         assert shared is not None
+        if not shared.addressable(namespace):
+            return
+        q = self._to_publish
+        q.append((node, key.copy(), namespace, kv_after))
         while len(q) > shared.max_pending:
             q.popleft()
             shared.stats.publish_skipped += 1

@@ -234,6 +234,8 @@ class SharedStats:
     :ivar hit_tokens: tokens those hits covered beyond the local match;
     :ivar rejected: blobs refused, by why (``format``, ``layout``, ``length``, ``fingerprint``);
     :ivar no_room: verified blobs not used for want of a slot or KV room;
+    :ivar codec_errors: the host's KV codec raised (an export at publication: that publication
+        dropped; an import at fetch: a miss); the first one is also warned about;
     :ivar errors: store calls that failed (server down); :ivar skipped_down: calls not made while
         the store was considered down.
     """
@@ -247,6 +249,7 @@ class SharedStats:
     rejected: dict[str, int] = field(default_factory=dict)
     no_room: int = 0
     errors: int = 0
+    codec_errors: int = 0
     skipped_down: int = 0
 
     def as_dict(self) -> dict[str, object]:
@@ -418,6 +421,25 @@ class SharedTier:
         h.update(np.ascontiguousarray(ids, dtype=np.int64).tobytes())
         return f"{self.namespace}:{self._id_digest}:{h.hexdigest()}"
 
+    @staticmethod
+    def addressable(namespace: Hashable) -> bool:
+        """Whether ``namespace`` can be part of a content address (None, str, int or bytes); requests
+        in other namespaces are served locally only."""
+        return namespace is None or isinstance(namespace, (str, int, bytes))
+
+    def codec_failed(self, what: str, error: BaseException) -> None:
+        """The host's KV codec raised during ``what``: counted, warned about the first time."""
+        self.stats.codec_errors += 1
+        if self.stats.codec_errors == 1:
+            import warnings
+
+            warnings.warn(
+                f"shared tier: the KV codec raised during {what} ({type(error).__name__}: {error}); "
+                "served as a miss / publication dropped (counted in stats.codec_errors)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
     def index(self, namespace: Hashable) -> str:
         """The store's index of published depths for ``namespace``."""
         ns = hashlib.blake2b(_ns_name(namespace).encode(), digest_size=8).hexdigest()
@@ -463,7 +485,11 @@ class SharedTier:
         conv, rec = pool.read(slot)
         fp = pool.fingerprint(slot)
         state = _raw(conv) + _raw(rec)
-        kv = self.kv.export_kv(kv_indices, kv_after)
+        try:
+            kv = self.kv.export_kv(kv_indices, kv_after)
+        except Exception as e:  # the host's code: this publication is dropped, serving goes on
+            self.codec_failed("export_kv", e)
+            return False
         header = {
             "identity": self._identity,
             "depth": depth,
