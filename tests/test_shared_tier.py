@@ -541,3 +541,29 @@ def test_namespaces_a_store_cannot_address_are_served_locally_only() -> None:
     indexed = [k for k in store.indexes]
     assert len(indexed) == 1  # the str namespace's index only
     mgr.check_invariants()
+
+
+def test_only_depths_the_tree_can_hold_are_fetched() -> None:
+    """A replica with page size 1 publishes depth 70; a tree with 16-token pages cannot hold a node
+    there (its insert would cut the key to 64 while the live slot holds the state after 70 tokens):
+    it fetches only whole-page depths."""
+    layout = StateLayout(2, (4, 3), (2, 4, 4))
+    store = MemoryStore()
+    src = LinearStatePool(layout, 2)
+    pub = SharedTier(store, model="m", kv=_NoKV(), publisher="A")
+    pub.bind(layout)
+    from linear_state import RequestOwner
+
+    slot = src.alloc(RequestOwner("a"))
+    ids = np.arange(1, 200, dtype=np.int64)
+    for d in (70, 48):
+        assert pub.publish(ids[:d], None, src, slot, torch.arange(d), None)
+    mgr = CacheManager(
+        HybridRadixCache(LinearStatePool(layout, 16), page_size=16),
+        shared=SharedTier(store, model="m", kv=_NoKV(), publisher="B"),
+        track_slots=1,
+    )
+    adm = mgr.admit("r", ids)
+    assert isinstance(adm, Admission) and adm.cached_length == 48
+    mgr.abort("r")
+    mgr.check_invariants()

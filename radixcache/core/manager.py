@@ -596,7 +596,7 @@ class CacheManager:
         assert shared is not None
         if not shared.addressable(namespace):  # served locally only
             return None
-        got = shared.fetch(ids, namespace, m.length)
+        got = shared.fetch(ids, namespace, m.length, page=self.cache.page_size)
         if got is None:
             return None
         d = got.depth

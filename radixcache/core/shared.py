@@ -520,10 +520,12 @@ class SharedTier:
             self._done.popitem(last=False)
 
     # --------------------------------------------------------------- fetch
-    def fetch(self, ids: np.ndarray, namespace: Hashable, local: int) -> Fetched | None:
+    def fetch(self, ids: np.ndarray, namespace: Hashable, local: int, *, page: int = 1) -> Fetched | None:
         """The deepest verified blob for a prefix of ``ids`` deeper than ``local`` tokens (and
-        shorter than ``ids``), staged in the tier's staging slot; None: a miss (nothing deeper, the
-        store down, or the blob rejected: then ``on_reject`` heard why and the blob was deleted)."""
+        shorter than ``ids``) whose depth is a multiple of ``page`` (the tree keeps whole pages
+        only: a replica with another page size may have published depths this tree cannot hold),
+        staged in the tier's staging slot; None: a miss (nothing deeper, the store down, or the blob
+        rejected: then ``on_reject`` heard why and the blob was deleted)."""
         if self._layout is None:
             raise RuntimeError("SharedTier.fetch before bind (give the tier to a CacheManager)")
         n = int(ids.size) - 1
@@ -535,7 +537,9 @@ class SharedTier:
         if not ok or not got:
             return None
         assert isinstance(got, list)
-        depths = got[-self.max_probes :][::-1]
+        depths = [d for d in got if d % page == 0][-self.max_probes :][::-1]
+        if not depths:
+            return None
         keys = [self.key(ids[:d], namespace) for d in depths]
         ok, there = self._guarded(lambda: self.store.exists(keys))
         if not ok:
