@@ -34,13 +34,19 @@ _GDN: dict[str, Any] = dict(
 _MOE: dict[str, Any] = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 _MAMBA2: dict[str, Any] = dict(mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4)
 
+# one tiny shape for Qwen3-Next and Qwen3.5-MoE (the same mixer and MoE), one for both LFM2s
+_GDN_MOE_TINY: dict[str, Any] = dict(
+    _COMMON, num_hidden_layers=4, head_dim=16, **_GDN, **_MOE, shared_expert_intermediate_size=32
+)
+_LFM2: dict[str, Any] = dict(
+    _COMMON, num_hidden_layers=4, layer_types=["conv", "full_attention", "conv", "conv"], conv_L_cache=3
+)
+
 #: model_type -> the tiny config's keyword arguments (``AutoConfig.for_model(model_type, **kw)``)
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
-    "qwen3_next": dict(_COMMON, num_hidden_layers=4, head_dim=16, **_GDN, **_MOE, shared_expert_intermediate_size=32),
+    "qwen3_next": _GDN_MOE_TINY,
     "qwen3_5_text": dict(_COMMON, num_hidden_layers=4, head_dim=16, **_GDN),
-    "qwen3_5_moe_text": dict(
-        _COMMON, num_hidden_layers=4, head_dim=16, **_GDN, **_MOE, shared_expert_intermediate_size=32
-    ),
+    "qwen3_5_moe_text": _GDN_MOE_TINY,
     "olmo_hybrid": dict(_COMMON, num_hidden_layers=4, **_GDN),
     "kimi_linear": dict(
         _COMMON,
@@ -103,12 +109,9 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         chunk_size=16,
         attention_head_dim=32,
     ),
-    "lfm2": dict(_COMMON, num_hidden_layers=4, layer_types=["conv", "full_attention", "conv", "conv"], conv_L_cache=3),
+    "lfm2": _LFM2,
     "lfm2_moe": dict(
-        _COMMON,
-        num_hidden_layers=4,
-        layer_types=["conv", "full_attention", "conv", "conv"],
-        conv_L_cache=3,
+        _LFM2,
         num_experts=4,
         num_experts_per_tok=2,
         moe_intermediate_size=32,
