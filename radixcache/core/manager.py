@@ -531,17 +531,16 @@ class CacheManager:
             if got is not None:
                 fetched, m, ready = got
                 node = m.node
-        if fetched is not None:
-            pass  # the live slot holds the fetched state, written behind ``ready``
-        elif m.length:
+        if fetched is None and m.length:
             if fx is not None:
                 fx.before_restore(node.id, rid, live)
             ready = self.cache.restore(node, live, stream=stream, dst_owner=owner)
-            if self.barrier == "device":
-                ready.wait()
-                device_synchronize(self.pool.device)
-        else:
+        elif fetched is None:
             ready = self.pool.zero(live, owner=owner, stream=stream)
+        # (a fetched hit's state is in the live slot already, written behind ``ready``)
+        if m.length and self.barrier == "device":  # a hit from the tree or the shared tier
+            ready.wait()
+            device_synchronize(self.pool.device)
         is_img = ids >= IMAGE_ID_BASE
         starts = np.flatnonzero(is_img & ~np.concatenate([[False], is_img[:-1]]))
         digest = int.from_bytes(hashlib.blake2b(kb, digest_size=8).digest(), "little") or 1
