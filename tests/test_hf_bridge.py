@@ -174,6 +174,106 @@ def test_a_hit_equals_the_cold_run_and_a_perturbed_state_does_not(family: str) -
     assert r.first_logits is not None and float((r.first_logits - first).abs().max()) > TOL
 
 
+def _prefilled(family: str, lens: tuple[int, ...]) -> tuple[Any, Any, HFStateBridge, list[Any], list[Any]]:
+    """The family's tiny model and, for each length, a prefilled cache and an identical copy."""
+    import copy
+
+    cfg, model = tiny_model(family)
+    bridge = HFStateBridge(cfg)
+    g = torch.Generator().manual_seed(1)
+    caches = []
+    for n in lens:
+        c = bridge.new_cache()
+        _forward(model, c, torch.randint(3, 256, (n,), generator=g).tolist())
+        caches.append(c)
+    return cfg, model, bridge, caches, copy.deepcopy(caches)
+
+
+def _linear_states(bridge: HFStateBridge, cache: Any) -> list[torch.Tensor]:
+    pool = LinearStatePool(bridge.layout, 2)
+    owner = RequestOwner("probe")
+    slot = pool.alloc(owner)
+    bridge.store(cache, pool, slot, owner=owner)
+    conv, rec = pool.read(slot)
+    return [conv.clone(), rec.clone()]
+
+
+@pytest.mark.parametrize("family", COVERED)
+def test_a_batched_decode_equals_each_request_decoded_alone(family: str) -> None:
+    lens = (5, 12, 9)
+    _, model, bridge, caches, alone = _prefilled(family, lens)
+    tokens = [7, 8, 9]
+    ref = [_forward(model, c, [t]) for c, t in zip(alone, tokens, strict=True)]
+    stacked = bridge.batch(caches, list(lens))
+    with torch.no_grad():
+        out = model(
+            input_ids=torch.tensor(tokens).unsqueeze(1),
+            attention_mask=stacked.attention_mask,
+            position_ids=stacked.position_ids,
+            cache=stacked.cache,
+            use_cache=True,
+        )
+    bridge.unbatch(stacked, caches)
+    for b in range(len(lens)):
+        assert float((out.logits[b, -1] - ref[b]).abs().max()) < TOL, (family, b)
+        for got, want in zip(_linear_states(bridge, caches[b]), _linear_states(bridge, alone[b]), strict=True):
+            assert float((got - want).abs().max()) < TOL, (family, b)
+        for i in bridge.attention_layers(caches[b]):
+            assert caches[b].layers[i].keys.shape[2] == lens[b] + 1
+            assert float((caches[b].layers[i].keys - alone[b].layers[i].keys).abs().max()) < TOL
+            assert float((caches[b].layers[i].values - alone[b].layers[i].values).abs().max()) < TOL
+
+
+def test_a_batch_without_its_padding_mask_is_wrong() -> None:
+    """The mask is what makes the left padding harmless: without it the shorter rows attend to
+    zero keys and their logits move (so the check above can fail)."""
+    lens = (5, 12)
+    _, model, bridge, caches, alone = _prefilled("qwen3_next", lens)
+    ref = _forward(model, alone[0], [7])
+    stacked = bridge.batch(caches, list(lens))
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([[7], [8]]), position_ids=stacked.position_ids, cache=stacked.cache)
+    assert float((out.logits[0, -1] - ref).abs().max()) > 1e-3
+
+
+def test_batch_refuses_lengths_that_are_not_the_caches() -> None:
+    _, _, bridge, caches, _ = _prefilled("qwen3_next", (5, 12))
+    with pytest.raises(ValueError, match="lengths"):
+        bridge.batch(caches, [5])
+    with pytest.raises(ValueError, match="lengths"):
+        bridge.batch(caches, [5, -1])
+    with pytest.raises(ValueError, match="holds 12 KV tokens, its length says 11"):
+        bridge.batch(caches, [5, 11])
+    with pytest.raises(ValueError, match="no caches"):
+        bridge.batch([], [])
+    fresh = bridge.new_cache()
+    with pytest.raises(ValueError, match="holds no conv state in some request"):
+        bridge.batch([caches[0], fresh], [5, 0])
+    stacked = bridge.batch(caches, [5, 12])
+    with pytest.raises(ValueError, match="run the forward first"):
+        bridge.unbatch(stacked, caches)
+    with pytest.raises(ValueError, match="1 caches for a batch of 2"):
+        bridge.unbatch(stacked, caches[:1])
+
+
+@pytest.mark.parametrize("batch_decode", [True, False])
+def test_the_engine_decodes_its_running_requests_in_one_forward(batch_decode: bool) -> None:
+    cfg, model = tiny_model("nemotron_h")
+    engine = HFEngine(model, cfg, track_align=16, batch_decode=batch_decode)
+    prompts = _prompts()
+    for i, p in enumerate(prompts):  # all at once: they decode side by side
+        engine.submit(EngineRequest(i, p, 6))
+    engine.run()
+    decoded = sum(len(r.output) - 1 for r in engine.finished)
+    if batch_decode:
+        assert engine.decode_forwards < decoded
+    else:
+        assert engine.decode_forwards == decoded
+    for r in engine.finished:
+        assert r.output == generate_cold_hf(model, engine.bridge, r.prompt, len(r.output))[0]
+    engine.manager.check_invariants()
+
+
 def test_the_hammer_serves_a_transformers_model_exactly() -> None:
     from radixcache.testing.hammer import HammerConfig, run_hammer
 

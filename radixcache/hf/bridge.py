@@ -18,6 +18,13 @@ Layouts are :meth:`StateLayout.from_hf_config <linear_state.StateLayout.from_hf_
 family's own shapes, transformers' ``kernel``-column conv windows, pool layer ``i`` = model layer
 ``layout.model_layers[i]``.
 
+Decode batches: transformers' caches hold one batch of equal-length rows, so per-request caches of
+different lengths are stacked for one decode forward by :meth:`HFStateBridge.batch` (linear
+states stacked as they are; attention KV left-padded, with the attention mask and position ids
+that hide the padding) and split back by :meth:`HFStateBridge.unbatch`. Every covered family's
+batched decode equals its one-request decode within fp32 rounding (checked per family by the
+tests), so :class:`~radixcache.hf.engine.HFEngine` decodes its running requests in one forward.
+
 Precision: :meth:`store` never narrows silently. A state wider than its slot's dtype (an fp32 conv
 state into a bf16 slot, say) raises :class:`PrecisionLoss` with ``on_narrowing="raise"`` (the
 default), or is narrowed with one ``RuntimeWarning`` per bridge with ``"warn"``.
@@ -26,6 +33,8 @@ default), or is narrowed with one ``RuntimeWarning`` per bridge with ``"warn"``.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -39,11 +48,38 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("radixcache.hf needs transformers: pip install 'radixcache[hf]'") from e
 
-__all__ = ["HFStateBridge", "PrecisionLoss"]
+__all__ = ["DecodeBatch", "HFStateBridge", "PrecisionLoss"]
 
 
 class PrecisionLoss(TypeError):
     """A state would be narrowed into a slot of a narrower dtype (``on_narrowing="raise"``)."""
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """Per-request caches stacked for one decode forward (:meth:`HFStateBridge.batch`).
+
+    Forward it as ``model(input_ids=ids[:, None], attention_mask=attention_mask,
+    position_ids=position_ids, cache=cache, use_cache=True)``, then :meth:`HFStateBridge.unbatch`.
+
+    :ivar cache: the batched transformers cache (row ``b`` is request ``b``).
+    :ivar attention_mask: ``[batch, max(lengths) + 1]``, 0 on each row's left padding.
+    :ivar position_ids: ``[batch, 1]``, each row's own position (its length).
+    :ivar lengths: the tokens each request's cache held when stacked.
+    """
+
+    cache: Any
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    lengths: tuple[int, ...]
+
+
+def _is_linear(layer: Any) -> bool:
+    return isinstance(layer, LinearAttentionCacheLayerMixin)
+
+
+def _is_attention(layer: Any) -> bool:
+    return isinstance(layer, DynamicLayer) and layer.keys is not None
 
 
 def _wider(src: torch.dtype, dst: torch.dtype) -> bool:
@@ -110,6 +146,88 @@ class HFStateBridge:
     def attention_layers(self, cache: Any) -> list[int]:
         """The cache's layers that hold attention KV (the host appends a hit's prefix to them)."""
         return [i for i, layer in enumerate(cache.layers) if isinstance(layer, DynamicLayer)]
+
+    def batch(self, caches: Sequence[Any], lengths: Sequence[int]) -> DecodeBatch:
+        """Stack per-request caches of this model (batch 1 each, ``lengths[b]`` tokens in
+        ``caches[b]``) into one cache for a decode forward of one token per request: linear
+        states stacked, attention KV left-padded with zeros to the longest, the padding masked.
+        The caches are read, not changed. O(total KV).
+
+        :raises ValueError: no caches, lengths not one non-negative int per cache, a cache whose
+            attention layers hold another length, or a cache with no state yet (no forward ran).
+        """
+        n = len(caches)
+        if n == 0:
+            raise ValueError("batch of no caches")
+        lens = tuple(lengths)
+        if len(lens) != n or any(type(x) is not int or x < 0 for x in lens):
+            raise ValueError(f"lengths {lens!r} are not one non-negative int for each of the {n} caches")
+        width = max(lens)
+        out = DynamicCache(config=self.config)
+        layers: list[Any] = list(out.layers)
+        for i, layer in enumerate(layers):
+            src = [c.layers[i] for c in caches]
+            if _is_linear(layer):
+                for s in range(layer.number_of_states):
+                    k = src[0].conv_kernel_size[s]
+                    for conv, what in ((True, "conv"), (False, "recurrent")):
+                        init = "is_conv_states_initialized" if conv else "is_recurrent_states_initialized"
+                        have = [getattr(x, init)[s] for x in src]
+                        if not any(have):
+                            continue
+                        if not all(have):
+                            raise ValueError(f"cache layer {i} holds no {what} state in some request: forward first")
+                        states = [(x.conv_states if conv else x.recurrent_states)[s] for x in src]
+                        t = torch.cat(states)
+                        if conv:
+                            layer.lazy_initialization(conv_states=t, state_idx=s, conv_kernel_size=k)
+                            layer.conv_states[s].copy_(t)
+                        else:
+                            layer.lazy_initialization(recurrent_states=t, state_idx=s)
+                            layer.recurrent_states[s].copy_(t)
+                    layer.has_previous_state[s] = all(x.has_previous_state[s] for x in src)
+            if _is_attention(src[0]):
+                keys, values = src[0].keys, src[0].values
+                pk = keys.new_zeros(n, keys.shape[1], width, keys.shape[3])
+                pv = values.new_zeros(n, values.shape[1], width, values.shape[3])
+                for b, (x, m) in enumerate(zip(src, lens, strict=True)):
+                    if x.keys is None or x.keys.shape[2] != m:
+                        got = None if x.keys is None else x.keys.shape[2]
+                        raise ValueError(f"cache {b} layer {i} holds {got} KV tokens, its length says {m}")
+                    pk[b, :, width - m :] = x.keys[0]
+                    pv[b, :, width - m :] = x.values[0]
+                layer.update(pk, pv)
+        mask = torch.ones(n, width + 1, dtype=torch.long, device=self.device)
+        for b, m in enumerate(lens):
+            mask[b, : width - m] = 0
+        pos = torch.tensor(lens, dtype=torch.long, device=self.device).unsqueeze(1)
+        return DecodeBatch(out, mask, pos, lens)
+
+    def unbatch(self, batch: DecodeBatch, caches: Sequence[Any]) -> None:
+        """After the decode forward of ``batch``: append each row's new KV token to its
+        request's cache and copy its linear states back (the caches it was stacked from, in
+        order). O(batch).
+
+        :raises ValueError: not as many caches as the batch has rows, or no forward ran.
+        """
+        if len(caches) != len(batch.lengths):
+            raise ValueError(f"{len(caches)} caches for a batch of {len(batch.lengths)}")
+        width = max(batch.lengths)
+        layers: list[Any] = list(batch.cache.layers)
+        for i, layer in enumerate(layers):
+            dst = [c.layers[i] for c in caches]
+            if _is_linear(layer):
+                for s in range(layer.number_of_states):
+                    for b, x in enumerate(dst):
+                        if layer.is_conv_states_initialized[s]:
+                            x.conv_states[s].copy_(layer.conv_states[s][b : b + 1])
+                        if layer.is_recurrent_states_initialized[s]:
+                            x.recurrent_states[s].copy_(layer.recurrent_states[s][b : b + 1])
+            if _is_attention(layer):
+                if layer.keys.shape[2] != width + 1:
+                    raise ValueError(f"batched layer {i} holds {layer.keys.shape[2]} tokens: run the forward first")
+                for b, x in enumerate(dst):
+                    x.update(layer.keys[b : b + 1, :, width:], layer.values[b : b + 1, :, width:])
 
     def _linear(self, cache: Any, i: int) -> Any:
         layer = cache.layers[i]

@@ -5,8 +5,10 @@ prefilling request (plan; forward split at each capture's depth, the bridge stor
 there; commit), admissions (a hit: the live slot's state loaded into a fresh cache and the tree's
 KV of the prefix appended to its attention layers), one decode token of every decoding request,
 then greedy sampling; at finish the cache's state is stored into the live slot, which the manager
-donates. Transformers' hybrid caches keep one sequence length per cache object, so decode runs
-request by request (a batch would need left padding, which the linear states cannot take).
+donates. Decode is batched: the decoding requests' caches are stacked for one forward
+(:meth:`HFStateBridge.batch <radixcache.hf.bridge.HFStateBridge.batch>`: linear states stacked,
+attention KV left-padded and masked), planned with ``plan_decode_batch`` and committed with
+``commit_batch``, then split back; ``batch_decode=False`` decodes request by request.
 
 The engine keeps the attention KV by index (:class:`KVStore`): the tree's ``kv_indices`` are rows
 of it, so a later hit reads the KV another request computed. Everything runs on the CPU's
@@ -93,6 +95,7 @@ class HFEngine(ServingQueue):
     :param config: its config.
     :param policy: the manager's policy (default ``HitDensity(block=track_align)``).
     :param host_slots: the tree's host tier in snapshots (``None``: the manager's default, 0: none).
+    :param batch_decode: decode every decoding request in one forward (default), or one by one.
     """
 
     def __init__(
@@ -108,8 +111,11 @@ class HFEngine(ServingQueue):
         track_align: int = 64,
         policy: Policy | None = None,
         host_slots: int | None = None,
+        batch_decode: bool = True,
     ) -> None:
         self.model = model
+        self.batch_decode = batch_decode
+        self.decode_forwards = 0  # decode forwards run (a batch counts once)
         self.bridge = HFStateBridge(config)
         layout = self.bridge.layout
         self.device = torch.device("cpu")
@@ -153,8 +159,13 @@ class HFEngine(ServingQueue):
             if logits is not None:
                 self._sample(r, logits)
         self._admit()
-        for r in [r for r in self.running.values() if r.next_token is not None]:
-            self._sample(r, self._decode(r))
+        decoding = [r for r in self.running.values() if r.next_token is not None]
+        if self.batch_decode and len(decoding) > 1:
+            for r, logits in zip(decoding, self._decode_batch(decoding), strict=True):
+                self._sample(r, logits)
+        else:
+            for r in decoding:
+                self._sample(r, self._decode(r))
 
     # ------------------------------------------------------------- internals
     def _admit(self) -> None:
@@ -217,7 +228,41 @@ class HFEngine(ServingQueue):
         tok = r.next_token
         assert tok is not None
         r.next_token = None
+        self.decode_forwards += 1
         return self._forward(r, self.manager.plan_decode(r.req.rid, [tok]), [tok])
+
+    def _decode_batch(self, batch: list[_Running]) -> torch.Tensor:
+        """One decode token of each request of ``batch`` in one forward; its logits, row by row."""
+        tokens = [r.next_token for r in batch if r.next_token is not None]
+        assert len(tokens) == len(batch), "a decoding request without its next token"
+        plan = self.manager.plan_decode_batch([r.req.rid for r in batch], tokens)
+        caches = [r.cache for r in batch]
+        stacked = self.bridge.batch(caches, [r.done for r in batch])
+        with torch.no_grad():
+            out = self.model(
+                input_ids=torch.tensor(tokens, dtype=torch.long).unsqueeze(1),
+                attention_mask=stacked.attention_mask,
+                position_ids=stacked.position_ids,
+                cache=stacked.cache,
+                use_cache=True,
+            )
+        self.decode_forwards += 1
+        self.bridge.unbatch(stacked, caches)
+        by_rid = {r.req.rid: r for r in batch}
+        for rid, p in plan.plans.items():  # a decode window is one token: captures are after it
+            for cap in p.captures:
+                self.bridge.store(by_rid[rid].cache, self.pool, cap.slot, owner=RequestOwner(rid), after=p.after)
+        for r in batch:
+            r.next_token = None
+            self.kv_store.save(r.cache, r.done, r.done + 1, r.kv[r.done : r.done + 1])
+        res = self.manager.commit_batch(plan, None, kv_indices=torch.stack([r.kv[r.done] for r in batch]))
+        for r in batch:
+            r.done += 1
+            one = res.results.get(r.req.rid)
+            if one is not None:
+                self._committed(r, plan.plans[r.req.rid], one)
+        logits: torch.Tensor = out.logits[:, -1].float()
+        return logits
 
     def _sample(self, r: _Running, logits: torch.Tensor) -> None:
         tok = int(torch.argmax(logits))
