@@ -4,7 +4,9 @@ inserted with a snapshot at its end.
 
 Reports median microseconds of insert, match (the full sequence; a shared prefix plus a new
 suffix), one eviction of 200,000 KV tokens, one eviction of 256 snapshots, and Python bytes per
-node (tracemalloc). Keys are numpy int32 arrays (what an engine holds); list keys are timed too.
+node (tracemalloc). Keys are numpy int32 arrays (what an engine holds); list keys are timed too
+(insert into a fresh tree of 256 sequences, full match, prefix + new suffix): the operations of
+shared/bench/sglang/side_by_side.py, so CI's smoke run covers them.
 Prints one JSON object.
 
     python benchmarks/bench_tree.py [--rounds 5] [--quick]
@@ -51,7 +53,7 @@ def one_round(seqs: list[np.ndarray], rng: np.random.Generator, prefix: int, suf
         cache.insert(s, kv, state_slot=slot)
         insert_us.append((time.perf_counter() - t0) * 1e6)
     nodes = cache.num_nodes
-    match_full, match_new, match_list = [], [], []
+    match_full, match_new, match_list, match_new_list = [], [], [], []
     for s in seqs:
         t0 = time.perf_counter()
         m = cache.match(s)
@@ -68,6 +70,12 @@ def one_round(seqs: list[np.ndarray], rng: np.random.Generator, prefix: int, suf
         m = cache.match(q)
         match_new.append((time.perf_counter() - t0) * 1e6)
         assert m.token_length == prefix
+    for s in seqs[:256]:
+        ql = [*s[:prefix].tolist(), *rng.integers(150_000, 151_000, suffix).tolist()]
+        t0 = time.perf_counter()
+        m = cache.match(ql)
+        match_new_list.append((time.perf_counter() - t0) * 1e6)
+        assert m.token_length == prefix
     cache.check_invariants()
     t0 = time.perf_counter()
     snaps = cache.evict(snapshots=256)
@@ -83,11 +91,31 @@ def one_round(seqs: list[np.ndarray], rng: np.random.Generator, prefix: int, suf
         "match_full_us": statistics.median(match_full),
         "match_prefix_new_suffix_us": statistics.median(match_new),
         "match_full_list_key_us": statistics.median(match_list),
+        "match_prefix_new_suffix_list_key_us": statistics.median(match_new_list),
+        "insert_list_key_us": list_insert_us(seqs[:256]),
         "evict_256_snapshots_ms": evict_snap_ms,
         "evict_200k_kv_tokens_ms": evict_kv_ms,
         "evicted_nodes_for_200k_kv": kv_res.nodes_removed,
         "nodes": nodes,
     }
+
+
+def list_insert_us(seqs: list[np.ndarray]) -> float:
+    """Median insert with the keys as Python lists (what hosts pass), into a fresh tree."""
+    pool = LinearStatePool(StateLayout(2, (8, 3), (2, 4, 4)), len(seqs) + 8)
+    cache = HybridRadixCache(pool, page_size=1, on_free_kv=lambda kv: None)
+    slot = pool.alloc(RequestOwner("donor"))
+    keys = [s.tolist() for s in seqs]
+    kvs = [torch.arange(i * len(s), (i + 1) * len(s)) for i, s in enumerate(seqs)]
+    gc.collect()
+    gc.disable()
+    out = []
+    for k, kv in zip(keys, kvs, strict=True):
+        t0 = time.perf_counter()
+        cache.insert(k, kv, state_slot=slot)
+        out.append((time.perf_counter() - t0) * 1e6)
+    gc.enable()
+    return statistics.median(out)
 
 
 def python_bytes_per_node(seqs: list[np.ndarray]) -> float:
