@@ -439,8 +439,21 @@ def test_key_bytes_of_strided_and_narrow_arrays() -> None:
     assert key_bytes(np.arange(10, dtype=np.int64)[::2]) == want
     assert key_bytes(np.arange(10, dtype=np.uint8)[::2]) == want
     assert key_bytes(np.arange(10, dtype=np.uint32)[::2]) == want
+    # byte-swapped arrays are the same keys (the canonical bytes are native uint32)
+    assert key_bytes(np.arange(10, dtype=">i4")[::2]) == want
+    assert key_bytes(np.arange(10, dtype=">u4")[::2]) == want
     with pytest.raises(ValueError, match="position 1"):
         key_bytes(np.array([1, 2**31], dtype=np.uint32))
+    # 4-byte ids are range-checked on their bytes: every position, both signs, both byte orders
+    with pytest.raises(ValueError, match="-7 at position 1"):
+        key_bytes(np.array([3, -7, 4], dtype=np.int32))
+    with pytest.raises(ValueError, match="-2147483648 at position 2"):
+        key_bytes(np.array([0, 2**31 - 1, -(2**31)], dtype=np.int32))
+    with pytest.raises(ValueError, match="4294967295 at position 0"):
+        key_bytes(np.array([2**32 - 1, 5], dtype=">u4"))
+    with pytest.raises(ValueError, match="4294967295 at position 1"):
+        key_bytes([7, 2**32 - 1])
+    assert key_bytes(np.array([2**31 - 1], dtype=np.int32)) == key_bytes([2**31 - 1])
     with pytest.raises(TypeError, match="integers"):
         key_bytes(np.array([True, False]))
 
