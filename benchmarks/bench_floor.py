@@ -57,6 +57,19 @@ class _Node:
         self.last = 0
 
 
+def _common_tokens(kb: bytes, pos: int, edge: bytes, limit: int) -> int:
+    """Tokens (>= 1, the first is known equal) on which ``kb[pos:]`` and ``edge`` agree: binary
+    search, one memcmp per probe."""
+    lo, hi = 1, limit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if kb[pos : pos + mid * 4] == edge[: mid * 4]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 class Floor:
     """The minimal tree (see the module docstring). Not a product: W1 only, nothing checked."""
 
@@ -93,13 +106,7 @@ class Floor:
                 node = child
                 path.append(child)
                 continue
-            lo, hi = 1, min(n, end - pos) // 4  # common tokens, binary search
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if kb[pos : pos + mid * 4] == child.key[: mid * 4]:
-                    lo = mid
-                else:
-                    hi = mid - 1
+            lo = _common_tokens(kb, pos, child.key, min(n, end - pos) // 4)
             upper = _Node(child.key[: lo * 4], child.kv[:lo], node)
             node.children[upper.key[:4]] = upper
             child.key, child.kv, child.parent = child.key[lo * 4 :], child.kv[lo:], upper
@@ -143,13 +150,7 @@ class Floor:
                 if child.snap is not None:
                     snap_at = len(path)
                 continue
-            lo, hi = 1, min(n, end - pos) // 4
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if kb[pos : pos + mid * 4] == child.key[: mid * 4]:
-                    lo = mid
-                else:
-                    hi = mid - 1
+            _common_tokens(kb, pos, child.key, min(n, end - pos) // 4)
             break
         if not snap_at:
             return 0, torch.empty(0, dtype=torch.int64)

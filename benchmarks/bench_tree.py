@@ -20,6 +20,7 @@ import json
 import statistics
 import time
 import tracemalloc
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,14 +45,9 @@ def one_round(seqs: list[np.ndarray], rng: np.random.Generator, prefix: int, suf
     cache = HybridRadixCache(pool, page_size=1, on_free_kv=freed.append)
     donor = RequestOwner("donor")
     slot = pool.alloc(donor)
-    kvs = [torch.arange(i * len(s), (i + 1) * len(s)) for i, s in enumerate(seqs)]
     gc.collect()
     gc.disable()
-    insert_us = []
-    for s, kv in zip(seqs, kvs, strict=True):
-        t0 = time.perf_counter()
-        cache.insert(s, kv, state_slot=slot)
-        insert_us.append((time.perf_counter() - t0) * 1e6)
+    insert_us = timed_inserts(cache, list(seqs), slot)
     nodes = cache.num_nodes
     match_full, match_new, match_list, match_new_list = [], [], [], []
     for s in seqs:
@@ -105,17 +101,22 @@ def list_insert_us(seqs: list[np.ndarray]) -> float:
     pool = LinearStatePool(StateLayout(2, (8, 3), (2, 4, 4)), len(seqs) + 8)
     cache = HybridRadixCache(pool, page_size=1, on_free_kv=lambda kv: None)
     slot = pool.alloc(RequestOwner("donor"))
-    keys = [s.tolist() for s in seqs]
-    kvs = [torch.arange(i * len(s), (i + 1) * len(s)) for i, s in enumerate(seqs)]
     gc.collect()
     gc.disable()
+    out = timed_inserts(cache, [s.tolist() for s in seqs], slot)
+    gc.enable()
+    return statistics.median(out)
+
+
+def timed_inserts(cache: HybridRadixCache, keys: list[Any], slot: int) -> list[float]:
+    """Microseconds of each insert of ``keys`` (sequence ``i`` with KV indices of its own)."""
+    kvs = [torch.arange(i * len(k), (i + 1) * len(k)) for i, k in enumerate(keys)]
     out = []
     for k, kv in zip(keys, kvs, strict=True):
         t0 = time.perf_counter()
         cache.insert(k, kv, state_slot=slot)
         out.append((time.perf_counter() - t0) * 1e6)
-    gc.enable()
-    return statistics.median(out)
+    return out
 
 
 def python_bytes_per_node(seqs: list[np.ndarray]) -> float:
