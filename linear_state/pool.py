@@ -206,13 +206,16 @@ class LinearStatePool:
             nothing changed. :raises TypeError: a bad slot, owner or fence; nothing changed.
         """
         s = self._index(slot)
-        _check_owner(owner)
-        after = _fences(after)
         current = self._owner[s]
-        if current is None:
-            raise SlotMisuse("double free", slot=s, owner=None, actor=owner)
-        if current != owner:
+        if current is None or type(owner) is not type(current) or current != owner:
+            _check_owner(owner)  # a bad owner is a TypeError first, as everywhere
+            _fences(after)
+            if current is None:
+                raise SlotMisuse("double free", slot=s, owner=None, actor=owner)
             raise SlotMisuse("free by a non-owner", slot=s, owner=current, actor=owner)
+        # ``owner`` is of the current owner's class and equal to it: a valid owner, so only the
+        # fences need checking before anything changes.
+        after = _fences(after)
         for fence in after:
             fence.wait()
         self._last_use[s].wait()
@@ -579,6 +582,11 @@ def _check_owner(owner: object) -> None:
 
 def _fences(after: Iterable[Fence]) -> tuple[Fence, ...]:
     """``after`` as a tuple, every item a Fence (checked before anything is queued or taken)."""
+    if type(after) is tuple:  # the common case: nothing to copy
+        for f in after:
+            if not isinstance(f, Fence):
+                raise TypeError(f"after holds {f!r} ({type(f).__name__}), not a Fence")
+        return after
     if isinstance(after, Fence):
         raise TypeError("after takes an iterable of fences; wrap a single fence: after=(fence,)")
     try:
