@@ -11,6 +11,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -567,3 +568,58 @@ def test_only_depths_the_tree_can_hold_are_fetched() -> None:
     assert isinstance(adm, Admission) and adm.cached_length == 48
     mgr.abort("r")
     mgr.check_invariants()
+
+
+_OTHER: list[ReferenceEngine] = []  # the publishing replica of the last _replica_with_a_hit
+
+
+def _replica_with_a_hit(model: HybridModel) -> ReferenceEngine:
+    """A replica that served a hit from another replica's blob (probes, hits, a bound staging
+    pool), whose check_invariants passes."""
+    store = MemoryStore()
+    a, b = _publisher_and_fetcher(model, store)
+    prompts = _prompts(2)
+    _publish(a, prompts[:1])
+    _serve(b, prompts, "b")
+    assert b.manager.metrics().shared_hits >= 1
+    _OTHER[:] = [a]
+    return b
+
+
+def _queued_item(e: ReferenceEngine) -> Any:
+    """A well-formed publication of one of ``e``'s snapshot nodes."""
+    node = next(n for n in e.cache.iter_nodes() if n.snapshot is not None)
+    return (node, np.zeros(node.depth, dtype=np.int64), None, None)
+
+
+def _tier(e: ReferenceEngine) -> SharedTier:
+    assert e.manager.shared is not None
+    return e.manager.shared
+
+
+def _free_staging(e: ReferenceEngine) -> None:
+    pool, slot, owner = _tier(e).staging
+    pool.free(slot, owner)
+
+
+SHARED_CORRUPTIONS: dict[str, Callable[[ReferenceEngine], object]] = {
+    "staging slot": _free_staging,
+    "shared hits from": lambda e: setattr(_tier(e).stats, "probes", 0),
+    "foreign hits of": lambda e: setattr(_tier(e).stats, "foreign_hits", 10**6),
+    "stats.errors": lambda e: setattr(_tier(e).stats, "errors", -1),
+    "publications queued": lambda e: e.manager._to_publish.extend([_queued_item(e)] * (_tier(e).max_pending + 1)),
+    "with a key of": lambda e: e.manager._to_publish.append(
+        (_queued_item(e)[0], np.zeros(3, dtype=np.int64), None, None)
+    ),
+    "a node of another tree": lambda e: e.manager._to_publish.append(_queued_item(_OTHER[0])),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(SHARED_CORRUPTIONS))
+def test_check_invariants_covers_the_shared_tier(model: HybridModel, kind: str) -> None:
+    e = _replica_with_a_hit(model)
+    e.manager._to_publish.append(_queued_item(e))  # a well-formed queued publication passes
+    e.manager.check_invariants()
+    SHARED_CORRUPTIONS[kind](e)
+    with pytest.raises(AssertionError, match=kind):
+        e.manager.check_invariants()

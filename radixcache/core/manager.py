@@ -1272,10 +1272,19 @@ class CacheManager:
         No slot id held by the tree and by a request at once; every request slot owned by its
         request in the pool; free + tree + requests == capacity; each request's lock node alive
         and locked; KV tables as long as the committed tokens; the tree's, the pool's, the
-        policy's and (when on) the forensics' own invariants.
+        policy's and (when on) the forensics' and the shared tier's own invariants, and the
+        publications queued for the shared tier (at most ``max_pending``, each a node of this
+        tree with the key of its depth).
         """
         self.cache.check_invariants()
         self.policy.check_invariants()
+        if self.shared is not None:
+            self.shared.check_invariants()
+            q = self._to_publish
+            assert len(q) <= self.shared.max_pending, f"{len(q)} publications queued, max {self.shared.max_pending}"
+            for node, key, _, _ in q:
+                assert node.cache is self.cache, f"queued publication of {node!r}, a node of another tree"
+                assert key.size == node.depth, f"queued publication of {node!r} with a key of {key.size} ids"
         nodes = self.cache.iter_nodes()
         snapshots = {n.id: n.snapshot for n in nodes if n.snapshot is not None}
         tree_slots = set(snapshots.values())

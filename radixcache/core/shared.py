@@ -59,6 +59,7 @@ __all__ = [
 ]
 
 BLOB_MAGIC = b"RCSHARE1"
+_DONE_CAP = 65536  # keys published or fetched here, remembered (oldest forgotten first)
 _LEN = struct.Struct("<I")
 
 
@@ -516,7 +517,7 @@ class SharedTier:
 
     def _remember(self, key: str) -> None:
         self._done[key] = None
-        if len(self._done) > 65536:
+        if len(self._done) > _DONE_CAP:
             self._done.popitem(last=False)
 
     # --------------------------------------------------------------- fetch
@@ -614,6 +615,29 @@ class SharedTier:
         """The one-slot CPU pool, its slot and owner a verified fetch is staged in."""
         assert self._stage is not None, "bind first"
         return self._stage, self._stage_slot, self._stage_owner
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` naming the first broken rule: the staging pool holds exactly
+        its one slot, owned by the staging owner, and passes its own invariants; the remembered
+        keys stay bounded; the counters are consistent (no hit without a probe, no foreign hit
+        without a hit, none negative). O(counters)."""
+        if self._stage is not None:
+            stage = self._stage
+            stage.check_invariants()
+            owner = stage.owner_of(self._stage_slot)
+            assert owner == self._stage_owner, f"staging slot {self._stage_slot} is owned by {owner}"
+            assert stage.num_free == 0 and stage.capacity == 1, (
+                f"staging pool: {stage.num_free} free of {stage.capacity}, expected its one slot held"
+            )
+        else:
+            assert not self._identity, "an identity without a bound layout"
+        assert len(self._done) <= _DONE_CAP, f"{len(self._done)} remembered keys, cap {_DONE_CAP}"
+        st = self.stats
+        for name, v in st.as_dict().items():
+            values = v.values() if isinstance(v, dict) else [v]
+            assert all(isinstance(x, int) and x >= 0 for x in values), f"stats.{name} = {v!r}"
+        assert st.hits <= st.probes, f"{st.hits} shared hits from {st.probes} probes"
+        assert st.foreign_hits <= st.hits, f"{st.foreign_hits} foreign hits of {st.hits} hits"
 
     def counted_hit(self, fetched: Fetched, extra_tokens: int) -> None:
         """The manager served a request from ``fetched`` (covering ``extra_tokens`` beyond its
