@@ -18,11 +18,11 @@ slot's conv and recurrent views (the least a clone can cost through torch). Per 
   recently used leaf off the heap, release its KV and slot, cascade to a parent left as a
   childless tombstone.
 
-Both trees get identical inputs (W1 of benchmarks/bench_tree.py: 1024 sequences of 1280 tokens
-over 32 shared 1024-token prefixes, numpy int32 keys, a 14,016-byte Mamba2-shaped state as in
-shared/bench/sglang), and both do identical work (node counts and evicted amounts are checked).
-Phases alternate between the two, the first one swapping round by round; one torch thread; gc
-off while timing. Prints one JSON object: median per operation, and ours / floor.
+Both trees get identical inputs (W1 from benchmarks/bench_tree.py's own generator: 1024
+sequences of 1280 tokens over 32 shared 1024-token prefixes, numpy int32 keys, a 14,016-byte
+Mamba2-shaped state as in shared/bench/sglang), and both do identical work (node counts and
+evicted amounts are checked). Phases alternate between the two, the first one swapping round
+by round; one torch thread; gc off while timing. Prints one JSON object: median per operation, and ours / floor.
 
     python benchmarks/bench_floor.py [--rounds 5] [--quick]
 """
@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from bench_tree import build_workload
 
 from linear_state import LinearStatePool, NodeOwner, RequestOwner, StateLayout
 from radixcache import HybridRadixCache
@@ -202,12 +203,6 @@ class Floor:
         return freed
 
 
-def workload(seed: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    prefixes = [rng.integers(0, 150_000, 1024, dtype=np.int32) for _ in range(32)]
-    return [np.concatenate([prefixes[i % 32], rng.integers(0, 150_000, 256, dtype=np.int32)]) for i in range(1024)]
-
-
 class _Side:
     """One tree of a round, with what it was given: pool, donor slot, KV inputs."""
 
@@ -223,7 +218,10 @@ class _Side:
             self.tree = Floor(self.pool, self.freed.append)
 
     def insert(self, s: np.ndarray, kv: torch.Tensor) -> None:
-        self.tree.insert(s, kv, self.donor) if self.kind == "floor" else self.tree.insert(s, kv, state_slot=self.donor)
+        if self.kind == "floor":
+            self.tree.insert(s, kv, self.donor)
+        else:
+            self.tree.insert(s, kv, state_slot=self.donor)
 
     def match(self, s: np.ndarray) -> int:
         if self.kind == "floor":
@@ -238,12 +236,6 @@ class _Side:
             return int(self.tree.evict_kv(kv) if kv else self.tree.evict_snapshots(snaps))
         r = self.tree.evict(kv_tokens=kv, snapshots=snaps)
         return int(r.kv_tokens if kv else r.snapshots)
-
-
-def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-    t0 = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - t0, out
 
 
 def one_round(seqs: list[np.ndarray], queries: list[np.ndarray], flip: bool) -> dict[str, dict[str, float]]:
@@ -289,9 +281,10 @@ def one_round(seqs: list[np.ndarray], queries: list[np.ndarray], flip: bool) -> 
         for k in kinds:
             gc.collect()
             gc.disable()
-            dt, got = _timed(lambda sd=sides[k], a=amount: sd.evict(**a))  # type: ignore[misc]
+            t0 = time.perf_counter()
+            got = sides[k].evict(**amount)
+            out[k][name] = (time.perf_counter() - t0) * 1e3
             gc.enable()
-            out[k][name] = dt * 1e3
             checks[k].append(got >= next(iter(amount.values())))
             checks[k].append(sides[k].nodes())
         kinds.reverse()
@@ -307,7 +300,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smoke size for CI: 1 round")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    seqs = workload(args.seed)
+    seqs = build_workload(np.random.default_rng(args.seed), groups=32, per_group=32, prefix=1024, suffix=256)
     rng = np.random.default_rng(args.seed + 1)
     queries = [np.concatenate([s[:1024], rng.integers(150_000, 151_000, 256, dtype=np.int32)]) for s in seqs]
     rounds = [one_round(seqs, queries, flip=bool(r % 2)) for r in range(1 if args.quick else args.rounds)]
