@@ -250,8 +250,12 @@ def test_batch_refuses_lengths_that_are_not_the_caches() -> None:
     with pytest.raises(ValueError, match="holds no conv state in some request"):
         bridge.batch([caches[0], fresh], [5, 0])
     stacked = bridge.batch(caches, [5, 12])
+    before = [_linear_states(bridge, c) for c in caches]
+    stacked.cache.layers[0].recurrent_states[0].add_(1.0)  # a batch that ran no forward, states moved
     with pytest.raises(ValueError, match="run the forward first"):
         bridge.unbatch(stacked, caches)
+    for b, c in zip(before, caches, strict=True):  # nothing was written back
+        assert all(torch.equal(x, y) for x, y in zip(b, _linear_states(bridge, c), strict=True))
     with pytest.raises(ValueError, match="1 caches for a batch of 2"):
         bridge.unbatch(stacked, caches[:1])
 

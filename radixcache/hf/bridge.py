@@ -208,12 +208,16 @@ class HFStateBridge:
         request's cache and copy its linear states back (the caches it was stacked from, in
         order). O(batch).
 
-        :raises ValueError: not as many caches as the batch has rows, or no forward ran.
+        :raises ValueError: not as many caches as the batch has rows, or no forward ran. Nothing
+            changed (checked before the first cache is written).
         """
         if len(caches) != len(batch.lengths):
             raise ValueError(f"{len(caches)} caches for a batch of {len(batch.lengths)}")
         width = max(batch.lengths)
         layers: list[Any] = list(batch.cache.layers)
+        for i, layer in enumerate(layers):
+            if _is_attention(layer) and layer.keys.shape[2] != width + 1:
+                raise ValueError(f"batched layer {i} holds {layer.keys.shape[2]} tokens: run the forward first")
         for i, layer in enumerate(layers):
             dst = [c.layers[i] for c in caches]
             if _is_linear(layer):
@@ -224,8 +228,6 @@ class HFStateBridge:
                         if layer.is_recurrent_states_initialized[s]:
                             x.recurrent_states[s].copy_(layer.recurrent_states[s][b : b + 1])
             if _is_attention(layer):
-                if layer.keys.shape[2] != width + 1:
-                    raise ValueError(f"batched layer {i} holds {layer.keys.shape[2]} tokens: run the forward first")
                 for b, x in enumerate(dst):
                     x.update(layer.keys[b : b + 1, :, width:], layer.values[b : b + 1, :, width:])
 
