@@ -953,8 +953,7 @@ class HybridRadixCache:
         assert slot is not None
         if self.on_free_snapshot is not None:
             self.on_free_snapshot(n)
-        fence = n.snapshot_fence
-        self.pool.free(slot, NodeOwner(n.id), after=() if fence is COMPLETE else (fence,))
+        self.pool.free(slot, NodeOwner(n.id), after=(n.snapshot_fence,))
         n.snapshot = None
         n.snapshot_fence = COMPLETE
         self._num_snapshots -= 1
