@@ -260,6 +260,12 @@ def test_batch_refuses_lengths_that_are_not_the_caches() -> None:
         bridge.unbatch(stacked, caches[:1])
 
 
+def test_the_engine_refuses_a_batch_decode_that_is_not_a_bool() -> None:
+    cfg, model = tiny_model("nemotron_h")
+    with pytest.raises(TypeError, match="batch_decode must be a bool, got 'no'"):
+        HFEngine(model, cfg, batch_decode="no")  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("batch_decode", [True, False])
 def test_the_engine_decodes_its_running_requests_in_one_forward(batch_decode: bool) -> None:
     cfg, model = tiny_model("nemotron_h")

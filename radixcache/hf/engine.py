@@ -96,6 +96,7 @@ class HFEngine(ServingQueue):
     :param policy: the manager's policy (default ``HitDensity(block=track_align)``).
     :param host_slots: the tree's host tier in snapshots (``None``: the manager's default, 0: none).
     :param batch_decode: decode every decoding request in one forward (default), or one by one.
+    :raises TypeError: ``batch_decode`` not a bool (checked before anything is built).
     """
 
     def __init__(
@@ -113,6 +114,8 @@ class HFEngine(ServingQueue):
         host_slots: int | None = None,
         batch_decode: bool = True,
     ) -> None:
+        if type(batch_decode) is not bool:
+            raise TypeError(f"batch_decode must be a bool, got {batch_decode!r}")
         self.model = model
         self.batch_decode = batch_decode
         self.decode_forwards = 0  # decode forwards run (a batch counts once)
