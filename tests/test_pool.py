@@ -298,3 +298,29 @@ def test_fingerprint_detects_swapped_blocks_and_layers() -> None:
     assert pool.fingerprint(s) == base
     rec[[0, 1]] = rec[[1, 0]].clone()  # two layers exchanged
     assert pool.fingerprint(s) != base
+
+
+@pytest.mark.parametrize(
+    ("owner", "after", "message"),
+    [
+        ("A", (), "an owner is a RequestOwner or a NodeOwner"),
+        (7, (), "an owner is a RequestOwner or a NodeOwner"),
+        (A, (object(),), "not a Fence"),
+        (A, COMPLETE, "wrap a single fence"),
+        (B, (object(),), "not a Fence"),  # checked before the non-owner is named
+    ],
+)
+def test_free_with_a_bad_owner_or_fence_is_a_type_error_and_changes_nothing(
+    pool: LinearStatePool, owner: object, after: object, message: str
+) -> None:
+    s = pool.alloc(A)
+    free_before = pool.num_free
+    with pytest.raises(TypeError, match=message):
+        pool.free(s, owner, after=after)  # type: ignore[arg-type]
+    assert pool.owner_of(s) == A and pool.num_free == free_before
+    pool.check_invariants()
+    # and on a free slot: the bad argument is named, not the double free
+    pool.free(s, A)
+    with pytest.raises(TypeError, match=message):
+        pool.free(s, owner, after=after)  # type: ignore[arg-type]
+    pool.check_invariants()
