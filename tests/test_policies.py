@@ -439,40 +439,126 @@ def test_ours_sampled_eviction_and_argument_errors() -> None:
 
 
 class _Scored(HitDensity):
-    """Ours with densities the test sets: the sampled eviction's mechanics alone."""
+    """Ours with densities the test sets, exact and estimated: the batched eviction's mechanics alone
+    (a batch as large as ``batch`` whatever the tree's size)."""
 
-    def __init__(self, scores: dict[int, float], **kw: Any) -> None:
+    batch_share = 1
+
+    def __init__(self, exact: dict[int, float], estimate: dict[int, float] | None = None, **kw: Any) -> None:
         super().__init__(**kw)
-        self.scores = scores
+        self.exact = exact
+        self.estimate = exact if estimate is None else estimate
+        self.draws = 0
 
     def density(self, node: TreeNode, now: float, *, demote: bool = True) -> float:
-        return self.scores[node.id]
+        return self.exact[node.id]
+
+    def estimates(self, rows: np.ndarray, now: float, *, leaf: bool = False) -> np.ndarray:
+        self.draws += 1
+        return np.array([self.estimate[self._items[i]] for i in rows.tolist()])
 
 
-def test_ours_sampled_eviction_takes_the_lowest_of_its_draws() -> None:
-    """Past ``exact_below`` snapshots the victim is the lowest density among the draws: with as many
-    draws as snapshots, the same as the exact path; with one draw, whatever was drawn."""
+def _scored(
+    n: int, exact: list[float], estimate: list[float] | None = None, **kw: Any
+) -> tuple[_Tree, list[TreeNode], _Scored]:
+    """A tree of ``n`` snapshots, the i-th with exact density ``exact[i]`` (estimated ``estimate[i]``)."""
     t = _Tree()
-    nodes = [t.add(t.fresh()) for _ in range(12)]
-    scores = {n.id: float((7 * i) % 12) for i, n in enumerate(nodes)}  # lowest: nodes[0], then [7]
-    wide = t.policy(_Scored(scores, sample=12, exact_below=0))
-    for i, n in enumerate(nodes):
-        wide.donated(n, _req(f"s{i}", float(i)), CAPTURE, float(i))
-    assert wide.victim(20.0) is nodes[0]
-    t.cache.evict_snapshot(nodes[0])
-    assert wide.victim(20.0) is nodes[7]
-    t2 = _Tree()
-    more = [t2.add(t2.fresh()) for _ in range(12)]
-    narrow = t2.policy(_Scored({n.id: float(i) for i, n in enumerate(more)}, sample=1, exact_below=0, seed=3))
-    for i, n in enumerate(more):
-        narrow.donated(n, _req(f"s{i}", float(i)), CAPTURE, float(i))
-    picks = set()
-    for _ in range(6):
-        v = narrow.victim(20.0)
+    nodes = [t.add(t.fresh()) for _ in range(n)]
+    est = None if estimate is None else {x.id: estimate[i] for i, x in enumerate(nodes)}
+    pol = _Scored({x.id: exact[i] for i, x in enumerate(nodes)}, est, exact_below=0, **kw)
+    t.policy(pol)
+    for i, x in enumerate(nodes):
+        pol.donated(x, _req(f"s{i}", float(i)), CAPTURE, float(i))
+    return t, nodes, pol
+
+
+def _victims(t: _Tree, pol: HitDensity, k: int, now: float = 20.0) -> list[TreeNode]:
+    out = []
+    for _ in range(k):
+        v = pol.victim(now)
         assert v is not None
-        picks.add(v.id)
-        t2.cache.evict_snapshot(v)
-    assert picks != {n.id for n in more[:6]}, "one draw is not the exact order"
+        out.append(v)
+        t.cache.evict_snapshot(v)
+    return out
+
+
+def test_ours_batched_eviction_serves_a_batch_of_the_lowest_from_one_draw() -> None:
+    """Past ``exact_below`` snapshots, one draw of ``sample x batch`` serves ``batch`` evictions,
+    lowest estimate first; a draw that covers every snapshot gives the exact order."""
+    scores = [float((7 * i) % 12) for i in range(12)]  # lowest: nodes[0], then [7], [2], [9]
+    t, nodes, pol = _scored(12, scores, sample=3, batch=4)
+    assert _victims(t, pol, 4) == [nodes[0], nodes[7], nodes[2], nodes[9]]
+    assert pol.draws == 1, "four evictions from one draw"
+    assert _victims(t, pol, 1) == [nodes[4]] and pol.draws == 2
+    t.cache.check_invariants()
+    pol.check_invariants()
+    # One draw per eviction, of one snapshot: whatever was drawn, not the exact order.
+    t2, more, narrow = _scored(12, [float(i) for i in range(12)], sample=1, batch=1, seed=3)
+    assert {v.id for v in _victims(t2, narrow, 6)} != {n.id for n in more[:6]}, "one draw is not the exact order"
+    # Under 1,024 snapshots per evicted one a batch is one eviction: every eviction draws afresh.
+    t3, _, small = _scored(12, scores, sample=3, batch=4)
+    small.batch_share = HitDensity.batch_share
+    _victims(t3, small, 3)
+    assert small.draws == 3
+
+
+def test_ours_batched_eviction_rescores_exactly_outside_its_burst() -> None:
+    """Within the burst its batch was drawn in (same ``now``, no event since) a queued snapshot goes
+    on its estimate; after that, one whose exact density is above its batch's highest estimate (its
+    path changed since its row was written) is skipped; when a fresh batch has none within, the
+    lowest exact density seen goes."""
+    est = [-1.0, 0.0, 1.0, 2.0, 10.0, 11.0]
+    exact = [-1.0, 5.0, 1.0, 2.0, 10.0, 11.0]  # nodes[1] looks cheap but is not
+    t, nodes, pol = _scored(6, exact, est, sample=2, batch=4)  # queue: 0, 1, 2, 3; bound 2.0
+    assert _victims(t, pol, 1) == [nodes[0]]
+    assert _victims(t, pol, 1, now=21.0) == [nodes[2]], "a later now: re-scored, the stale one skipped"
+    t2, nodes2, pol2 = _scored(6, exact, est, sample=2, batch=4)
+    assert _victims(t2, pol2, 2) == [nodes2[0], nodes2[1]], "the same burst: the estimates stand"
+    t3, nodes3, pol3 = _scored(6, exact, est, sample=2, batch=4)
+    assert _victims(t3, pol3, 1) == [nodes3[0]]
+    pol3.admitted(_req("x", 20.0))  # an event: densities may have moved
+    assert _victims(t3, pol3, 1) == [nodes3[2]]
+    # A carried-over queue whose snapshots are all stale: skipped, refreshed; a fresh batch decides.
+    t4, nodes4, pol4 = _scored(4, [9.0, 8.0, 7.0, 6.0], [0.0, 1.0, 2.0, 3.0], sample=4, batch=2)
+    assert _victims(t4, pol4, 1) == [nodes4[0]]  # queue left: [1], bound 1.0
+    pol4.estimate = pol4.exact
+    assert _victims(t4, pol4, 1, now=21.0) == [nodes4[3]], "the stale one skipped, the fresh batch's lowest"
+
+
+def test_ours_batched_eviction_falls_back_to_the_exact_scan_when_all_it_draws_is_locked() -> None:
+    t, nodes, pol = _scored(12, [float(i) for i in range(12)], sample=1, batch=1, seed=0)
+    for n in nodes[:11]:
+        t.cache.lock(n)
+    assert pol.victim(20.0) is nodes[11], "one draw of one, three times, then every snapshot"
+    assert pol.draws == 3
+
+
+def test_ours_estimates_are_its_densities_while_paths_stand_still() -> None:
+    """The batched estimate of each snapshot equals its exact density when nothing changed its path
+    since its last event: every kind, final states ranked by think time, hits, anchors, leaves."""
+    t = _Tree()
+    pol = t.policy(HitDensity(exact_below=0))
+    pol.costs(snapshot_bytes=500, kv_bytes_per_token=3)
+    _think(pol, [5.0 + 55.0 * i / 19 for i in range(20)])
+    shared = t.fresh()
+    root = t.add(shared)
+    pol.donated(root, RequestInfo(64, 0, 64, "sys", 0.0), CAPTURE, 0.0)  # a branch point
+    nodes = [root]
+    for i in range(12):
+        key = np.concatenate([shared, t.fresh()]) if i % 2 else t.fresh()
+        n = t.add(key)
+        kind = FINISH if i % 3 else CAPTURE
+        pol.donated(n, RequestInfo(len(key), 0, 0, f"s{i}", float(i), i + 1), kind, float(i))
+        nodes.append(n)
+    for i, n in enumerate(nodes[::3]):
+        pol.touched(n, _req(f"h{i}", 20.0 + i), 20.0 + i)
+    rows = np.array([pol._pos[n.id] for n in nodes])
+    for now in (30.0, 50.0, 90.0):
+        for leaf in (False, True):
+            est = pol.estimates(rows, now, leaf=leaf)
+            for n, e in zip(nodes, est.tolist(), strict=True):
+                want = float("inf") if leaf and n.children else pol.density(n, now, demote=not leaf)
+                assert e == pytest.approx(want, rel=1e-9, abs=1e-15), (n.id, now, leaf)
 
 
 def test_freed_bytes_count_the_tombstone_parents_a_leaf_takes_with_it() -> None:

@@ -50,21 +50,33 @@ policy that a kind is useless.
 Without session ids from the host (``session=None``) nothing says when a conversation comes back:
 final states are then kept by default and ranked like any other kind.
 
-Cost per eviction: exact over every tracked snapshot up to ``exact_below`` of them, otherwise the
-best of ``sample`` drawn at random (seeded; a repeat counts once): O(sample x path length),
-whatever the tree size. Fewer draws cost less and choose worse; a pool of runners-up carried from
-one eviction to the next (Redis's way) was faster and worse still, its stale scores outranking
-fresh ones (docs/policies.md has the figures).
+Cost per eviction: exact over every tracked snapshot up to ``exact_below`` of them. Past that, in
+batches: ``sample x b`` snapshots are drawn at random (seeded; a repeat counts once), where ``b`` is
+``batch``, or one in 1,024 of the tracked snapshots if that is fewer (at least 1), and scored at
+once, vectorised, from a row of numbers per snapshot: its kind, times and hits (kept current by
+every event) and the gain and bytes of its path (refreshed when the policy sees the path change: a
+snapshot donated above or below it, an ancestor that starts to anchor it, an eviction next to it).
+The ``b`` lowest are queued. Each eviction takes the next queued snapshot that is still evictable.
+Within the burst the batch was drawn in (the same ``now``, no request admitted, no snapshot donated
+or touched since) and with its row as drawn, its estimate is its density, and it goes (the reuse
+rates move by the burst's own evictions, about 0.1% each: the estimate ignores that). Otherwise it
+is scored exactly: it goes if that is no higher than the batch's highest estimate, else (its path
+changed unseen) its row is refreshed and the next is tried. Three batches in a row with nothing
+evictable (every drawn snapshot locked) fall back to the exact scan. That reaches the quantile
+``sample`` draws per eviction reach, at a constant cost per eviction whatever the tree's size. A
+pool of runners-up kept between evictions without an exact re-score (Redis's way) was faster and
+worse, its stale scores outranking fresh ones (docs/policies.md has the figures).
 """
 
 from __future__ import annotations
 
 import bisect
-import random
 from collections import OrderedDict, deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from itertools import accumulate
+
+import numpy as np
 
 from ..core.tree import HybridRadixCache, TreeNode
 from .base import DonationReason, Policy, RequestInfo
@@ -75,7 +87,13 @@ FINISH, RESEND, BLOCK, BRANCH, HIT = "finish", "resend", "block", "branch", "hit
 _DECAY = 0.999  # counts fade with a half-life of ~700 events: a policy for a changing workload
 _MIN_THINK_SAMPLES = 8
 _REMEMBER = 1 << 16  # sessions and prompt digests remembered
+_REDRAWS = 3  # batches drawn per eviction before the exact scan
 _SHARED = "<shared>"  # a user standing for "another sequence", for branch points
+_KINDS = (FINISH, RESEND, BLOCK, BRANCH, HIT)
+_CODE = {k: i for i, k in enumerate(_KINDS)}
+# Columns of a tracked snapshot's row (what the batched estimate reads): times and hits as its last
+# event left them, its kind's code, and its path's gain and bytes (kept, dropped) then.
+_LAST, _BORN, _HITS, _KIND, _GAIN, _KEEP, _DROP, _LEAF = range(8)
 
 
 def _gone(node: TreeNode) -> bool:
@@ -131,6 +149,18 @@ class _Gaps:
     def __len__(self) -> int:
         return len(self._fifo)
 
+    def tails(self, ages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`tail` of each of ``ages`` at once."""
+        if self._suffix is None:
+            self._suffix = [*accumulate(reversed(self._sorted))][::-1]
+        n = len(self._sorted)
+        i = np.searchsorted(np.asarray(self._sorted), ages, side="right")
+        left = n - i
+        suffix = np.asarray([*self._suffix, 0.0])[i]
+        alive = left / n
+        wait = np.where(left > 0, suffix / np.maximum(left, 1) - ages, 0.0)
+        return alive, wait
+
     def add(self, gap: float) -> None:
         self._fifo.append(gap)
         bisect.insort(self._sorted, gap)
@@ -159,15 +189,17 @@ class HitDensity(Policy):
     less often than this are skipped (but one in ``explore`` is taken); :param hit_bonus: tokens a
     hit is worth beyond those it saves when no other snapshot on its path would serve the request
     (the request would miss altogether); 0 ranks by tokens alone; :param sample: candidates
-    drawn per eviction once more than ``exact_below`` snapshots are tracked; :param seed: of the
-    draw.
+    drawn per eviction once more than ``exact_below`` snapshots are tracked; :param batch: the
+    most evictions served from one draw (fewer in trees of under ``1024 x batch`` snapshots);
+    :param seed: of the draw.
 
-    :raises ValueError: a non-positive ``block``, ``explore`` or ``sample``, ``min_rate`` outside
-        ``[0, 1)``, or a negative ``hit_bonus``.
+    :raises ValueError: a non-positive ``block``, ``explore``, ``sample`` or ``batch``, ``min_rate``
+        outside ``[0, 1)``, or a negative ``hit_bonus``.
     """
 
     name = "hit-density"
     decode_captures = False
+    batch_share = 1024  # a batch serves at most one in this many tracked snapshots' evictions
 
     def __init__(
         self,
@@ -177,21 +209,31 @@ class HitDensity(Policy):
         explore: int = 16,
         hit_bonus: float = 1000.0,
         sample: int = 32,
+        batch: int = 64,
         exact_below: int = 256,
         seed: int = 0,
     ) -> None:
-        if block <= 0 or explore <= 0 or sample <= 0 or not 0.0 <= min_rate < 1.0 or not hit_bonus >= 0.0:
+        if block <= 0 or explore <= 0 or sample <= 0 or batch <= 0 or not 0.0 <= min_rate < 1.0 or not hit_bonus >= 0.0:
             raise ValueError(
-                "need block > 0, explore > 0, sample > 0, 0 <= min_rate < 1, hit_bonus >= 0; got "
-                f"block={block}, explore={explore}, sample={sample}, min_rate={min_rate}, hit_bonus={hit_bonus}"
+                "need block > 0, explore > 0, sample > 0, batch > 0, 0 <= min_rate < 1, hit_bonus >= 0; got "
+                f"block={block}, explore={explore}, sample={sample}, batch={batch}, min_rate={min_rate}, "
+                f"hit_bonus={hit_bonus}"
             )
         self.hit_bonus = float(hit_bonus)
         self.block, self.min_rate, self.explore = block, min_rate, explore
-        self.sample, self.exact_below = sample, exact_below
-        self._rng = random.Random(seed)
+        self.sample, self.batch, self.exact_below = sample, batch, exact_below
+        self._draw = np.random.default_rng(seed)
         self._entries: dict[int, _Entry] = {}
         self._items: list[int] = []  # tracked node ids, for O(1) sampling
         self._pos: dict[int, int] = {}
+        self._rows = np.zeros((64, 8))  # row i: what the batched estimate knows of _items[i]
+        self._queue: deque[int] = deque()  # a batch's lowest, lowest first (node ids)
+        self._queue_leaf = False  # the batch was drawn for KV pressure (leaves only)
+        self._queue_bound = 0.0  # the batch's highest estimate
+        self._queue_at = (-1, 0.0)  # (events seen, now) when the batch was drawn
+        self._rewritten: set[int] = set()  # ids whose row changed since the batch was drawn
+        self._events = 0  # requests admitted, snapshots donated and touched: what moves densities
+        self._evicted: TreeNode | None = None  # the last victim (inner) or where its cascade stops
         self._superseded: dict[int, None] = {}  # tracked ids, oldest first
         self._outcome = {k: _Decayed() for k in (BLOCK, BRANCH, HIT)}  # measured on what the cache kept
         self._continued = _Decayed()  # requests whose session came before: reuse of final states
@@ -206,6 +248,7 @@ class HitDensity(Policy):
     # -- what the request stream says -------------------------------------------------------------
 
     def admitted(self, req: RequestInfo) -> None:
+        self._events += 1
         if req.session is not None:
             self._see_session(req.session, req.ts, req.prompt_len)
         if req.prompt_digest:
@@ -272,9 +315,24 @@ class HitDensity(Policy):
     def _track(self, e: _Entry) -> None:
         nid = e.node.id
         self._entries[nid] = e
-        if nid not in self._pos:
-            self._pos[nid] = len(self._items)
+        pos = self._pos.get(nid)
+        if pos is None:
+            pos = self._pos[nid] = len(self._items)
             self._items.append(nid)
+            if pos == len(self._rows):
+                self._rows = np.concatenate([self._rows, np.zeros_like(self._rows)])
+        self._refresh(pos, e)
+
+    def _refresh(self, pos: int, e: _Entry) -> None:
+        """Row ``pos`` from entry ``e`` and its path as they are now."""
+        node = e.node
+        if HybridRadixCache.holds_snapshot(node):
+            drop = self.freed_bytes(node, demote=False)
+            keep = self.freed_bytes(node, demote=True) if drop > self.snapshot_bytes else drop
+        else:  # a hit served from the host tier: not a device snapshot to evict (yet)
+            drop = keep = self.snapshot_bytes
+        self._rows[pos] = (e.last, e.born, e.hits, _CODE[e.kind], self._gain(e), keep, drop, not node.children)
+        self._rewritten.add(node.id)
 
     def _untrack(self, nid: int) -> None:
         self._entries.pop(nid, None)
@@ -285,14 +343,21 @@ class HitDensity(Policy):
             if i < len(self._items):
                 self._items[i] = moved
                 self._pos[moved] = i
+                self._rows[i] = self._rows[len(self._items)]
 
     def donated(self, node: TreeNode, req: RequestInfo, reason: DonationReason, now: float) -> None:
+        self._events += 1
         finish = reason is DonationReason.FINISH
         kind = FINISH if finish else self._kind(req, node.depth)
         self._superseded.pop(node.id, None)
         # A branch point is shared by construction: another sequence's KV goes on past it.
         users: set[Hashable | None] = {req.session, _SHARED} if kind == BRANCH else {req.session}
         self._track(_Entry(node, kind, now, req.session, req.ts, users, born=now))
+        if node.children:
+            self._reanchor(node)  # a new snapshot above others: it may anchor them
+        above = next(HybridRadixCache.snapshot_ancestors(node), None)
+        if above is not None:
+            self._reshape(above)  # it may be a leaf no more
         if not finish or req.session is None:
             return
         # This conversation went past its own earlier snapshots: its next turn continues the new
@@ -307,18 +372,23 @@ class HitDensity(Policy):
                 self._superseded[anc.id] = None
 
     def touched(self, node: TreeNode, req: RequestInfo, now: float) -> None:
+        self._events += 1
         e = self._entries.get(node.id)
         if e is None or e.node is not node:
             e = _Entry(node, HIT, now, req.session, req.ts, born=now)
+            users = -1
         else:
+            users = len(e.users)
             if e.kind in self._outcome:
                 self._outcome[e.kind].add(True)
             self._gap[e.kind].add(now - e.last)
             e.hits += 1
         e.kind, e.last = HIT, now
         e.users.add(req.session)
-        self._superseded.pop(node.id, None)
+        superseded = self._superseded.pop(node.id, 0) is None
         self._track(e)
+        if node.children and (superseded or len(e.users) != users):
+            self._reanchor(node)  # it may anchor more of the snapshots below it now
         # The snapshots above it on the path that would serve the request if it went (its anchors:
         # another conversation's, or shared) were used too: a shared prefix that new
         # conversations reach rarely stays while the conversations below it live.
@@ -326,8 +396,61 @@ class HitDensity(Policy):
             a = self._entries.get(anc.id)
             if a is not None and anc.id not in self._superseded and (len(a.users) > 1 or a.session != req.session):
                 a.last, a.hits = max(a.last, now), a.hits + 1
+                row = self._rows[self._pos[anc.id]]
+                row[_LAST], row[_HITS] = a.last, a.hits
 
     # -- eviction ---------------------------------------------------------------------------------
+
+    def _anchors_all(self, node: TreeNode) -> bool:
+        """``node``'s snapshot would serve a hit on any path below it, whoever's (see
+        :meth:`_anchor_depth`)."""
+        if node.snapshot is None or node.id in self._superseded:
+            return False
+        a = self._entries.get(node.id)
+        return a is None or a.node is not node or a.session is None or len(a.users) > 1
+
+    def _reanchor(self, top: TreeNode) -> None:
+        """Refresh the gain in the rows of the tracked snapshots below ``top`` that it may anchor
+        now (each branch down to its first snapshot that anchors everything below it)."""
+        stack = list(top.children.values())
+        while stack:
+            n = stack.pop()
+            if n.snapshot is not None:
+                e = self._entries.get(n.id)
+                if e is not None and e.node is n:
+                    self._rows[self._pos[n.id], _GAIN] = self._gain(e)
+                    self._rewritten.add(n.id)
+                if self._anchors_all(n):
+                    continue
+            stack.extend(n.children.values())
+
+    def _reshape(self, top: TreeNode) -> None:
+        """Refresh the rows whose freed bytes an eviction just below ``top`` may have raised:
+        ``top``'s own (a leaf now?) or, when ``top`` is a tombstone left with one child, that of
+        the snapshot its single-child chain leads to (whose cascade now reaches ``top``)."""
+        if top.depth == 0 or top.parent is None or top.host is not None:
+            return  # the root, removed since, or a host copy: no cascade reaches past it
+        n = top
+        while True:
+            if n.snapshot is not None:
+                e = self._entries.get(n.id)
+                if e is not None and e.node is n:
+                    self._refresh(self._pos[n.id], e)
+                return
+            if len(n.children) != 1 or n.host is not None:
+                return
+            (n,) = n.children.values()
+
+    @staticmethod
+    def _cascade_stop(node: TreeNode) -> TreeNode:
+        """The node where removing leaf ``node`` stops: its first ancestor the cascade leaves."""
+        n = node
+        while True:
+            p = n.parent
+            assert p is not None
+            if p.depth == 0 or len(p.children) > 1 or p.snapshot is not None or p.host is not None:
+                return p
+            n = p
 
     def _anchor_depth(self, e: _Entry) -> int:
         """Depth of the nearest ancestor snapshot that would still serve a hit on ``e``'s path."""
@@ -364,9 +487,36 @@ class HitDensity(Policy):
             # the mean gap between this snapshot's uses so far (the kind's mean gap as the prior),
             # plus the time since the last: a prefix every conversation hits waits seconds
             q, wait = r, (self._mean_gap(e.kind) + e.last - e.born) / (e.hits + 1) + age
+        return q * self._gain(e) / (self.freed_bytes(node, demote=demote) * max(wait, 1e-3))
+
+    def _gain(self, e: _Entry) -> float:
+        """Tokens a hit on ``e`` saves over its anchor (no anchor: its depth plus the hit bonus)."""
         anchor = self._anchor_depth(e)
-        gain = node.depth - anchor + (self.hit_bonus if anchor == 0 else 0.0)  # no anchor: the hit itself
-        return q * gain / (self.freed_bytes(node, demote=demote) * max(wait, 1e-3))
+        return e.node.depth - anchor + (self.hit_bonus if anchor == 0 else 0.0)
+
+    def estimates(self, rows: np.ndarray, now: float, *, leaf: bool = False) -> np.ndarray:
+        """:meth:`density` of the tracked snapshots at positions ``rows``, all at once, from what
+        their last event left in their rows (a path changed since is not seen; superseded ones
+        are not told apart); ``leaf``: for KV pressure (non-leaves get infinity)."""
+        r = self._rows[rows]
+        last, born, hits, gain = r[:, _LAST], r[:, _BORN], r[:, _HITS], r[:, _GAIN]
+        kind = r[:, _KIND].astype(np.intp)
+        rates = np.array([self.rate(k) for k in _KINDS])[kind]
+        gaps = np.array([self._mean_gap(k) for k in _KINDS])[kind]
+        age = np.maximum(now - last, 0.0)
+        q = rates
+        wait = (gaps + last - born) / (hits + 1.0) + age
+        fin = kind == _CODE[FINISH]
+        if len(self._think) >= _MIN_THINK_SAMPLES and fin.any():
+            alive, w = self._think.tails(age[fin])
+            rf = rates[fin]
+            q = q.copy()
+            q[fin] = rf * alive / (rf * alive + (1.0 - rf))
+            wait[fin] = w
+        dens: np.ndarray = q * gain / ((r[:, _DROP] if leaf else r[:, _KEEP]) * np.maximum(wait, 1e-3))
+        if leaf:
+            dens[r[:, _LEAF] == 0] = np.inf
+        return dens
 
     def _victim(self, now: float, leaf: bool) -> TreeNode | None:
         dead: list[int] = []
@@ -382,13 +532,70 @@ class HitDensity(Policy):
             self._untrack(nid)
         if first is not None:
             return first
+        if len(self._items) <= self.exact_below:
+            self._queue.clear()
+            return self._lowest(list(self._items), now, leaf)
+        return self._batched(now, leaf)
+
+    def _draw_batch(self, now: float, leaf: bool, skip: list[int]) -> None:
+        """Queue the lowest estimates of ``sample x b`` tracked snapshots drawn at random (a repeat
+        counted once; all of them when there are no more), leaving out the node ids ``skip``."""
+        n = len(self._items)
+        b = max(1, min(self.batch, n // self.batch_share))
+        k = self.sample * b
+        if n <= k:
+            rows = np.arange(n)
+        else:
+            rows = np.sort(self._draw.integers(0, n, size=k))
+            rows = rows[np.concatenate(([True], rows[1:] != rows[:-1]))]  # a repeat counted once
+        dens = self.estimates(rows, now, leaf=leaf)
+        keep = np.isfinite(dens)
+        if skip:
+            keep &= ~np.isin(rows, [self._pos[i] for i in skip if i in self._pos])
+        rows, dens = rows[keep], dens[keep]
+        m = min(b, len(rows))
+        if m < len(rows):
+            low = np.argpartition(dens, m - 1)[:m]
+            rows, dens = rows[low], dens[low]
+        order = np.lexsort((self._rows[rows, _LAST], dens))  # lowest density, then least recently used
         items = self._items
-        if len(items) <= self.exact_below:
-            return self._lowest(list(items), now, leaf)
-        # Sampled: ``sample`` positions drawn at random, a repeat counted once.
-        n, rand = len(items), self._rng.random
-        draws = range(n) if n <= self.sample else {int(rand() * n) for _ in range(self.sample)}
-        return self._lowest([items[i] for i in sorted(draws, reverse=True)], now, leaf)
+        self._queue = deque(items[i] for i in rows[order].tolist())
+        self._queue_leaf = leaf
+        self._queue_bound = float(dens[order[-1]]) if m else 0.0
+        self._queue_at = (self._events, now)
+        self._rewritten.clear()
+
+    def _batched(self, now: float, leaf: bool) -> TreeNode | None:
+        """The next queued snapshot that may go (see the module's notes): a new batch when the
+        queue runs out, without the snapshots found locked (or inner, for KV pressure); after
+        ``_REDRAWS`` batches with none, the exact scan."""
+        if self._queue_leaf != leaf:
+            self._queue.clear()
+        draws = 0
+        skip: list[int] = []
+        while True:
+            if not self._queue:
+                if draws == _REDRAWS:
+                    return self._lowest(list(self._items), now, leaf)
+                self._draw_batch(now, leaf, skip)
+                draws += 1
+                continue
+            nid = self._queue.popleft()
+            e = self._entries.get(nid)
+            if e is None:
+                continue
+            node = e.node
+            if node.parent is None or node.snapshot is None:
+                self._untrack(nid)
+                continue
+            if node.snap_lock or (leaf and node.children):
+                skip.append(nid)
+                continue
+            if self._queue_at == (self._events, now) and nid not in self._rewritten:
+                return node  # the burst its batch was drawn in, its row as drawn: the estimate stands
+            if self.density(node, now, demote=not leaf) <= self._queue_bound:
+                return node
+            self._refresh(self._pos[nid], e)  # its path changed since its row was written
 
     def _lowest(self, nids: list[int], now: float, leaf: bool) -> TreeNode | None:
         """The evictable node of lowest density among the tracked ``nids`` (a leaf when ``leaf``;
@@ -418,6 +625,13 @@ class HitDensity(Policy):
         assert self._entries.keys() == self._pos.keys(), "entries and tracked ids differ"
         for nid, e in self._entries.items():
             assert e.node.id == nid, f"entry {nid} holds node {e.node.id}"
+        assert len(self._rows) >= len(self._items), f"{len(self._rows)} rows for {len(self._items)} tracked"
+        for i, nid in enumerate(self._items):
+            e = self._entries[nid]
+            row = self._rows[i]
+            assert (row[_LAST], row[_BORN], row[_HITS], row[_KIND]) == (e.last, e.born, e.hits, _CODE[e.kind]), (
+                f"row {i} of node {nid} out of step with its entry"
+            )
         stray = [nid for nid in self._superseded if nid not in self._entries]
         assert not stray, f"superseded but not tracked: {stray}"
         self._think.check_invariants()
@@ -425,9 +639,14 @@ class HitDensity(Policy):
     def victim(self, now: float, *, kv: bool = False) -> TreeNode | None:
         """The tracked snapshot of lowest hit density (superseded turns first); ``None`` when
         nothing tracked is evictable. The eviction is counted against its kind's reuse rate."""
+        if self._evicted is not None:
+            self._reshape(self._evicted)
+            self._evicted = None
         node = self._victim(now, kv)
         if node is None:
             return None
+        # The manager evicts it now: what that leaves is looked at before the next choice.
+        self._evicted = node if node.children else self._cascade_stop(node)
         e = self._entries[node.id]
         if e.kind in self._outcome and node.id not in self._superseded:
             self._outcome[e.kind].add(False)
