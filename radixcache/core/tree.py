@@ -522,6 +522,45 @@ class HybridRadixCache:
                 yield anc
             anc = anc.parent
 
+    @property
+    def demotes(self) -> bool:
+        """An eviction for slots would demote a snapshot now (the host tier has a free slot or an
+        unlocked copy to drop): it then frees the slot alone (see :meth:`eviction_cost`). O(1)."""
+        return self._can_demote()
+
+    @staticmethod
+    def cascade_stop(node: TreeNode) -> TreeNode:
+        """The ancestor where removing leaf ``node`` stops (:meth:`eviction_cost`'s cascade): its
+        first ancestor that is the root, branches, or holds a state. O(nodes in the cascade).
+
+        :raises ValueError: ``node`` was removed."""
+        n = node
+        while True:
+            p = n.parent
+            if p is None:
+                raise ValueError(f"node {n.id} was removed")
+            if p.depth == 0 or len(p.children) > 1 or p.snapshot is not None or p.host is not None:
+                return p
+            n = p
+
+    @staticmethod
+    def cost_dependent(node: TreeNode) -> TreeNode | None:
+        """The device snapshot whose :meth:`eviction_cost` a change of ``node``'s children may have
+        changed: ``node`` itself when it holds one (a leaf or not), else, when ``node`` is a
+        tombstone with one child, the snapshot its single-child chain leads to (its cascade
+        reaches ``node`` or stops below it). ``None``: no such snapshot (the root, a removed node,
+        a host copy, a branching tombstone). For policies that keep costs between evictions: call
+        it on :meth:`cascade_stop` of an evicted leaf, on an evicted inner node, and on the nodes a
+        new branch split. O(chain)."""
+        if node.depth == 0 or node.parent is None or node.host is not None:
+            return None
+        n = node
+        while n.snapshot is None:
+            if len(n.children) != 1 or n.host is not None:
+                return None
+            (n,) = n.children.values()
+        return n
+
     def eviction_cost(self, node: TreeNode, *, demote: bool = True) -> EvictResult:
         """What :meth:`evict_snapshot` of ``node`` (with the same ``demote``) would free, computed
         without changing anything: an inner node frees its snapshot alone; a leaf frees its KV and

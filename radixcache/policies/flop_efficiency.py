@@ -12,15 +12,37 @@ candidates: recency is the time of the node's last use (donation or hit); FLOP e
 prefill FLOPs a hit on the node saves (all ``depth`` tokens, from the model's FLOP model: attention
 quadratic in depth, linear layers and MLP linear) per byte the node holds (its snapshot, plus the
 KV it alone keeps when it is a leaf: its edge and the tombstone parents that go with it, what
-evicting it frees). The lowest utility goes first. ``alpha``
-is tuned by replaying a bootstrap window of the workload over a grid
-(:func:`radixcache.simulator.tune_alpha`); ``alpha = 0`` is LRU over the candidates.
+evicting it frees). The lowest utility goes first (ties: the oldest node). ``alpha`` is tuned by
+replaying a bootstrap window of the workload over a grid (:func:`radixcache.simulator.tune_alpha`);
+``alpha = 0`` is LRU over the candidates. A snapshot a running request has locked is a candidate
+for the normalisation (it has at most one child) but is not chosen.
+
+How the minimum is found, exactly, without scanning every candidate per eviction: normalised, the
+utility is ``a * recency + b * efficiency`` with ``a = 1 / (recency range)`` and ``b = alpha /
+(efficiency range)``; the ranges come from four lazy heaps (lowest and highest of each term over
+the candidates). Each candidate keeps its recency and efficiency in two arrays, refreshed when the
+policy sees them change (its donation or hit; a snapshot donated below it or splitting the chain
+above it; an eviction next to it: :meth:`HybridRadixCache.cost_dependent`; the host tier starting
+or stopping to take evictions, which changes every candidate's bytes). A scan, vectorised, keeps
+the ``queue`` lowest at the weights ``(a0, b0)`` it ran with and ``T``, the lowest utility left out.
+A later eviction, at weights ``(a, b)``, scores only the queue and the candidates changed since
+the scan: a candidate left out and unchanged had ``a0 r + b0 e >= T``, so its utility now is at
+least ``(a / a0) T + min over e in the efficiency range of e (b - a b0 / a0)``; a best below that
+bound is the exact minimum, otherwise the scan runs again. Cost: O(queue + changed) per eviction
+and an O(n) numpy scan when the bound fails (the ranges moved a lot, or many candidates changed).
+KV-pressure evictions (leaves only, and the leaf's KV always goes, so the bytes differ) scan every
+candidate exactly, O(n).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from itertools import chain
 
+import numpy as np
+
+from ..core.lazy_heap import LazyHeap
 from ..core.tree import HybridRadixCache, TreeNode
 from .base import DonationReason, Policy, RequestInfo
 
@@ -30,25 +52,56 @@ ALPHA_GRID: tuple[float, ...] = (0.0, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 """The alphas the bootstrap replay tries."""
 
 
-class FlopEfficiency(Policy):
-    """:param alpha: weight of the normalised FLOP efficiency against normalised recency.
+@dataclass(frozen=True, slots=True)
+class _Scan:
+    a: float  # weights the scan ran with
+    b: float
+    bound: float  # the lowest utility left out of the queue (inf: none left out)
+    ids: list[int]  # the queue: every candidate at or below the queue-th lowest utility
 
-    :raises ValueError: ``alpha`` negative."""
+
+class FlopEfficiency(Policy):
+    """:param alpha: weight of the normalised FLOP efficiency against normalised recency;
+    :param queue: candidates a scan keeps (more: fewer scans, more scored per eviction).
+
+    :raises ValueError: ``alpha`` negative or ``queue`` not positive."""
 
     name = "flop-efficiency"
     decode_captures = False
 
-    def __init__(self, alpha: float = 1.0) -> None:
-        if alpha < 0:
+    def __init__(self, alpha: float = 1.0, *, queue: int = 64) -> None:
+        if not alpha >= 0:
             raise ValueError(f"alpha must be >= 0, got {alpha}")
+        if queue <= 0:
+            raise ValueError(f"queue must be > 0, got {queue}")
         self.alpha = float(alpha)
-        self._last: dict[int, tuple[TreeNode, float]] = {}  # node id -> (node, time of last use)
+        self.queue = queue
         self._prefill_flops: Callable[[int], float] = float  # until told: one FLOP per token
+        self._nodes: list[TreeNode] = []  # tracked snapshot nodes; row i of the arrays is _nodes[i]
+        self._pos: dict[int, int] = {}
+        self._r = np.zeros(64)  # last use
+        self._e = np.zeros(64)  # FLOP efficiency, at the bytes an eviction for slots frees
+        self._cand = np.zeros(64, dtype=bool)  # at most one child
+        # lowest recency, highest (negated), lowest efficiency, highest (negated), of the candidates
+        self._ends: tuple[LazyHeap[int], ...] = (LazyHeap(), LazyHeap(), LazyHeap(), LazyHeap())
+        self._scan: _Scan | None = None
+        self._changed: set[int] = set()  # ids whose row changed since the scan
+        self._evicted: TreeNode | None = None  # the last victim (inner) or where its cascade stops
+        self._demotes: bool | None = None  # the tree's demotes when the rows' bytes were computed
+
+    def bind(self, cache: HybridRadixCache) -> None:
+        super().bind(cache)
+        self._demotes = cache.demotes
 
     def flops(self, prefill_flops: Callable[[int], float]) -> None:
         """Take the model's FLOP model (see :meth:`Policy.flops`). Until told, every token costs
         the same."""
         self._prefill_flops = prefill_flops
+        self._refresh_all()
+
+    def costs(self, snapshot_bytes: int, kv_bytes_per_token: int) -> None:
+        super().costs(snapshot_bytes, kv_bytes_per_token)
+        self._refresh_all()
 
     def captures(self, req: RequestInfo, start: int, end: int, *, decode: bool) -> list[int]:
         if decode:
@@ -60,43 +113,202 @@ class FlopEfficiency(Policy):
         return True
 
     def donated(self, node: TreeNode, req: RequestInfo, reason: DonationReason, now: float) -> None:
-        self._last[node.id] = (node, now)
+        self._put(node, now)
+        # Its parent chain gained a child: the snapshot above may have stopped being a leaf or a
+        # candidate, and a leaf on a branch this insertion split off now cascades less far.
+        n = node.parent
+        while n is not None and n.depth > 0:
+            if n.snapshot is not None or n.host is not None:
+                self._reshape(n)
+                break
+            if len(n.children) == 2:  # a branch point now (a split): the other side cascades less
+                for c in n.children.values():
+                    self._reshape(c)
+            n = n.parent
 
     def touched(self, node: TreeNode, req: RequestInfo, now: float) -> None:
-        self._last[node.id] = (node, now)
+        self._put(node, now)
 
     def efficiency(self, node: TreeNode, *, demote: bool = True) -> float:
         """Prefill FLOPs a hit on ``node`` saves per byte evicting it frees (``demote``: as
         :meth:`freed_bytes`)."""
         return self._prefill_flops(node.depth) / self.freed_bytes(node, demote=demote)
 
+    # -- the rows ---------------------------------------------------------------------------------
+
+    def _put(self, node: TreeNode, last: float | None) -> None:
+        """Track ``node`` (its last use ``last``; ``None``: unchanged) with its row as it is now."""
+        if not HybridRadixCache.holds_snapshot(node):
+            self._drop(node.id)  # a hit served from the host tier: no device snapshot to rank
+            return
+        pos = self._pos.get(node.id)
+        if pos is None:
+            pos = self._pos[node.id] = len(self._nodes)
+            self._nodes.append(node)
+            if pos == len(self._r):
+                grow = len(self._r)
+                self._r = np.concatenate([self._r, np.zeros(grow)])
+                self._e = np.concatenate([self._e, np.zeros(grow)])
+                self._cand = np.concatenate([self._cand, np.zeros(grow, dtype=bool)])
+        r = float(self._r[pos]) if last is None else last
+        if self.cache.demotes != self._demotes:
+            self._demotes = None  # rows of both kinds of bytes now: the next eviction refreshes all
+        e = self.efficiency(node)
+        cand = len(node.children) <= 1
+        self._r[pos], self._e[pos], self._cand[pos] = r, e, cand
+        if cand:
+            lo_r, hi_r, lo_e, hi_e = self._ends
+            lo_r.push(r, node.id)
+            hi_r.push(-r, node.id)
+            lo_e.push(e, node.id)
+            hi_e.push(-e, node.id)
+        self._changed.add(node.id)
+
+    def _reshape(self, node: TreeNode) -> None:
+        n = HybridRadixCache.cost_dependent(node)
+        if n is not None and n.id in self._pos and self._nodes[self._pos[n.id]] is n:
+            self._put(n, None)
+
+    def _refresh_all(self) -> None:
+        for n in list(getattr(self, "_nodes", ())):
+            self._put(n, None)
+
+    def _drop(self, nid: int) -> None:
+        pos = self._pos.pop(nid, None)
+        if pos is None:
+            return
+        self._changed.discard(nid)
+        moved = self._nodes.pop()
+        last = len(self._nodes)
+        if pos < last:
+            self._nodes[pos] = moved
+            self._pos[moved.id] = pos
+            self._r[pos], self._e[pos], self._cand[pos] = self._r[last], self._e[last], self._cand[last]
+        self._cand[last] = False
+
+    def _valid(self, column: int) -> Callable[[tuple[float, int, int]], bool]:
+        """Whether a heap entry of ``column`` (0, 1: recency; 2, 3: efficiency; odd: negated)
+        still holds."""
+        values = self._r if column < 2 else self._e
+        sign = -1.0 if column % 2 else 1.0
+
+        def valid(entry: tuple[float, int, int]) -> bool:
+            pos = self._pos.get(entry[2])
+            return pos is not None and bool(self._cand[pos]) and sign * float(values[pos]) == entry[0]
+
+        return valid
+
+    def _ranges(self) -> tuple[float, float, float, float] | None:
+        """Lowest and highest recency and efficiency over the candidates; ``None``: none."""
+        ends = []
+        for column, heap in enumerate(self._ends):
+            if len(heap) > 4 * len(self._nodes) + 64:
+                heap.compact(self._valid(column))
+            top = heap.peek_valid(self._valid(column))
+            if top is None:
+                return None
+            ends.append(-top[0] if column % 2 else top[0])
+        return ends[0], ends[1], ends[2], ends[3]
+
+    # -- eviction ---------------------------------------------------------------------------------
+
+    def _settle(self) -> None:
+        """Bring the rows up to date with what the last eviction and the host tier changed."""
+        if self._evicted is not None:
+            self._reshape(self._evicted)
+            self._evicted = None
+        demotes = self.cache.demotes
+        if demotes != self._demotes:
+            self._demotes = demotes
+            self._refresh_all()
+
+    def _best(self, a: float, b: float, ids: Iterable[int]) -> tuple[float, int, TreeNode] | None:
+        """The evictable candidate among ``ids`` of lowest ``a r + b e`` (ties: lowest id)."""
+        best: tuple[float, int, TreeNode] | None = None
+        pos_of, nodes, r, e, cand = self._pos, self._nodes, self._r, self._e, self._cand
+        for nid in ids:
+            pos = pos_of.get(nid)
+            if pos is None or not cand[pos]:
+                continue
+            node = nodes[pos]
+            if node.snap_lock:
+                continue
+            key = (a * float(r[pos]) + b * float(e[pos]), nid, node)
+            if best is None or key[:2] < best[:2]:
+                best = key
+        return best
+
+    def _rescan(self, a: float, b: float, k: int) -> int:
+        """Queue the candidates at or below the ``k``-th lowest ``a r + b e``; return how many
+        candidates there are."""
+        n = len(self._nodes)
+        rows = np.flatnonzero(self._cand[:n])
+        u = a * self._r[rows] + b * self._e[rows]
+        if len(rows) <= k:
+            keep, bound = rows, float("inf")
+        else:
+            kth = np.partition(u, k - 1)[k - 1]
+            inside = u <= kth
+            keep, bound = rows[inside], float(u[~inside].min())
+        self._scan = _Scan(a, b, bound, [self._nodes[i].id for i in keep.tolist()])
+        self._changed.clear()
+        return len(rows)
+
+    def _take(self, node: TreeNode) -> TreeNode:
+        # The manager evicts it now: what that leaves is looked at before the next choice.
+        self._evicted = node if node.children else HybridRadixCache.cascade_stop(node)
+        self._drop(node.id)
+        return node
+
     def victim(self, now: float, *, kv: bool = False) -> TreeNode | None:
-        cands: list[tuple[TreeNode, float, float]] = []
-        gone: list[int] = []
-        for nid, (node, last) in self._last.items():
-            if not HybridRadixCache.holds_snapshot(node):
-                gone.append(nid)
-            elif len(node.children) <= 1 and HybridRadixCache.is_evictable(node) and (node.is_leaf or not kv):
-                cands.append((node, last, self.efficiency(node, demote=not kv)))  # KV pressure drops
-        for nid in gone:
-            del self._last[nid]
+        self._settle()
+        if kv:
+            return self._leaf_victim()
+        ranges = self._ranges()
+        if ranges is None:
+            return None
+        r_lo, r_hi, e_lo, e_hi = ranges
+        a = 1.0 / (r_hi - r_lo) if r_hi > r_lo else 0.0
+        b = self.alpha / (e_hi - e_lo) if e_hi > e_lo else 0.0
+        scan = self._scan
+        if scan is not None and scan.a > 0 and len(self._changed) <= self.queue:
+            best = self._best(a, b, chain(scan.ids, self._changed))
+            c = b - a * scan.b / scan.a
+            if best is not None and best[0] < (a / scan.a) * scan.bound + min(e_lo * c, e_hi * c):
+                return self._take(best[2])
+        k = self.queue
+        while True:
+            count = self._rescan(a, b, k)
+            best = self._best(a, b, self._scan.ids if self._scan is not None else ())
+            if best is not None:
+                return self._take(best[2])
+            if k >= count:
+                return None  # every candidate is locked
+            k *= 4
+
+    def _leaf_victim(self) -> TreeNode | None:
+        """For KV pressure: the lowest utility among the leaf candidates, normalised over them, at
+        the bytes a KV eviction frees (the leaf's KV always goes). O(n)."""
+        cands: list[tuple[int, float, float, TreeNode]] = []
+        for pos, node in enumerate(self._nodes):
+            if not node.children and not node.snap_lock:
+                cands.append((node.id, float(self._r[pos]), self.efficiency(node, demote=False), node))
         if not cands:
             return None
         r_lo, r_hi = min(c[1] for c in cands), max(c[1] for c in cands)
         e_lo, e_hi = min(c[2] for c in cands), max(c[2] for c in cands)
-
-        def utility(c: tuple[TreeNode, float, float]) -> float:
-            r = (c[1] - r_lo) / (r_hi - r_lo) if r_hi > r_lo else 0.0
-            e = (c[2] - e_lo) / (e_hi - e_lo) if e_hi > e_lo else 0.0
-            return r + self.alpha * e
-
-        node = min(cands, key=utility)[0]
-        del self._last[node.id]
-        return node
+        a = 1.0 / (r_hi - r_lo) if r_hi > r_lo else 0.0
+        b = self.alpha / (e_hi - e_lo) if e_hi > e_lo else 0.0
+        best = min(cands, key=lambda c: (a * c[1] + b * c[2], c[0]))
+        return self._take(best[3])
 
     def check_invariants(self) -> None:
-        for nid, (node, _) in self._last.items():
-            assert node.id == nid, f"entry {nid} holds node {node.id}"
+        """Raise AssertionError unless the rows, the positions and the candidate flags agree with
+        the tracked nodes."""
+        assert len(self._pos) == len(self._nodes), f"{len(self._pos)} positions, {len(self._nodes)} nodes"
+        for i, n in enumerate(self._nodes):
+            assert self._pos.get(n.id) == i, f"node {n.id} at {i}, position says {self._pos.get(n.id)}"
+        assert not self._cand[len(self._nodes) :].any(), "a candidate flag past the tracked rows"
 
     def describe(self) -> dict[str, object]:
-        return {"alpha": self.alpha, "tracked": sorted(self._last)}
+        return {"alpha": self.alpha, "tracked": sorted(self._pos)}

@@ -425,32 +425,12 @@ class HitDensity(Policy):
             stack.extend(n.children.values())
 
     def _reshape(self, top: TreeNode) -> None:
-        """Refresh the rows whose freed bytes an eviction just below ``top`` may have raised:
-        ``top``'s own (a leaf now?) or, when ``top`` is a tombstone left with one child, that of
-        the snapshot its single-child chain leads to (whose cascade now reaches ``top``)."""
-        if top.depth == 0 or top.parent is None or top.host is not None:
-            return  # the root, removed since, or a host copy: no cascade reaches past it
-        n = top
-        while True:
-            if n.snapshot is not None:
-                e = self._entries.get(n.id)
-                if e is not None and e.node is n:
-                    self._refresh(self._pos[n.id], e)
-                return
-            if len(n.children) != 1 or n.host is not None:
-                return
-            (n,) = n.children.values()
-
-    @staticmethod
-    def _cascade_stop(node: TreeNode) -> TreeNode:
-        """The node where removing leaf ``node`` stops: its first ancestor the cascade leaves."""
-        n = node
-        while True:
-            p = n.parent
-            assert p is not None
-            if p.depth == 0 or len(p.children) > 1 or p.snapshot is not None or p.host is not None:
-                return p
-            n = p
+        """Refresh the row of the snapshot whose freed bytes a change below ``top`` may have
+        moved (:meth:`HybridRadixCache.cost_dependent`)."""
+        n = HybridRadixCache.cost_dependent(top)
+        e = None if n is None else self._entries.get(n.id)
+        if e is not None and e.node is n:
+            self._refresh(self._pos[n.id], e)
 
     def _anchor_depth(self, e: _Entry) -> int:
         """Depth of the nearest ancestor snapshot that would still serve a hit on ``e``'s path."""
@@ -646,7 +626,7 @@ class HitDensity(Policy):
         if node is None:
             return None
         # The manager evicts it now: what that leaves is looked at before the next choice.
-        self._evicted = node if node.children else self._cascade_stop(node)
+        self._evicted = node if node.children else HybridRadixCache.cascade_stop(node)
         e = self._entries[node.id]
         if e.kind in self._outcome and node.id not in self._superseded:
             self._outcome[e.kind].add(False)
