@@ -535,6 +535,9 @@ class _Scored(HitDensity):
     def density(self, node: TreeNode, now: float, *, demote: bool = True) -> float:
         return self.exact[node.id]
 
+    def _row_density(self, e: Any, now: float, leaf: bool) -> float:
+        return self.exact[e.node.id]
+
     def estimates(self, rows: np.ndarray, now: float, *, leaf: bool = False) -> np.ndarray:
         self.draws += 1
         return np.array([self.estimate[self._items[i]] for i in rows.tolist()])
@@ -584,11 +587,10 @@ def test_ours_batched_eviction_serves_a_batch_of_the_lowest_from_one_draw() -> N
     assert small.draws == 3
 
 
-def test_ours_batched_eviction_rescores_exactly_outside_its_burst() -> None:
+def test_ours_batched_eviction_rescores_outside_its_burst() -> None:
     """Within the burst its batch was drawn in (same ``now``, no event since) a queued snapshot goes
-    on its estimate; after that, one whose exact density is above its batch's highest estimate (its
-    path changed since its row was written) is skipped; when a fresh batch has none within, the
-    lowest exact density seen goes."""
+    on its estimate; after that, one whose density now is above its batch's highest estimate is
+    skipped, and a fresh batch decides when the queue runs out."""
     est = [-1.0, 0.0, 1.0, 2.0, 10.0, 11.0]
     exact = [-1.0, 5.0, 1.0, 2.0, 10.0, 11.0]  # nodes[1] looks cheap but is not
     t, nodes, pol = _scored(6, exact, est, sample=2, batch=4)  # queue: 0, 1, 2, 3; bound 2.0
@@ -600,7 +602,7 @@ def test_ours_batched_eviction_rescores_exactly_outside_its_burst() -> None:
     assert _victims(t3, pol3, 1) == [nodes3[0]]
     pol3.admitted(_req("x", 20.0))  # an event: densities may have moved
     assert _victims(t3, pol3, 1) == [nodes3[2]]
-    # A carried-over queue whose snapshots are all stale: skipped, refreshed; a fresh batch decides.
+    # A carried-over queue whose snapshots are all above the bound now: skipped; a fresh batch decides.
     t4, nodes4, pol4 = _scored(4, [9.0, 8.0, 7.0, 6.0], [0.0, 1.0, 2.0, 3.0], sample=4, batch=2)
     assert _victims(t4, pol4, 1) == [nodes4[0]]  # queue left: [1], bound 1.0
     pol4.estimate = pol4.exact
@@ -641,6 +643,9 @@ def test_ours_estimates_are_its_densities_while_paths_stand_still() -> None:
             for n, e in zip(nodes, est.tolist(), strict=True):
                 want = float("inf") if leaf and n.children else pol.density(n, now, demote=not leaf)
                 assert e == pytest.approx(want, rel=1e-9, abs=1e-15), (n.id, now, leaf)
+                if not (leaf and n.children):  # one row, at another time than it was written
+                    got = pol._row_density(pol._entries[n.id], now, leaf)
+                    assert got == pytest.approx(want, rel=1e-9, abs=1e-15), (n.id, now, leaf)
 
 
 def test_freed_bytes_count_the_tombstone_parents_a_leaf_takes_with_it() -> None:

@@ -485,3 +485,37 @@ def test_the_tree_keeps_its_own_copy_of_kv_indices() -> None:
     assert cache.match([1, 2, 3, 4]).kv_indices.tolist() == [100, 101, 102, 103]
     cache.pool.free(slot, R)
     cache.check_invariants()
+
+
+def test_what_policies_read_about_eviction_costs_follows_the_shape() -> None:
+    """cascade_stop, cost_dependent and cost_dependents name the snapshots whose eviction_cost a
+    shape change moved: checked against eviction_cost itself before and after each change."""
+    cache, _ = make_cache(slots=16)
+    owner = RequestOwner("r")
+    slot = state_for(cache, owner, [1])
+
+    def put(key: list[int], snap: bool = True) -> TreeNode:
+        return cache.insert(np.array(key), torch.arange(len(key)), state_slot=slot if snap else None).node
+
+    top = put([1, 2, 3, 4])  # a snapshot at depth 4
+    leaf = put([1, 2, 3, 4, 5, 6, 7, 8])  # a leaf below it: top is a leaf no more
+    assert cache.cost_dependents(leaf) == [top]
+    assert cache.eviction_cost(top).kv_tokens == 0 and cache.eviction_cost(leaf).kv_tokens == 4
+    assert cache.cascade_stop(leaf) is top
+    before = cache.eviction_cost(leaf).kv_tokens
+    other = put([1, 2, 3, 4, 5, 6, 9])  # splits leaf's edge at depth 6: a tombstone with two children
+    assert cache.eviction_cost(leaf).kv_tokens < before, "leaf now cascades only to the split"
+    assert leaf in cache.cost_dependents(other) and other not in cache.cost_dependents(other)
+    split = cache.cascade_stop(leaf)
+    assert split.depth == 6 and split.snapshot is None
+    assert cache.cost_dependent(split) is None, "a branching tombstone: nobody's cascade reaches past it"
+    cache.evict_snapshot(other, demote=False)  # the split has one child again: leaf cascades to top
+    assert cache.cost_dependent(split) is leaf and cache.eviction_cost(leaf).kv_tokens == before
+    assert cache.cost_dependent(top) is top
+    cache.evict_snapshot(leaf, demote=False)
+    assert cache.cost_dependent(top) is top and cache.eviction_cost(top).kv_tokens == 4, "a leaf again"
+    assert not cache.demotes, "no host tier"
+    with pytest.raises(ValueError, match="removed"):
+        cache.cascade_stop(leaf)
+    cache.pool.free(slot, owner)
+    cache.check_invariants()

@@ -561,6 +561,28 @@ class HybridRadixCache:
             (n,) = n.children.values()
         return n
 
+    @staticmethod
+    def cost_dependents(node: TreeNode) -> list[TreeNode]:
+        """The device snapshots whose :meth:`eviction_cost` inserting ``node`` (a new leaf, maybe
+        splitting an edge above it) may have changed: the first state-holding ancestor's (it
+        gained a child) and, past every tombstone on the way that now branches in two, the
+        :meth:`cost_dependent` of each branch (a leaf there cascades less far). ``node`` itself
+        is not included. O(path in nodes)."""
+        out: list[TreeNode] = []
+        n = node.parent
+        while n is not None and n.depth > 0:
+            if n.snapshot is not None or n.host is not None:
+                if n.snapshot is not None:
+                    out.append(n)
+                break
+            if len(n.children) == 2:
+                for c in n.children.values():
+                    d = HybridRadixCache.cost_dependent(c)
+                    if d is not None and d is not node:
+                        out.append(d)
+            n = n.parent
+        return out
+
     def eviction_cost(self, node: TreeNode, *, demote: bool = True) -> EvictResult:
         """What :meth:`evict_snapshot` of ``node`` (with the same ``demote``) would free, computed
         without changing anything: an inner node frees its snapshot alone; a leaf frees its KV and

@@ -114,17 +114,8 @@ class FlopEfficiency(Policy):
 
     def donated(self, node: TreeNode, req: RequestInfo, reason: DonationReason, now: float) -> None:
         self._put(node, now)
-        # Its parent chain gained a child: the snapshot above may have stopped being a leaf or a
-        # candidate, and a leaf on a branch this insertion split off now cascades less far.
-        n = node.parent
-        while n is not None and n.depth > 0:
-            if n.snapshot is not None or n.host is not None:
-                self._reshape(n)
-                break
-            if len(n.children) == 2:  # a branch point now (a split): the other side cascades less
-                for c in n.children.values():
-                    self._reshape(c)
-            n = n.parent
+        for d in HybridRadixCache.cost_dependents(node):  # a leaf no more, or a shorter cascade
+            self._reshape(d)
 
     def touched(self, node: TreeNode, req: RequestInfo, now: float) -> None:
         self._put(node, now)

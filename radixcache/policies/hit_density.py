@@ -55,17 +55,18 @@ batches: ``sample x b`` snapshots are drawn at random (seeded; a repeat counts o
 ``batch``, or one in 1,024 of the tracked snapshots if that is fewer (at least 1), and scored at
 once, vectorised, from a row of numbers per snapshot: its kind, times and hits (kept current by
 every event) and the gain and bytes of its path (refreshed when the policy sees the path change: a
-snapshot donated above or below it, an ancestor that starts to anchor it, an eviction next to it).
-The ``b`` lowest are queued. Each eviction takes the next queued snapshot that is still evictable.
-Within the burst the batch was drawn in (the same ``now``, no request admitted, no snapshot donated
-or touched since) and with its row as drawn, its estimate is its density, and it goes (the reuse
-rates move by the burst's own evictions, about 0.1% each: the estimate ignores that). Otherwise it
-is scored exactly: it goes if that is no higher than the batch's highest estimate, else (its path
-changed unseen) its row is refreshed and the next is tried. Three batches in a row with nothing
+snapshot donated above or below it, a split beside it, an ancestor that starts to anchor it, an
+eviction next to it; see :meth:`HybridRadixCache.cost_dependents`). The ``b`` lowest are queued.
+Each eviction takes the next queued snapshot that is still evictable. Within the burst the batch
+was drawn in (the same ``now``, no request admitted, no snapshot donated or touched since) with its
+row as drawn, its estimate is its density, and it goes (the reuse rates move by the burst's own
+evictions, about 0.1% each: the estimate ignores that). Otherwise it is scored again from its row
+at the current time (what the events since changed is in the row): it goes if that is no higher
+than the batch's highest estimate, else the next is tried. Three batches in a row with nothing
 evictable (every drawn snapshot locked) fall back to the exact scan. That reaches the quantile
 ``sample`` draws per eviction reach, at a constant cost per eviction whatever the tree's size. A
-pool of runners-up kept between evictions without an exact re-score (Redis's way) was faster and
-worse, its stale scores outranking fresh ones (docs/policies.md has the figures).
+pool of runners-up kept between evictions without a re-score (Redis's way) was faster and worse,
+its stale scores outranking fresh ones (docs/policies.md has the figures).
 """
 
 from __future__ import annotations
@@ -355,9 +356,8 @@ class HitDensity(Policy):
         self._track(_Entry(node, kind, now, req.session, req.ts, users, born=now))
         if node.children:
             self._reanchor(node)  # a new snapshot above others: it may anchor them
-        above = next(HybridRadixCache.snapshot_ancestors(node), None)
-        if above is not None:
-            self._reshape(above)  # it may be a leaf no more
+        for d in HybridRadixCache.cost_dependents(node):  # a leaf no more, or a shorter cascade
+            self._reshape(d)
         if not finish or req.session is None:
             return
         # This conversation went past its own earlier snapshots: its next turn continues the new
@@ -456,18 +456,34 @@ class HitDensity(Policy):
         if node.id in self._superseded:
             return -1.0
         e = self._entries[node.id]
+        q, wait = self._odds(e, now)
+        if q == 0.0:
+            return 0.0
+        return q * self._gain(e) / (self.freed_bytes(node, demote=demote) * max(wait, 1e-3))
+
+    def _row_density(self, e: _Entry, now: float, leaf: bool) -> float:
+        """:meth:`density` with the gain and bytes of ``e``'s row (as its path was when last seen)."""
+        if e.node.id in self._superseded:
+            return -1.0
+        q, wait = self._odds(e, now)
+        if q == 0.0:
+            return 0.0
+        row = self._rows[self._pos[e.node.id]]
+        return q * float(row[_GAIN]) / (float(row[_DROP if leaf else _KEEP]) * max(wait, 1e-3))
+
+    def _odds(self, e: _Entry, now: float) -> tuple[float, float]:
+        """``(q, wait)`` of :meth:`density`: the chance ``e``'s snapshot is used again and the
+        expected time until then; ``(0, 0)``: its conversation is over."""
         r = self.rate(e.kind)
         age = max(0.0, now - e.last)
         if e.kind == FINISH and len(self._think) >= _MIN_THINK_SAMPLES:
             alive, wait = self._think.tail(age)
             if alive <= 0.0:
-                return 0.0  # idle beyond every observed think time: the conversation is over
-            q = r * alive / (r * alive + (1.0 - r))
-        else:
-            # the mean gap between this snapshot's uses so far (the kind's mean gap as the prior),
-            # plus the time since the last: a prefix every conversation hits waits seconds
-            q, wait = r, (self._mean_gap(e.kind) + e.last - e.born) / (e.hits + 1) + age
-        return q * self._gain(e) / (self.freed_bytes(node, demote=demote) * max(wait, 1e-3))
+                return 0.0, 0.0  # idle beyond every observed think time
+            return r * alive / (r * alive + (1.0 - r)), wait
+        # the mean gap between this snapshot's uses so far (the kind's mean gap as the prior),
+        # plus the time since the last: a prefix every conversation hits waits seconds
+        return r, (self._mean_gap(e.kind) + e.last - e.born) / (e.hits + 1) + age
 
     def _gain(self, e: _Entry) -> float:
         """Tokens a hit on ``e`` saves over its anchor (no anchor: its depth plus the hit bonus)."""
@@ -573,9 +589,8 @@ class HitDensity(Policy):
                 continue
             if self._queue_at == (self._events, now) and nid not in self._rewritten:
                 return node  # the burst its batch was drawn in, its row as drawn: the estimate stands
-            if self.density(node, now, demote=not leaf) <= self._queue_bound:
+            if self._row_density(e, now, leaf) <= self._queue_bound:
                 return node
-            self._refresh(self._pos[nid], e)  # its path changed since its row was written
 
     def _lowest(self, nids: list[int], now: float, leaf: bool) -> TreeNode | None:
         """The evictable node of lowest density among the tracked ``nids`` (a leaf when ``leaf``;
