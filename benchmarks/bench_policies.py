@@ -88,11 +88,8 @@ def main() -> None:
     sizes, ev = ((500, 2000), 100) if args.quick else ((args.sizes[0], args.sizes[1]), args.evictions)
     out: dict[str, object] = {"bench": "policy_eviction", "sizes": list(sizes), "evictions": ev}
     for p in args.policies:
-        # flop-efficiency scans every candidate per eviction (Marconi's normalisation is over all
-        # of them): fewer evictions keep its run to minutes; the cost per node is what is reported.
-        n = min(ev, 50) if p == "flop-efficiency" else ev
-        small, large = eviction_costs(p, sizes, n)
-        s_small, s_large = eviction_costs(p, sizes, n, spread=True)
+        small, large = eviction_costs(p, sizes, ev)
+        s_small, s_large = eviction_costs(p, sizes, ev, spread=True)
         out[p] = {
             "us_per_node_small": round(small, 2),
             "us_per_node_large": round(large, 2),

@@ -19,26 +19,28 @@ for the normalisation (it has at most one child) but is not chosen.
 
 How the minimum is found, exactly, without scanning every candidate per eviction: normalised, the
 utility is ``a * recency + b * efficiency`` with ``a = 1 / (recency range)`` and ``b = alpha /
-(efficiency range)``; the ranges come from four lazy heaps (lowest and highest of each term over
-the candidates). Each candidate keeps its recency and efficiency in two arrays, refreshed when the
-policy sees them change (its donation or hit; a snapshot donated below it or splitting the chain
-above it; an eviction next to it: :meth:`HybridRadixCache.cost_dependent`; the host tier starting
-or stopping to take evictions, which changes every candidate's bytes). A scan, vectorised, keeps
-the ``queue`` lowest at the weights ``(a0, b0)`` it ran with and ``T``, the lowest utility left out.
-A later eviction, at weights ``(a, b)``, scores only the queue and the candidates changed since
-the scan: a candidate left out and unchanged had ``a0 r + b0 e >= T``, so its utility now is at
-least ``(a / a0) T + min over e in the efficiency range of e (b - a b0 / a0)``; a best below that
-bound is the exact minimum, otherwise the scan runs again. Cost: O(queue + changed) per eviction
-and an O(n) numpy scan when the bound fails (the ranges moved a lot, or many candidates changed).
+(efficiency range)`` (measured from any origin: the minimum does not move); the ranges' ends come
+from four lazy heaps, looked at again only when a row that held one changes. Each candidate keeps
+its recency, efficiency and candidacy in arrays, refreshed when the policy sees them change (its
+donation or hit; a snapshot donated below it, or a split beside it; an eviction next to it: see
+:meth:`HybridRadixCache.cost_dependents`; the host tier starting or stopping to take evictions,
+which changes every candidate's bytes). A scan, vectorised, queues the ``queue`` lowest utilities
+at the weights ``(a0, b0)`` it ran with, sorted, and keeps ``T``, the lowest utility left out.
+Every row the scan saw and that did not change has moved since by ``(a - a0) r + (b - b0) e``,
+no less than ``shift``, that difference's minimum over the current ranges. An eviction at weights
+``(a, b)`` scores the rows changed since the scan, then walks the queue in scanned order, scoring
+each, until a row's scanned utility plus ``shift`` is above the best found (so are all later
+rows, and the rows left out are above ``T + shift``): the best is the exact minimum. When the
+queue runs out first, or too many rows changed, the scan runs again. Cost per eviction: the changed
+rows, a few queued ones, and an O(n) numpy scan shared by the evictions of about one queue.
 KV-pressure evictions (leaves only, and the leaf's KV always goes, so the bytes differ) scan every
-candidate exactly, O(n).
+leaf exactly, O(n).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import chain
 
 import numpy as np
 
@@ -52,12 +54,15 @@ ALPHA_GRID: tuple[float, ...] = (0.0, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 """The alphas the bootstrap replay tries."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Scan:
     a: float  # weights the scan ran with
     b: float
+    r0: float  # the origin its utilities are measured from (argmin is the same from any origin)
+    e0: float
     bound: float  # the lowest utility left out of the queue (inf: none left out)
-    ids: list[int]  # the queue: every candidate at or below the queue-th lowest utility
+    queue: list[tuple[float, int]]  # (utility, id) of every candidate at or below the queue-th, sorted
+    head: int = 0  # queue entries before it were taken or found gone
 
 
 class FlopEfficiency(Policy):
@@ -69,7 +74,7 @@ class FlopEfficiency(Policy):
     name = "flop-efficiency"
     decode_captures = False
 
-    def __init__(self, alpha: float = 1.0, *, queue: int = 64) -> None:
+    def __init__(self, alpha: float = 1.0, *, queue: int = 1024) -> None:
         if not alpha >= 0:
             raise ValueError(f"alpha must be >= 0, got {alpha}")
         if queue <= 0:
@@ -85,6 +90,7 @@ class FlopEfficiency(Policy):
         # lowest recency, highest (negated), lowest efficiency, highest (negated), of the candidates
         self._ends: tuple[LazyHeap[int], ...] = (LazyHeap(), LazyHeap(), LazyHeap(), LazyHeap())
         self._scan: _Scan | None = None
+        self._end: list[float | None] = [None, None, None, None]  # the ranges' ends, None: look again
         self._changed: set[int] = set()  # ids whose row changed since the scan
         self._evicted: TreeNode | None = None  # the last victim (inner) or where its cascade stops
         self._demotes: bool | None = None  # the tree's demotes when the rows' bytes were computed
@@ -146,14 +152,25 @@ class FlopEfficiency(Policy):
             self._demotes = None  # rows of both kinds of bytes now: the next eviction refreshes all
         e = self.efficiency(node)
         cand = len(node.children) <= 1
+        same = cand and bool(self._cand[pos]) and self._r[pos] == r and self._e[pos] == e
+        if same:
+            return  # the row, its heap entries and its place in the scan stand
+        self._changed.add(node.id)
+        self._leave_ends(pos)
         self._r[pos], self._e[pos], self._cand[pos] = r, e, cand
+        if cand:
+            end = self._end
+            for i, v in ((0, r), (2, e)):
+                if end[i] is not None and v < end[i]:  # type: ignore[operator]
+                    end[i] = v
+                if end[i + 1] is not None and v > end[i + 1]:  # type: ignore[operator]
+                    end[i + 1] = v
         if cand:
             lo_r, hi_r, lo_e, hi_e = self._ends
             lo_r.push(r, node.id)
             hi_r.push(-r, node.id)
             lo_e.push(e, node.id)
             hi_e.push(-e, node.id)
-        self._changed.add(node.id)
 
     def _reshape(self, node: TreeNode) -> None:
         n = HybridRadixCache.cost_dependent(node)
@@ -164,10 +181,20 @@ class FlopEfficiency(Policy):
         for n in list(getattr(self, "_nodes", ())):
             self._put(n, None)
 
+    def _leave_ends(self, pos: int) -> None:
+        """Row ``pos`` is about to change or go: forget each range end it may hold."""
+        if pos < len(self._nodes) and self._cand[pos]:
+            end, r, e = self._end, self._r[pos], self._e[pos]
+            for i, v in ((0, r), (1, r), (2, e), (3, e)):
+                if end[i] == v:
+                    end[i] = None
+
     def _drop(self, nid: int) -> None:
-        pos = self._pos.pop(nid, None)
+        pos = self._pos.get(nid)
         if pos is None:
             return
+        self._leave_ends(pos)
+        del self._pos[nid]
         self._changed.discard(nid)
         moved = self._nodes.pop()
         last = len(self._nodes)
@@ -191,15 +218,19 @@ class FlopEfficiency(Policy):
 
     def _ranges(self) -> tuple[float, float, float, float] | None:
         """Lowest and highest recency and efficiency over the candidates; ``None``: none."""
-        ends = []
+        end = self._end
         for column, heap in enumerate(self._ends):
+            if end[column] is not None:
+                continue
             if len(heap) > 4 * len(self._nodes) + 64:
                 heap.compact(self._valid(column))
             top = heap.peek_valid(self._valid(column))
             if top is None:
                 return None
-            ends.append(-top[0] if column % 2 else top[0])
-        return ends[0], ends[1], ends[2], ends[3]
+            end[column] = -top[0] if column % 2 else top[0]
+        r_lo, r_hi, e_lo, e_hi = end
+        assert r_lo is not None and r_hi is not None and e_lo is not None and e_hi is not None
+        return r_lo, r_hi, e_lo, e_hi
 
     # -- eviction ---------------------------------------------------------------------------------
 
@@ -213,37 +244,65 @@ class FlopEfficiency(Policy):
             self._demotes = demotes
             self._refresh_all()
 
-    def _best(self, a: float, b: float, ids: Iterable[int]) -> tuple[float, int, TreeNode] | None:
-        """The evictable candidate among ``ids`` of lowest ``a r + b e`` (ties: lowest id)."""
-        best: tuple[float, int, TreeNode] | None = None
-        pos_of, nodes, r, e, cand = self._pos, self._nodes, self._r, self._e, self._cand
-        for nid in ids:
-            pos = pos_of.get(nid)
-            if pos is None or not cand[pos]:
-                continue
-            node = nodes[pos]
-            if node.snap_lock:
-                continue
-            key = (a * float(r[pos]) + b * float(e[pos]), nid, node)
-            if best is None or key[:2] < best[:2]:
-                best = key
-        return best
+    def _utility(self, pos: int, a: float, b: float, scan: _Scan) -> float:
+        return a * (float(self._r[pos]) - scan.r0) + b * (float(self._e[pos]) - scan.e0)
 
-    def _rescan(self, a: float, b: float, k: int) -> int:
-        """Queue the candidates at or below the ``k``-th lowest ``a r + b e``; return how many
-        candidates there are."""
+    def _rescan(self, a: float, b: float, r0: float, e0: float, k: int) -> int:
+        """Queue the candidates at or below the ``k``-th lowest utility at weights ``(a, b)``;
+        return how many candidates there are."""
         n = len(self._nodes)
         rows = np.flatnonzero(self._cand[:n])
-        u = a * self._r[rows] + b * self._e[rows]
+        u = a * (self._r[rows] - r0) + b * (self._e[rows] - e0)
         if len(rows) <= k:
-            keep, bound = rows, float("inf")
+            inside, bound = np.ones(len(rows), dtype=bool), float("inf")
         else:
             kth = np.partition(u, k - 1)[k - 1]
             inside = u <= kth
-            keep, bound = rows[inside], float(u[~inside].min())
-        self._scan = _Scan(a, b, bound, [self._nodes[i].id for i in keep.tolist()])
+            bound = float(u[~inside].min())
+        nodes = self._nodes
+        queue = sorted(zip(u[inside].tolist(), (nodes[i].id for i in rows[inside].tolist()), strict=True))
+        self._scan = _Scan(a, b, r0, e0, bound, queue)
         self._changed.clear()
         return len(rows)
+
+    def _from_scan(self, a: float, b: float, ranges: tuple[float, float, float, float]) -> TreeNode | None:
+        """The exact choice at weights ``(a, b)`` from the last scan's queue and the rows changed
+        since, or ``None`` when they cannot prove it (a scan is due). Every row the scan saw and
+        that did not change moved from its scanned utility by ``(a - a0)(r - r0) + (b - b0)(e -
+        e0)``, at least ``shift`` over the current ranges: rows are looked at in scanned order
+        until their scanned utility plus ``shift`` passes the best found."""
+        scan = self._scan
+        if scan is None or len(self._changed) > self.queue:
+            return None
+        r_lo, r_hi, e_lo, e_hi = ranges
+        da, db = a - scan.a, b - scan.b
+        shift = da * ((r_lo if da > 0 else r_hi) - scan.r0) + db * ((e_lo if db > 0 else e_hi) - scan.e0)
+        pos_of, nodes, cand = self._pos, self._nodes, self._cand
+        best: tuple[float, int] | None = None
+        best_node: TreeNode | None = None
+        for nid in self._changed:
+            pos = pos_of.get(nid)
+            if pos is not None and cand[pos] and not nodes[pos].snap_lock:
+                key = (self._utility(pos, a, b, scan), nid)
+                if best is None or key < best:
+                    best, best_node = key, nodes[pos]
+        queue = scan.queue
+        i = scan.head
+        while i < len(queue) and pos_of.get(queue[i][1]) is None:
+            i += 1  # taken or gone: never looked at again
+        scan.head = i
+        for u0, nid in queue[i:]:
+            if best is not None and u0 + shift > best[0]:
+                return best_node  # this row and every later one (and every row left out) are above
+            pos = pos_of.get(nid)
+            if pos is None or nid in self._changed or not cand[pos] or nodes[pos].snap_lock:
+                continue
+            key = (self._utility(pos, a, b, scan), nid)
+            if best is None or key < best:
+                best, best_node = key, nodes[pos]
+        if best is not None and scan.bound + shift > best[0]:
+            return best_node
+        return None
 
     def _take(self, node: TreeNode) -> TreeNode:
         # The manager evicts it now: what that leaves is looked at before the next choice.
@@ -261,21 +320,15 @@ class FlopEfficiency(Policy):
         r_lo, r_hi, e_lo, e_hi = ranges
         a = 1.0 / (r_hi - r_lo) if r_hi > r_lo else 0.0
         b = self.alpha / (e_hi - e_lo) if e_hi > e_lo else 0.0
-        scan = self._scan
-        if scan is not None and scan.a > 0 and len(self._changed) <= self.queue:
-            best = self._best(a, b, chain(scan.ids, self._changed))
-            c = b - a * scan.b / scan.a
-            if best is not None and best[0] < (a / scan.a) * scan.bound + min(e_lo * c, e_hi * c):
-                return self._take(best[2])
+        node = self._from_scan(a, b, ranges)
         k = self.queue
-        while True:
-            count = self._rescan(a, b, k)
-            best = self._best(a, b, self._scan.ids if self._scan is not None else ())
-            if best is not None:
-                return self._take(best[2])
-            if k >= count:
+        while node is None:
+            count = self._rescan(a, b, r_lo, e_lo, k)
+            node = self._from_scan(a, b, ranges)
+            if node is None and k >= count:
                 return None  # every candidate is locked
             k *= 4
+        return self._take(node)
 
     def _leaf_victim(self) -> TreeNode | None:
         """For KV pressure: the lowest utility among the leaf candidates, normalised over them, at
