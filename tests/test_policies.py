@@ -286,14 +286,17 @@ def test_flop_efficiency_weighs_normalised_flops_per_byte_against_normalised_rec
         FlopEfficiency(-1)
 
 
-def _marconi_by_scan(pol: FlopEfficiency, last: dict[int, float], nodes: list[TreeNode]) -> set[int]:
+def _marconi_by_scan(pol: FlopEfficiency, last: dict[int, float], nodes: list[TreeNode], kv: bool = False) -> set[int]:
     """Marconi's choice computed the slow way: every tracked snapshot with at most one child is a
     candidate of the normalisation; the lowest normalised utility among the unlocked ones goes.
+    For KV pressure (``kv``): the unlocked leaves, normalised over them, at a KV eviction's bytes.
     Returns the ids tied at the lowest (within rounding)."""
     cands = [n for n in nodes if n.snapshot is not None and n.parent is not None and len(n.children) <= 1]
+    if kv:
+        cands = [n for n in cands if not n.children and not n.snap_lock]
     if not cands:
         return set()
-    eff = {n.id: pol.efficiency(n) for n in cands}
+    eff = {n.id: pol.efficiency(n, demote=not kv) for n in cands}
     r_lo, r_hi = min(last[n.id] for n in cands), max(last[n.id] for n in cands)
     e_lo, e_hi = min(eff.values()), max(eff.values())
 
@@ -354,15 +357,24 @@ def test_flop_efficiency_without_a_full_scan_chooses_what_the_full_scan_chooses(
             locked.append(n)
         elif op < 0.78 and locked:
             cache.unlock(locked.pop(rng.integers(len(locked))))
+        elif op < 0.81:  # every candidate locked: no choice, and the tree evicts by its own LRU
+            free = [n for n in live if len(n.children) <= 1 and not n.snap_lock]
+            for n in free:
+                cache.lock(n)
+            assert pol.victim(now) is None
+            cache.evict(snapshots=1)
+            for n in free:
+                cache.unlock(n)
         else:
-            want = _marconi_by_scan(pol, last, nodes)
-            v = pol.victim(now)
+            kv = rng.random() < 0.25
+            want = _marconi_by_scan(pol, last, nodes, kv)
+            v = pol.victim(now, kv=kv)
             if not want:
                 assert v is None
                 continue
             assert v is not None and v.id in want, (step, v, want)
             checked += 1
-            cache.evict_snapshot(v)
+            cache.evict_snapshot(v, demote=not kv)
             pol.check_invariants()
             cache.check_invariants()
     assert checked > 60

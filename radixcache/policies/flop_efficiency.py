@@ -94,6 +94,7 @@ class FlopEfficiency(Policy):
         self._changed: set[int] = set()  # ids whose row changed since the scan
         self._evicted: TreeNode | None = None  # the last victim (inner) or where its cascade stops
         self._demotes: bool | None = None  # the tree's demotes when the rows' bytes were computed
+        self._unseen = False  # the tree may have evicted a tracked snapshot the policy did not choose
 
     def bind(self, cache: HybridRadixCache) -> None:
         super().bind(cache)
@@ -235,7 +236,12 @@ class FlopEfficiency(Policy):
     # -- eviction ---------------------------------------------------------------------------------
 
     def _settle(self) -> None:
-        """Bring the rows up to date with what the last eviction and the host tier changed."""
+        """Bring the rows up to date with what the last eviction and the host tier changed, and,
+        after a ``None`` (the manager then lets the tree evict by its own LRU, unseen), every row
+        (O(n), only then)."""
+        if self._unseen:
+            self._unseen = False
+            self._refresh_all()  # drops the rows gone, refreshes those whose paths changed
         if self._evicted is not None:
             self._reshape(self._evicted)
             self._evicted = None
@@ -282,7 +288,7 @@ class FlopEfficiency(Policy):
         best_node: TreeNode | None = None
         for nid in self._changed:
             pos = pos_of.get(nid)
-            if pos is not None and cand[pos] and not nodes[pos].snap_lock:
+            if pos is not None and cand[pos] and self._free(nodes[pos]):
                 key = (self._utility(pos, a, b, scan), nid)
                 if best is None or key < best:
                     best, best_node = key, nodes[pos]
@@ -295,7 +301,7 @@ class FlopEfficiency(Policy):
             if best is not None and u0 + shift > best[0]:
                 return best_node  # this row and every later one (and every row left out) are above
             pos = pos_of.get(nid)
-            if pos is None or nid in self._changed or not cand[pos] or nodes[pos].snap_lock:
+            if pos is None or nid in self._changed or not cand[pos] or not self._free(nodes[pos]):
                 continue
             key = (self._utility(pos, a, b, scan), nid)
             if best is None or key < best:
@@ -303,6 +309,14 @@ class FlopEfficiency(Policy):
         if best is not None and scan.bound + shift > best[0]:
             return best_node
         return None
+
+    def _free(self, node: TreeNode) -> bool:
+        """``node`` may be chosen: it holds an unlocked device snapshot. One that lost its snapshot
+        unseen is not, and has the rows swept at the next eviction."""
+        if node.parent is None or node.snapshot is None:
+            self._unseen = True
+            return False
+        return not node.snap_lock
 
     def _take(self, node: TreeNode) -> TreeNode:
         # The manager evicts it now: what that leaves is looked at before the next choice.
@@ -314,6 +328,18 @@ class FlopEfficiency(Policy):
         self._settle()
         if kv:
             return self._leaf_victim()
+        node = self._choose()
+        if node is not None and self._unseen:  # met a snapshot gone unseen: its row was in the ranges
+            self._settle()
+            node = self._choose()
+        if node is None:
+            self._unseen = True  # the tree chooses by its own LRU now
+            return None
+        return self._take(node)
+
+    def _choose(self) -> TreeNode | None:
+        """Marconi's choice among the tracked rows (see the module's notes); ``None``: no
+        candidate, or every one locked."""
         ranges = self._ranges()
         if ranges is None:
             return None
@@ -326,18 +352,19 @@ class FlopEfficiency(Policy):
             count = self._rescan(a, b, r_lo, e_lo, k)
             node = self._from_scan(a, b, ranges)
             if node is None and k >= count:
-                return None  # every candidate is locked
+                return None
             k *= 4
-        return self._take(node)
+        return node
 
     def _leaf_victim(self) -> TreeNode | None:
         """For KV pressure: the lowest utility among the leaf candidates, normalised over them, at
         the bytes a KV eviction frees (the leaf's KV always goes). O(n)."""
         cands: list[tuple[int, float, float, TreeNode]] = []
         for pos, node in enumerate(self._nodes):
-            if not node.children and not node.snap_lock:
+            if not node.children and self._free(node):
                 cands.append((node.id, float(self._r[pos]), self.efficiency(node, demote=False), node))
         if not cands:
+            self._unseen = True
             return None
         r_lo, r_hi = min(c[1] for c in cands), max(c[1] for c in cands)
         e_lo, e_hi = min(c[2] for c in cands), max(c[2] for c in cands)
