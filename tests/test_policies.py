@@ -367,6 +367,13 @@ def test_flop_efficiency_without_a_full_scan_chooses_what_the_full_scan_chooses(
                 cache.unlock(n)
         else:
             kv = rng.random() < 0.25
+            pol._settle()  # what victim() does first; then the ranges it reads must be exact
+            cands = [n for n in nodes if n.snapshot is not None and n.parent is not None and len(n.children) <= 1]
+            ranges = pol._ranges()
+            if ranges is not None and cands:
+                effs = [pol.efficiency(n) for n in cands]
+                exact = (min(last[n.id] for n in cands), max(last[n.id] for n in cands), min(effs), max(effs))
+                assert ranges == pytest.approx(exact, rel=1e-12), (step, ranges, exact)
             want = _marconi_by_scan(pol, last, nodes, kv)
             v = pol.victim(now, kv=kv)
             if not want:

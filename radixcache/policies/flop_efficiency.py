@@ -44,7 +44,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..core.lazy_heap import LazyHeap
 from ..core.tree import HybridRadixCache, TreeNode
 from .base import DonationReason, Policy, RequestInfo
 
@@ -52,6 +51,11 @@ __all__ = ["ALPHA_GRID", "FlopEfficiency"]
 
 ALPHA_GRID: tuple[float, ...] = (0.0, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 """The alphas the bootstrap replay tries."""
+
+
+def _widen(m: list[float] | None, r: float, e: float) -> list[float]:
+    """``[lowest r, highest r, lowest e, highest e]`` of ``m`` and one more row."""
+    return [r, r, e, e] if m is None else [min(m[0], r), max(m[1], r), min(m[2], e), max(m[3], e)]
 
 
 @dataclass(slots=True)
@@ -87,10 +91,15 @@ class FlopEfficiency(Policy):
         self._r = np.zeros(64)  # last use
         self._e = np.zeros(64)  # FLOP efficiency, at the bytes an eviction for slots frees
         self._cand = np.zeros(64, dtype=bool)  # at most one child
-        # lowest recency, highest (negated), lowest efficiency, highest (negated), of the candidates
-        self._ends: tuple[LazyHeap[int], ...] = (LazyHeap(), LazyHeap(), LazyHeap(), LazyHeap())
         self._scan: _Scan | None = None
-        self._end: list[float | None] = [None, None, None, None]  # the ranges' ends, None: look again
+        # The ranges' ends: from the scan, the queue-many lowest and highest (value, id) of recency
+        # and efficiency (lists 0 to 3, most extreme first), each with how far it is used up and
+        # whether rows were left out of it; and the extremes of the rows changed since.
+        self._lists: list[list[tuple[float, int]]] = [[], [], [], []]
+        self._heads = [0, 0, 0, 0]
+        self._partial = [True, True, True, True]
+        self._moved: list[float] | None = None  # changed rows' [lowest r, highest r, lowest e, highest e]
+        self._moved_stale = False
         self._changed: set[int] = set()  # ids whose row changed since the scan
         self._evicted: TreeNode | None = None  # the last victim (inner) or where its cascade stops
         self._demotes: bool | None = None  # the tree's demotes when the rows' bytes were computed
@@ -155,23 +164,13 @@ class FlopEfficiency(Policy):
         cand = len(node.children) <= 1
         same = cand and bool(self._cand[pos]) and self._r[pos] == r and self._e[pos] == e
         if same:
-            return  # the row, its heap entries and its place in the scan stand
+            return  # the row and its place in the scan stand
+        if node.id in self._changed:
+            self._moved_stale = True  # its earlier values may be an extreme no longer held
         self._changed.add(node.id)
-        self._leave_ends(pos)
         self._r[pos], self._e[pos], self._cand[pos] = r, e, cand
-        if cand:
-            end = self._end
-            for i, v in ((0, r), (2, e)):
-                if end[i] is not None and v < end[i]:  # type: ignore[operator]
-                    end[i] = v
-                if end[i + 1] is not None and v > end[i + 1]:  # type: ignore[operator]
-                    end[i + 1] = v
-        if cand:
-            lo_r, hi_r, lo_e, hi_e = self._ends
-            lo_r.push(r, node.id)
-            hi_r.push(-r, node.id)
-            lo_e.push(e, node.id)
-            hi_e.push(-e, node.id)
+        if cand and not self._moved_stale:
+            self._moved = _widen(self._moved, r, e)
 
     def _reshape(self, node: TreeNode) -> None:
         n = HybridRadixCache.cost_dependent(node)
@@ -182,21 +181,14 @@ class FlopEfficiency(Policy):
         for n in list(getattr(self, "_nodes", ())):
             self._put(n, None)
 
-    def _leave_ends(self, pos: int) -> None:
-        """Row ``pos`` is about to change or go: forget each range end it may hold."""
-        if pos < len(self._nodes) and self._cand[pos]:
-            end, r, e = self._end, self._r[pos], self._e[pos]
-            for i, v in ((0, r), (1, r), (2, e), (3, e)):
-                if end[i] == v:
-                    end[i] = None
-
     def _drop(self, nid: int) -> None:
         pos = self._pos.get(nid)
         if pos is None:
             return
-        self._leave_ends(pos)
         del self._pos[nid]
-        self._changed.discard(nid)
+        if nid in self._changed:
+            self._changed.discard(nid)
+            self._moved_stale = True
         moved = self._nodes.pop()
         last = len(self._nodes)
         if pos < last:
@@ -205,33 +197,46 @@ class FlopEfficiency(Policy):
             self._r[pos], self._e[pos], self._cand[pos] = self._r[last], self._e[last], self._cand[last]
         self._cand[last] = False
 
-    def _valid(self, column: int) -> Callable[[tuple[float, int, int]], bool]:
-        """Whether a heap entry of ``column`` (0, 1: recency; 2, 3: efficiency; odd: negated)
-        still holds."""
-        values = self._r if column < 2 else self._e
-        sign = -1.0 if column % 2 else 1.0
-
-        def valid(entry: tuple[float, int, int]) -> bool:
-            pos = self._pos.get(entry[2])
-            return pos is not None and bool(self._cand[pos]) and sign * float(values[pos]) == entry[0]
-
-        return valid
-
     def _ranges(self) -> tuple[float, float, float, float] | None:
-        """Lowest and highest recency and efficiency over the candidates; ``None``: none."""
-        end = self._end
-        for column, heap in enumerate(self._ends):
-            if end[column] is not None:
-                continue
-            if len(heap) > 4 * len(self._nodes) + 64:
-                heap.compact(self._valid(column))
-            top = heap.peek_valid(self._valid(column))
-            if top is None:
+        """Lowest and highest recency and efficiency over the candidates, from the scan's end
+        lists and the rows changed since; ``None``: a list ran out while the scan left rows out of
+        it (a scan is due), or no candidate."""
+        pos_of, cand = self._pos, self._cand
+        ends: list[float | None] = []
+        for c, lst in enumerate(self._lists):
+            values = self._r if c < 2 else self._e
+            h = self._heads[c]
+            while h < len(lst):
+                value, nid = lst[h]
+                pos = pos_of.get(nid)
+                if pos is not None and cand[pos] and values[pos] == value:
+                    break
+                h += 1
+            self._heads[c] = h
+            if h == len(lst) and self._partial[c]:
                 return None
-            end[column] = -top[0] if column % 2 else top[0]
-        r_lo, r_hi, e_lo, e_hi = end
-        assert r_lo is not None and r_hi is not None and e_lo is not None and e_hi is not None
+            ends.append(lst[h][0] if h < len(lst) else None)
+        moved = self._moved_extremes()
+        if moved is not None:
+            for c in range(4):
+                end = ends[c]
+                ends[c] = moved[c] if end is None else (min(end, moved[c]) if c % 2 == 0 else max(end, moved[c]))
+        r_lo, r_hi, e_lo, e_hi = ends
+        if r_lo is None or r_hi is None or e_lo is None or e_hi is None:
+            return None
         return r_lo, r_hi, e_lo, e_hi
+
+    def _moved_extremes(self) -> list[float] | None:
+        """The changed rows' lowest and highest recency and efficiency (``None``: no candidate
+        among them), recounted when a changed row changed again or went."""
+        if self._moved_stale:
+            self._moved_stale = False
+            self._moved = None
+            for nid in self._changed:
+                pos = self._pos[nid]
+                if self._cand[pos]:
+                    self._moved = _widen(self._moved, float(self._r[pos]), float(self._e[pos]))
+        return self._moved
 
     # -- eviction ---------------------------------------------------------------------------------
 
@@ -253,23 +258,48 @@ class FlopEfficiency(Policy):
     def _utility(self, pos: int, a: float, b: float, scan: _Scan) -> float:
         return a * (float(self._r[pos]) - scan.r0) + b * (float(self._e[pos]) - scan.e0)
 
-    def _rescan(self, a: float, b: float, r0: float, e0: float, k: int) -> int:
-        """Queue the candidates at or below the ``k``-th lowest utility at weights ``(a, b)``;
-        return how many candidates there are."""
+    def _full_scan(self, k: int) -> tuple[tuple[float, float, float, float] | None, int]:
+        """Scan every candidate: the exact ranges, the queue of the ``k`` lowest utilities at
+        their weights, the end lists. Returns the ranges (``None``: no candidate) and how many
+        candidates there are."""
         n = len(self._nodes)
         rows = np.flatnonzero(self._cand[:n])
-        u = a * (self._r[rows] - r0) + b * (self._e[rows] - e0)
-        if len(rows) <= k:
-            inside, bound = np.ones(len(rows), dtype=bool), float("inf")
-        else:
-            kth = np.partition(u, k - 1)[k - 1]
-            inside = u <= kth
-            bound = float(u[~inside].min())
-        nodes = self._nodes
-        queue = sorted(zip(u[inside].tolist(), (nodes[i].id for i in rows[inside].tolist()), strict=True))
-        self._scan = _Scan(a, b, r0, e0, bound, queue)
         self._changed.clear()
-        return len(rows)
+        self._moved, self._moved_stale = None, False
+        if not len(rows):
+            self._scan = None
+            self._lists, self._partial = [[], [], [], []], [False, False, False, False]
+            return None, 0
+        r, e = self._r[rows], self._e[rows]
+        ranges = (float(r.min()), float(r.max()), float(e.min()), float(e.max()))
+        a, b = self._weights(ranges)
+        u = a * (r - ranges[0]) + b * (e - ranges[2])
+        nodes = self._nodes
+        inside, bound = self._lowest(u, k)
+        queue = sorted(zip(u[inside].tolist(), (nodes[i].id for i in rows[inside].tolist()), strict=True))
+        self._scan = _Scan(a, b, ranges[0], ranges[2], bound, queue)
+        for c, (values, sign) in enumerate(((r, 1.0), (r, -1.0), (e, 1.0), (e, -1.0))):
+            ends, _ = self._lowest(sign * values, self.queue)
+            picked = sorted(zip((sign * values[ends]).tolist(), rows[ends].tolist(), strict=True))
+            self._lists[c] = [(sign * v, nodes[i].id) for v, i in picked]
+            self._heads[c] = 0
+            self._partial[c] = len(picked) < len(rows)
+        return ranges, len(rows)
+
+    @staticmethod
+    def _lowest(values: np.ndarray, k: int) -> tuple[np.ndarray, float]:
+        """A mask of the values at or below the ``k``-th lowest, and the lowest value left out
+        (infinity: none)."""
+        if len(values) <= k:
+            return np.ones(len(values), dtype=bool), float("inf")
+        kth = np.partition(values, k - 1)[k - 1]
+        inside = values <= kth
+        return inside, float(values[~inside].min()) if (~inside).any() else float("inf")
+
+    def _weights(self, ranges: tuple[float, float, float, float]) -> tuple[float, float]:
+        """``(a, b)``: the normalisation's weights of recency and efficiency."""
+        r_lo, r_hi, e_lo, e_hi = ranges
+        return (1.0 / (r_hi - r_lo) if r_hi > r_lo else 0.0, self.alpha / (e_hi - e_lo) if e_hi > e_lo else 0.0)
 
     def _from_scan(self, a: float, b: float, ranges: tuple[float, float, float, float]) -> TreeNode | None:
         """The exact choice at weights ``(a, b)`` from the last scan's queue and the rows changed
@@ -340,17 +370,16 @@ class FlopEfficiency(Policy):
     def _choose(self) -> TreeNode | None:
         """Marconi's choice among the tracked rows (see the module's notes); ``None``: no
         candidate, or every one locked."""
+        node = None
         ranges = self._ranges()
-        if ranges is None:
-            return None
-        r_lo, r_hi, e_lo, e_hi = ranges
-        a = 1.0 / (r_hi - r_lo) if r_hi > r_lo else 0.0
-        b = self.alpha / (e_hi - e_lo) if e_hi > e_lo else 0.0
-        node = self._from_scan(a, b, ranges)
+        if ranges is not None:
+            node = self._from_scan(*self._weights(ranges), ranges)
         k = self.queue
         while node is None:
-            count = self._rescan(a, b, r_lo, e_lo, k)
-            node = self._from_scan(a, b, ranges)
+            ranges, count = self._full_scan(k)
+            if ranges is None:
+                return None
+            node = self._from_scan(*self._weights(ranges), ranges)
             if node is None and k >= count:
                 return None
             k *= 4
