@@ -76,16 +76,6 @@ class LazyHeap(Generic[T]):
             heapq.heappush(entries, e)
         return found
 
-    def peek_valid(self, valid: Callable[[Entry[T]], bool]) -> Entry[T] | None:
-        """The lowest valid entry, left in the heap, or None when none is left. Invalid entries
-        on top are dropped for good. O(log n) per entry dropped."""
-        entries = self._entries
-        while entries:
-            if valid(entries[0]):
-                return entries[0]
-            heapq.heappop(entries)
-        return None
-
     def compact(self, valid: Callable[[Entry[T]], bool]) -> None:
         """Drop every invalid entry. O(n)."""
         self._entries = [e for e in self._entries if valid(e)]
