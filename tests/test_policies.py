@@ -853,3 +853,33 @@ def test_ours_never_supersedes_a_branch_point() -> None:
     mine = t.add(np.concatenate([shared, t.fresh(), t.fresh()]))
     pol.donated(mine, RequestInfo(160, 64, 64, "a", 5.0, 4), FINISH, 6.0)  # the session's next turn
     assert branch.id not in pol._superseded and pol.density(branch, 6.0) > 0
+
+
+def test_ours_refreshes_every_row_after_the_tree_evicted_by_its_own_lru() -> None:
+    """After ``victim`` answers None the manager lets the tree evict by its own LRU, which the policy
+    does not see: an untracked parent's snapshot goes and the leaf below now cascades through it.
+    The next choice starts from rows that agree with the tree again."""
+    t = _Tree()
+    pol = t.policy(HitDensity(exact_below=0, sample=4, batch=1))
+    pol.costs(snapshot_bytes=100, kv_bytes_per_token=1)
+    base = t.fresh()
+    parent = t.add(base)  # a snapshot the policy was never told of
+    child = t.add(np.concatenate([base, t.fresh()]))
+    other = t.add(t.fresh())
+    for i, n in enumerate((child, other)):
+        pol.donated(n, _req(f"s{i}", float(i)), CAPTURE, float(i))
+    for ts in (2.0, 3.0, 4.0):  # the child is used often: the other one is the one to go
+        pol.touched(child, _req(f"h{ts}", ts), ts)
+    before = pol._rows[pol._pos[child.id], 6]  # its bytes when dropped: its own 64 tokens
+    for n in (child, other):
+        t.cache.lock(n)
+    assert pol.victim(5.0) is None
+    t.cache.evict(snapshots=1)  # the tree's LRU: the parent, the one unlocked snapshot
+    assert parent.snapshot is None
+    for n in (child, other):
+        t.cache.unlock(n)
+    assert pol.freed_bytes(child, demote=False) > before, "the child's cascade now takes the parent's KV"
+    assert pol.victim(6.0) is other
+    for nid in pol._items:
+        n = pol._entries[nid].node
+        assert pol._rows[pol._pos[nid], 6] == pol.freed_bytes(n, demote=False), n

@@ -235,6 +235,7 @@ class HitDensity(Policy):
         self._rewritten: set[int] = set()  # ids whose row changed since the batch was drawn
         self._events = 0  # requests admitted, snapshots donated and touched: what moves densities
         self._evicted: TreeNode | None = None  # the last victim (inner) or where its cascade stops
+        self._unseen = False  # answered None: the tree then evicts by its own LRU, unseen
         self._superseded: dict[int, None] = {}  # tracked ids, oldest first
         self._outcome = {k: _Decayed() for k in (BLOCK, BRANCH, HIT)}  # measured on what the cache kept
         self._continued = _Decayed()  # requests whose session came before: reuse of final states
@@ -637,8 +638,17 @@ class HitDensity(Policy):
         if self._evicted is not None:
             self._reshape(self._evicted)
             self._evicted = None
+        if self._unseen:  # the tree evicted by its own LRU after a None: any path may have changed
+            self._unseen = False
+            for nid in list(self._items):
+                e = self._entries[nid]
+                if _gone(e.node):
+                    self._untrack(nid)
+                else:
+                    self._refresh(self._pos[nid], e)
         node = self._victim(now, kv)
         if node is None:
+            self._unseen = len(self._items) > self.exact_below  # the exact path reads no rows
             return None
         # The manager evicts it now: what that leaves is looked at before the next choice.
         self._evicted = node if node.children else HybridRadixCache.cascade_stop(node)
