@@ -883,3 +883,32 @@ def test_ours_refreshes_every_row_after_the_tree_evicted_by_its_own_lru() -> Non
     for nid in pol._items:
         n = pol._entries[nid].node
         assert pol._rows[pol._pos[nid], 6] == pol.freed_bytes(n, demote=False), n
+
+
+def test_row_bookkeeping_invariants_detect_corruption() -> None:
+    """Both policies that keep rows check them: positions, flags past the rows, stray changed ids,
+    a row out of step with its entry."""
+    t = _Tree()
+    fe = FlopEfficiency(queue=2)
+    fe.bind(t.cache)
+    hd = t.policy(HitDensity())
+    nodes = [t.add(t.fresh()) for _ in range(3)]
+    for i, n in enumerate(nodes):
+        fe.donated(n, _req(f"s{i}", float(i)), CAPTURE, float(i))
+        hd.donated(n, _req(f"s{i}", float(i)), CAPTURE, float(i))
+    fe.check_invariants()
+    hd.check_invariants()
+    fe._pos[nodes[0].id] = 1
+    with pytest.raises(AssertionError, match="position says 1"):
+        fe.check_invariants()
+    fe._pos[nodes[0].id] = 0
+    fe._cand[5] = True
+    with pytest.raises(AssertionError, match="past the tracked rows"):
+        fe.check_invariants()
+    fe._cand[5] = False
+    fe._changed.add(999)
+    with pytest.raises(AssertionError, match="changed but not tracked"):
+        fe.check_invariants()
+    hd._rows[0, 0] += 1.0  # the last use its row says
+    with pytest.raises(AssertionError, match="out of step"):
+        hd.check_invariants()

@@ -178,7 +178,7 @@ class FlopEfficiency(Policy):
             self._put(n, None)
 
     def _refresh_all(self) -> None:
-        for n in list(getattr(self, "_nodes", ())):
+        for n in list(self._nodes):
             self._put(n, None)
 
     def _drop(self, nid: int) -> None:
@@ -409,6 +409,8 @@ class FlopEfficiency(Policy):
         for i, n in enumerate(self._nodes):
             assert self._pos.get(n.id) == i, f"node {n.id} at {i}, position says {self._pos.get(n.id)}"
         assert not self._cand[len(self._nodes) :].any(), "a candidate flag past the tracked rows"
+        stray = [nid for nid in self._changed if nid not in self._pos]
+        assert not stray, f"changed but not tracked: {stray}"
 
     def describe(self) -> dict[str, object]:
         return {"alpha": self.alpha, "tracked": sorted(self._pos)}
