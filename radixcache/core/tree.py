@@ -539,7 +539,7 @@ class HybridRadixCache:
             p = n.parent
             if p is None:
                 raise ValueError(f"node {n.id} was removed")
-            if p.depth == 0 or len(p.children) > 1 or p.snapshot is not None or p.host is not None:
+            if _stops_cascade(p):
                 return p
             n = p
 
@@ -605,7 +605,7 @@ class HybridRadixCache:
             removed += 1
             p = n.parent
             assert p is not None
-            if p.depth == 0 or len(p.children) > 1 or p.snapshot is not None or p.host is not None:
+            if _stops_cascade(p):
                 break
             n = p
         return EvictResult(tokens, 1, removed)
@@ -1254,6 +1254,12 @@ class HybridRadixCache:
             held = self.host_pool.num_owned_by(NodeOwner)
             assert held == hosts, f"host pool has {held} node-owned slots, the tree holds {hosts} host copies"
             self.host_pool.check_invariants()
+
+
+def _stops_cascade(p: TreeNode) -> bool:
+    """Removing ``p``'s only child leaves ``p`` standing: the root, a branch point, or a node that
+    holds a state (it can serve a hit)."""
+    return p.depth == 0 or len(p.children) > 1 or p.snapshot is not None or p.host is not None
 
 
 def _kv_candidate(e: tuple[float, int, TreeNode]) -> bool:
