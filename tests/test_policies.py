@@ -18,6 +18,7 @@ from radixcache.policies import (
     FixedPoints,
     FlopEfficiency,
     HitDensity,
+    Policy,
     RequestInfo,
     SglangLike,
     TrackAndFinish,
@@ -513,6 +514,12 @@ def test_ours_values_a_prefix_by_what_it_adds_over_its_anchor() -> None:
     assert pol._anchor_depth(pol._entries[mine.id]) == 64
 
 
+def _refuses(pol: Policy, match: str) -> None:
+    """``pol.check_invariants()`` names the corruption just made."""
+    with pytest.raises(AssertionError, match=match):
+        pol.check_invariants()
+
+
 def test_policy_check_invariants_detect_corruption() -> None:
     t = _Tree()
     pol = t.policy(HitDensity())
@@ -523,16 +530,13 @@ def test_policy_check_invariants_detect_corruption() -> None:
     pol.admitted(_req("a", 5.0))
     pol.check_invariants()
     pol._pos[nodes[0].id] = 2  # a position that points at another node
-    with pytest.raises(AssertionError, match="position says 2"):
-        pol.check_invariants()
+    _refuses(pol, "position says 2")
     pol._pos[nodes[0].id] = 0
     pol._superseded[999] = None
-    with pytest.raises(AssertionError, match="superseded but not tracked"):
-        pol.check_invariants()
+    _refuses(pol, "superseded but not tracked")
     del pol._superseded[999]
     pol._think._sorted.append(1.0)
-    with pytest.raises(AssertionError, match="think-time"):
-        pol.check_invariants()
+    _refuses(pol, "think-time")
 
 
 def test_ours_sampled_eviction_and_argument_errors() -> None:
@@ -915,16 +919,12 @@ def test_row_bookkeeping_invariants_detect_corruption() -> None:
     fe.check_invariants()
     hd.check_invariants()
     fe._pos[nodes[0].id] = 1
-    with pytest.raises(AssertionError, match="position says 1"):
-        fe.check_invariants()
+    _refuses(fe, "position says 1")
     fe._pos[nodes[0].id] = 0
     fe._cand[5] = True
-    with pytest.raises(AssertionError, match="past the tracked rows"):
-        fe.check_invariants()
+    _refuses(fe, "past the tracked rows")
     fe._cand[5] = False
     fe._changed.add(999)
-    with pytest.raises(AssertionError, match="changed but not tracked"):
-        fe.check_invariants()
+    _refuses(fe, "changed but not tracked")
     hd._rows[0, 0] += 1.0  # the last use its row says
-    with pytest.raises(AssertionError, match="out of step"):
-        hd.check_invariants()
+    _refuses(hd, "out of step")

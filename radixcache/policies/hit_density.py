@@ -152,12 +152,10 @@ class _Gaps:
 
     def tails(self, ages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`tail` of each of ``ages`` at once."""
-        if self._suffix is None:
-            self._suffix = [*accumulate(reversed(self._sorted))][::-1]
         n = len(self._sorted)
         i = np.searchsorted(np.asarray(self._sorted), ages, side="right")
         left = n - i
-        suffix = np.asarray([*self._suffix, 0.0])[i]
+        suffix = np.asarray([*self._suffix_sums(), 0.0])[i]
         alive = left / n
         wait = np.where(left > 0, suffix / np.maximum(left, 1) - ages, 0.0)
         return alive, wait
@@ -176,13 +174,17 @@ class _Gaps:
 
     def tail(self, age: float) -> tuple[float, float]:
         """``(P(gap > age), E[gap - age | gap > age])``; ``(0, 0)`` beyond every observed gap."""
-        if self._suffix is None:
-            self._suffix = [*accumulate(reversed(self._sorted))][::-1]
         n = len(self._sorted)
         i = bisect.bisect_right(self._sorted, age)
         if i >= n:
             return 0.0, 0.0
-        return (n - i) / n, self._suffix[i] / (n - i) - age
+        return (n - i) / n, self._suffix_sums()[i] / (n - i) - age
+
+    def _suffix_sums(self) -> list[float]:
+        """Sums of the sorted gaps from each position to the end (rebuilt after an add)."""
+        if self._suffix is None:
+            self._suffix = [*accumulate(reversed(self._sorted))][::-1]
+        return self._suffix
 
 
 class HitDensity(Policy):
