@@ -301,6 +301,10 @@ def test_flop_efficiency_weighs_normalised_flops_per_byte_against_normalised_rec
     assert only.victim(1.0) is None
     with pytest.raises(ValueError, match="alpha must be >= 0"):
         FlopEfficiency(-1)
+    with pytest.raises(ValueError, match="alpha must be >= 0, got nan"):
+        FlopEfficiency(float("nan"))
+    with pytest.raises(ValueError, match="queue must be > 0, got 0"):
+        FlopEfficiency(1.0, queue=0)
 
 
 def _marconi_by_scan(pol: FlopEfficiency, last: dict[int, float], nodes: list[TreeNode], kv: bool = False) -> set[int]:
@@ -555,6 +559,8 @@ def test_ours_sampled_eviction_and_argument_errors() -> None:
         HitDensity(hit_bonus=-1.0)
     with pytest.raises(ValueError, match=r"hit_bonus=nan"):
         HitDensity(hit_bonus=float("nan"))
+    with pytest.raises(ValueError, match=r"batch=0"):
+        HitDensity(batch=0)
     with pytest.raises(ValueError, match="kv/token 0"):
         pol.costs(100, 0)
 
