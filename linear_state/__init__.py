@@ -9,7 +9,7 @@ from .fencecheck import FenceCheck, cuda_fence_check
 from .fingerprint import Fingerprint
 from .layout import StateLayout
 from .owners import NodeOwner, Owner, RequestOwner, SlotId
-from .pool import LinearStatePool, SlotWrite
+from .pool import HostedStatePool, LinearStatePool, SlotLender, SlotWrite
 from .stream import COMPLETE, CudaStream, DeferredStream, Fence, ImmediateStream, Stream, device_synchronize
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "FenceCheck",
     "Fingerprint",
     "ForeignSlot",
+    "HostedStatePool",
     "ImmediateStream",
     "LinearStatePool",
     "NodeOwner",
@@ -28,6 +29,7 @@ __all__ = [
     "PoolExhausted",
     "RequestOwner",
     "SlotId",
+    "SlotLender",
     "SlotMisuse",
     "SlotWrite",
     "StateLayout",

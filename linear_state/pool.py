@@ -16,18 +16,18 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
 
-from .errors import ForeignSlot, PoolExhausted, SlotMisuse
+from .errors import ForeignSlot, PoolError, PoolExhausted, SlotMisuse
 from .fingerprint import Fingerprint, SlotHasher
 from .layout import StateLayout
 from .owners import NodeOwner, Owner, RequestOwner, SlotId
 from .stream import COMPLETE, Fence, ImmediateStream, Stream
 
-__all__ = ["LinearStatePool", "SlotWrite"]
+__all__ = ["HostedStatePool", "LinearStatePool", "SlotLender", "SlotWrite"]
 
 _POOL_IDS = itertools.count(1)  # process-unique pool identities; 0 marks a slot id built by hand
 
@@ -91,19 +91,27 @@ class LinearStatePool:
         L = layout.num_layers
         if pin_memory and self.device.type != "cpu":
             raise ValueError(f"pin_memory is for a pool on the CPU, not on {self.device}")
-        self.conv = torch.zeros((L, num_slots, *layout.conv_shape), dtype=layout.conv_dtype, device=self.device)
-        self.recurrent = torch.zeros(
+        conv = torch.zeros((L, num_slots, *layout.conv_shape), dtype=layout.conv_dtype, device=self.device)
+        recurrent = torch.zeros(
             (L, num_slots, *layout.recurrent_shape), dtype=layout.recurrent_dtype, device=self.device
         )
         if pin_memory:
-            self.conv, self.recurrent = self.conv.pin_memory(), self.recurrent.pin_memory()
+            conv, recurrent = conv.pin_memory(), recurrent.pin_memory()
+        self._setup(conv, recurrent)
+        # Popped from the end: the lowest ids are handed out first, which keeps demos readable.
+        self._free: list[SlotId] = self._ids[::-1]
+
+    def _setup(self, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """The bookkeeping over ``conv`` and ``recurrent`` (``[L, S, ...]`` each): every slot
+        unowned, every last use complete. The free list is the caller's."""
+        num_slots = conv.shape[1]
+        self.conv = conv
+        self.recurrent = recurrent
         self.pool_id = next(_POOL_IDS)
         """Process-unique identity of this pool, carried by every slot id it hands out."""
         self._owner: list[Owner | None] = [None] * num_slots
         # One id object per slot, made once: alloc hands it out without building anything.
         self._ids = [SlotId(i, self.pool_id) for i in range(num_slots)]
-        # Popped from the end: the lowest ids are handed out first, which keeps demos readable.
-        self._free: list[SlotId] = self._ids[::-1]
         self._last_use: list[Fence] = [COMPLETE] * num_slots
         self._owned_by: dict[Owner, set[SlotId]] = {}
         self._hasher = SlotHasher([self.conv, self.recurrent])
@@ -550,6 +558,206 @@ class LinearStatePool:
         for s in slots:
             self._last_use[s] = fence
         return fence
+
+
+class SlotLender(Protocol):
+    """A host's slot allocator, lent to a :class:`HostedStatePool` (for example an engine's own
+    free list of state slots, so that the engine's accounting stays true)."""
+
+    def take(self, n: int) -> Sequence[int] | None:
+        """``n`` free slot indices of the host's tensors, all or none (``None``)."""
+        ...
+
+    def give(self, slots: Sequence[int]) -> None:
+        """Take back slots that :meth:`take` handed out."""
+        ...
+
+    def available(self) -> int:
+        """How many slots :meth:`take` can hand out now."""
+        ...
+
+
+class HostedStatePool(LinearStatePool):
+    """A pool over a host engine's own state tensors, whose free slots stay the host's.
+
+    The engine keeps its tensors (layer-major ``[L, S, ...]``, as its kernels index them) and its
+    allocator; the pool keeps the one-owner rule for the slots it sees. A slot is in one of three
+    states: *held by the host* (free in the host's allocator, or used by the host for something the
+    pool never sees), *owned* by a :class:`RequestOwner` or :class:`NodeOwner` here, never both.
+
+    - :meth:`alloc` takes slots from the host's allocator (``lender.take``); :meth:`free` hands them
+      back (``lender.give``) once every pending write into them completed. So a tree snapshot costs
+      the host one slot of its own accounting, as it must.
+    - :meth:`lend` brings a slot the host allocated for a request under the pool's rules (the
+      request's owner may donate from it, restores write into it); :meth:`reclaim` returns it to
+      the host, which frees it in its own allocator as before.
+
+    ``num_free`` is the lender's ``available()``; ``capacity`` is ``S``. ``reserved`` slot indices
+    (an engine's dummy slot 0) are never taken or lent. Everything else is
+    :class:`LinearStatePool`'s: copies, clones, fences, fingerprints.
+
+    :param layout: what one slot holds; ``conv`` is ``[L, S, *layout.conv_shape]`` of
+        ``layout.conv_dtype`` and ``recurrent`` is ``[L, S, *layout.recurrent_shape]`` of
+        ``layout.recurrent_dtype``, on one device.
+    :raises ValueError: tensors of another shape, dtype or device; a reserved index outside
+        ``[0, S)``. :raises TypeError: a lender without ``take``/``give``/``available``.
+    """
+
+    def __init__(
+        self,
+        layout: StateLayout,
+        conv: torch.Tensor,
+        recurrent: torch.Tensor,
+        lender: SlotLender,
+        *,
+        reserved: Iterable[int] = (),
+        stream: Stream | None = None,
+    ) -> None:
+        if not isinstance(layout, StateLayout):
+            raise TypeError(f"layout must be a StateLayout, got {type(layout).__name__}")
+        for name in ("take", "give", "available"):
+            if not callable(getattr(lender, name, None)):
+                raise TypeError(f"lender must have a callable {name}(), got {type(lender).__name__}")
+        if not isinstance(conv, torch.Tensor) or not isinstance(recurrent, torch.Tensor):
+            raise TypeError("conv and recurrent must be tensors")
+        L = layout.num_layers
+        if conv.dim() < 2 or recurrent.dim() < 2:
+            raise ValueError(f"state tensors must be [L, S, ...], got {tuple(conv.shape)} and {tuple(recurrent.shape)}")
+        S = conv.shape[1]
+        for name, t, shape, dtype in (
+            ("conv", conv, (L, S, *layout.conv_shape), layout.conv_dtype),
+            ("recurrent", recurrent, (L, S, *layout.recurrent_shape), layout.recurrent_dtype),
+        ):
+            if tuple(t.shape) != shape or t.dtype != dtype:
+                raise ValueError(
+                    f"{name} must be {list(shape)} of {dtype} for {layout}, got {list(t.shape)} of {t.dtype}"
+                )
+        if conv.device != recurrent.device:
+            raise ValueError(f"conv on {conv.device} and recurrent on {recurrent.device}: one device")
+        if stream is not None and not isinstance(stream, Stream):
+            raise TypeError(f"stream must be a linear_state Stream, got {type(stream).__name__}")
+        res = set()
+        for r in reserved:
+            if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or not 0 <= r < S:
+                raise ValueError(f"reserved slot {r!r} outside [0, {S})")
+            res.add(int(r))
+        self.layout = layout
+        self.device = conv.device
+        self.stream = stream if stream is not None else ImmediateStream()
+        self._immediate = isinstance(self.stream, ImmediateStream)
+        self.lender = lender
+        self.reserved = frozenset(res)
+        self._setup(conv, recurrent)
+        self._free = []  # never used: the host's allocator holds the free slots
+
+    @property
+    def num_free(self) -> int:
+        """Slots the host's allocator can hand out now (``lender.available()``)."""
+        return int(self.lender.available())
+
+    def can_alloc(self, n: int = 1) -> bool:
+        """Whether :meth:`alloc_many` of ``n`` slots would succeed now, as far as the lender says."""
+        return n <= self.num_free
+
+    def alloc(self, owner: Owner) -> SlotId:
+        """Take one slot from the host's allocator for ``owner``.
+
+        :raises PoolExhausted: the host has none; nothing changed. :raises SlotMisuse: the host
+            handed out a reserved slot or one the pool sees owned (its allocator is corrupt); the
+            slots were given back. :raises TypeError: a bad owner.
+        """
+        return self.alloc_many(owner, 1)[0]
+
+    def alloc_many(self, owner: Owner, n: int) -> list[SlotId]:
+        """Take ``n`` slots from the host's allocator for ``owner``, all or none. As :meth:`alloc`.
+
+        :raises ValueError: ``n`` negative. :raises TypeError: ``n`` not an int.
+        """
+        _check_owner(owner)
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+            raise TypeError(f"alloc_many takes an int count, got {n!r}")
+        if n < 0:
+            raise ValueError(f"cannot allocate a negative number of slots ({n})")
+        if n == 0:
+            return []
+        got = self.lender.take(int(n))
+        if got is None:
+            raise PoolExhausted(self.capacity, int(n), owner)
+        raw = [int(x) for x in got]
+        bad = [x for x in raw if not 0 <= x < len(self._owner) or x in self.reserved or self._owner[x] is not None]
+        if len(raw) != n or bad or len(set(raw)) != n:
+            self.lender.give(raw)
+            if bad:
+                x = bad[0]
+                cur = self._owner[x] if 0 <= x < len(self._owner) else None
+                why = "the host's allocator handed out a reserved or owned slot"
+                raise SlotMisuse(why, slot=x, owner=cur, actor=owner)
+            raise PoolError(f"the host's allocator handed out {raw} when asked for {n} distinct slots; given back")
+        slots = [self._ids[x] for x in raw]
+        held = self._owned_by.setdefault(owner, set())
+        for s in slots:
+            self._owner[s] = owner
+            held.add(s)
+        return slots
+
+    def lend(self, slot: int, owner: RequestOwner) -> SlotId:
+        """Bring a slot the host holds (allocated by the host for a request) under the pool's rules,
+        owned by ``owner``. The host must not free it in its allocator before :meth:`reclaim`.
+
+        :returns: the pool's id of the slot.
+        :raises SlotMisuse: the slot is reserved or already owned here. :raises TypeError: a bad
+            owner (only a request lends). :raises IndexError: out of range. Nothing changed.
+        """
+        if not isinstance(owner, RequestOwner):
+            raise TypeError(f"a host lends a slot to a RequestOwner, got {owner!r}")
+        s = self._index(slot)
+        if s in self.reserved:
+            raise SlotMisuse("lend of a reserved slot", slot=s, owner=None, actor=owner)
+        cur = self._owner[s]
+        if cur is not None:
+            raise SlotMisuse("lend of a slot the pool sees owned", slot=s, owner=cur, actor=owner)
+        self._owner[s] = owner
+        self._owned_by.setdefault(owner, set()).add(self._ids[s])
+        return self._ids[s]
+
+    def reclaim(self, slot: int, owner: RequestOwner) -> None:
+        """Return a slot :meth:`lend` took to the host, after the pool's pending work on it
+        (a clone reading it) completed. The host's allocator is not told: the host frees it.
+
+        :raises SlotMisuse: ``slot`` not owned by ``owner``. Nothing changed.
+        """
+        s = self._index(slot)
+        cur = self._owner[s]
+        if cur is None or cur != owner or not isinstance(cur, RequestOwner):
+            raise SlotMisuse("reclaim by a non-owner", slot=s, owner=cur, actor=owner)
+        self._last_use[s].wait()
+        self._last_use[s] = COMPLETE
+        self._release_owner_entry(s, cur)
+        self._owner[s] = None
+
+    def check_invariants(self) -> None:
+        """Ownership bookkeeping as :meth:`LinearStatePool.check_invariants`, with the free slots
+        the host's: no reserved slot owned, the owner index agrees with the per-slot owners, and
+        owned + the lender's available <= capacity. O(capacity)."""
+        assert not self._free, f"a hosted pool keeps no free list, found {self._free}"
+        owned = 0
+        for s, owner in enumerate(self._owner):
+            if owner is not None:
+                owned += 1
+                assert s not in self.reserved, f"reserved slot {s} is owned by {owner}"
+                assert s in self._owned_by.get(owner, ()), f"slot {s} owned by {owner} is missing from its index"
+        indexed = sum(len(v) for v in self._owned_by.values())
+        assert indexed == owned, f"owner index holds {indexed} slots, per-slot owners say {owned}"
+        assert all(self._owned_by.values()), "owner index keeps an empty entry"
+        avail = self.num_free
+        assert owned + avail <= self.capacity - len(self.reserved), (
+            f"owned {owned} + host-free {avail} > capacity {self.capacity} - reserved {len(self.reserved)}"
+        )
+
+    def _release(self, s: int, owner: Owner) -> None:
+        self._release_owner_entry(s, owner)
+        self._owner[s] = None
+        self.lender.give([s])
 
 
 def _behind(after: Iterable[Fence], last_uses: Iterable[Fence]) -> list[Fence]:

@@ -1,0 +1,211 @@
+"""HostedStatePool: the one-owner rule over a host engine's own state tensors and allocator."""
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from linear_state import (
+    DeferredStream,
+    HostedStatePool,
+    NodeOwner,
+    PoolError,
+    PoolExhausted,
+    RequestOwner,
+    SlotMisuse,
+    StateLayout,
+)
+from radixcache import HybridRadixCache
+
+LAYOUT = StateLayout(2, (3, 2), (2, 2))
+S = 6  # slot 0 reserved, as an engine's dummy slot
+A = RequestOwner("A")
+
+
+class ListLender:
+    """A host free list like an engine's: slots 1..S-1, handed out lowest first."""
+
+    def __init__(self, n: int = S) -> None:
+        self.free = list(range(1, n))
+        self.given: list[int] = []
+
+    def take(self, n: int) -> Sequence[int] | None:
+        if n > len(self.free):
+            return None
+        out, self.free = self.free[:n], self.free[n:]
+        return out
+
+    def give(self, slots: Sequence[int]) -> None:
+        self.given.extend(slots)
+        self.free.extend(slots)
+
+    def available(self) -> int:
+        return len(self.free)
+
+
+def host_tensors() -> tuple[torch.Tensor, torch.Tensor]:
+    conv = torch.zeros((2, S, 3, 2), dtype=LAYOUT.conv_dtype)
+    rec = torch.zeros((2, S, 2, 2), dtype=LAYOUT.recurrent_dtype)
+    return conv, rec
+
+
+def make(lender: ListLender | None = None, **kw: object) -> tuple[HostedStatePool, ListLender]:
+    lender = lender or ListLender()
+    conv, rec = host_tensors()
+    return HostedStatePool(LAYOUT, conv, rec, lender, reserved=(0,), **kw), lender  # type: ignore[arg-type]
+
+
+def test_pool_works_on_the_hosts_tensors_in_place() -> None:
+    conv, rec = host_tensors()
+    pool = HostedStatePool(LAYOUT, conv, rec, ListLender(), reserved=(0,))
+    assert pool.conv is conv and pool.recurrent is rec and pool.capacity == S
+    host_slot = pool.lender.take(1)[0]  # type: ignore[index]  # the host's slot for request A
+    conv[:, host_slot].fill_(2.0)
+    rec[:, host_slot].fill_(5.0)
+    s = pool.lend(host_slot, A)
+    snap = pool.clone(s, NodeOwner(1)).slot
+    assert torch.equal(conv[:, snap], conv[:, host_slot]) and torch.equal(rec[:, snap], rec[:, host_slot])
+
+
+def test_alloc_and_free_go_through_the_hosts_allocator() -> None:
+    pool, lender = make()
+    assert pool.num_free == S - 1
+    a, b = pool.alloc(NodeOwner(1)), pool.alloc(NodeOwner(2))
+    assert (a, b) == (1, 2) and lender.available() == S - 3 and pool.num_free == S - 3
+    pool.free(a, NodeOwner(1))
+    assert lender.given == [1] and pool.owner_of(a) is None and pool.num_free == S - 2
+    pool.check_invariants()
+
+
+def test_exhaustion_is_the_hosts_and_changes_nothing() -> None:
+    pool, lender = make(ListLender(3))  # two usable slots
+    pool.alloc_many(NodeOwner(1), 2)
+    with pytest.raises(PoolExhausted):
+        pool.alloc(NodeOwner(2))
+    assert lender.given == [] and pool.num_owned_by(NodeOwner) == 2
+    pool.check_invariants()
+
+
+class BadLender(ListLender):
+    def __init__(self, hand: list[int]) -> None:
+        super().__init__()
+        self.hand = hand
+
+    def take(self, n: int) -> Sequence[int] | None:
+        return list(self.hand)
+
+    def give(self, slots: Sequence[int]) -> None:
+        self.given.extend(slots)  # what it never handed out stays off its free list
+
+
+@pytest.mark.parametrize(
+    ("hand", "err", "match"),
+    [
+        ([0], SlotMisuse, "reserved or owned slot: slot 0"),
+        ([4, 4], PoolError, r"\[4, 4\]"),
+        ([], PoolError, "1 distinct"),
+    ],
+)
+def test_a_corrupt_host_allocator_is_refused_and_its_slots_given_back(hand: list[int], err: type, match: str) -> None:
+    lender = BadLender(hand)
+    conv, rec = host_tensors()
+    pool = HostedStatePool(LAYOUT, conv, rec, lender, reserved=(0,))
+    n = 2 if len(hand) == 2 else 1
+    with pytest.raises(err, match=match):
+        pool.alloc_many(NodeOwner(1), n)
+    assert lender.given == hand and pool.num_owned_by(NodeOwner) == 0
+    pool.check_invariants()
+
+
+def test_an_owned_slot_handed_out_again_is_refused() -> None:
+    pool, _ = make()
+    pool.lend(1, A)
+    lender = BadLender([1])
+    pool.lender = lender
+    with pytest.raises(SlotMisuse, match="slot 1 is owned by request 'A'"):
+        pool.alloc(NodeOwner(9))
+    assert pool.owner_of(1) == A and lender.given == [1]
+
+
+def test_lend_and_reclaim_keep_one_owner() -> None:
+    pool, lender = make()
+    s = pool.lend(lender.take(1)[0], A)  # type: ignore[index]
+    with pytest.raises(SlotMisuse, match="lend of a slot the pool sees owned"):
+        pool.lend(s, RequestOwner("B"))
+    with pytest.raises(SlotMisuse, match="lend of a reserved slot"):
+        pool.lend(0, A)
+    with pytest.raises(TypeError, match="RequestOwner"):
+        pool.lend(3, NodeOwner(1))  # type: ignore[arg-type]
+    with pytest.raises(SlotMisuse, match="reclaim by a non-owner"):
+        pool.reclaim(s, RequestOwner("B"))
+    pool.reclaim(s, A)
+    assert pool.owner_of(s) is None and lender.given == []  # the host frees its own slot
+    with pytest.raises(SlotMisuse, match="reclaim by a non-owner"):
+        pool.reclaim(s, A)
+    pool.check_invariants()
+
+
+def test_reclaim_and_free_wait_the_pending_clone_first() -> None:
+    stream = DeferredStream()
+    pool, lender = make(stream=stream)
+    h = lender.take(1)[0]  # type: ignore[index]
+    pool.conv[:, h].fill_(7.0)
+    s = pool.lend(h, A)
+    w = pool.clone(s, NodeOwner(1))
+    assert stream.pending == 1
+    pool.reclaim(s, A)  # the host may overwrite slot 2 now: the clone must have read it
+    assert stream.pending == 0 and bool((pool.conv[:, w.slot] == 7.0).all())
+    s2 = pool.lend(h, A)
+    pool.copy(w.slot, s2)
+    assert stream.pending == 1
+    pool.free(w.slot, NodeOwner(1))  # given back to the host only once the copy read it
+    assert stream.pending == 0 and lender.given == [w.slot]
+
+
+def test_constructor_refuses_tensors_that_do_not_match_the_layout() -> None:
+    conv, rec = host_tensors()
+    wrong = r"conv must be \[2, 6, 3, 2\] of torch.bfloat16.*got \[2, 6, 3, 2\] of torch.float32"
+    with pytest.raises(ValueError, match=wrong):
+        HostedStatePool(LAYOUT, conv.float(), rec, ListLender())
+    with pytest.raises(ValueError, match=r"recurrent must be \[2, 6, 2, 2\]"):
+        HostedStatePool(LAYOUT, conv, rec[:, :5], ListLender())
+    with pytest.raises(ValueError, match="reserved slot 6 outside"):
+        HostedStatePool(LAYOUT, conv, rec, ListLender(), reserved=(6,))
+    with pytest.raises(TypeError, match="callable take"):
+        HostedStatePool(LAYOUT, conv, rec, object())  # type: ignore[arg-type]
+
+
+def test_invariants_name_an_owned_reserved_slot_and_a_lying_lender() -> None:
+    pool, _ = make()
+    pool._owner[0] = A  # corrupt: the engine's dummy slot owned
+    pool._owned_by[A] = {pool._ids[0]}
+    with pytest.raises(AssertionError, match="reserved slot 0 is owned"):
+        pool.check_invariants()
+    pool, _ = make()
+    pool.lend(1, A)  # the host still lists slot 1 as free: it would hand it out twice
+    with pytest.raises(AssertionError, match=r"owned 1 \+ host-free 5 > capacity 6 - reserved 1"):
+        pool.check_invariants()
+
+
+def test_a_tree_on_a_hosted_pool_donates_restores_and_evicts_through_the_host() -> None:
+    pool, lender = make()
+    freed: list[int] = []
+    tree = HybridRadixCache(pool, on_free_kv=lambda kv: freed.extend(kv.tolist()))
+    h = lender.take(1)[0]  # type: ignore[index]
+    pool.conv[:, h].fill_(3.0)
+    donor = pool.lend(h, A)
+    res = tree.insert([5, 6, 7], [10, 11, 12], state_slot=donor)
+    snap = res.node.snapshot
+    assert snap is not None and pool.owner_of(snap) == NodeOwner(res.node.id) and lender.available() == S - 3
+    pool.reclaim(donor, A)
+    B = RequestOwner("B")
+    dst = pool.lend(h, B)  # the host reused its slot for the next request
+    pool.zero(dst, owner=B)
+    m = tree.match([5, 6, 7, 8])
+    tree.restore(m.node, dst, dst_owner=B)
+    assert bool((pool.conv[:, h] == 3.0).all())
+    pool.reclaim(dst, B)
+    tree.evict(snapshots=1)
+    assert lender.given == [int(snap)] and freed == [10, 11, 12]
+    tree.check_invariants()
+    pool.check_invariants()
