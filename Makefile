@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo walkthrough test lint bench clean
+.PHONY: demo walkthrough test test-sglang lint bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,28 @@ walkthrough: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# The SGLang backend's tests (tests/sglang) in their own venv: SGLang 0.5.23 on the CPU. SGLang pins a
+# CUDA stack, so it is installed without its dependencies, then the modules its cache code imports.
+SGLANG_VENV ?= .venv-sglang
+SGLANG_PY := $(SGLANG_VENV)/bin/python
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+SGLANG_DEPS := aiohttp dill einops fastapi huggingface_hub ipython msgspec numpy openai==2.8.0 orjson \
+	partial-json-parser pillow prometheus_client psutil pybase64 pydantic pyyaml pyzmq requests setproctitle \
+	starlette tqdm transformers==5.19.0 triton==3.9.0 opentelemetry-api sortedcontainers xxhash zstandard \
+	pytest hypothesis
+SGLANG_NODEPS := sglang==0.5.23 xgrammar==0.2.7 apache-tvm-ffi==0.1.11 compressed-tensors==0.18.0 loguru gguf
+
+$(SGLANG_STAMP): pyproject.toml Makefile
+	test -x $(SGLANG_PY) || $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_PY) -m pip install -q --disable-pip-version-check '$(TORCH_SPEC)'
+	$(SGLANG_PY) -m pip install -q --disable-pip-version-check $(SGLANG_DEPS)
+	$(SGLANG_PY) -m pip install -q --disable-pip-version-check --no-deps $(SGLANG_NODEPS)
+	$(SGLANG_PY) -m pip install -q --disable-pip-version-check --no-deps -e .
+	touch $(SGLANG_STAMP)
+
+test-sglang: $(SGLANG_STAMP)
+	$(SGLANG_PY) -m pytest -q -p no:cacheprovider tests/sglang
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -34,4 +56,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_pool.py --quick
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(SGLANG_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -216,12 +216,20 @@ class CudaStream(Stream):
     """A ``torch.cuda.Stream``. ``after`` fences from other CUDA streams become device-side waits;
     fences of other stream kinds are waited on the host first.
 
+    :param stream: an existing stream to submit on (an engine's forward stream, so pool work is
+        ordered with the engine's kernels by stream order); default: a new stream on ``device``.
     :raises RuntimeError: constructed where CUDA is not available.
     """
 
-    def __init__(self, device: torch.device | str | int | None = None) -> None:
+    def __init__(
+        self, device: torch.device | str | int | None = None, *, stream: torch.cuda.Stream | None = None
+    ) -> None:
         if not torch.cuda.is_available():
             raise RuntimeError("CudaStream needs a CUDA device; torch.cuda.is_available() is False")
+        if stream is not None:
+            self.device = stream.device
+            self.stream = stream
+            return
         self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
         self.stream = torch.cuda.Stream(device=self.device)
 

@@ -40,7 +40,16 @@ from typing import Literal, NamedTuple, ParamSpec, TypeVar
 import numpy as np
 import torch
 
-from linear_state import COMPLETE, Fence, PoolExhausted, RequestOwner, SlotId, Stream, device_synchronize
+from linear_state import (
+    COMPLETE,
+    Fence,
+    HostedStatePool,
+    PoolExhausted,
+    RequestOwner,
+    SlotId,
+    Stream,
+    device_synchronize,
+)
 from linear_state.owners import NodeOwner
 
 from ..forensics.recorder import Forensics
@@ -1309,6 +1318,12 @@ class CacheManager:
         tree_n = self.pool.num_owned_by(NodeOwner)
         req_n = self.pool.num_owned_by(RequestOwner)
         assert req_n == len(req_slots), f"pool has {req_n} request-owned slots, the manager tracks {len(req_slots)}"
+        if isinstance(self.pool, HostedStatePool):  # the host holds the slots its own requests use
+            room = self.pool.capacity - len(self.pool.reserved)
+            assert self.pool.num_free + tree_n + req_n <= room, (
+                f"host-free {self.pool.num_free} + tree {tree_n} + requests {req_n} > {room} usable slots"
+            )
+            return
         assert self.pool.num_free + tree_n + req_n == self.pool.capacity, (
             f"free {self.pool.num_free} + tree {tree_n} + requests {req_n} != capacity {self.pool.capacity}"
         )

@@ -1,0 +1,413 @@
+"""The radixcache backend for SGLang's scheduler (SGLang 0.5.23): a ``BasePrefixCache`` whose tree,
+slot ownership and eviction choices are radixcache's.
+
+How it maps SGLang's calls (see docs/sglang.md):
+
+- Slots: SGLang's own mamba pool tensors, wrapped by a :class:`~linear_state.HostedStatePool`
+  that allocates through SGLang's ``mamba_allocator`` (slot 0, SGLang's dummy slot, reserved), so
+  SGLang's accounting stays true: every tree snapshot is one slot of SGLang's pool.
+- ``match_prefix``: the deepest snapshot on the key's path, capped at the request's
+  ``_compute_max_prefix_len`` (a request computes at least one token, so the restored state is
+  always at the depth the scheduler resumes from). With ``cow_mamba`` the hit state is copied
+  into the request's own slot at once (allocated through SGLang's allocator, evicting a snapshot
+  through the policy when none is free; when still none, the match is a miss, never an assert).
+- ``checkpoint``: copy-on-donate. The request's slot is cloned into a slot the tree owns (SGLang
+  hands the slot itself over); the request keeps its slot until it is released. A snapshot is
+  taken only where the state is exactly at the inserted key's end (``up_to`` on a page
+  boundary): the KV of a cut tail stays the request's, and no state is ever filed at a depth it
+  does not belong to.
+- ``evict``: both currencies through radixcache's policy (:class:`~radixcache.CacheManager`'s
+  ``evict``), KV freed through SGLang's allocator.
+
+Refused at start with a message (not served correctly yet): the mamba extra buffer (ping-pong
+tracking), speculative decoding, int8 state checkpoints, virtual mamba slot ids, SWA components,
+several conv states per layer, hierarchical cache and disabled radix cache.
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import (
+    BasePrefixCache,
+    DecLockRefParams,
+    DecLockRefResult,
+    EvictParams,
+    EvictResult,
+    IncLockRefResult,
+    InsertParams,
+    InsertResult,
+    MatchPrefixParams,
+    MatchResult,
+)
+from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+
+from linear_state import HostedStatePool, RequestOwner, StateLayout, Stream
+
+from ..core.manager import CacheManager
+from ..core.tree import HybridRadixCache, TreeNode
+from ..policies.base import DonationReason, Policy, RequestInfo
+
+__all__ = ["RadixcacheHybridCache", "SGLangSlots", "sglang_state_pool"]
+
+
+class SGLangSlots:
+    """SGLang's ``MambaSlotAllocator`` as a :class:`~linear_state.SlotLender`."""
+
+    def __init__(self, allocator: Any) -> None:
+        self.allocator = allocator
+
+    def take(self, n: int) -> list[int] | None:
+        """``n`` slots from SGLang's free list, or ``None``."""
+        got = self.allocator.alloc(n)
+        return None if got is None else [int(x) for x in got.reshape(-1).tolist()]
+
+    def give(self, slots: Sequence[int]) -> None:
+        """Back onto SGLang's free list."""
+        if slots:
+            self.allocator.free(torch.tensor(list(slots), dtype=torch.int64, device=self.allocator.device))
+
+    def available(self) -> int:
+        """SGLang's free count."""
+        return int(self.allocator.available_size())
+
+
+def sglang_state_pool(req_to_token_pool: Any, *, stream: Stream | None = None) -> HostedStatePool:
+    """A :class:`~linear_state.HostedStatePool` over ``req_to_token_pool``'s mamba pool tensors
+    (``conv[0]`` and ``temporal``, layer-major), allocating through its ``mamba_allocator``, slot 0
+    reserved.
+
+    :raises NotImplementedError: a mamba pool with several conv states per layer.
+    :raises TypeError: not a ``HybridReqToTokenPool``.
+    """
+    if not isinstance(req_to_token_pool, HybridReqToTokenPool):
+        raise TypeError(f"a hybrid model's HybridReqToTokenPool is needed, got {type(req_to_token_pool).__name__}")
+    cache = req_to_token_pool.mamba_pool.mamba_cache
+    if len(cache.conv) != 1:
+        raise NotImplementedError(f"mamba pools with {len(cache.conv)} conv states per layer are not served yet")
+    conv, temporal = cache.conv[0], cache.temporal
+    layout = StateLayout(
+        int(conv.shape[0]),
+        tuple(conv.shape[2:]),
+        tuple(temporal.shape[2:]),
+        conv_dtype=conv.dtype,
+        recurrent_dtype=temporal.dtype,
+    )
+    return HostedStatePool(
+        layout, conv, temporal, SGLangSlots(req_to_token_pool.mamba_allocator), reserved=(0,), stream=stream
+    )
+
+
+def _refusals(params: Any) -> list[str]:
+    """What in ``params`` the backend cannot serve correctly yet, as messages."""
+    out = []
+    rtp = params.req_to_token_pool
+    if not isinstance(rtp, HybridReqToTokenPool):
+        out.append(f"a model without linear-attention state (req_to_token_pool is {type(rtp).__name__})")
+        return out
+    if getattr(rtp, "enable_mamba_extra_buffer", False):
+        out.append("the mamba extra buffer (ping-pong tracking): run without --enable-mamba-extra-buffer")
+    if getattr(rtp, "mamba_v2p_table", None) is not None:
+        out.append("virtual mamba slot ids (a unified memory pool)")
+    mp = rtp.mamba_pool
+    if getattr(mp, "int8_ckpt_pool", None) is not None or getattr(params, "mamba_int8_ckpt", False):
+        out.append("int8 state checkpoints")
+    if getattr(mp, "enable_linear_replayssm", False) or getattr(mp, "enable_linear_replayssm_spec", False):
+        out.append("ReplaySSM ring buffers")
+    if getattr(params, "is_eagle", False) or getattr(params, "mtp_draft_mamba_pools", None):
+        out.append("speculative decoding")
+    if getattr(params, "sliding_window_size", None):
+        out.append("sliding-window attention layers")
+    if len(mp.mamba_cache.conv) != 1:
+        out.append(f"{len(mp.mamba_cache.conv)} conv states per layer")
+    return out
+
+
+def _namespace(extra_key: Any, cache_salt: Any) -> Hashable:
+    return None if extra_key is None and cache_salt is None else (extra_key, cache_salt)
+
+
+def _ids(tokens: Any) -> np.ndarray:
+    """Token ids as int64 numpy, without a copy for SGLang's ``array('q')``."""
+    if isinstance(tokens, array) and tokens.typecode == "q":
+        return np.frombuffer(tokens, dtype=np.int64) if len(tokens) else np.zeros(0, np.int64)
+    return np.asarray(tokens, dtype=np.int64).reshape(-1)
+
+
+class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is untyped
+    """SGLang's prefix cache for hybrid models, on radixcache's tree, pool rules and policy.
+
+    :param params: SGLang's ``CacheInitParams`` (``req_to_token_pool`` a ``HybridReqToTokenPool``).
+    :param policy: the snapshot policy (default :class:`~radixcache.policies.HitDensity`).
+    :param stream: where clones and restores run; on CUDA, the forward stream SGLang hands the
+        factory, so they are ordered with the model's kernels (default: immediate, the CPU's).
+    :param clock: seconds for the policy.
+    :raises NotImplementedError: a configuration listed in the module's docstring, each named.
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        *,
+        policy: Policy | None = None,
+        stream: Stream | None = None,
+        clock: Any = time.monotonic,
+    ) -> None:
+        refused = _refusals(params)
+        if refused:
+            raise NotImplementedError("the radixcache backend does not serve " + "; ".join(refused) + " yet")
+        self.req_to_token_pool = params.req_to_token_pool
+        self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
+        self.page_size = int(params.page_size)
+        self.disable = bool(params.disable)
+        self.clock = clock
+        self.state_pool = sglang_state_pool(self.req_to_token_pool, stream=stream)
+        self.tree = HybridRadixCache(self.state_pool, page_size=self.page_size, on_free_kv=self._free_kv)
+        # The manager serves eviction through the policy; SGLang's scheduler drives the requests.
+        self.manager = CacheManager(self.tree, policy, host_tier=None, clock=clock)
+        self.policy = self.manager.policy
+        self.stats = {"matches": 0, "hit_tokens": 0, "restores": 0, "donations": 0, "skipped_donations": 0}
+
+    @classmethod
+    def from_build_context(cls, ctx: Any) -> RadixcacheHybridCache:
+        """The factory's work: refuse what SGLang's build context asks that is not served, then build.
+
+        :raises NotImplementedError: a hierarchical cache, a disabled radix cache, a model that is
+            not hybrid, or a configuration listed in the module's docstring.
+        """
+        refused = []
+        if not ctx.is_hybrid_ssm:
+            refused.append("models without linear-attention state (use SGLang's default cache)")
+        if ctx.is_hybrid_swa:
+            refused.append("sliding-window attention layers")
+        if ctx.enable_hierarchical_cache:
+            refused.append("the hierarchical cache (--enable-hierarchical-cache)")
+        if ctx.disable_radix_cache:
+            refused.append("a disabled radix cache (drop --radix-cache-backend)")
+        sa = ctx.server_args
+        if getattr(sa, "speculative_algorithm", None):
+            refused.append("speculative decoding")
+        if refused:
+            raise NotImplementedError("the radixcache backend does not serve " + "; ".join(refused) + " yet")
+        stream = None
+        runner = getattr(getattr(ctx, "tp_worker", None), "model_runner", None)
+        fwd = getattr(runner, "forward_stream", None)
+        if fwd is not None and isinstance(fwd, torch.cuda.Stream):
+            from linear_state import CudaStream
+
+            stream = CudaStream(stream=fwd)
+        return cls(ctx.params, stream=stream)
+
+    # ------------------------------------------------------------------ SGLang's interface
+    def reset(self) -> None:
+        """Drop every cached prefix: snapshot slots and KV go back to SGLang's allocators."""
+        self.tree.reset()
+
+    def supports_mamba(self) -> bool:
+        """True: this cache keeps linear-state snapshots."""
+        return True
+
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        """The deepest cached snapshot on the key's path (see the module docstring). With
+        ``params.cow_mamba`` and a request, the hit state is in the request's slot on return,
+        ordered on the backend's stream."""
+        key = params.key
+        ids = _ids(key.raw_token_ids() if hasattr(key, "raw_token_ids") else key.token_ids)
+        req = params.req
+        if req is not None and hasattr(req, "_compute_max_prefix_len"):
+            ids = ids[: req._compute_max_prefix_len(len(ids))]
+        ns = _namespace(key.extra_key, getattr(key, "cache_salt", None))
+        m = self.tree.match(ids, namespace=ns) if not self.disable and ids.size else None
+        if m is None or m.length == 0:
+            root = self.tree.match([], namespace=ns).node if m is None else m.node
+            return MatchResult(0, root, root, root, cache_protected_len=0)
+        node = m.node
+        self.stats["matches"] += 1
+        if params.cow_mamba and req is not None and not self._restore_into(req, node):
+            root = self.tree.match([], namespace=ns).node
+            return MatchResult(0, root, root, root, cache_protected_len=0)
+        self.stats["hit_tokens"] += m.length
+        self.policy.touched(node, self._info(req, ids, m.length), self.clock())
+        return MatchResult(m.length, node, node, node, cache_protected_len=m.length, full_kv_hit_length=m.length)
+
+    def _restore_into(self, req: Any, node: TreeNode) -> bool:
+        """Copy ``node``'s snapshot into the request's slot (allocated if it has none)."""
+        kv = req.kv
+        if not kv.holds_mamba:
+            self.tree.lock(node)  # the hit must survive the eviction that makes room
+            try:
+                if self.state_pool.num_free == 0:
+                    self.manager.evict(snapshots=1)
+                got = self.req_to_token_pool.mamba_allocator.alloc(1)
+            finally:
+                self.tree.unlock(node)
+            if got is None:
+                return False
+            kv.mamba_pool_idx = got.reshape(-1)[0]
+        owner = RequestOwner(("sglang", req.rid))
+        slot = self.state_pool.lend(int(kv.mamba_pool_idx), owner)
+        try:
+            self.tree.restore(node, slot, dst_owner=owner)
+        finally:
+            self.state_pool.reclaim(slot, owner)
+        kv.mamba_cow_src_index = None
+        kv.mamba_needs_clear = False
+        self.stats["restores"] += 1
+        return True
+
+    def insert(self, params: InsertParams) -> InsertResult:
+        """Insert ``params.key`` with its KV (``params.value``); with ``params.mamba_value`` (a slot
+        holding the state after the page-cut key) the tree clones it. The caller keeps its slot:
+        ``mamba_exist`` is always True (SGLang's callers free the slot they passed when it is)."""
+        key = params.key
+        ids = _ids(key.raw_token_ids() if hasattr(key, "raw_token_ids") else key.token_ids)
+        ns = _namespace(key.extra_key, getattr(key, "cache_salt", None))
+        slot = None if params.mamba_value is None else int(params.mamba_value.reshape(-1)[0])
+        res = self._insert(ids, params.value, slot, ns, ("sglang-insert", id(params)), None)
+        return InsertResult(
+            prefix_len=res.prefix_length, total_len=int(ids.size), last_device_node=res.node, mamba_exist=True
+        )
+
+    def _insert(
+        self, ids: np.ndarray, kv: torch.Tensor, slot: int | None, ns: Hashable, rid: Hashable, req: Any
+    ) -> Any:
+        """Insert with ``slot`` lent for the clone and reclaimed after; no free slot for the
+        clone even after evicting one through the policy: insert without a snapshot."""
+        if slot is not None and self.state_pool.num_free == 0:
+            self.manager.evict(snapshots=1)
+            if self.state_pool.num_free == 0:
+                self.stats["skipped_donations"] += 1
+                slot = None
+        if slot is None:
+            return self.tree.insert(ids, kv.to(torch.int64).cpu(), namespace=ns, release_duplicates=False)
+        owner = RequestOwner(rid)
+        s = self.state_pool.lend(slot, owner)
+        try:
+            res = self.tree.insert(ids, kv.to(torch.int64).cpu(), state_slot=s, namespace=ns, release_duplicates=False)
+        finally:
+            self.state_pool.reclaim(s, owner)
+        if res.snapshot_created:
+            self.stats["donations"] += 1
+            reason = DonationReason.FINISH if req is not None and req.finished() else DonationReason.CAPTURE
+            self.policy.donated(res.node, self._info(req, ids, 0), reason, self.clock())
+        return res
+
+    def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
+        """Insert ``[cache_protected_len, up_to)`` of the request's row, donating a clone of its
+        state when ``up_to`` is page aligned, then repoint the row onto the tree's KV, move the
+        request's lock to the deepest snapshot it reaches and advance ``cache_protected_len``."""
+        if self.disable:
+            return
+        ids = _ids(req.full_untruncated_fill_ids[:up_to])
+        n = int(ids.size)
+        prot = int(req.kv.cache_protected_len)
+        if n <= prot:
+            return
+        row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+        kv = row[:n]
+        ns = _namespace(req.extra_key, getattr(req, "cache_salt", None))
+        slot = int(req.kv.mamba_pool_idx) if req.kv.holds_mamba and n % self.page_size == 0 else None
+        res = self._insert(ids, kv, slot, ns, ("sglang", req.rid), req)
+        node = res.node
+        if not (HybridRadixCache.holds_snapshot(node) or node.host is not None) or node.depth <= prot:
+            return  # nothing new a later request could resume from: the row stays the request's
+        new = self.tree.kv_indices(node).to(row.device)
+        depth = node.depth
+        old = row[prot:depth]
+        dup = old[old != new[prot:depth]]
+        if dup.numel():
+            self.token_to_kv_pool_allocator.free(dup)
+        row[prot:depth] = new[prot:depth].to(row.dtype)
+        self.unlock(req.lock)
+        req.lock = self.lock(node)
+        req.kv.cache_protected_len = depth
+        req.last_node = node
+
+    def on_release(self, req: Any, *, checkpointed: bool) -> None:
+        """The request's row is freed and its lock dropped: its mamba slot goes back to SGLang's
+        allocator (the tree kept clones, never the slot)."""
+        if req.kv.holds_mamba:
+            self.req_to_token_pool.free_mamba_cache(req)
+
+    def evict(self, params: EvictParams) -> EvictResult:
+        """Free at least ``params.num_tokens`` KV tokens and ``params.mamba_num`` snapshots, in the
+        policy's order (or as many as are evictable)."""
+        r = self.manager.evict(snapshots=int(params.mamba_num), kv_tokens=int(params.num_tokens))
+        return EvictResult(num_tokens_evicted=r.kv_tokens, mamba_num_evicted=r.snapshots)
+
+    def inc_lock_ref(self, node: Any) -> IncLockRefResult:
+        """Lock ``node`` (its snapshot and its path's KV)."""
+        self.tree.lock(node)
+        return IncLockRefResult(delta=0, node_id=node.id)
+
+    def dec_lock_ref(self, node: Any, params: DecLockRefParams | None = None) -> DecLockRefResult:
+        """Undo one :meth:`inc_lock_ref` of ``node``."""
+        self.tree.unlock(node)
+        return DecLockRefResult(delta=0)
+
+    def path_device_indices(self, node: Any) -> torch.Tensor:
+        """KV indices of the path from the root to ``node``."""
+        return self.tree.kv_indices(node)
+
+    def root_node_handle(self, extra_key: str | None = None) -> Any:
+        """The root of ``extra_key``'s tree."""
+        return self.tree.match([], namespace=_namespace(extra_key, None)).node
+
+    @property
+    def root_node(self) -> Any:
+        """The root of the tree without an extra key."""
+        return self.root_node_handle()
+
+    def evictable_size(self) -> int:
+        """KV tokens the tree holds unlocked."""
+        return self.tree.evictable_kv_tokens
+
+    def full_evictable_size(self) -> int:
+        """As :meth:`evictable_size` (one KV pool)."""
+        return self.tree.evictable_kv_tokens
+
+    def protected_size(self) -> int:
+        """KV tokens on locked paths."""
+        return self.tree.protected_kv_tokens
+
+    def full_protected_size(self) -> int:
+        """As :meth:`protected_size`."""
+        return self.tree.protected_kv_tokens
+
+    def mamba_evictable_size(self) -> int:
+        """Snapshots (each one slot of SGLang's mamba pool) the tree holds unlocked."""
+        return self.tree.evictable_snapshots
+
+    def mamba_protected_size(self) -> int:
+        """Locked snapshots."""
+        return self.tree.protected_snapshots
+
+    def total_size(self) -> tuple[int, int]:
+        """(KV tokens, snapshots) the tree holds."""
+        return self.tree.total_kv_tokens, self.tree.num_snapshots
+
+    def sanity_check(self) -> None:
+        """Every invariant of the tree, its pool and its policy (raises ``AssertionError``)."""
+        self.manager.check_invariants()
+        self.state_pool.check_invariants()
+
+    def pretty_print(self) -> None:
+        """Print the tree's summary."""
+        print(self.tree.describe())
+
+    def take_events(self) -> list[Any]:
+        """No KV placement events are published."""
+        return []
+
+    # ------------------------------------------------------------------ helpers
+    def _free_kv(self, kv: torch.Tensor) -> None:
+        self.token_to_kv_pool_allocator.free(kv.to(self.token_to_kv_pool_allocator.device))
+
+    def _info(self, req: Any, ids: np.ndarray, hit: int) -> RequestInfo:
+        session = getattr(req, "session_id", None) if req is not None else None
+        return RequestInfo(int(ids.size), hit, hit, session, self.clock())

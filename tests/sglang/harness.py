@@ -1,0 +1,293 @@
+"""The CPU differential harness: SGLang's real pools, SGLang's built-in hybrid cache or ours, driven
+through SGLang's own scheduler-side helpers over a seeded request stream.
+
+The model is simulated: the state after tokens ``t[0:n]`` is a function of ``(n, H(t[0:n]))`` (a
+rolling hash), written into the request's mamba slot by each forward. Before a forward over
+``[start, end)`` the slot must hold the state of exactly ``t[0:start]``: a restored hit of the
+wrong depth or content, a slot overwritten by someone else, a snapshot filed at the wrong depth,
+all show up as a *state mismatch*. Nothing else is checked by the forward; the caller checks
+SGLang's accounting when idle.
+"""
+
+from __future__ import annotations
+
+import random
+from array import array
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, Req
+from sglang.srt.mem_cache.allocation import ensure_mamba_capacity
+from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
+from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+LAYERS = 2
+MOD = (1 << 24) - 3  # hashes stay exact in float32
+
+
+def _h(h: int, tok: int) -> int:
+    return (h * 31 + tok + 1) % MOD
+
+
+def setup_sglang(page_size: int = 1) -> None:
+    """The process-wide settings SGLang's pools read, without a model config (nothing is
+    downloaded): server args, and the mamba chunk size its unified cache would read from a config."""
+    set_global_server_args_for_scheduler(ServerArgs(model_path="dummy", page_size=page_size))
+    from sglang.srt.mem_cache.rust_tree_core import adapter as rust_adapter
+    from sglang.srt.mem_cache.unified_cache.components import mamba as mamba_component
+
+    mamba_component.mamba_cache_chunk_size = lambda: 64
+    mamba_component.mamba_checkpoint_grid = lambda page: 64
+    rust_adapter.mamba_cache_chunk_size = lambda: 64
+
+
+@dataclass
+class Env:
+    """One cache over its own SGLang pools."""
+
+    cache: Any
+    rtp: HybridReqToTokenPool
+    alloc: TokenToKVPoolAllocator
+    kv_size: int
+    mamba_size: int
+    mismatches: list[str] = field(default_factory=list)
+    hit_tokens: int = 0
+    requests: int = 0
+
+    @property
+    def conv(self) -> torch.Tensor:
+        t: torch.Tensor = self.rtp.mamba_pool.mamba_cache.conv[0]
+        return t
+
+    @property
+    def temporal(self) -> torch.Tensor:
+        t: torch.Tensor = self.rtp.mamba_pool.mamba_cache.temporal
+        return t
+
+    # ---------------------------------------------------------------- simulated model
+    def write_state(self, slot: int, n: int, h: int) -> None:
+        t = self.temporal[:, slot]
+        t.fill_(float(h % 1000))
+        flat = t.view(t.shape[0], -1)
+        flat[:, 0] = float(n)
+        flat[:, 1] = float(h)
+        self.conv[:, slot].fill_(float(n % 128))
+
+    def read_state(self, slot: int) -> tuple[int, int, bool]:
+        """(depth, hash, whether the rest of the slot agrees with them)."""
+        t = self.temporal[:, slot]
+        flat = t.reshape(t.shape[0], -1)
+        n, h = int(flat[0, 0].item()), int(flat[0, 1].item())
+        ok = bool((flat[:, 0] == n).all()) and bool((flat[:, 1] == h).all())
+        ok = ok and bool((flat[:, 2:] == float(h % 1000)).all()) and bool((self.conv[:, slot] == float(n % 128)).all())
+        return n, h, ok
+
+    def forward(self, req: Req, tokens: array[int], start: int, end: int, hashes: list[int]) -> None:
+        slot = int(req.kv.mamba_pool_idx)
+        n, h, ok = self.read_state(slot)
+        if (n, h) != (start, hashes[start]) or not ok:
+            self.mismatches.append(
+                f"{req.rid}: slot {slot} holds depth {n} hash {h} (consistent={ok}), "
+                f"forward from {start} needs hash {hashes[start]}"
+            )
+        self.write_state(slot, end, hashes[end])
+
+    # ---------------------------------------------------------------- accounting
+    def idle_check(self) -> None:
+        """SGLang's own slot invariants when no request runs: every KV token and every mamba
+        slot is either free or the tree's."""
+        kv_total, snaps = self._tree_sizes()
+        free_kv = self.alloc.available_size()
+        assert free_kv + kv_total == self.kv_size, f"KV: free {free_kv} + tree {kv_total} != {self.kv_size}"
+        free_m = self.rtp.mamba_allocator.available_size()
+        assert free_m + snaps == self.mamba_size, f"mamba: free {free_m} + tree {snaps} != {self.mamba_size}"
+        self.cache.sanity_check()
+
+    def _tree_sizes(self) -> tuple[int, int]:
+        c = self.cache
+        kv = c.full_evictable_size() + c.full_protected_size()
+        return kv, c.mamba_evictable_size() + c.mamba_protected_size()
+
+
+def make_env(kind: str, *, kv_size: int = 2048, mamba_size: int = 10, max_reqs: int = 8, page_size: int = 1) -> Env:
+    """``kind``: ``"builtin"`` (SGLang's UnifiedRadixCache, FULL + MAMBA) or ``"radixcache"``."""
+    setup_sglang(page_size)
+    shape = Mamba2StateShape.create(
+        tp_world_size=1, intermediate_size=16, n_groups=1, num_heads=2, head_dim=8, state_size=4, conv_kernel=4
+    )
+    params = Mamba2CacheParams(shape=shape, layers=list(range(LAYERS)))
+    rtp = HybridReqToTokenPool(
+        size=max_reqs,
+        mamba_size=mamba_size,
+        mamba_spec_state_size=max_reqs,
+        max_context_len=1024,
+        device="cpu",
+        enable_memory_saver=False,
+        cache_params=params,
+        mamba_layer_ids=list(range(LAYERS)),
+        enable_mamba_extra_buffer=False,
+        enable_overlap_schedule=False,
+    )
+    alloc = TokenToKVPoolAllocator(size=kv_size, dtype=torch.bfloat16, device="cpu", kvcache=None, need_sort=False)
+    init = CacheInitParams(req_to_token_pool=rtp, token_to_kv_pool_allocator=alloc, page_size=page_size, disable=False)
+    if kind == "builtin":
+        from sglang.srt.mem_cache.unified_cache.components import ComponentType
+        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+        init.tree_components = (ComponentType.FULL, ComponentType.MAMBA)
+        init.tree_core_backend = "python"
+        cache: Any = UnifiedRadixCache(init)
+    else:
+        from radixcache.sglang.backend import RadixcacheHybridCache
+
+        cache = RadixcacheHybridCache(init)
+    return Env(cache, rtp, alloc, kv_size, mamba_size)
+
+
+# -------------------------------------------------------------------- the request stream
+def stream(seed: int, n: int) -> list[tuple[list[int], int, bool]]:
+    """``n`` requests: (prompt ids, output tokens, aborted). Shared system prompts, re-sent
+    identical prompts, follow-up turns that extend an earlier prompt, prompt lengths 1 mod 64 and
+    prefixes that leave a page mid-way (with pages above 1 token)."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(1, 30000) for _ in range(rng.choice((31, 64, 65, 100)))] for _ in range(4)]
+    sent: list[list[int]] = []
+    out = []
+    for _ in range(n):
+        r = rng.random()
+        if sent and r < 0.15:
+            prompt = list(rng.choice(sent))  # an identical re-send
+        elif sent and r < 0.35:
+            base = rng.choice(sent)  # a follow-up turn, or a prefix cut anywhere
+            cut = rng.randrange(1, len(base) + 1)
+            prompt = base[:cut] + [rng.randrange(1, 30000) for _ in range(rng.randrange(1, 40))]
+        else:
+            sys_p = rng.choice(systems)
+            prompt = sys_p + [rng.randrange(1, 30000) for _ in range(rng.randrange(1, 90))]
+        if rng.random() < 0.2:  # a length of 1 mod 64
+            target = 64 * rng.randrange(1, 4) + 1
+            prompt = (prompt + [rng.randrange(1, 30000) for _ in range(target)])[:target]
+        sent.append(prompt)
+        out.append((prompt, rng.randrange(1, 12), rng.random() < 0.1))
+    return out
+
+
+@dataclass
+class Running:
+    req: Req
+    tokens: array[int]  # prompt + outputs to be
+    hashes: list[int]
+    prompt_len: int
+    outputs: int
+    abort: bool
+    done: int = 0  # tokens whose state the slot holds
+
+
+def admit(env: Env, rid: str, prompt: list[int], outputs: int, abort: bool, rng: random.Random) -> Running | None:
+    """Match (copy-on-write of the hit state), lock, allocate the row and state slot: what the
+    scheduler does when it takes a request into a prefill batch. ``None``: no room (the request
+    is dropped, as a scheduler would leave it waiting)."""
+    tokens = array("q", prompt + [rng.randrange(1, 30000) for _ in range(outputs)])
+    hashes = [0]
+    for t in tokens:
+        hashes.append(_h(hashes[-1], t))
+    req = Req(
+        rid=rid,
+        origin_input_text="",
+        origin_input_ids=array("q", prompt),
+        sampling_params=SamplingParams(temperature=0, max_new_tokens=outputs),
+    )
+    req.init_next_round_input(env.cache)
+    if req.kv.mamba_cow_src_index is not None:  # SGLang's batch preparation: the deferred copy
+        env.rtp.mamba_pool.copy_from(req.kv.mamba_cow_src_index.reshape(1), req.kv.mamba_pool_idx.reshape(1))
+        req.kv.mamba_cow_src_index = None
+    req.lock = env.cache.lock(req.last_node)
+    if not ensure_mamba_capacity(env.rtp, [req], env.cache) or env.rtp.alloc([req]) is None:
+        release_kv_cache(req, env.cache, checkpoint=False) if req.kv.holds_kv else _drop(env, req)
+        return None
+    if req.kv.mamba_needs_clear:
+        env.write_state(int(req.kv.mamba_pool_idx), 0, 0)
+        req.kv.mamba_needs_clear = False
+    p = req.prefix_len
+    if p:
+        env.rtp.req_to_token[req.kv.req_pool_idx, :p] = env.cache.prefix_device_indices(req).to(torch.int32)
+    req.kv.kv_committed_len = req.kv.kv_allocated_len = p
+    env.requests += 1
+    env.hit_tokens += p
+    return Running(req, tokens, hashes, len(prompt), outputs, abort, done=p)
+
+
+def _drop(env: Env, req: Req) -> None:
+    env.cache.unlock(req.lock)
+    req.lock = None
+    if req.kv.holds_mamba:
+        env.rtp.mamba_allocator.free(req.kv.mamba_pool_idx.reshape(1))
+        req.kv.mamba_pool_idx = None
+
+
+def _alloc_kv(env: Env, n: int) -> torch.Tensor | None:
+    got: torch.Tensor | None = env.alloc.alloc(n)
+    if got is None:
+        env.cache.evict(EvictParams(num_tokens=n - env.alloc.available_size()))
+        got = env.alloc.alloc(n)
+    return got
+
+
+def step(env: Env, run: Running, chunk: int) -> bool:
+    """One scheduled step: a prefill chunk (checkpointed, as chunked prefill does) or one decode
+    token. Returns False once the request finished, was aborted or found no KV (released)."""
+    req = run.req
+    total = run.prompt_len + run.outputs
+    end = min(run.prompt_len, (run.done // chunk + 1) * chunk) if run.done < run.prompt_len else run.done + 1
+    kv = None if run.abort and run.done >= run.prompt_len // 2 else _alloc_kv(env, end - run.done)
+    if kv is None:
+        req.finished_reason = FINISH_ABORT()
+        release_kv_cache(req, env.cache, checkpoint=False)
+        return False
+    env.rtp.req_to_token[req.kv.req_pool_idx, run.done : end] = kv.to(torch.int32)
+    req.kv.kv_allocated_len = end
+    env.forward(req, run.tokens, run.done, end, run.hashes)
+    run.done = end
+    req.kv.kv_committed_len = end
+    if end > run.prompt_len:
+        req.output_ids.append(run.tokens[end - 1])
+    if end < run.prompt_len:
+        req.extend_end = end
+        checkpoint_kv_cache(req, env.cache)
+        return True
+    if end >= total:
+        req.finished_reason = FINISH_LENGTH(length=run.outputs)
+        release_kv_cache(req, env.cache, checkpoint=True)
+        return False
+    return True
+
+
+def run_stream(env: Env, seed: int, n: int, *, concurrency: int = 3, chunk: int = 48) -> None:
+    """The seeded stream through ``env``, ``concurrency`` requests in flight, idle checks between
+    waves. Mismatches are collected in ``env.mismatches``."""
+    rng = random.Random(seed * 7919 + 1)
+    reqs = stream(seed, n)
+    i = 0
+    running: list[Running] = []
+    while i < len(reqs) or running:
+        while i < len(reqs) and len(running) < concurrency:
+            prompt, outputs, abort = reqs[i]
+            r = admit(env, f"r{i}", prompt, outputs, abort, rng)
+            i += 1
+            if r is not None:
+                running.append(r)
+        if not running:
+            continue
+        r = rng.choice(running)
+        if not step(env, r, chunk):
+            running.remove(r)
+        if not running:
+            env.idle_check()
+    env.idle_check()

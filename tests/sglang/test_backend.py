@@ -1,0 +1,146 @@
+"""The SGLang backend against SGLang 0.5.23 itself: plugin registration, SGLang's own mamba unit
+test scenarios on our backend, and the differential harness against SGLang's built-in cache."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("sglang", reason="SGLang is not installed here (CI runs these in their own venv)")
+
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+from sglang.srt.mem_cache.radix_cache import RadixKey
+
+from radixcache.sglang import BACKEND_NAME
+from radixcache.sglang import plugin as rc_plugin
+from radixcache.sglang.backend import RadixcacheHybridCache
+
+from . import harness as H  # noqa: N812
+
+
+def test_sglangs_plugin_loader_resolves_our_backend_name_to_our_factory() -> None:
+    from sglang.srt.mem_cache.registry import get_radix_cache_factory
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()  # reads the sglang.srt.plugins entry points, as every SGLang process does
+    assert get_radix_cache_factory(BACKEND_NAME) is rc_plugin.factory
+    rc_plugin.register()  # a second load changes nothing
+    assert get_radix_cache_factory(BACKEND_NAME) is rc_plugin.factory
+
+
+def test_factory_refuses_what_it_does_not_serve_by_name() -> None:
+    env = H.make_env("builtin")  # pools only; the factory never reaches them when it refuses
+    ctx = SimpleNamespace(
+        params=SimpleNamespace(req_to_token_pool=env.rtp),
+        is_hybrid_ssm=True,
+        is_hybrid_swa=False,
+        enable_hierarchical_cache=True,
+        disable_radix_cache=False,
+        server_args=SimpleNamespace(speculative_algorithm="EAGLE"),
+    )
+    with pytest.raises(NotImplementedError, match=r"hierarchical cache.*speculative decoding"):
+        rc_plugin.factory(ctx)
+    ctx.enable_hierarchical_cache, ctx.server_args.speculative_algorithm, ctx.is_hybrid_ssm = False, None, False
+    with pytest.raises(NotImplementedError, match="without linear-attention state"):
+        rc_plugin.factory(ctx)
+
+
+def test_extra_buffer_pools_are_refused_at_start() -> None:
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+
+    env = H.make_env("builtin")
+    env.rtp.enable_mamba_extra_buffer = True
+    init = CacheInitParams(req_to_token_pool=env.rtp, token_to_kv_pool_allocator=env.alloc, page_size=1, disable=False)
+    with pytest.raises(NotImplementedError, match="--enable-mamba-extra-buffer"):
+        RadixcacheHybridCache(init)
+
+
+def _slot_with(env: H.Env, n: int, h: int) -> torch.Tensor:
+    got: torch.Tensor | None = env.rtp.mamba_allocator.alloc(1)
+    assert got is not None
+    env.write_state(int(got[0]), n, h)
+    return got
+
+
+def test_sglangs_mamba_unit_scenarios_on_our_backend() -> None:
+    """SGLang's test_mamba_radix_cache_1 (insert four sequences, evict a KV token and snapshots,
+    match, copy-on-write), through the public interface. Our insert clones the state: the caller
+    keeps its slot (``mamba_exist``) and frees it."""
+    env = H.make_env("radixcache", kv_size=128, mamba_size=20)
+    cache = env.cache
+    seqs = [[1, 2, 3], [1, 2, 3, 4, 5, 6, 7], [10, 11, 12], [1, 2, 3, 4, 5, 60, 70]]
+    for i, ids in enumerate(seqs):
+        slot = _slot_with(env, len(ids), 100 + i)
+        r = cache.insert(InsertParams(key=RadixKey(ids), value=env.alloc.alloc(len(ids)), mamba_value=slot))
+        assert r.mamba_exist
+        env.rtp.mamba_allocator.free(slot)
+    assert cache.total_size() == (3 + 4 + 3 + 2, 4)
+    assert cache.evict(EvictParams(num_tokens=1)).num_tokens_evicted >= 1
+    assert cache.evict(EvictParams(num_tokens=0, mamba_num=1)).mamba_num_evicted >= 1
+    cache.sanity_check()
+    m = cache.match_prefix(MatchPrefixParams(key=RadixKey([1, 2, 3, 4, 5, 60, 70])))
+    # every surviving hit is a snapshot's depth, and its KV is the path's
+    assert m.device_prefix_len in (0, 3, 7)
+    assert len(cache.path_device_indices(m.last_device_node)) == m.device_prefix_len
+    while cache.mamba_evictable_size():
+        cache.evict(EvictParams(mamba_num=1))
+    assert cache.match_prefix(MatchPrefixParams(key=RadixKey([1, 2, 3, 4, 5, 6, 7]))).device_prefix_len == 0
+    slot = _slot_with(env, 7, 7)
+    cache.insert(InsertParams(key=RadixKey([1, 2, 3, 4, 5, 6, 7]), value=env.alloc.alloc(7), mamba_value=slot))
+    env.rtp.mamba_allocator.free(slot)
+    req = SimpleNamespace(
+        rid="r9",
+        kv=SimpleNamespace(mamba_pool_idx=None, mamba_cow_src_index=None, mamba_needs_clear=True, holds_mamba=False),
+        session_id=None,
+    )
+    m = cache.match_prefix(MatchPrefixParams(key=RadixKey([1, 2, 3, 4, 5, 6, 7]), req=req, cow_mamba=True))
+    assert m.device_prefix_len == 7 and req.kv.mamba_pool_idx is not None
+    assert env.read_state(int(req.kv.mamba_pool_idx)) == (7, 7, True)
+    env.rtp.mamba_allocator.free(req.kv.mamba_pool_idx.reshape(1))
+    cache.sanity_check()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_differential_stream_against_sglangs_builtin_cache(seed: int) -> None:
+    """1,000 seeded requests per seed (aborts, re-sends, follow-ups, prefixes cut anywhere, prompt
+    lengths 1 mod 64) through SGLang's helpers: every forward finds the exact state of its prefix
+    in the request's slot, SGLang's slot accounting holds whenever idle, and our hit tokens are at
+    least the built-in cache's."""
+    envs = {}
+    for kind in ("builtin", "radixcache"):
+        env = H.make_env(kind)
+        H.run_stream(env, seed, 1000)
+        assert env.mismatches == [], env.mismatches[:3]
+        envs[kind] = env
+    ours, theirs = envs["radixcache"], envs["builtin"]
+    assert ours.requests == theirs.requests == 1000
+    assert ours.hit_tokens >= theirs.hit_tokens > 0
+
+
+def test_pages_above_one_token_never_file_a_state_at_the_wrong_depth() -> None:
+    """Page size 4 (SGLang's built-in hybrid cache refuses it without the extra buffer) with
+    chunks of 46 tokens: checkpoints land mid-page; no snapshot may be filed there."""
+    env = H.make_env("radixcache", page_size=4)
+    H.run_stream(env, 2, 600, chunk=46)
+    assert env.mismatches == [], env.mismatches[:3]
+    assert env.cache.stats["hit_tokens"] > 0 and env.cache.stats["hit_tokens"] % 4 == 0
+
+
+def test_no_assert_under_slot_pressure() -> None:
+    """Four state slots for three requests in flight: admissions find no slot, donations find
+    none; the backend evicts through its policy or skips, never asserts, and nothing is wrong."""
+    env = H.make_env("radixcache", mamba_size=4)
+    H.run_stream(env, 3, 300, concurrency=3)
+    assert env.mismatches == []
+    assert env.requests > 0
+
+
+def test_stats_count_restores_and_donations() -> None:
+    env = H.make_env("radixcache")
+    H.run_stream(env, 4, 100)
+    s: dict[str, Any] = env.cache.stats
+    assert s["restores"] == s["matches"] > 0 and s["donations"] > 0
+    assert s["hit_tokens"] == env.hit_tokens
