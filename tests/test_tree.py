@@ -519,3 +519,18 @@ def test_what_policies_read_about_eviction_costs_follows_the_shape() -> None:
         cache.cascade_stop(leaf)
     cache.pool.free(slot, owner)
     cache.check_invariants()
+
+
+def test_kv_prefix_reads_the_trees_kv_past_the_deepest_snapshot_without_touching() -> None:
+    cache, _ = make_cache(page_size=2)
+    insert_with_state(cache, [1, 2, 3, 4])
+    insert_with_state(cache, [1, 2, 3, 4, 5, 6, 7, 8], kv_start=100)
+    stamps = {n.id: n.last_access for n in cache.iter_nodes()}
+    # the key leaves the tree inside the second edge, after a page that agrees: 6 tokens held
+    assert cache.kv_prefix([1, 2, 3, 4, 5, 6, 9, 9]).tolist() == [0, 1, 2, 3, 104, 105]
+    assert cache.match([1, 2, 3, 4, 5, 6, 9, 9], touch=False).token_length == 6
+    assert cache.kv_prefix([1, 2, 3, 4, 5]).tolist() == [0, 1, 2, 3]  # cut to whole pages
+    assert cache.kv_prefix([1, 2, 3, 4, 5, 6, 7, 8]).tolist() == [0, 1, 2, 3, 104, 105, 106, 107]
+    assert cache.kv_prefix([9, 9]).numel() == 0 and cache.kv_prefix([1, 2], namespace="x").numel() == 0
+    assert {n.id: n.last_access for n in cache.iter_nodes()} == stamps
+    cache.check_invariants()

@@ -624,6 +624,40 @@ class HybridRadixCache:
         parts.reverse()
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
+    def kv_prefix(self, key: KeyLike, *, namespace: Hashable = None) -> torch.Tensor:
+        """The tree's KV indices for the longest page-cut prefix of ``key`` it holds KV for
+        (``match(key).token_length`` tokens: past the deepest snapshot, into an edge), 1-D int64.
+        Reads only: no recency refresh. For a host reconciling its own KV table with the tree's
+        after an :meth:`insert` (which tokens it gave were duplicates). O(nodes on the path).
+
+        :raises TypeError, ValueError: a bad key or namespace. Nothing changed.
+        """
+        kb = key_bytes(key)
+        end = self._cut(kb)
+        node = self._roots.get(_hashable(namespace))
+        if node is None:
+            return _EMPTY_KV
+        pb = self._page_bytes
+        pos = 0
+        parts: list[torch.Tensor] = []
+        while pos < end:
+            child = node.children.get(kb[pos : pos + pb])
+            if child is None:
+                break
+            edge = child.key
+            n = len(edge)
+            if n <= end - pos and kb[pos : pos + n] == edge:
+                parts.append(child.value)
+                pos += n
+                node = child
+                continue
+            common = self._common_bytes(kb, pos, edge, min(n, end - pos))
+            parts.append(child.value[: common // TOKEN_BYTES])
+            break
+        if not parts:
+            return _EMPTY_KV
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
     # ----------------------------------------------------------------- insert
     def insert(
         self,

@@ -262,16 +262,25 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
 
     def insert(self, params: InsertParams) -> InsertResult:
         """Insert ``params.key`` with its KV (``params.value``); with ``params.mamba_value`` (a slot
-        holding the state after the page-cut key) the tree clones it. The caller keeps its slot:
-        ``mamba_exist`` is always True (SGLang's callers free the slot they passed when it is)."""
+        holding the state after the page-cut key) the tree clones it and keeps the new tail's KV.
+        Of the caller's indices for tokens already cached, those past ``params.prev_prefix_len``
+        that differ from the tree's are duplicates and go back to SGLang's allocator; those
+        before it are the caller's copy of the tree's and are left alone (SGLang's contract).
+        The caller keeps its slot: ``mamba_exist`` is always True (SGLang's callers then free
+        the slot they passed)."""
         key = params.key
         ids = _ids(key.raw_token_ids() if hasattr(key, "raw_token_ids") else key.token_ids)
         ns = _namespace(key.extra_key, getattr(key, "cache_salt", None))
         slot = None if params.mamba_value is None else int(params.mamba_value.reshape(-1)[0])
-        res = self._insert(ids, params.value, slot, ns, ("sglang-insert", id(params)), None)
-        return InsertResult(
-            prefix_len=res.prefix_length, total_len=int(ids.size), last_device_node=res.node, mamba_exist=True
-        )
+        kv = params.value.to(torch.int64).cpu()
+        res = self._insert(ids, kv, slot, ns, ("sglang-insert", id(params)), None)
+        p, prev = res.prefix_length, int(params.prev_prefix_len)
+        if p > prev:
+            mine = kv[prev:p]
+            dup = mine[mine != self.tree.kv_prefix(ids[:p], namespace=ns)[prev:p]]
+            if dup.numel():
+                self._free_kv(dup)
+        return InsertResult(prefix_len=p, total_len=int(ids.size), last_device_node=res.node, mamba_exist=True)
 
     def _insert(
         self, ids: np.ndarray, kv: torch.Tensor, slot: int | None, ns: Hashable, rid: Hashable, req: Any
@@ -399,6 +408,16 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
     def pretty_print(self) -> None:
         """Print the tree's summary."""
         print(self.tree.describe())
+
+    def all_values_flatten(self) -> torch.Tensor:
+        """Every KV index the tree holds (SGLang's leak census reads it)."""
+        parts = [n.value for n in self.tree.iter_nodes() if n.depth > 0]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+
+    def all_mamba_values_flatten(self) -> torch.Tensor:
+        """Every mamba slot the tree's snapshots hold (SGLang's leak census reads it)."""
+        slots = [int(n.snapshot) for n in self.tree.iter_nodes() if n.snapshot is not None]
+        return torch.tensor(slots, dtype=torch.int64)
 
     def take_events(self) -> list[Any]:
         """No KV placement events are published."""

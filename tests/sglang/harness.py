@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
 from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, Req
+from sglang.srt.managers.scheduler_components.invariant_checker import SchedulerInvariantChecker
 from sglang.srt.mem_cache.allocation import ensure_mamba_capacity
 from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
@@ -101,19 +102,36 @@ class Env:
 
     # ---------------------------------------------------------------- accounting
     def idle_check(self) -> None:
-        """SGLang's own slot invariants when no request runs: every KV token and every mamba
-        slot is either free or the tree's."""
-        kv_total, snaps = self._tree_sizes()
-        free_kv = self.alloc.available_size()
-        assert free_kv + kv_total == self.kv_size, f"KV: free {free_kv} + tree {kv_total} != {self.kv_size}"
-        free_m = self.rtp.mamba_allocator.available_size()
-        assert free_m + snaps == self.mamba_size, f"mamba: free {free_m} + tree {snaps} != {self.mamba_size}"
-        self.cache.sanity_check()
-
-    def _tree_sizes(self) -> tuple[int, int]:
+        """SGLang's own idle invariants (its scheduler's checker, the formula and the census it
+        runs when idle): available + evictable + protected == total for the KV pool and for the
+        mamba pool, and no KV index or mamba slot that is neither free nor the tree's. Then the
+        cache's own ``sanity_check``."""
         c = self.cache
-        kv = c.full_evictable_size() + c.full_protected_size()
-        return kv, c.mamba_evictable_size() + c.mamba_protected_size()
+        check = SchedulerInvariantChecker._check_pool_invariant
+        leak, msg = check(
+            "full", self.alloc.available_size(), c.full_evictable_size(), c.full_protected_size(), 0, self.alloc.size
+        )
+        assert not leak, msg
+        leak, msg = check(
+            "mamba",
+            self.rtp.mamba_allocator.available_size(),
+            c.mamba_evictable_size(),
+            c.mamba_protected_size(),
+            0,
+            self.rtp.mamba_pool.size,
+        )
+        assert not leak, msg
+        free_kv = set(self.alloc.get_all_free_pages().tolist())
+        cached_kv = set(c.all_values_flatten().tolist())
+        assert not free_kv & cached_kv, f"KV both free and cached: {sorted(free_kv & cached_kv)[:5]}"
+        lost = set(range(1, self.alloc.size + 1)) - free_kv - cached_kv
+        assert not lost, f"KV indices neither free nor cached: {sorted(lost)[:10]}"
+        free_m = set(self.rtp.mamba_allocator.free_slots.tolist())
+        cached_m = set(c.all_mamba_values_flatten().tolist())
+        assert not free_m & cached_m, f"mamba slots both free and cached: {sorted(free_m & cached_m)}"
+        lost = set(range(1, self.rtp.mamba_allocator.size + 1)) - free_m - cached_m
+        assert not lost, f"mamba slots neither free nor cached: {sorted(lost)}"
+        c.sanity_check()
 
 
 def make_env(kind: str, *, kv_size: int = 2048, mamba_size: int = 10, max_reqs: int = 8, page_size: int = 1) -> Env:
@@ -188,9 +206,16 @@ class Running:
     outputs: int
     abort: bool
     done: int = 0  # tokens whose state the slot holds
+    first_kv: torch.Tensor | None = None  # the first chunk's KV, allocated at admission
 
 
-def admit(env: Env, rid: str, prompt: list[int], outputs: int, abort: bool, rng: random.Random) -> Running | None:
+def _chunk_end(done: int, prompt_len: int, chunk: int) -> int:
+    return min(prompt_len, (done // chunk + 1) * chunk) if done < prompt_len else done + 1
+
+
+def admit(
+    env: Env, rid: str, prompt: list[int], outputs: int, abort: bool, rng: random.Random, chunk: int = 48
+) -> Running | None:
     """Match (copy-on-write of the hit state), lock, allocate the row and state slot: what the
     scheduler does when it takes a request into a prefill batch. ``None``: no room (the request
     is dropped, as a scheduler would leave it waiting)."""
@@ -209,24 +234,30 @@ def admit(env: Env, rid: str, prompt: list[int], outputs: int, abort: bool, rng:
         env.rtp.mamba_pool.copy_from(req.kv.mamba_cow_src_index.reshape(1), req.kv.mamba_pool_idx.reshape(1))
         req.kv.mamba_cow_src_index = None
     req.lock = env.cache.lock(req.last_node)
-    if not ensure_mamba_capacity(env.rtp, [req], env.cache) or env.rtp.alloc([req]) is None:
-        release_kv_cache(req, env.cache, checkpoint=False) if req.kv.holds_kv else _drop(env, req)
+    p = req.prefix_len
+    first = _alloc_kv(env, _chunk_end(p, len(prompt), chunk) - p)
+    if first is None or not ensure_mamba_capacity(env.rtp, [req], env.cache) or env.rtp.alloc([req]) is None:
+        # what the scheduler does with a request it cannot add: unlock, free the slot match gave it
+        if first is not None:
+            env.alloc.free(first)
+        _drop(env, req)
         return None
     if req.kv.mamba_needs_clear:
         env.write_state(int(req.kv.mamba_pool_idx), 0, 0)
         req.kv.mamba_needs_clear = False
-    p = req.prefix_len
     if p:
         env.rtp.req_to_token[req.kv.req_pool_idx, :p] = env.cache.prefix_device_indices(req).to(torch.int32)
     req.kv.kv_committed_len = req.kv.kv_allocated_len = p
     env.requests += 1
     env.hit_tokens += p
-    return Running(req, tokens, hashes, len(prompt), outputs, abort, done=p)
+    return Running(req, tokens, hashes, len(prompt), outputs, abort, done=p, first_kv=first)
 
 
 def _drop(env: Env, req: Req) -> None:
     env.cache.unlock(req.lock)
     req.lock = None
+    req.kv.mamba_cow_src_index = None
+    req.kv.mamba_needs_clear = False
     if req.kv.holds_mamba:
         env.rtp.mamba_allocator.free(req.kv.mamba_pool_idx.reshape(1))
         req.kv.mamba_pool_idx = None
@@ -245,8 +276,13 @@ def step(env: Env, run: Running, chunk: int) -> bool:
     token. Returns False once the request finished, was aborted or found no KV (released)."""
     req = run.req
     total = run.prompt_len + run.outputs
-    end = min(run.prompt_len, (run.done // chunk + 1) * chunk) if run.done < run.prompt_len else run.done + 1
-    kv = None if run.abort and run.done >= run.prompt_len // 2 else _alloc_kv(env, end - run.done)
+    end = _chunk_end(run.done, run.prompt_len, chunk)
+    kv, run.first_kv = run.first_kv, None
+    if kv is None and not (run.abort and run.done >= run.prompt_len // 2):
+        kv = _alloc_kv(env, end - run.done)
+    elif kv is not None and run.abort and run.done >= run.prompt_len // 2:
+        env.alloc.free(kv)
+        kv = None
     if kv is None:
         req.finished_reason = FINISH_ABORT()
         release_kv_cache(req, env.cache, checkpoint=False)
@@ -279,7 +315,7 @@ def run_stream(env: Env, seed: int, n: int, *, concurrency: int = 3, chunk: int 
     while i < len(reqs) or running:
         while i < len(reqs) and len(running) < concurrency:
             prompt, outputs, abort = reqs[i]
-            r = admit(env, f"r{i}", prompt, outputs, abort, rng)
+            r = admit(env, f"r{i}", prompt, outputs, abort, rng, chunk)
             i += 1
             if r is not None:
                 running.append(r)

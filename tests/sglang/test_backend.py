@@ -144,3 +144,25 @@ def test_stats_count_restores_and_donations() -> None:
     s: dict[str, Any] = env.cache.stats
     assert s["restores"] == s["matches"] > 0 and s["donations"] > 0
     assert s["hit_tokens"] == env.hit_tokens
+
+
+def test_sglangs_prev_prefix_len_scenario_on_our_backend() -> None:
+    """SGLang's test_insert_prev_prefix_len: ``prev_prefix_len`` says which of the caller's indices
+    for already cached tokens are the tree's own (kept) and which are duplicates (freed)."""
+    env = H.make_env("radixcache", kv_size=128, mamba_size=20)
+    cache, alloc = env.cache, env.alloc
+    start = alloc.available_size()
+
+    def ins(ids: list[int], prev: int) -> int:
+        slot = _slot_with(env, len(ids), len(ids))
+        r = cache.insert(
+            InsertParams(key=RadixKey(ids), value=alloc.alloc(len(ids)), mamba_value=slot, prev_prefix_len=prev)
+        )
+        env.rtp.mamba_allocator.free(slot)
+        return int(r.prefix_len)
+
+    assert ins([1, 2, 3], 0) == 0 and alloc.available_size() == start - 3
+    assert ins([1, 2, 3, 4, 5, 6, 7], 0) == 3 and alloc.available_size() == start - 7  # 3 duplicates freed
+    assert ins([1, 2, 3, 4, 5, 6, 7, 8], 2) == 7 and alloc.available_size() == start - 10  # 5 freed, 2 kept
+    assert ins([1, 2, 3, 4, 5, 6, 7, 8, 9], 8) == 8 and alloc.available_size() == start - 19  # none freed
+    cache.sanity_check()
