@@ -26,6 +26,7 @@ several conv states per layer, hierarchical cache and disabled radix cache.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from array import array
 from collections.abc import Hashable, Sequence
@@ -44,6 +45,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     InsertResult,
     MatchPrefixParams,
     MatchResult,
+    _dfs_weight_order,
 )
 from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
 
@@ -171,7 +173,9 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         # The manager serves eviction through the policy; SGLang's scheduler drives the requests.
         self.manager = CacheManager(self.tree, policy, host_tier=None, clock=clock)
         self.policy = self.manager.policy
-        self.stats = {"matches": 0, "hit_tokens": 0, "restores": 0, "donations": 0, "skipped_donations": 0}
+        self.stats = {"admissions": 0, "hit_tokens": 0, "restores": 0, "donations": 0, "skipped_donations": 0}
+        """Counters: admissions (matches with copy-on-write), hit tokens they served, restores,
+        donations (snapshots cloned), donations skipped for want of a slot."""
 
     @classmethod
     def from_build_context(cls, ctx: Any) -> RadixcacheHybridCache:
@@ -213,27 +217,50 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         return True
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
-        """The deepest cached snapshot on the key's path (see the module docstring). With
-        ``params.cow_mamba`` and a request, the hit state is in the request's slot on return,
-        ordered on the backend's stream."""
+        """The deepest cached snapshot on the key's path (see the module docstring), never deeper
+        than the request's ``_compute_max_prefix_len`` of the whole key. With ``params.cow_mamba``
+        and a request (an admission), the hit state is in the request's slot on return, ordered on
+        the backend's stream, and the policy hears of the admission and the hit; without (the
+        scheduler's probes for its waiting queue) only recency changes."""
         key = params.key
         ids = _ids(key.raw_token_ids() if hasattr(key, "raw_token_ids") else key.token_ids)
         req = params.req
         if req is not None and hasattr(req, "_compute_max_prefix_len"):
-            ids = ids[: req._compute_max_prefix_len(len(ids))]
+            ids = ids[: req._compute_max_prefix_len(len(key.token_ids))]
         ns = _namespace(key.extra_key, getattr(key, "cache_salt", None))
         m = self.tree.match(ids, namespace=ns) if not self.disable and ids.size else None
+        admission = bool(params.cow_mamba) and req is not None
+        if admission:
+            self.stats["admissions"] += 1
+            self.policy.admitted(self._info(req, ids, 0 if m is None else m.length))
         if m is None or m.length == 0:
             root = self.tree.match([], namespace=ns).node if m is None else m.node
             return MatchResult(0, root, root, root, cache_protected_len=0)
         node = m.node
-        self.stats["matches"] += 1
-        if params.cow_mamba and req is not None and not self._restore_into(req, node):
-            root = self.tree.match([], namespace=ns).node
-            return MatchResult(0, root, root, root, cache_protected_len=0)
-        self.stats["hit_tokens"] += m.length
-        self.policy.touched(node, self._info(req, ids, m.length), self.clock())
+        if admission:
+            if not self._restore_into(req, node):
+                root = self.tree.match([], namespace=ns).node
+                return MatchResult(0, root, root, root, cache_protected_len=0)
+            self.stats["hit_tokens"] += m.length
+            self.policy.touched(node, self._info(req, ids, m.length), self.clock())
         return MatchResult(m.length, node, node, node, cache_protected_len=m.length, full_kv_hit_length=m.length)
+
+    def dfs_weight_order(self, node_handles: Sequence[Any]) -> list[int]:
+        """Request indices in depth-first, subtree-weight order (SGLang's DFS-weight scheduling),
+        per tree: requests under one extra key stay together, trees in order of first appearance."""
+        groups: dict[int, list[int]] = {}
+        roots: dict[int, Any] = {}
+        for i, node in enumerate(node_handles):
+            r = node
+            while r.parent is not None:
+                r = r.parent
+            groups.setdefault(id(r), []).append(i)
+            roots[id(r)] = r
+        order: list[int] = []
+        for rid, members in groups.items():
+            sub = _dfs_weight_order(roots[rid], [node_handles[i] for i in members], lambda h: h)
+            order.extend(members[j] for j in sub)
+        return order
 
     def _restore_into(self, req: Any, node: TreeNode) -> bool:
         """Copy ``node``'s snapshot into the request's slot (allocated if it has none)."""
@@ -429,4 +456,5 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
 
     def _info(self, req: Any, ids: np.ndarray, hit: int) -> RequestInfo:
         session = getattr(req, "session_id", None) if req is not None else None
-        return RequestInfo(int(ids.size), hit, hit, session, self.clock())
+        digest = int.from_bytes(hashlib.blake2b(ids.tobytes(), digest_size=8).digest(), "little") or 1
+        return RequestInfo(int(ids.size), hit, hit, session, self.clock(), digest)

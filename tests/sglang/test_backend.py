@@ -142,7 +142,7 @@ def test_stats_count_restores_and_donations() -> None:
     env = H.make_env("radixcache")
     H.run_stream(env, 4, 100)
     s: dict[str, Any] = env.cache.stats
-    assert s["restores"] == s["matches"] > 0 and s["donations"] > 0
+    assert s["admissions"] >= env.requests and s["restores"] > 0 and s["donations"] > 0
     assert s["hit_tokens"] == env.hit_tokens
 
 
@@ -166,3 +166,53 @@ def test_sglangs_prev_prefix_len_scenario_on_our_backend() -> None:
     assert ins([1, 2, 3, 4, 5, 6, 7, 8], 2) == 7 and alloc.available_size() == start - 10  # 5 freed, 2 kept
     assert ins([1, 2, 3, 4, 5, 6, 7, 8, 9], 8) == 8 and alloc.available_size() == start - 19  # none freed
     cache.sanity_check()
+
+
+def test_sglangs_create_tree_cache_builds_our_backend_for_the_flag() -> None:
+    """What SGLang's KV-cache builder does at start with ``--radix-cache-backend radixcache`` on a
+    hybrid model: its registry routes to our factory, and its check that a hybrid model's cache
+    ``supports_mamba`` passes."""
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+    env = H.make_env("builtin")  # its pools; the cache create_tree_cache builds is a new one
+    args = ServerArgs(model_path="dummy", page_size=1, radix_cache_backend=BACKEND_NAME)
+    set_global_server_args_for_scheduler(args)
+    load_plugins()
+    init = CacheInitParams(req_to_token_pool=env.rtp, token_to_kv_pool_allocator=env.alloc, page_size=1, disable=False)
+    ctx = TreeCacheBuildContext(
+        server_args=args,
+        params=init,
+        is_hybrid_swa=False,
+        is_hybrid_ssm=True,
+        enable_hierarchical_cache=False,
+        disable_radix_cache=False,
+        tp_worker=None,
+        model_config=None,
+        tp_size=1,
+        tp_rank=0,
+        tp_group=None,
+    )
+    cache = create_tree_cache(ctx)
+    assert isinstance(cache, RadixcacheHybridCache) and cache.supports_mamba()
+    H.setup_sglang()  # back to the default backend for the other tests
+
+
+def test_probe_matches_change_no_counts_and_dfs_order_keeps_every_request() -> None:
+    env = H.make_env("radixcache", kv_size=256, mamba_size=20)
+    cache = env.cache
+    for ids, extra in (([1, 2, 3, 4], None), ([1, 2, 9], None), ([5, 6, 7], "lora-a")):
+        slot = _slot_with(env, len(ids), 1)
+        cache.insert(InsertParams(key=RadixKey(ids, extra), value=env.alloc.alloc(len(ids)), mamba_value=slot))
+        env.rtp.mamba_allocator.free(slot)
+    before = dict(cache.stats)
+    nodes = [
+        cache.match_prefix(MatchPrefixParams(key=RadixKey(ids, extra))).last_device_node
+        for ids, extra in (([5, 6, 7, 8], "lora-a"), ([1, 2, 3, 4, 5], None), ([1, 2, 9, 9], None), ([7], None))
+    ]
+    assert cache.stats == before  # probes: no admission, no restore
+    order = cache.dfs_weight_order(nodes)
+    assert sorted(order) == [0, 1, 2, 3]
+    assert order[0] == 0  # the first tree seen comes first, whole
