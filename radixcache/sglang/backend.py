@@ -113,7 +113,7 @@ def _refusals(params: Any) -> list[str]:
         out.append(f"a model without linear-attention state (req_to_token_pool is {type(rtp).__name__})")
         return out
     if getattr(rtp, "enable_mamba_extra_buffer", False):
-        out.append("the mamba extra buffer (ping-pong tracking): run without --enable-mamba-extra-buffer")
+        out.append("the mamba extra buffer (ping-pong tracking): run with --mamba-radix-cache-strategy no_buffer")
     if getattr(rtp, "mamba_v2p_table", None) is not None:
         out.append("virtual mamba slot ids (a unified memory pool)")
     mp = rtp.mamba_pool

@@ -54,7 +54,7 @@ def test_extra_buffer_pools_are_refused_at_start() -> None:
     env = H.make_env("builtin")
     env.rtp.enable_mamba_extra_buffer = True
     init = CacheInitParams(req_to_token_pool=env.rtp, token_to_kv_pool_allocator=env.alloc, page_size=1, disable=False)
-    with pytest.raises(NotImplementedError, match="--enable-mamba-extra-buffer"):
+    with pytest.raises(NotImplementedError, match="--mamba-radix-cache-strategy no_buffer"):
         RadixcacheHybridCache(init)
 
 
