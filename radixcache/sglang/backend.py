@@ -27,6 +27,7 @@ several conv states per layer, hierarchical cache and disabled radix cache.
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from array import array
 from collections.abc import Hashable, Sequence
@@ -149,7 +150,13 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
     :param stream: where clones and restores run; on CUDA, the forward stream SGLang hands the
         factory, so they are ordered with the model's kernels (default: immediate, the CPU's).
     :param clock: seconds for the policy.
+    :param host_budget_bytes: a host-memory tier of this many bytes (pinned when the pool is on
+        CUDA, allocated now): a snapshot evicted for want of SGLang state slots is demoted there
+        and still serves hits, restored into the request's slot (docs/host_tier.md). ``None``
+        (default): no host tier; SGLang sizes host memory itself, so the plugin takes none unless
+        asked (the factory reads ``RADIXCACHE_HOST_TIER_BYTES``).
     :raises NotImplementedError: a configuration listed in the module's docstring, each named.
+    :raises ValueError: a negative ``host_budget_bytes``.
     """
 
     def __init__(
@@ -159,6 +166,7 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         policy: Policy | None = None,
         stream: Stream | None = None,
         clock: Any = time.monotonic,
+        host_budget_bytes: int | None = None,
     ) -> None:
         refused = _refusals(params)
         if refused:
@@ -171,11 +179,24 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         self.state_pool = sglang_state_pool(self.req_to_token_pool, stream=stream)
         self.tree = HybridRadixCache(self.state_pool, page_size=self.page_size, on_free_kv=self._free_kv)
         # The manager serves eviction through the policy; SGLang's scheduler drives the requests.
-        self.manager = CacheManager(self.tree, policy, host_tier=None, clock=clock)
+        if host_budget_bytes is None:
+            self.manager = CacheManager(self.tree, policy, host_tier=None, clock=clock)
+        else:
+            self.manager = CacheManager(
+                self.tree, policy, host_tier="auto", host_budget_bytes=host_budget_bytes, clock=clock
+            )
         self.policy = self.manager.policy
-        self.stats = {"admissions": 0, "hit_tokens": 0, "restores": 0, "donations": 0, "skipped_donations": 0}
-        """Counters: admissions (matches with copy-on-write), hit tokens they served, restores,
-        donations (snapshots cloned), donations skipped for want of a slot."""
+        self.stats = {
+            "admissions": 0,
+            "hit_tokens": 0,
+            "restores": 0,
+            "host_restores": 0,
+            "donations": 0,
+            "skipped_donations": 0,
+        }
+        """Counters: admissions (matches with copy-on-write), hit tokens they served, restores
+        (of which from the host tier), donations (snapshots cloned), donations skipped for want of
+        a slot."""
 
     @classmethod
     def from_build_context(cls, ctx: Any) -> RadixcacheHybridCache:
@@ -205,7 +226,12 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
             from linear_state import CudaStream
 
             stream = CudaStream(stream=fwd)
-        return cls(ctx.params, stream=stream)
+        host = os.environ.get("RADIXCACHE_HOST_TIER_BYTES")
+        try:
+            host_bytes = None if not host else int(host)
+        except ValueError:
+            raise ValueError(f"RADIXCACHE_HOST_TIER_BYTES must be a byte count, got {host!r}") from None
+        return cls(ctx.params, stream=stream, host_budget_bytes=host_bytes)
 
     # ------------------------------------------------------------------ SGLang's interface
     def reset(self) -> None:
@@ -276,6 +302,8 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
             if got is None:
                 return False
             kv.mamba_pool_idx = got.reshape(-1)[0]
+        if node.snapshot is None:
+            self.stats["host_restores"] += 1
         owner = RequestOwner(("sglang", req.rid))
         slot = self.state_pool.lend(int(kv.mamba_pool_idx), owner)
         try:

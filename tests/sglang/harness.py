@@ -54,6 +54,7 @@ class Env:
     """One cache over its own SGLang pools."""
 
     cache: Any
+    cache_params: CacheInitParams
     rtp: HybridReqToTokenPool
     alloc: TokenToKVPoolAllocator
     kv_size: int
@@ -166,7 +167,7 @@ def make_env(kind: str, *, kv_size: int = 2048, mamba_size: int = 10, max_reqs: 
         from radixcache.sglang.backend import RadixcacheHybridCache
 
         cache = RadixcacheHybridCache(init)
-    return Env(cache, rtp, alloc, kv_size, mamba_size)
+    return Env(cache, init, rtp, alloc, kv_size, mamba_size)
 
 
 # -------------------------------------------------------------------- the request stream

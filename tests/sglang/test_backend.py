@@ -246,3 +246,18 @@ def test_a_hit_with_no_slot_to_restore_into_is_a_miss_not_an_assert() -> None:
     cache.unlock(lock)
     env.rtp.mamba_allocator.free(slot)
     cache.sanity_check()
+
+
+def test_a_host_tier_keeps_what_sglangs_state_slots_cannot() -> None:
+    """The same pressure with a host tier of 32 slots: snapshots evicted from SGLang's pool are
+    demoted to host memory and restored from there; more hit tokens, nothing wrong, and SGLang's
+    idle invariants (which count its own pool only) still hold."""
+    without = H.make_env("radixcache", mamba_size=4)
+    H.run_stream(without, 3, 300, concurrency=3)
+    env = H.make_env("radixcache", mamba_size=4)
+    slot_bytes = env.cache.state_pool.layout.slot_bytes
+    env.cache = RadixcacheHybridCache(env.cache_params, host_budget_bytes=32 * slot_bytes)
+    H.run_stream(env, 3, 300, concurrency=3)
+    assert env.mismatches == []
+    assert env.cache.stats["host_restores"] > 0 and env.cache.tree.num_host_snapshots > 0
+    assert env.hit_tokens > without.hit_tokens
