@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
-from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, Req
+from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, Req, release_req
 from sglang.srt.managers.scheduler_components.invariant_checker import SchedulerInvariantChecker
 from sglang.srt.mem_cache.allocation import ensure_mamba_capacity
 from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
@@ -61,7 +61,8 @@ class Env:
     mamba_size: int
     mismatches: list[str] = field(default_factory=list)
     hit_tokens: int = 0
-    requests: int = 0
+    requests: int = 0  # admissions, resumed requests included
+    retractions: int = 0
 
     @property
     def conv(self) -> torch.Tensor:
@@ -207,19 +208,17 @@ class Running:
     outputs: int
     abort: bool
     done: int = 0  # tokens whose state the slot holds
+    fill_len: int = 0  # this round's prefill length: the prompt, or prompt + outputs after a retraction
     first_kv: torch.Tensor | None = None  # the first chunk's KV, allocated at admission
 
 
-def _chunk_end(done: int, prompt_len: int, chunk: int) -> int:
-    return min(prompt_len, (done // chunk + 1) * chunk) if done < prompt_len else done + 1
+def _chunk_end(done: int, fill_len: int, chunk: int) -> int:
+    return min(fill_len, (done // chunk + 1) * chunk) if done < fill_len else done + 1
 
 
-def admit(
-    env: Env, rid: str, prompt: list[int], outputs: int, abort: bool, rng: random.Random, chunk: int = 48
-) -> Running | None:
-    """Match (copy-on-write of the hit state), lock, allocate the row and state slot: what the
-    scheduler does when it takes a request into a prefill batch. ``None``: no room (the request
-    is dropped, as a scheduler would leave it waiting)."""
+def new_request(rid: str, prompt: list[int], outputs: int, abort: bool, rng: random.Random) -> Running:
+    """A request and the tokens it will have produced (drawn now, so a retracted request resumes
+    with the same ones)."""
     tokens = array("q", prompt + [rng.randrange(1, 30000) for _ in range(outputs)])
     hashes = [0]
     for t in tokens:
@@ -230,19 +229,29 @@ def admit(
         origin_input_ids=array("q", prompt),
         sampling_params=SamplingParams(temperature=0, max_new_tokens=outputs),
     )
+    return Running(req, tokens, hashes, len(prompt), outputs, abort)
+
+
+def admit(env: Env, run: Running, chunk: int = 48) -> bool:
+    """Match (copy-on-write of the hit state), lock, allocate the row, the state slot and the first
+    chunk's KV: what the scheduler does when it takes a request (new, or retracted and resumed with
+    its outputs as prompt) into a prefill batch. False: no room (the request is left waiting, as a
+    scheduler leaves it)."""
+    req = run.req
     req.init_next_round_input(env.cache)
     if req.kv.mamba_cow_src_index is not None:  # SGLang's batch preparation: the deferred copy
         env.rtp.mamba_pool.copy_from(req.kv.mamba_cow_src_index.reshape(1), req.kv.mamba_pool_idx.reshape(1))
         req.kv.mamba_cow_src_index = None
     req.lock = env.cache.lock(req.last_node)
     p = req.prefix_len
-    first = _alloc_kv(env, _chunk_end(p, len(prompt), chunk) - p)
+    fill_len = len(req.origin_input_ids) + len(req.output_ids)
+    first = _alloc_kv(env, _chunk_end(p, fill_len, chunk) - p)
     if first is None or not ensure_mamba_capacity(env.rtp, [req], env.cache) or env.rtp.alloc([req]) is None:
         # what the scheduler does with a request it cannot add: unlock, free the slot match gave it
         if first is not None:
             env.alloc.free(first)
         _drop(env, req)
-        return None
+        return False
     if req.kv.mamba_needs_clear:
         env.write_state(int(req.kv.mamba_pool_idx), 0, 0)
         req.kv.mamba_needs_clear = False
@@ -251,7 +260,22 @@ def admit(
     req.kv.kv_committed_len = req.kv.kv_allocated_len = p
     env.requests += 1
     env.hit_tokens += p
-    return Running(req, tokens, hashes, len(prompt), outputs, abort, done=p, first_kv=first)
+    run.done, run.fill_len, run.first_kv = p, fill_len, first
+    return True
+
+
+def retract(env: Env, run: Running) -> None:
+    """SGLang's retraction of a decoding request under memory pressure (its ``release_req``: the
+    KV row released without a checkpoint, the state slot freed, the request reset to wait)."""
+    release_req(
+        req=run.req,
+        remaing_req_count=0,
+        req_to_token_pool=env.rtp,
+        token_to_kv_pool_allocator=env.alloc,
+        tree_cache=env.cache,
+        hisparse_coordinator=None,
+    )
+    env.retractions += 1
 
 
 def _drop(env: Env, req: Req) -> None:
@@ -277,7 +301,7 @@ def step(env: Env, run: Running, chunk: int) -> bool:
     token. Returns False once the request finished, was aborted or found no KV (released)."""
     req = run.req
     total = run.prompt_len + run.outputs
-    end = _chunk_end(run.done, run.prompt_len, chunk)
+    end = _chunk_end(run.done, run.fill_len, chunk)
     kv, run.first_kv = run.first_kv, None
     if kv is None and not (run.abort and run.done >= run.prompt_len // 2):
         kv = _alloc_kv(env, end - run.done)
@@ -293,9 +317,9 @@ def step(env: Env, run: Running, chunk: int) -> bool:
     env.forward(req, run.tokens, run.done, end, run.hashes)
     run.done = end
     req.kv.kv_committed_len = end
-    if end > run.prompt_len:
+    if end > len(req.origin_input_ids) + len(req.output_ids):
         req.output_ids.append(run.tokens[end - 1])
-    if end < run.prompt_len:
+    if end < run.fill_len:
         req.extend_end = end
         checkpoint_kv_cache(req, env.cache)
         return True
@@ -306,24 +330,39 @@ def step(env: Env, run: Running, chunk: int) -> bool:
     return True
 
 
-def run_stream(env: Env, seed: int, n: int, *, concurrency: int = 3, chunk: int = 48) -> None:
-    """The seeded stream through ``env``, ``concurrency`` requests in flight, idle checks between
-    waves. Mismatches are collected in ``env.mismatches``."""
+def run_stream(env: Env, seed: int, n: int, *, concurrency: int = 3, chunk: int = 48, retract_p: float = 0.0) -> None:
+    """The seeded stream through ``env``, ``concurrency`` requests in flight, idle checks whenever
+    none runs. With ``retract_p``, each decode step first retracts its request with that
+    probability (it waits, then resumes with its outputs as prompt). Mismatches are collected in
+    ``env.mismatches``."""
     rng = random.Random(seed * 7919 + 1)
     reqs = stream(seed, n)
     i = 0
     running: list[Running] = []
-    while i < len(reqs) or running:
-        while i < len(reqs) and len(running) < concurrency:
-            prompt, outputs, abort = reqs[i]
-            r = admit(env, f"r{i}", prompt, outputs, abort, rng, chunk)
-            i += 1
-            if r is not None:
+    waiting: list[Running] = []
+    while i < len(reqs) or running or waiting:
+        while (waiting or i < len(reqs)) and len(running) < concurrency:
+            if waiting:
+                r = waiting.pop(0)
+            else:
+                prompt, outputs, abort = reqs[i]
+                r = new_request(f"r{i}", prompt, outputs, abort, rng)
+                i += 1
+            if admit(env, r, chunk):
                 running.append(r)
+            elif r.req.is_retracted:
+                waiting.append(r)  # a retracted request is never dropped: it waits its turn
+                break
         if not running:
+            if waiting:
+                env.cache.evict(EvictParams(num_tokens=env.kv_size, mamba_num=env.mamba_size))
             continue
         r = rng.choice(running)
-        if not step(env, r, chunk):
+        if retract_p and r.fill_len <= r.done < r.prompt_len + r.outputs - 1 and rng.random() < retract_p:
+            retract(env, r)
+            running.remove(r)
+            waiting.append(r)
+        elif not step(env, r, chunk):
             running.remove(r)
         if not running:
             env.idle_check()
