@@ -450,25 +450,7 @@ class HybridRadixCache:
         root = self._roots.get(_hashable(namespace))
         if root is None:
             return MatchResult(0, 0, _EMPTY_KV, self._null_root, None)
-        pb = self._page_bytes
-        node, pos = root, 0
-        path: list[TreeNode] = []
-        snap_at = 0  # len(path) up to the deepest snapshot
-        while pos < end:
-            child = node.children.get(kb[pos : pos + pb])
-            if child is None:
-                break
-            edge = child.key
-            n = len(edge)
-            if n <= end - pos and kb[pos : pos + n] == edge:
-                pos += n
-                node = child
-                path.append(child)
-                if child.snapshot is not None or child.host is not None:
-                    snap_at = len(path)
-                continue
-            pos += self._common_bytes(kb, pos, edge, min(n, end - pos))
-            break
+        path, pos, snap_at, _ = self._walk(kb, end, root)
         if snap_at == 0:
             return MatchResult(0, pos // TOKEN_BYTES, _EMPTY_KV, root, None)
         used = path[:snap_at]
@@ -634,12 +616,25 @@ class HybridRadixCache:
         """
         kb = key_bytes(key)
         end = self._cut(kb)
-        node = self._roots.get(_hashable(namespace))
-        if node is None:
+        root = self._roots.get(_hashable(namespace))
+        if root is None:
             return _EMPTY_KV
+        path, pos, _, partial = self._walk(kb, end, root)
+        parts = [n.value for n in path]
+        if partial is not None:
+            parts.append(partial.value[: (pos // TOKEN_BYTES) - (path[-1].depth if path else 0)])
+        if not parts:
+            return _EMPTY_KV
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _walk(self, kb: bytes, end: int, root: TreeNode) -> tuple[list[TreeNode], int, int, TreeNode | None]:
+        """Follow ``kb[:end]`` down from ``root``: the whole edges matched, the bytes matched, how
+        many of those nodes lead to the deepest one holding a snapshot (either tier), and the child
+        whose edge the key leaves part-way (``None`` when it leaves at a node). Reads only."""
         pb = self._page_bytes
-        pos = 0
-        parts: list[torch.Tensor] = []
+        node, pos = root, 0
+        path: list[TreeNode] = []
+        snap_at = 0  # len(path) up to the deepest snapshot
         while pos < end:
             child = node.children.get(kb[pos : pos + pb])
             if child is None:
@@ -647,16 +642,14 @@ class HybridRadixCache:
             edge = child.key
             n = len(edge)
             if n <= end - pos and kb[pos : pos + n] == edge:
-                parts.append(child.value)
                 pos += n
                 node = child
+                path.append(child)
+                if child.snapshot is not None or child.host is not None:
+                    snap_at = len(path)
                 continue
-            common = self._common_bytes(kb, pos, edge, min(n, end - pos))
-            parts.append(child.value[: common // TOKEN_BYTES])
-            break
-        if not parts:
-            return _EMPTY_KV
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+            return path, pos + self._common_bytes(kb, pos, edge, min(n, end - pos)), snap_at, child
+        return path, pos, snap_at, None
 
     # ----------------------------------------------------------------- insert
     def insert(
