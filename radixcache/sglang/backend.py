@@ -30,6 +30,7 @@ import hashlib
 import os
 import time
 from array import array
+from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -131,6 +132,9 @@ def _refusals(params: Any) -> list[str]:
     return out
 
 
+_ADMITTED_MEMORY = 1 << 16  # requests remembered as admitted (a bound: aborted waiters never release)
+
+
 def _namespace(extra_key: Any, cache_salt: Any) -> Hashable:
     return None if extra_key is None and cache_salt is None else (extra_key, cache_salt)
 
@@ -197,6 +201,8 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         """Counters: admissions (matches with copy-on-write), hit tokens they served, restores
         (of which from the host tier), donations (snapshots cloned), donations skipped for want of
         a slot."""
+        # Requests the policy heard of (admitted() once per request, however often it is matched).
+        self._admitted: OrderedDict[Hashable, None] = OrderedDict()
 
     @classmethod
     def from_build_context(cls, ctx: Any) -> RadixcacheHybridCache:
@@ -249,16 +255,21 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         the backend's stream, and the policy hears of the admission and the hit; without (the
         scheduler's probes for its waiting queue) only recency changes."""
         key = params.key
-        ids = _ids(key.raw_token_ids() if hasattr(key, "raw_token_ids") else key.token_ids)
+        full = _ids(key.token_ids)
+        ids = full[: len(key)] if getattr(key, "limit", None) is not None else full
         req = params.req
         if req is not None and hasattr(req, "_compute_max_prefix_len"):
-            ids = ids[: req._compute_max_prefix_len(len(key.token_ids))]
+            ids = ids[: req._compute_max_prefix_len(int(full.size))]
         ns = _namespace(key.extra_key, getattr(key, "cache_salt", None))
         m = self.tree.match(ids, namespace=ns) if not self.disable and ids.size else None
         admission = bool(params.cow_mamba) and req is not None
         if admission:
             self.stats["admissions"] += 1
-            self.policy.admitted(self._info(req, ids, 0 if m is None else m.length))
+            if req.rid not in self._admitted:  # a request the scheduler could not add is matched again
+                self._admitted[req.rid] = None
+                if len(self._admitted) > _ADMITTED_MEMORY:
+                    self._admitted.popitem(last=False)
+                self.policy.admitted(self._info(req, full, 0 if m is None else m.length))
         if m is None or m.length == 0:
             root = self.tree.match([], namespace=ns).node if m is None else m.node
             return MatchResult(0, root, root, root, cache_protected_len=0)
@@ -268,7 +279,7 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
                 root = self.tree.match([], namespace=ns).node
                 return MatchResult(0, root, root, root, cache_protected_len=0)
             self.stats["hit_tokens"] += m.length
-            self.policy.touched(node, self._info(req, ids, m.length), self.clock())
+            self.policy.touched(node, self._info(req, full, m.length), self.clock())
         return MatchResult(m.length, node, node, node, cache_protected_len=m.length, full_kv_hit_length=m.length)
 
     def dfs_weight_order(self, node_handles: Sequence[Any]) -> list[int]:
@@ -395,6 +406,7 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
     def on_release(self, req: Any, *, checkpointed: bool) -> None:
         """The request's row is freed and its lock dropped: its mamba slot goes back to SGLang's
         allocator (the tree kept clones, never the slot)."""
+        self._admitted.pop(req.rid, None)
         if req.kv.holds_mamba:
             self.req_to_token_pool.free_mamba_cache(req)
 

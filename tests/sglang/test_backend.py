@@ -3,6 +3,7 @@ test scenarios on our backend, and the differential harness against SGLang's bui
 
 from __future__ import annotations
 
+import random
 from types import SimpleNamespace
 from typing import Any
 
@@ -275,3 +276,23 @@ def test_a_host_tier_keeps_what_sglangs_state_slots_cannot() -> None:
     assert env.mismatches == []
     assert env.cache.stats["host_restores"] > 0 and env.cache.tree.num_host_snapshots > 0
     assert env.hit_tokens > without.hit_tokens
+
+
+def test_the_policy_hears_of_a_request_once_however_often_it_is_matched() -> None:
+    env = H.make_env("radixcache", kv_size=256, mamba_size=20)
+    cache = env.cache
+    heard: list[int] = []
+    real = cache.policy.admitted
+
+    def admitted(info: Any) -> None:
+        heard.append(info.prompt_len)
+        real(info)
+
+    cache.policy.admitted = admitted
+    run = H.new_request("again", [1, 2, 3, 4], 1, False, random.Random(0))
+    for _ in range(3):  # not added twice (the scheduler frees the slot and retries), then added
+        run.req.init_next_round_input(cache)
+        if run.req.kv.holds_mamba:
+            env.rtp.mamba_allocator.free(run.req.kv.mamba_pool_idx.reshape(1))
+            run.req.kv.mamba_pool_idx = None
+    assert heard == [4] and cache.stats["admissions"] == 3
