@@ -10,6 +10,11 @@
   time (CUDA events around the call), and the ratios (target >= 0.8x the raw bandwidth);
 - ``fingerprint``: the slot's fingerprint against its clone (target <= 1.0x), and against one plain
   read pass over the slot (``torch.sum`` of its words: the floor of any fingerprint);
+- ``hosted_stream``: an engine's own state tensors and slot list wrapped by a
+  :class:`~linear_state.HostedStatePool` whose stream is the engine's forward stream
+  (``CudaStream(stream=...)``, what the SGLang backend does): a long producer writes a request's
+  slot on that stream, the tree clones it with no fence passed (stream order alone), restores it
+  into another slot, and both must read the producer's write (``ok``);
 - ``device``: what the numbers were measured on;
 - ``hammer``: the ground-truth hammer with the reference engine on ``cuda`` (two CUDA streams:
   forwards and copies run concurrently, ordered by fences alone), clean and with forensics; then
@@ -33,7 +38,16 @@ from typing import Any
 
 import torch
 
-from linear_state import LinearStatePool, NodeOwner, RequestOwner, StateLayout, cuda_fence_check
+from linear_state import (
+    CudaStream,
+    HostedStatePool,
+    LinearStatePool,
+    NodeOwner,
+    RequestOwner,
+    StateLayout,
+    cuda_fence_check,
+)
+from radixcache import HybridRadixCache
 from radixcache.testing.hammer import HammerConfig, run_hammer
 
 
@@ -60,6 +74,57 @@ def fences() -> dict[str, Any]:
         "attempts": c.attempts,
         "producer_ms": c.producer_ms,
     }
+
+
+def hosted_stream(matmuls: int = 48, size: int = 4096) -> dict[str, Any]:
+    """Clone and restore ordered by the engine's stream alone, over a HostedStatePool."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    layout = StateLayout(2, (64, 3), (8, 64, 64))
+    n_slots = 8
+    conv = torch.zeros((2, n_slots, 64, 3), dtype=layout.conv_dtype, device=dev)
+    rec = torch.zeros((2, n_slots, 8, 64, 64), dtype=layout.recurrent_dtype, device=dev)
+
+    class Lender:
+        def __init__(self) -> None:
+            self.free = list(range(1, n_slots))
+
+        def take(self, n: int) -> list[int] | None:
+            if n > len(self.free):
+                return None
+            out, self.free = self.free[:n], self.free[n:]
+            return out
+
+        def give(self, slots: Any) -> None:
+            self.free.extend(int(x) for x in slots)
+
+        def available(self) -> int:
+            return len(self.free)
+
+    lender = Lender()
+    fwd = torch.cuda.Stream(device=dev)  # type: ignore[no-untyped-call]
+    pool = HostedStatePool(layout, conv, rec, lender, reserved=(0,), stream=CudaStream(stream=fwd))
+    tree = HybridRadixCache(pool)
+    big = torch.randn(size, size, device=dev) / size**0.5
+    src_slot, dst_slot = lender.take(2) or [1, 2]
+    torch.cuda.synchronize(dev)
+    t0 = time.perf_counter()
+    with torch.cuda.stream(fwd):  # the engine's forward: long, then the request's state
+        x = big
+        for _ in range(matmuls):
+            x = torch.tanh(x @ big)
+        rec[:, src_slot].copy_(torch.full_like(rec[:, src_slot], 7.0) + 0.0 * x.mean())
+    queued_ms = (time.perf_counter() - t0) * 1e3
+    a, b = RequestOwner("a"), RequestOwner("b")
+    s = pool.lend(src_slot, a)
+    res = tree.insert([1, 2, 3], torch.arange(3), state_slot=s)  # no ready fence: stream order
+    pool.reclaim(s, a)
+    d = pool.lend(dst_slot, b)
+    tree.restore(tree.match([1, 2, 3, 4]).node, d, dst_owner=b)
+    pool.reclaim(d, b)
+    torch.cuda.synchronize(dev)
+    snap = res.node.snapshot
+    ok = bool((rec[:, snap] == 7.0).all()) and bool((rec[:, dst_slot] == 7.0).all())
+    return {"ok": ok, "host_queue_ms": round(queued_ms, 3), "matmuls": matmuls}
 
 
 def _host_ms(fn: Callable[[], Any]) -> float:
@@ -191,6 +256,7 @@ def main() -> None:
         raise SystemExit(2)
     out: dict[str, Any] = {"bench": "gpu_check", "device": device_info()}
     out["fences"] = fences()
+    out["hosted_stream"] = hosted_stream()
     out["clone"], out["fingerprint"] = clone_and_fingerprint(args.reps)
     clean: list[bool] = []
     if args.hammer_requests:
@@ -205,7 +271,13 @@ def main() -> None:
         if (args.hammer_requests and "error" not in out["hammer"])
         else []
     )
-    out["ok"] = out["fences"]["ordered_ok"] and out["fences"]["unordered_stale"] and all(clean) and all(caught)
+    out["ok"] = (
+        out["fences"]["ordered_ok"]
+        and out["fences"]["unordered_stale"]
+        and out["hosted_stream"]["ok"]
+        and all(clean)
+        and all(caught)
+    )
     print(json.dumps(out, indent=1))
 
 
