@@ -49,6 +49,18 @@ def setup_sglang(page_size: int = 1) -> None:
     rust_adapter.mamba_cache_chunk_size = lambda: 64
 
 
+class StepClock:
+    """The policy's clock in the harness: a millisecond per reading, so runs are deterministic
+    (the backend's default, ``time.monotonic``, makes eviction choices depend on the machine)."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        self.t += 1e-3
+        return self.t
+
+
 @dataclass
 class Env:
     """One cache over its own SGLang pools."""
@@ -167,7 +179,7 @@ def make_env(kind: str, *, kv_size: int = 2048, mamba_size: int = 10, max_reqs: 
     else:
         from radixcache.sglang.backend import RadixcacheHybridCache
 
-        cache = RadixcacheHybridCache(init)
+        cache = RadixcacheHybridCache(init, clock=StepClock())
     return Env(cache, init, rtp, alloc, kv_size, mamba_size)
 
 

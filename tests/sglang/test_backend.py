@@ -273,7 +273,7 @@ def test_a_host_tier_keeps_what_sglangs_state_slots_cannot() -> None:
     H.run_stream(without, 3, 300, concurrency=3)
     env = H.make_env("radixcache", mamba_size=4)
     slot_bytes = env.cache.state_pool.layout.slot_bytes
-    env.cache = RadixcacheHybridCache(env.cache_params, host_budget_bytes=32 * slot_bytes)
+    env.cache = RadixcacheHybridCache(env.cache_params, host_budget_bytes=32 * slot_bytes, clock=H.StepClock())
     H.run_stream(env, 3, 300, concurrency=3)
     assert env.mismatches == []
     assert env.cache.stats["host_restores"] > 0 and env.cache.tree.num_host_snapshots > 0
