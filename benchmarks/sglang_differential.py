@@ -5,6 +5,9 @@ Runs where SGLang is importable (``make test-sglang`` builds ``.venv-sglang``)::
 
     .venv-sglang/bin/python benchmarks/sglang_differential.py [--requests 1000]
 
+Exits 1 unless ``ok``: no mismatch anywhere, our page-1 hit tokens at least the built-in's, and no
+assert from our backend under slot pressure.
+
 Per run: admissions, hit tokens, state mismatches (a forward that found its slot not holding the
 exact state of its prefix), and for the backend its counters. Page 1: both caches, two seeds.
 Retraction: both, each decode step retracting with probability 0.05. Page 4 with chunks of 46
@@ -80,6 +83,8 @@ def main() -> None:
     out["hit_token_ratio_page1"] = [round(r, 3) for r in ratios]
     out["ok"] = sum(mism) == 0 and min(ratios) >= 1.0 and "raised" not in out["pressure_seed3_radixcache"]
     print(json.dumps(out, indent=1))
+    if not out["ok"]:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":
