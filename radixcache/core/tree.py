@@ -709,27 +709,10 @@ class HybridRadixCache:
         fresh_root = root is None
         if root is None:  # registered only once something is stored
             root = TreeNode(self._id_base, b"", _EMPTY_KV, None, 0, self)
-        pb = self._page_bytes
         # Phase 1, read only: find where the key leaves the tree.
-        node, pos = root, 0
-        path: list[TreeNode] = []
-        split_child: TreeNode | None = None
-        split_at = 0  # bytes into split_child's edge
-        while pos < end:
-            child = node.children.get(kb[pos : pos + pb])
-            if child is None:
-                break
-            edge = child.key
-            n = len(edge)
-            if n <= end - pos and kb[pos : pos + n] == edge:
-                pos += n
-                node = child
-                path.append(child)
-                continue
-            split_at = self._common_bytes(kb, pos, edge, min(n, end - pos))
-            split_child = child
-            pos += split_at
-            break
+        path, pos, _, split_child = self._walk(kb, end, root)
+        node = path[-1] if path else root
+        split_at = pos - node.depth * TOKEN_BYTES if split_child is not None else 0  # bytes into its edge
         prefix_len = pos // TOKEN_BYTES
         if state_slot is None or end == 0:
             # No snapshot to attach: a new leaf could never serve a hit, a split would add nothing.
@@ -764,7 +747,7 @@ class HybridRadixCache:
             leaf = TreeNode(self._next_id, kb[pos:end], value, node, stop, self)
             leaf.value_np = own
             self._next_id += 1
-            node.children[leaf.key[:pb]] = leaf
+            node.children[leaf.key[: self._page_bytes]] = leaf
             self._num_nodes += 1
             self._evictable_kv += leaf.num_tokens
             node = leaf
