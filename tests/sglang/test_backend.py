@@ -298,3 +298,32 @@ def test_the_policy_hears_of_a_request_once_however_often_it_is_matched() -> Non
             env.rtp.mamba_allocator.free(run.req.kv.mamba_pool_idx.reshape(1))
             run.req.kv.mamba_pool_idx = None
     assert heard == [4] and cache.stats["admissions"] == 3
+
+
+def test_bad_calls_raise_typed_errors_and_change_nothing() -> None:
+    """A KV tensor of the wrong length, an unlock without a lock, a node of another cache: each a
+    typed error naming what is wrong, with the tree, the pools and SGLang's allocators as before
+    (the slot lent for the failed clone is back with its owner)."""
+    from radixcache.core.errors import ForeignObjectError, LockError
+
+    env = H.make_env("radixcache", kv_size=64, mamba_size=6)
+    cache = env.cache
+    slot = _slot_with(env, 3, 3)
+    free_kv, free_m = env.alloc.available_size(), env.rtp.mamba_allocator.available_size()
+    kv = env.alloc.alloc(2)
+    with pytest.raises(ValueError, match="kv_indices has 2 entries for a key of 3 tokens"):
+        cache.insert(InsertParams(key=RadixKey([1, 2, 3]), value=kv, mamba_value=slot))
+    assert cache.total_size() == (0, 0) and env.rtp.mamba_allocator.available_size() == free_m
+    assert env.alloc.available_size() == free_kv - 2
+    cache.state_pool.check_invariants()
+    env.alloc.free(kv)
+    r = cache.insert(InsertParams(key=RadixKey([1, 2, 3]), value=env.alloc.alloc(3), mamba_value=slot))
+    node = r.last_device_node
+    with pytest.raises(LockError, match="holds no lock"):
+        cache.dec_lock_ref(node)
+    other = H.make_env("radixcache", kv_size=64, mamba_size=6).cache
+    with pytest.raises(ForeignObjectError, match="another cache"):
+        other.inc_lock_ref(node)
+    assert cache.total_size() == (3, 1) and cache.mamba_evictable_size() == 1
+    env.rtp.mamba_allocator.free(slot)
+    cache.sanity_check()
