@@ -497,17 +497,23 @@ class LinearStatePool:
         for f in free:
             assert 0 <= f < n, f"free list holds slot {f} outside [0, {n})"
             assert self._owner[f] is None, f"slot {f} is on the free list but owned by {self._owner[f]}"
-        owned = 0
         for s, owner in enumerate(self._owner):
             if owner is None:
                 assert s in free_set, f"slot {s} has no owner and is not on the free list (leaked)"
-            else:
+        owned = self._check_owner_index()
+        assert len(free) + owned == n, f"free {len(free)} + owned {owned} != capacity {n}"
+
+    def _check_owner_index(self) -> int:
+        """The owner index agrees with the per-slot owners; returns how many slots are owned."""
+        owned = 0
+        for s, owner in enumerate(self._owner):
+            if owner is not None:
                 owned += 1
                 assert s in self._owned_by.get(owner, ()), f"slot {s} owned by {owner} is missing from its index"
         indexed = sum(len(v) for v in self._owned_by.values())
         assert indexed == owned, f"owner index holds {indexed} slots, per-slot owners say {owned}"
         assert all(self._owned_by.values()), "owner index keeps an empty entry"
-        assert len(free) + owned == n, f"free {len(free)} + owned {owned} != capacity {n}"
+        return owned
 
     # ----------------------------------------------------------------- helpers
     def _index(self, slot: int) -> int:
@@ -740,15 +746,9 @@ class HostedStatePool(LinearStatePool):
         the host's: no reserved slot owned, the owner index agrees with the per-slot owners, and
         owned + the lender's available <= capacity. O(capacity)."""
         assert not self._free, f"a hosted pool keeps no free list, found {self._free}"
-        owned = 0
-        for s, owner in enumerate(self._owner):
-            if owner is not None:
-                owned += 1
-                assert s not in self.reserved, f"reserved slot {s} is owned by {owner}"
-                assert s in self._owned_by.get(owner, ()), f"slot {s} owned by {owner} is missing from its index"
-        indexed = sum(len(v) for v in self._owned_by.values())
-        assert indexed == owned, f"owner index holds {indexed} slots, per-slot owners say {owned}"
-        assert all(self._owned_by.values()), "owner index keeps an empty entry"
+        for r in sorted(self.reserved):
+            assert self._owner[r] is None, f"reserved slot {r} is owned by {self._owner[r]}"
+        owned = self._check_owner_index()
         avail = self.num_free
         assert owned + avail <= self.capacity - len(self.reserved), (
             f"owned {owned} + host-free {avail} > capacity {self.capacity} - reserved {len(self.reserved)}"
