@@ -31,7 +31,8 @@ import os
 import time
 from array import array
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -51,7 +52,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 )
 from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
 
-from linear_state import HostedStatePool, RequestOwner, StateLayout, Stream
+from linear_state import HostedStatePool, RequestOwner, SlotId, StateLayout, Stream
 
 from ..core.manager import CacheManager
 from ..core.tree import HybridRadixCache, TreeNode
@@ -137,6 +138,13 @@ _ADMITTED_MEMORY = 1 << 16  # requests remembered as admitted (a bound: aborted 
 
 def _namespace(extra_key: Any, cache_salt: Any) -> Hashable:
     return None if extra_key is None and cache_salt is None else (extra_key, cache_salt)
+
+
+def _key(key: Any) -> tuple[np.ndarray, np.ndarray, Hashable]:
+    """A ``RadixKey``'s whole ids, the ids within its ``limit``, and its namespace."""
+    full = _ids(key.token_ids)
+    ids = full[: len(key)] if getattr(key, "limit", None) is not None else full
+    return full, ids, _namespace(key.extra_key, getattr(key, "cache_salt", None))
 
 
 def _ids(tokens: Any) -> np.ndarray:
@@ -254,13 +262,10 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         and a request (an admission), the hit state is in the request's slot on return, ordered on
         the backend's stream, and the policy hears of the admission and the hit; without (the
         scheduler's probes for its waiting queue) only recency changes."""
-        key = params.key
-        full = _ids(key.token_ids)
-        ids = full[: len(key)] if getattr(key, "limit", None) is not None else full
+        full, ids, ns = _key(params.key)
         req = params.req
         if req is not None and hasattr(req, "_compute_max_prefix_len"):
             ids = ids[: req._compute_max_prefix_len(int(full.size))]
-        ns = _namespace(key.extra_key, getattr(key, "cache_salt", None))
         m = self.tree.match(ids, namespace=ns) if not self.disable and ids.size else None
         admission = bool(params.cow_mamba) and req is not None
         if admission:
@@ -271,13 +276,11 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
                     self._admitted.popitem(last=False)
                 self.policy.admitted(self._info(req, full, 0 if m is None else m.length))
         if m is None or m.length == 0:
-            root = self.tree.match([], namespace=ns).node if m is None else m.node
-            return MatchResult(0, root, root, root, cache_protected_len=0)
+            return self._miss(ns)
         node = m.node
         if admission:
             if not self._restore_into(req, node):
-                root = self.tree.match([], namespace=ns).node
-                return MatchResult(0, root, root, root, cache_protected_len=0)
+                return self._miss(ns)
             self.stats["hit_tokens"] += m.length
             self.policy.touched(node, self._info(req, full, m.length), self.clock())
         return MatchResult(m.length, node, node, node, cache_protected_len=m.length, full_kv_hit_length=m.length)
@@ -305,8 +308,7 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         if not kv.holds_mamba:
             self.tree.lock(node)  # the hit must survive the eviction that makes room
             try:
-                if self.state_pool.num_free == 0:
-                    self.manager.evict(snapshots=1)
+                self._make_room()
                 got = self.req_to_token_pool.mamba_allocator.alloc(1)
             finally:
                 self.tree.unlock(node)
@@ -315,12 +317,8 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
             kv.mamba_pool_idx = got.reshape(-1)[0]
         if node.snapshot is None:
             self.stats["host_restores"] += 1
-        owner = RequestOwner(("sglang", req.rid))
-        slot = self.state_pool.lend(int(kv.mamba_pool_idx), owner)
-        try:
+        with self._lent(int(kv.mamba_pool_idx), ("sglang", req.rid)) as (slot, owner):
             self.tree.restore(node, slot, dst_owner=owner)
-        finally:
-            self.state_pool.reclaim(slot, owner)
         kv.mamba_cow_src_index = None
         kv.mamba_needs_clear = False
         self.stats["restores"] += 1
@@ -334,9 +332,7 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         before it are the caller's copy of the tree's and are left alone (SGLang's contract).
         The caller keeps its slot: ``mamba_exist`` is always True (SGLang's callers then free
         the slot they passed)."""
-        key = params.key
-        ids = _ids(key.raw_token_ids() if hasattr(key, "raw_token_ids") else key.token_ids)
-        ns = _namespace(key.extra_key, getattr(key, "cache_salt", None))
+        _, ids, ns = _key(params.key)
         slot = None if params.mamba_value is None else int(params.mamba_value.reshape(-1)[0])
         kv = params.value.to(torch.int64).cpu()
         res = self._insert(ids, kv, slot, ns, ("sglang-insert", id(params)), None)
@@ -353,19 +349,14 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
     ) -> Any:
         """Insert with ``slot`` lent for the clone and reclaimed after; no free slot for the
         clone even after evicting one through the policy: insert without a snapshot."""
-        if slot is not None and self.state_pool.num_free == 0:
-            self.manager.evict(snapshots=1)
-            if self.state_pool.num_free == 0:
-                self.stats["skipped_donations"] += 1
-                slot = None
+        kv = kv.to(torch.int64).cpu()
+        if slot is not None and not self._make_room():
+            self.stats["skipped_donations"] += 1
+            slot = None
         if slot is None:
-            return self.tree.insert(ids, kv.to(torch.int64).cpu(), namespace=ns, release_duplicates=False)
-        owner = RequestOwner(rid)
-        s = self.state_pool.lend(slot, owner)
-        try:
-            res = self.tree.insert(ids, kv.to(torch.int64).cpu(), state_slot=s, namespace=ns, release_duplicates=False)
-        finally:
-            self.state_pool.reclaim(s, owner)
+            return self.tree.insert(ids, kv, namespace=ns, release_duplicates=False)
+        with self._lent(slot, rid) as (s, _):
+            res = self.tree.insert(ids, kv, state_slot=s, namespace=ns, release_duplicates=False)
         if res.snapshot_created:
             self.stats["donations"] += 1
             reason = DonationReason.FINISH if req is not None and req.finished() else DonationReason.CAPTURE
@@ -396,7 +387,7 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         old = row[prot:depth]
         dup = old[old != new[prot:depth]]
         if dup.numel():
-            self.token_to_kv_pool_allocator.free(dup)
+            self._free_kv(dup)
         row[prot:depth] = new[prot:depth].to(row.dtype)
         self.unlock(req.lock)
         req.lock = self.lock(node)
@@ -443,17 +434,13 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         """KV tokens the tree holds unlocked."""
         return self.tree.evictable_kv_tokens
 
-    def full_evictable_size(self) -> int:
-        """As :meth:`evictable_size` (one KV pool)."""
-        return self.tree.evictable_kv_tokens
+    full_evictable_size = evictable_size  # one KV pool
 
     def protected_size(self) -> int:
         """KV tokens on locked paths."""
         return self.tree.protected_kv_tokens
 
-    def full_protected_size(self) -> int:
-        """As :meth:`protected_size`."""
-        return self.tree.protected_kv_tokens
+    full_protected_size = protected_size  # one KV pool
 
     def mamba_evictable_size(self) -> int:
         """Snapshots (each one slot of SGLang's mamba pool) the tree holds unlocked."""
@@ -491,6 +478,29 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         return []
 
     # ------------------------------------------------------------------ helpers
+    def _miss(self, ns: Hashable) -> MatchResult:
+        """A match without a hit: the tree's root for ``ns`` in every node field."""
+        root = self.tree.match([], namespace=ns).node
+        return MatchResult(0, root, root, root, cache_protected_len=0)
+
+    def _make_room(self) -> bool:
+        """Whether SGLang's pool has a free state slot, evicting one snapshot through the policy
+        first when it has none."""
+        if self.state_pool.num_free == 0:
+            self.manager.evict(snapshots=1)
+        return self.state_pool.num_free > 0
+
+    @contextmanager
+    def _lent(self, slot: int, rid: Hashable) -> Iterator[tuple[SlotId, RequestOwner]]:
+        """SGLang's ``slot`` under the pool's rules for the block (owned by ``RequestOwner(rid)``),
+        returned to SGLang after it, whatever happened inside."""
+        owner = RequestOwner(rid)
+        s = self.state_pool.lend(slot, owner)
+        try:
+            yield s, owner
+        finally:
+            self.state_pool.reclaim(s, owner)
+
     def _free_kv(self, kv: torch.Tensor) -> None:
         self.token_to_kv_pool_allocator.free(kv.to(self.token_to_kv_pool_allocator.device))
 
