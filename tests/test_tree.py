@@ -534,3 +534,15 @@ def test_kv_prefix_reads_the_trees_kv_past_the_deepest_snapshot_without_touching
     assert cache.kv_prefix([9, 9]).numel() == 0 and cache.kv_prefix([1, 2], namespace="x").numel() == 0
     assert {n.id: n.last_access for n in cache.iter_nodes()} == stamps
     cache.check_invariants()
+
+
+def test_kv_prefix_refuses_a_bad_key_and_changes_nothing() -> None:
+    cache, _ = make_cache()
+    insert_with_state(cache, [1, 2, 3])
+    before = cache.describe()
+    with pytest.raises(TypeError):
+        cache.kv_prefix("123")  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        cache.kv_prefix([1, -2])
+    assert cache.describe() == before
+    cache.check_invariants()

@@ -327,3 +327,36 @@ def test_bad_calls_raise_typed_errors_and_change_nothing() -> None:
     assert cache.total_size() == (3, 1) and cache.mamba_evictable_size() == 1
     env.rtp.mamba_allocator.free(slot)
     cache.sanity_check()
+
+
+def test_register_refuses_a_foreign_factory_under_our_name_and_bad_host_budgets() -> None:
+    from sglang.srt.mem_cache import registry
+
+    saved = dict(registry._RADIX_CACHE_REGISTRY)
+    try:
+        registry._RADIX_CACHE_REGISTRY[BACKEND_NAME] = lambda ctx: None
+        with pytest.raises(RuntimeError, match="another factory is registered as 'radixcache'"):
+            rc_plugin.register()
+    finally:
+        registry._RADIX_CACHE_REGISTRY.clear()
+        registry._RADIX_CACHE_REGISTRY.update(saved)
+    env = H.make_env("radixcache")
+    with pytest.raises(ValueError, match="host_budget_bytes must be an int >= 0, got -1"):
+        RadixcacheHybridCache(env.cache_params, host_budget_bytes=-1)
+    ctx = SimpleNamespace(
+        params=env.cache_params,
+        is_hybrid_ssm=True,
+        is_hybrid_swa=False,
+        enable_hierarchical_cache=False,
+        disable_radix_cache=False,
+        server_args=SimpleNamespace(speculative_algorithm=None),
+    )
+    import os
+
+    os.environ["RADIXCACHE_HOST_TIER_BYTES"] = "lots"
+    try:
+        with pytest.raises(ValueError, match="RADIXCACHE_HOST_TIER_BYTES must be a byte count, got 'lots'"):
+            rc_plugin.factory(ctx)
+    finally:
+        del os.environ["RADIXCACHE_HOST_TIER_BYTES"]
+    env.cache.sanity_check()
