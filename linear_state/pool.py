@@ -215,19 +215,21 @@ class LinearStatePool:
         """
         s = self._index(slot)
         current = self._owner[s]
-        if current is None or type(owner) is not type(current) or current != owner:
+        if current is not owner and (current is None or type(owner) is not type(current) or current != owner):
             _check_owner(owner)  # a bad owner is a TypeError first, as everywhere
             _fences(after)
             if current is None:
                 raise SlotMisuse("double free", slot=s, owner=None, actor=owner)
             raise SlotMisuse("free by a non-owner", slot=s, owner=current, actor=owner)
-        # ``owner`` is of the current owner's class and equal to it: a valid owner, so only the
-        # fences need checking before anything changes.
-        after = _fences(after)
-        for fence in after:
-            fence.wait()
-        self._last_use[s].wait()
-        self._last_use[s] = COMPLETE
+        # ``owner`` is the current owner, or of its class and equal to it: a valid owner, so only
+        # the fences need checking before anything changes.
+        for fence in _fences(after):
+            if fence is not COMPLETE:
+                fence.wait()
+        last = self._last_use
+        if last[s] is not COMPLETE:
+            last[s].wait()
+            last[s] = COMPLETE
         self._release(s, current)
 
     def transfer(self, slot: int, owner: Owner, new_owner: RequestOwner) -> None:

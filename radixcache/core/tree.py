@@ -123,6 +123,8 @@ class TreeNode:
     :ivar host: the slot of the host tier holding that state instead (a demoted snapshot), or
         ``None``. At most one of ``snapshot`` and ``host`` is set; a node with neither is a
         tombstone.
+    :ivar owner: the ``NodeOwner`` its slots are held under (the very object the pools hold, so a
+        free is recognised by identity), or ``None`` before the node first held a state.
     """
 
     __slots__ = (
@@ -135,6 +137,7 @@ class TreeNode:
         "key",
         "kv_lock",
         "last_access",
+        "owner",
         "parent",
         "snap_lock",
         "snapshot",
@@ -166,6 +169,7 @@ class TreeNode:
         self.snapshot_fence: Fence = COMPLETE
         self.host: SlotId | None = None  # slot in the cache's host pool (a demoted snapshot)
         self.host_fence: Fence = COMPLETE
+        self.owner: NodeOwner | None = None
         self.kv_lock = 0  # locks on this node or below: protects this edge's KV
         self.snap_lock = 0  # locks on this node itself: protects its snapshot
         self.last_access = 0
@@ -728,9 +732,10 @@ class HybridRadixCache:
             target_id = self._next_id
         else:
             target_id = node.id
-        clone = None
+        clone = owner = None
         if grows or split_child is not None or node.snapshot is None:
-            clone = self._take_snapshot(state_slot, NodeOwner(target_id), ready)
+            owner = NodeOwner(target_id)
+            clone = self._take_snapshot(state_slot, owner, ready)
         # Phase 2: mutate. Nothing below raises.
         if fresh_root:
             self._roots[namespace] = root
@@ -758,6 +763,7 @@ class HybridRadixCache:
                 self._drop_host(node, remove=False)
             node.snapshot = clone.slot
             node.snapshot_fence = clone.fence
+            node.owner = owner
             self._num_snapshots += 1
             if node.snap_lock:
                 self._protected_snapshots += 1
@@ -1004,9 +1010,10 @@ class HybridRadixCache:
                 self._drop_host(n, remove=False)
             del parent.children[n.key[: self._page_bytes]]
             n.parent = None
-            self._evictable_kv -= n.num_tokens
+            k = n.num_tokens
+            self._evictable_kv -= k
             self._num_nodes -= 1
-            freed_kv += n.num_tokens
+            freed_kv += k
             removed += 1
             if self.on_free_kv is not None:
                 self.on_free_kv(n.value)
@@ -1024,10 +1031,17 @@ class HybridRadixCache:
         assert slot is not None
         if self.on_free_snapshot is not None:
             self.on_free_snapshot(n)
-        self.pool.free(slot, NodeOwner(n.id), after=(n.snapshot_fence,))
+        self.pool.free(slot, self._owner_of(n), after=(n.snapshot_fence,))
         n.snapshot = None
         n.snapshot_fence = COMPLETE
         self._num_snapshots -= 1
+
+    @staticmethod
+    def _owner_of(n: TreeNode) -> NodeOwner:
+        """The owner ``n``'s slots are held under (set when it took its snapshot)."""
+        owner = n.owner
+        assert owner is not None, f"{n!r} holds a state but has no owner"
+        return owner
 
     def _can_demote(self) -> bool:
         """The host tier would take one more snapshot (a free host slot, or an unlocked copy to drop)."""
@@ -1048,7 +1062,7 @@ class HybridRadixCache:
             self._drop_host(victim, remove=True)  # never n (no host copy) nor n's ancestors (n below)
         slot = n.snapshot
         assert slot is not None and not n.snap_lock
-        owner = NodeOwner(n.id)
+        owner = self._owner_of(n)
         hs, fence = hp.clone_from(self.pool, slot, owner, stream=self.stream, after=(n.snapshot_fence,))
         self.pool.free(slot, owner, after=(fence,))  # the pool also waits the copy: its last use
         n.snapshot = None
@@ -1071,7 +1085,7 @@ class HybridRadixCache:
             self.on_free_snapshot(n)
         if n.snap_lock:
             self._protected_host -= 1
-        self.host_pool.free(hs, NodeOwner(n.id), after=(n.host_fence,))
+        self.host_pool.free(hs, self._owner_of(n), after=(n.host_fence,))
         n.host = None
         n.host_fence = COMPLETE
         self._num_host -= 1
@@ -1227,6 +1241,7 @@ class HybridRadixCache:
                         host_slots[n.host] = n.id
                         howner = self.host_pool.owner_of(n.host)
                         assert howner == NodeOwner(n.id), f"{n!r} host slot {n.host} is owned by {howner}"
+                        assert howner is n.owner, f"{n!r} frees its host slot as {n.owner}, not the pool's {howner}"
                         if n.snap_lock:
                             pr_host += 1
                         else:
@@ -1245,6 +1260,7 @@ class HybridRadixCache:
                         slots[n.snapshot] = n.id
                         owner = self.pool.owner_of(n.snapshot)
                         assert owner == NodeOwner(n.id), f"{n!r} snapshot slot {n.snapshot} is owned by {owner}"
+                        assert owner is n.owner, f"{n!r} frees its slot as {n.owner}, not the pool's {owner}"
                         if n.snap_lock:
                             pr_snaps += 1
                         else:
