@@ -1,19 +1,27 @@
-"""LazyHeap: a binary min-heap with lazy deletion, the one copy of that mechanism in radixcache.
+"""LazyHeap: a min-priority queue with lazy deletion, the one copy of that mechanism in radixcache.
 
-The tree ranks its KV leaves and its snapshots by recency with two of them; heap-based policies
-rank snapshots by their own utility with a third. An item is never removed from the middle:
-re-ranking pushes a fresh entry, and entries that no longer hold (the item changed, left the
-tree, was re-pushed) are skipped when they surface and dropped when the heap is compacted.
-Whether an entry still holds is the owner's question, asked through a ``valid`` predicate.
+The tree ranks its KV leaves, its snapshots and its host copies by recency with three of them. An
+item is never removed from the middle: re-ranking pushes a fresh entry, and entries that no longer
+hold (the item changed, left the tree, was re-pushed) are skipped when they surface and dropped
+when the queue is compacted. Whether an entry still holds is the owner's question, asked through a
+``valid`` predicate.
 
 Entries are ``(priority, seq, item)``: ``seq`` is unique per push, so equal priorities pop in
 push order and items are never compared.
+
+Recency priorities mostly arrive in order (a touch stamps the next tick), so the entries live in
+two parts: a *run*, a FIFO of entries pushed in non-decreasing priority order (an append and a
+pop from its front are O(1)), and a binary heap for the entries pushed below the run's last
+priority (a node unlocked or left a leaf again at an older tick). A pop takes the smaller of the
+two fronts: the order is exactly a single heap's, ``(priority, seq)`` ascending.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from collections.abc import Callable, Iterator
+from itertools import chain
 from typing import Generic, TypeVar
 
 __all__ = ["LazyHeap"]
@@ -23,7 +31,7 @@ Entry = tuple[float, int, T]
 
 
 class LazyHeap(Generic[T]):
-    """A min-heap of ``(priority, seq, item)`` entries with lazy deletion.
+    """A min-priority queue of ``(priority, seq, item)`` entries with lazy deletion.
 
     >>> h: LazyHeap[str] = LazyHeap()
     >>> _ = h.push(2.0, "b"); _ = h.push(1.0, "a")
@@ -31,25 +39,31 @@ class LazyHeap(Generic[T]):
     'b'
     """
 
-    __slots__ = ("_entries", "_seq")
+    __slots__ = ("_heap", "_run", "_seq")
 
     def __init__(self) -> None:
-        self._entries: list[Entry[T]] = []
+        self._run: deque[Entry[T]] = deque()  # (priority, seq) ascending: pushed in order
+        self._heap: list[Entry[T]] = []  # pushed out of order
         self._seq = 0
 
     def __len__(self) -> int:
         """Entries held, stale ones included."""
-        return len(self._entries)
+        return len(self._run) + len(self._heap)
 
     def __iter__(self) -> Iterator[Entry[T]]:
         """Every entry, stale ones included, in no particular order."""
-        return iter(self._entries)
+        return chain(self._run, self._heap)
 
     def push(self, priority: float, item: T) -> int:
-        """Add an entry; return its ``seq`` (unique, increasing). O(log n)."""
-        self._seq += 1
-        heapq.heappush(self._entries, (priority, self._seq, item))
-        return self._seq
+        """Add an entry; return its ``seq`` (unique, increasing). O(1) when ``priority`` is at least
+        the last in-order push's, else O(log n)."""
+        self._seq = seq = self._seq + 1
+        run = self._run
+        if not run or run[-1][0] <= priority:
+            run.append((priority, seq, item))
+        else:
+            heapq.heappush(self._heap, (priority, seq, item))
+        return seq
 
     def pop_valid(
         self, valid: Callable[[Entry[T]], bool], *, skip: Callable[[Entry[T]], bool] | None = None
@@ -58,13 +72,14 @@ class LazyHeap(Generic[T]):
 
         Invalid entries on the way are dropped for good. Entries for which ``skip`` is true are
         valid but not wanted now (a locked node): they are set aside and pushed back, still ranked.
-        O(log n) per entry looked at.
+        O(1) per in-order entry looked at, O(log n) per other.
         """
         kept: list[Entry[T]] = []
         found: T | None = None
-        entries = self._entries
-        while entries:
-            e = heapq.heappop(entries)
+        run, heap = self._run, self._heap
+        while run or heap:
+            # The lower front; seq breaks ties, so items are never compared.
+            e = heapq.heappop(heap) if heap and (not run or heap[0] < run[0]) else run.popleft()
             if not valid(e):
                 continue
             if skip is not None and skip(e):
@@ -72,15 +87,17 @@ class LazyHeap(Generic[T]):
                 continue
             found = e[2]
             break
-        for e in kept:
-            heapq.heappush(entries, e)
+        for e in kept:  # each still ranks below everything left in the run: back to the heap
+            heapq.heappush(heap, e)
         return found
 
     def compact(self, valid: Callable[[Entry[T]], bool]) -> None:
         """Drop every invalid entry. O(n)."""
-        self._entries = [e for e in self._entries if valid(e)]
-        heapq.heapify(self._entries)
+        self._run = deque(e for e in self._run if valid(e))
+        self._heap = [e for e in self._heap if valid(e)]
+        heapq.heapify(self._heap)
 
     def clear(self) -> None:
         """Drop every entry."""
-        self._entries.clear()
+        self._run.clear()
+        self._heap.clear()

@@ -339,12 +339,13 @@ class HybridRadixCache:
         # NOTE: node ids keep growing across reset(): a policy or a ledger that still names an
         # old node can never mistake a new one for it.
         self._tick = 0
-        # NOTE: eviction candidates live in two lazy-deletion heaps (heapq, in C), keyed by
-        # last_access. A touch pushes a fresh entry (O(log n) in C, no Python-level removal); pop
-        # skips entries that are stale (node gone, touched since, locked, no longer a leaf / no
-        # snapshot). Evicting a node is O(log n) amortised and never scans the tree; heaps are
-        # compacted when stale entries outnumber live nodes. sortedcontainers would give the same
-        # bounds with a Python-level remove+add on every touch, 3-5x slower per match.
+        # NOTE: eviction candidates live in three lazy-deletion queues (LazyHeap), keyed by
+        # last_access. A touch pushes a fresh entry (O(1): ticks arrive in order, into the queue's
+        # FIFO run; an older tick goes to its heap, O(log n) in C); pop skips entries that are
+        # stale (node gone, touched since, locked, no longer a leaf / no snapshot). Evicting a
+        # node is O(log n) amortised and never scans the tree; queues are compacted when stale
+        # entries outnumber live nodes. sortedcontainers would give the same bounds with a
+        # Python-level remove+add on every touch, 3-5x slower per match.
         self._kv_heap: LazyHeap[TreeNode] = LazyHeap()
         self._snap_heap: LazyHeap[TreeNode] = LazyHeap()
         self._host_heap: LazyHeap[TreeNode] = LazyHeap()  # host copies of unlocked nodes, by recency
