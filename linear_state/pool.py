@@ -469,7 +469,8 @@ class LinearStatePool:
         """
         s = self._check_readable(slot, None)
         self._last_use[s].wait()
-        return self._conv_rows[s].clone(), self._rec_rows[s].clone()
+        # On the CPU a clone; from a device, one copy to host memory (a clone would stay there).
+        return self._conv_rows[s].to("cpu", copy=True), self._rec_rows[s].to("cpu", copy=True)
 
     def fingerprint(self, slot: int) -> Fingerprint:
         """64-bit fingerprint of ``slot``'s contents as they are now.
