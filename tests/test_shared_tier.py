@@ -9,6 +9,8 @@ import os
 import random
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from linear_state import LinearStatePool, StateLayout
+from linear_state import LinearStatePool, RequestOwner, StateLayout
 from radixcache import Admission, CacheManager, HybridRadixCache
 from radixcache.core.shared import BLOB_MAGIC, MemoryStore, RedisStore, SharedStore, SharedStoreError, SharedTier
 from radixcache.core.tree import HOST_TIER_FACTOR, auto_host_pool
@@ -281,6 +283,86 @@ def test_bad_tier_arguments_raise_typed_errors() -> None:
         CacheManager(HybridRadixCache(other), shared=tier)
 
 
+def test_bad_background_arguments_raise_typed_errors() -> None:
+    store = MemoryStore()
+    with pytest.raises(TypeError, match="background"):
+        SharedTier(store, model="m", kv=_NoKV(), background=1)  # type: ignore[arg-type]
+    for bad in (0, -5, 1.5, True):
+        with pytest.raises(ValueError, match=f"max_queued_bytes must be an int >= 1, got {bad!r}"):
+            SharedTier(store, model="m", kv=_NoKV(), background=True, max_queued_bytes=bad)  # type: ignore[arg-type]
+
+
+class _GatedStore(MemoryStore):
+    """A store whose uploads wait for ``gate`` and then take ``delay_s`` (a slow remote store);
+    the thread each upload ran on is recorded."""
+
+    def __init__(self, delay_s: float = 0.05) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.delay_s = delay_s
+        self.put_threads: list[str] = []
+
+    def put(self, key: str, blob: bytes) -> bool:
+        assert self.gate.wait(10), "test store: gate never opened"
+        time.sleep(self.delay_s)
+        self.put_threads.append(threading.current_thread().name)
+        return super().put(key, blob)
+
+
+def test_a_background_tier_uploads_on_its_own_thread_and_flush_waits_for_it(model: HybridModel) -> None:
+    store = _GatedStore()
+    a = ReferenceEngine(model, shared_store=store, publisher="A", shared_background=True)
+    b = ReferenceEngine(model, shared_store=store, publisher="B")
+    prompts = _prompts(3, seed=4)
+    _serve(a, prompts[:2], "a")  # serving never waits for the store: its uploads are held at the gate
+    assert a.shared is not None
+    a.manager.publish_pending()
+    assert not store.blobs and a.shared.pending_writes > 0 and a.shared.stats.published == 0
+    a.manager.check_invariants()
+    store.gate.set()
+    a.manager.publish_pending(wait=True)  # returns once the writer stored every blob
+    assert a.shared.pending_writes == 0
+    assert len(store.blobs) == a.shared.stats.published > 0
+    assert set(store.put_threads) == {"radixcache-shared-writer"}
+    finished = _serve(b, prompts, "b")
+    assert b.manager.metrics().shared_foreign_hits >= 2
+    _assert_exact(model, finished)
+    assert a.shared.close() and a.shared.pending_writes == 0
+    a.manager.check_invariants()
+
+
+def test_a_background_writer_drops_what_passes_its_byte_cap_and_what_comes_after_close() -> None:
+    store = _GatedStore(delay_s=0.0)
+    layout = StateLayout(2, (4, 3), (2, 4, 4))
+    pool = LinearStatePool(layout, 4)
+    slot = pool.alloc(RequestOwner("r"))
+    tier = SharedTier(store, model="m", kv=_NoKV(), background=True, max_queued_bytes=1)
+    tier.bind(layout)
+    one = tier.publish(np.arange(10), None, pool, slot, torch.arange(10), None)
+    assert not one and tier.stats.publish_skipped == 1 and tier.pending_writes == 0  # a blob > 1 byte
+    tier = SharedTier(store, model="m", kv=_NoKV(), background=True)
+    tier.bind(layout)
+    assert tier.publish(np.arange(10), None, pool, slot, torch.arange(10), None)
+    assert tier.pending_writes == 1
+    store.gate.set()
+    assert tier.close(timeout_s=10) and len(store.blobs) == 1 and tier.stats.published == 1
+    assert not tier.publish(np.arange(11), None, pool, slot, torch.arange(11), None)
+    assert tier.stats.publish_skipped == 1 and len(store.blobs) == 1
+    tier.check_invariants()
+
+
+def test_a_background_upload_that_fails_marks_the_store_down_and_serving_goes_on(model: HybridModel) -> None:
+    store = _DownStore()
+    a = ReferenceEngine(model, shared_store=store, publisher="A", shared_background=True)
+    store.is_down = True
+    prompts = _prompts(3, seed=5)
+    finished = _serve(a, prompts, "a")
+    a.manager.publish_pending(wait=True)
+    assert a.shared is not None and a.shared.stats.errors >= 1 and a.shared.stats.published == 0
+    _assert_exact(model, finished)
+    a.manager.check_invariants()
+
+
 def test_keys_separate_models_namespaces_and_prefixes() -> None:
     layout = StateLayout(2, (4, 3), (2, 4, 4))
     tiers = []
@@ -343,6 +425,19 @@ def test_replicas_share_through_a_real_redis_server(model: HybridModel, redis_se
     finished = _serve(b, prompts, "b")
     assert b.manager.metrics().shared_foreign_hits >= 2
     _assert_exact(model, finished)
+
+
+def test_background_replicas_share_through_a_real_redis_server(model: HybridModel, redis_server: RedisServer) -> None:
+    store = RedisStore(redis_server.url)
+    a, b = _publisher_and_fetcher(model, store, shared_background=True)
+    prompts = _prompts(3, seed=6)
+    _publish(a, prompts[:2])
+    finished = _serve(b, prompts, "b")
+    assert b.manager.metrics().shared_foreign_hits >= 2
+    _assert_exact(model, finished)
+    for e in (a, b):
+        assert e.shared is not None and e.shared.close(timeout_s=30)
+        e.manager.check_invariants()
 
 
 def test_a_replica_keeps_serving_while_redis_is_down_and_uses_it_again_when_it_returns(

@@ -673,11 +673,15 @@ class CacheManager:
     @_exclusive
     def publish_pending(self, *, wait: bool = False) -> int:
         """Publish the snapshots queued for the shared tier whose fences completed (every one with
-        ``wait``, waiting their fences). The manager also does this at each admission. Returns the
-        blobs stored (0 without a shared tier)."""
+        ``wait``, waiting their fences, and, with a background tier, until its writer stored
+        them). The manager also does this at each admission. Returns the blobs stored (handed to
+        the writer, with a background tier; 0 without a shared tier)."""
         if self.shared is None:
             return 0
-        return self._publish_ready(wait)
+        n = self._publish_ready(wait)
+        if wait:
+            self.shared.flush()
+        return n
 
     def _shared_rejected(self, rej: Rejection) -> None:
         if self.forensics is not None:

@@ -24,6 +24,12 @@ Costs: a publication reads the snapshot (and its KV) back to the host once its f
 (the manager defers it until then and publishes at its next call), plus one store round trip; a
 probe is one round trip for the published depths and one for the blobs' existence, a fetch one
 more. Probes happen only when the local match is shorter than the request.
+
+With ``background=True`` the store round trip of a publication (the blob's upload, the slowest
+part with a remote store and a large state) runs on one writer thread of the tier's own, so the
+scheduler's thread pays only the read-back and the encoding; the thread touches nothing but the
+store and the tier's counters, and publications beyond ``max_queued_bytes`` waiting for it are
+dropped (counted). Fetches stay on the caller's thread: an admission needs their answer.
 """
 
 from __future__ import annotations
@@ -31,8 +37,10 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+import threading
 import time
-from collections import OrderedDict
+import warnings
+from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -339,6 +347,11 @@ class SharedTier:
     :param retry_s: after a failed store call, no call is made for this long.
     :param max_pending: publications waiting for their fences beyond this are dropped (oldest first).
     :param clock: seconds, for ``retry_s``.
+    :param background: store publications from a writer thread of the tier's own (started at the
+        first publication) instead of the caller's; :meth:`flush` waits for it, :meth:`close`
+        stops it. Recommended with a remote store: an upload never stalls the scheduler.
+    :param max_queued_bytes: with ``background``, the blob bytes that may wait for the writer; a
+        publication that would pass it is dropped (``stats.publish_skipped``).
     :raises ValueError: an empty ``model`` or ``namespace``, a bad number.
     """
 
@@ -354,6 +367,8 @@ class SharedTier:
         retry_s: float = 1.0,
         max_pending: int = 1024,
         clock: Callable[[], float] = time.monotonic,
+        background: bool = False,
+        max_queued_bytes: int = 1 << 30,
     ) -> None:
         if not isinstance(store, SharedStore):
             raise TypeError(f"store must implement SharedStore, got {type(store).__name__}")
@@ -368,6 +383,10 @@ class SharedTier:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         if not retry_s >= 0:
             raise ValueError(f"retry_s must be >= 0, got {retry_s!r}")
+        if not isinstance(background, bool):
+            raise TypeError(f"background must be a bool, got {background!r}")
+        if isinstance(max_queued_bytes, bool) or not isinstance(max_queued_bytes, int) or max_queued_bytes < 1:
+            raise ValueError(f"max_queued_bytes must be an int >= 1, got {max_queued_bytes!r}")
         if publisher is None:
             import os
             import socket
@@ -392,6 +411,12 @@ class SharedTier:
         self._stage_slot = 0
         self._stage_owner = RequestOwner("shared-tier staging")
         self._done: OrderedDict[str, None] = OrderedDict()  # keys published or fetched here (bounded)
+        self.background = background
+        self.max_queued_bytes = max_queued_bytes
+        # Counters and the down state are written by the writer thread too: under this lock.
+        self._lock = threading.Lock()
+        self._writer: _Writer | None = None
+        self._closed = False
 
     # ----------------------------------------------------------------- set-up
     def bind(self, layout: StateLayout) -> None:
@@ -408,6 +433,11 @@ class SharedTier:
         self._id_digest = hashlib.blake2b(self._identity.encode(), digest_size=10).hexdigest()
         self._stage = LinearStatePool(layout, 1)
         self._stage_slot = self._stage.alloc(self._stage_owner)
+
+    @property
+    def layout(self) -> StateLayout | None:
+        """The layout of the pool the tier serves (None until bound)."""
+        return self._layout
 
     @property
     def identity(self) -> str:
@@ -432,8 +462,6 @@ class SharedTier:
         """The host's KV codec raised during ``what``: counted, warned about the first time."""
         self.stats.codec_errors += 1
         if self.stats.codec_errors == 1:
-            import warnings
-
             warnings.warn(
                 f"shared tier: the KV codec raised during {what} ({type(error).__name__}: {error}); "
                 "served as a miss / publication dropped (counted in stats.codec_errors)",
@@ -454,13 +482,15 @@ class SharedTier:
 
     def _guarded(self, fn: Callable[[], object]) -> tuple[bool, object]:
         if self.down:
-            self.stats.skipped_down += 1
+            with self._lock:
+                self.stats.skipped_down += 1
             return False, None
         try:
             return True, fn()
         except SharedStoreError:
-            self.stats.errors += 1
-            self._down_until = self.clock() + self.retry_s
+            with self._lock:
+                self.stats.errors += 1
+                self._down_until = self.clock() + self.retry_s
             return False, None
 
     # ------------------------------------------------------------- publish
@@ -475,32 +505,56 @@ class SharedTier:
     ) -> bool:
         """Publish the state in ``pool``'s ``slot`` (the state after all of ``ids``) with the KV of
         ``kv_indices``; the caller made sure the slot's and the KV's writers completed or passes
-        their fence (``kv_after``; the pool orders its own reads). True when a blob was stored.
-        A key this tier published or fetched before is not published again."""
+        their fence (``kv_after``; the pool orders its own reads). True when a blob was stored
+        (with ``background``: handed to the writer, which stores it unless the store fails).
+        A key this tier published or fetched before is not published again.
+
+        :raises RuntimeError: the tier was never bound.
+        """
         if self._layout is None:
             raise RuntimeError("SharedTier.publish before bind (give the tier to a CacheManager)")
         depth = int(ids.size)
         key = self.key(ids, namespace)
         if key in self._done or self.down:
             return False
-        conv, rec = pool.read(slot)
-        fp = pool.fingerprint(slot)
-        state = _raw(conv) + _raw(rec)
+        conv, rec = pool.read(slot)  # host copies: the slot may be reused once this returns
         try:
             kv = self.kv.export_kv(kv_indices, kv_after)
         except Exception as e:  # the host's code: this publication is dropped, serving goes on
             self.codec_failed("export_kv", e)
             return False
+        job = _Upload(key, self.index(namespace), depth, conv, rec, kv)
+        if self.background:
+            # The fingerprint, the encoding and the upload run on the writer thread, from the copies.
+            if self._writer is None and not self._closed:
+                self._writer = _Writer(self)
+            if self._writer is None or not self._writer.submit(job):
+                with self._lock:
+                    self.stats.publish_skipped += 1
+                return False
+            self._remember(key)  # a failed upload is not retried: the tree still serves it here
+            return True
+        ok, _ = self._store(job, pool.fingerprint(slot))
+        if not ok:
+            return False
+        self._remember(key)
+        return True
+
+    def _store(self, job: _Upload, fingerprint: int) -> tuple[bool, bool]:
+        """Encode one publication and upload it, recording its depth (the caller's thread or the
+        writer's): whether the store answered, and whether the blob was stored (not there
+        already)."""
+        state = _raw(job.conv) + _raw(job.rec)
         header = {
             "identity": self._identity,
-            "depth": depth,
-            "fingerprint": fp,
+            "depth": job.depth,
+            "fingerprint": fingerprint,
             "state_bytes": len(state),
-            "kv_bytes": len(kv),
+            "kv_bytes": len(job.kv),
             "publisher": self.publisher,
         }
-        blob = encode_blob(header, state, kv)
-        index = self.index(namespace)
+        blob = encode_blob(header, state, job.kv)
+        key, index, depth = job.key, job.index, job.depth
 
         def put() -> bool:
             stored = self.store.put(key, blob)
@@ -508,12 +562,27 @@ class SharedTier:
             return stored
 
         ok, stored = self._guarded(put)
-        if not ok:
-            return False
-        self._remember(key)
-        if stored:
-            self.stats.published += 1
-        return bool(stored)
+        if ok and stored:
+            with self._lock:
+                self.stats.published += 1
+        return ok, bool(ok and stored)
+
+    @property
+    def pending_writes(self) -> int:
+        """Publications handed to the writer thread and not stored yet (0 without ``background``)."""
+        return 0 if self._writer is None else self._writer.pending
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until the writer thread stored every publication handed to it (or failed to);
+        True when none is left (always without ``background``), False at ``timeout_s``."""
+        return True if self._writer is None else self._writer.flush(timeout_s)
+
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Flush, then stop the writer thread; later publications are dropped (counted in
+        ``stats.publish_skipped``). Idempotent; fetches keep working. True when the writer left
+        nothing behind."""
+        self._closed = True
+        return True if self._writer is None else self._writer.close(timeout_s)
 
     def _remember(self, key: str) -> None:
         self._done[key] = None
@@ -632,6 +701,9 @@ class SharedTier:
         else:
             assert not self._identity, "an identity without a bound layout"
         assert len(self._done) <= _DONE_CAP, f"{len(self._done)} remembered keys, cap {_DONE_CAP}"
+        assert self.background or self._writer is None, "a writer thread on a tier without background"
+        if self._writer is not None:
+            self._writer.check_invariants()
         st = self.stats
         for name, v in st.as_dict().items():
             values = v.values() if isinstance(v, dict) else [v]
@@ -645,6 +717,105 @@ class SharedTier:
         self.stats.hits += 1
         self.stats.hit_tokens += extra_tokens
         self.stats.foreign_hits += fetched.publisher != self.publisher
+
+
+@dataclass(frozen=True)
+class _Upload:
+    """One publication, copied out of its slot: what the store gets, once fingerprinted and encoded."""
+
+    key: str
+    index: str
+    depth: int
+    conv: torch.Tensor  # host copies of the slot's state
+    rec: torch.Tensor
+    kv: bytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.conv.nbytes + self.rec.nbytes + len(self.kv)
+
+
+class _Writer:
+    """The tier's writer thread: fingerprints, encodes and uploads queued publications in order,
+    one at a time, from their host copies (in a one-slot CPU pool of its own, so the fingerprint is
+    the pool's). Nothing it runs touches the manager's pools, a tree or a device: only its own
+    pool, the store and the tier's locked counters."""
+
+    def __init__(self, tier: SharedTier) -> None:
+        self.tier = tier
+        assert tier.layout is not None, "bind first"
+        self._stage = LinearStatePool(tier.layout, 1)
+        self._owner = RequestOwner("shared-tier writer")
+        self._slot = self._stage.alloc(self._owner)
+        self._cv = threading.Condition()
+        self._queue: deque[_Upload] = deque()
+        self._queued_bytes = 0
+        self._busy = False  # an upload in flight (popped, not finished)
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="radixcache-shared-writer", daemon=True)
+        self._thread.start()
+
+    @property
+    def pending(self) -> int:
+        with self._cv:
+            return len(self._queue) + self._busy
+
+    def submit(self, job: _Upload) -> bool:
+        """Queue one publication; False (nothing queued) when closed or over the byte cap."""
+        with self._cv:
+            if self._closed or self._queued_bytes + job.nbytes > self.tier.max_queued_bytes:
+                return False
+            self._queue.append(job)
+            self._queued_bytes += job.nbytes
+            self._cv.notify_all()
+            return True
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if not self._queue:  # closed and drained
+                    return
+                job = self._queue.popleft()
+                self._queued_bytes -= job.nbytes
+                self._busy = True
+            try:
+                self._stage.write(self._slot, job.conv, job.rec, owner=self._owner).wait()
+                self.tier._store(job, self._stage.fingerprint(self._slot))
+            except Exception as e:  # a store outside the protocol: the upload is lost, the thread goes on
+                with self.tier._lock:
+                    self.tier.stats.errors += 1
+                warnings.warn(
+                    f"shared tier writer: upload of {job.key} raised {type(e).__name__}: {e}",
+                    RuntimeWarning,
+                    stacklevel=1,
+                )
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+
+    def flush(self, timeout_s: float | None) -> bool:
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._queue and not self._busy, timeout_s)
+
+    def close(self, timeout_s: float | None) -> bool:
+        drained = self.flush(timeout_s)
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join(timeout_s)
+        return drained
+
+    def check_invariants(self) -> None:
+        with self._cv:
+            got = sum(job.nbytes for job in self._queue)
+            assert got == self._queued_bytes, f"writer queue holds {got} bytes, counted {self._queued_bytes}"
+            assert self._queued_bytes <= self.tier.max_queued_bytes, (
+                f"writer queue holds {self._queued_bytes} bytes, cap {self.tier.max_queued_bytes}"
+            )
+            assert self._stage.owner_of(self._slot) == self._owner, "the writer's staging slot changed owner"
 
 
 def _raw(t: torch.Tensor) -> bytes:

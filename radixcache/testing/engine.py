@@ -236,6 +236,8 @@ class ReferenceEngine(ServingQueue):
         :class:`EngineKVCodec`) are published to it and fetched from it (see
         :mod:`radixcache.core.shared`); ``None``: no shared tier.
     :param publisher: this engine's name in the blobs it publishes (a replica's name).
+    :param shared_background: the shared tier uploads from its own writer thread
+        (``SharedTier(background=True)``).
     :param forward_delay_us: CUDA only: every forward first keeps the GPU busy this long, so a copy
         that does not wait the forward's fence runs while the forward is still pending, as it would
         behind a large model (the tiny reference model's forwards finish before the host queues the
@@ -266,6 +268,7 @@ class ReferenceEngine(ServingQueue):
         host_slots: int | None = None,
         shared_store: SharedStore | None = None,
         publisher: str | None = None,
+        shared_background: bool = False,
     ) -> None:
         if forward_delay_us < 0 or (forward_delay_us > 0 and model.device.type != "cuda"):
             raise ValueError(
@@ -303,7 +306,13 @@ class ReferenceEngine(ServingQueue):
         self.shared = (
             None
             if shared_store is None
-            else SharedTier(shared_store, model=f"reference {cfg!r}", kv=self.kv_codec, publisher=publisher)
+            else SharedTier(
+                shared_store,
+                model=f"reference {cfg!r}",
+                kv=self.kv_codec,
+                publisher=publisher,
+                background=shared_background,
+            )
         )
         self.forensics = (
             Forensics(self.pool, ledger=Ledger(forensics_ledger), mode="record") if forensics_ledger else None

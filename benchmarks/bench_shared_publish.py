@@ -1,0 +1,135 @@
+"""What a shared-tier publication costs the scheduler's thread: uploads inline against a background
+writer, on a real redis-server.
+
+Per mode, ``--blobs`` snapshots of a replay preset's layout (the state of ``--preset``, plus the KV
+of ``--tokens`` tokens at the preset's bytes per token, as a host's codec would export it) are
+published under distinct keys through :class:`~radixcache.core.shared.SharedTier`; each
+``publish()`` call is timed on the calling thread (read-back, fingerprint, encoding, and, inline,
+the upload), then the tier is flushed and every blob is checked to be in the store. Modes alternate
+``--reps`` times, each on a fresh key space; medians over reps. Prints one JSON object.
+
+The server: ``--redis-url``, or a redis-server of the benchmark's own on a free loopback port
+(tests/redis_server.py: the binary from the distribution's packages).
+
+    python benchmarks/bench_shared_publish.py [--preset qwen3-next-80b] [--blobs 8] [--reps 3] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from linear_state import LinearStatePool, RequestOwner, StateLayout
+from radixcache.core.shared import RedisStore, SharedTier
+from radixcache.simulator.replay import PRESETS
+
+
+class _BytesKV:
+    """A KV codec whose export is ``bytes_per_token`` zero bytes per token (a host's KV blob)."""
+
+    identity = "bench"
+
+    def __init__(self, bytes_per_token: int) -> None:
+        self.bytes_per_token = bytes_per_token
+
+    def export_kv(self, kv_indices: torch.Tensor, after: object) -> bytes:
+        return bytes(self.bytes_per_token * int(kv_indices.numel()))
+
+    def import_kv(self, data: bytes, num_tokens: int) -> torch.Tensor | None:
+        return torch.arange(num_tokens)
+
+
+def run_mode(
+    url: str, background: bool, layout: StateLayout, kv: _BytesKV, tokens: int, blobs: int, tag: str
+) -> dict[str, float]:
+    """Publish ``blobs`` snapshots; caller-thread seconds per publish (median, max) and wall to stored."""
+    store = RedisStore(url, timeout_s=30.0)
+    tier = SharedTier(store, model=f"bench-{tag}", kv=kv, background=background, max_queued_bytes=1 << 40)
+    tier.bind(layout)
+    pool = LinearStatePool(layout, 1)
+    slot = pool.alloc(RequestOwner("bench"))
+    pool.conv[:, slot].normal_()
+    pool.recurrent[:, slot].normal_()
+    kv_idx = torch.arange(tokens)
+    calls: list[float] = []
+    t0 = time.perf_counter()
+    for i in range(blobs):
+        ids = np.arange(i * tokens, (i + 1) * tokens, dtype=np.int64)
+        t = time.perf_counter()
+        ok = tier.publish(ids, None, pool, slot, kv_idx, None)
+        calls.append(time.perf_counter() - t)
+        assert ok, f"publication {i} was not taken ({tier.stats.as_dict()})"
+    assert tier.close(timeout_s=600), "the writer did not finish"
+    wall = time.perf_counter() - t0
+    assert tier.stats.published == blobs and tier.stats.errors == 0, tier.stats.as_dict()
+    keys = [tier.key(np.arange(i * tokens, (i + 1) * tokens, dtype=np.int64), None) for i in range(blobs)]
+    assert all(store.exists(keys)), "a published blob is missing from the store"
+    for k in keys:
+        store.delete(k)
+    return {"call_median_s": statistics.median(calls), "call_max_s": max(calls), "wall_s": wall}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="qwen3-next-80b", choices=sorted(PRESETS))
+    ap.add_argument("--tokens", type=int, default=1024, help="prefix length whose KV travels with each state")
+    ap.add_argument("--blobs", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--redis-url", help="an existing server (default: start one of our own)")
+    ap.add_argument("--quick", action="store_true", help="smoke size for CI: 2 layers, 64 tokens, 3 blobs, 1 rep")
+    args = ap.parse_args()
+    preset = PRESETS[args.preset]
+    layout, tokens, blobs, reps = preset.layout, args.tokens, args.blobs, args.reps
+    if args.quick:
+        layout = StateLayout(2, layout.conv_shape, layout.recurrent_shape, layout.conv_dtype, layout.recurrent_dtype)
+        tokens, blobs, reps = 64, 3, 1
+    kv = _BytesKV(preset.kv_bytes_per_token)
+    server = None
+    url = args.redis_url
+    tmp = tempfile.TemporaryDirectory()
+    if url is None:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from tests.redis_server import RedisServer
+
+        server = RedisServer(Path(tmp.name))
+        server.start()
+        url = server.url
+    try:
+        runs: dict[str, list[dict[str, float]]] = {"inline": [], "background": []}
+        for r in range(reps):
+            order = ["inline", "background"] if r % 2 == 0 else ["background", "inline"]
+            for mode in order:
+                runs[mode].append(run_mode(url, mode == "background", layout, kv, tokens, blobs, f"{mode}{r}"))
+    finally:
+        if server is not None:
+            server.stop()
+        tmp.cleanup()
+    out: dict[str, Any] = {
+        "bench": "shared_publish",
+        "preset": args.preset,
+        "blob_bytes": layout.slot_bytes + tokens * preset.kv_bytes_per_token,
+        "blobs": blobs,
+        "reps": reps,
+    }
+    for mode, rs in runs.items():
+        out[mode] = {
+            k.replace("_s", "_ms"): round(1e3 * statistics.median(x[k] for x in rs), 3)
+            for k in ("call_median_s", "call_max_s", "wall_s")
+        }
+    out["caller_thread_inline_over_background"] = round(
+        out["inline"]["call_median_ms"] / max(out["background"]["call_median_ms"], 1e-9), 2
+    )
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
