@@ -986,17 +986,18 @@ class HybridRadixCache:
             raise ValueError(f"node {node.id} holds no snapshot to evict")
         if node.snap_lock:
             raise LockError(f"node {node.id} is locked; its snapshot cannot be evicted")
-        return self._evict_device_snapshot(node, demote=demote)
+        return EvictResult(*self._evict_device_snapshot(node, demote=demote))
 
-    def _evict_device_snapshot(self, n: TreeNode, *, demote: bool) -> EvictResult:
+    def _evict_device_snapshot(self, n: TreeNode, *, demote: bool) -> tuple[int, int, int]:
         """Unlocked ``n``'s device snapshot goes: to the host tier (``demote``, when it has room),
-        else dropped; a leaf then goes whole (its KV too, cascading), an inner node stays a tombstone."""
-        if demote and self._demote(n):
-            return EvictResult(0, 1, 0)
+        else dropped; a leaf then goes whole (its KV too, cascading), an inner node stays a
+        tombstone. Returns (KV tokens, snapshots, nodes) freed."""
+        if demote and self.host_pool is not None and self._demote(n):
+            return 0, 1, 0
         if n.children:
             self._free_snapshot(n)
-            return EvictResult(0, 1, 0)
-        return EvictResult(*self._remove_leaf(n))
+            return 0, 1, 0
+        return self._remove_leaf(n)
 
     def _remove_leaf(self, n: TreeNode) -> tuple[int, int, int]:
         """Remove unlocked leaf ``n`` and every parent it leaves as an unlocked tombstone leaf."""
