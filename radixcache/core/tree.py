@@ -339,6 +339,7 @@ class HybridRadixCache:
         # NOTE: node ids keep growing across reset(): a policy or a ledger that still names an
         # old node can never mistake a new one for it.
         self._tick = 0
+        self._touched = 0  # nodes touched since the queues' sizes were last checked
         # NOTE: eviction candidates live in three lazy-deletion queues (LazyHeap), keyed by
         # last_access. A touch pushes a fresh entry (O(1): ticks arrive in order, into the queue's
         # FIFO run; an older tick goes to its heap, O(log n) in C); pop skips entries that are
@@ -1115,8 +1116,14 @@ class HybridRadixCache:
                 self._host_heap.push(tick, n)
             if not n.children and not n.kv_lock:
                 push_kv(tick, n)
-        if len(self._kv_heap) + len(self._snap_heap) + len(self._host_heap) > 4 * self._num_nodes + 2048:
-            self._maybe_compact()
+        # A touched node pushes at most two entries: checking the queues' sizes once every
+        # num_nodes + 1024 touched nodes keeps them within a linear bound, without three len()
+        # calls on every match and insert.
+        self._touched += len(nodes)
+        if self._touched > self._num_nodes + 1024:
+            self._touched = 0
+            if len(self._kv_heap) + len(self._snap_heap) + len(self._host_heap) > 4 * self._num_nodes + 2048:
+                self._maybe_compact()
 
     # ------------------------------------------------------------------ reset
     def reset(self) -> None:
