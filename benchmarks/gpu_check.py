@@ -15,6 +15,10 @@
   (``CudaStream(stream=...)``, what the SGLang backend does): a long producer writes a request's
   slot on that stream, the tree clones it with no fence passed (stream order alone), restores it
   into another slot, and both must read the producer's write (``ok``);
+- ``shared_tier``: two reference engines on ``cuda`` sharing one in-process store, the publisher's
+  tier inline and then with its writer thread (``background=True``): publications read CUDA slots
+  back to the host, the other engine fetches them into its CUDA slots after verifying their
+  fingerprints; every answer must equal the cold run's (``ok``);
 - ``device``: what the numbers were measured on;
 - ``hammer``: the ground-truth hammer with the reference engine on ``cuda`` (two CUDA streams:
   forwards and copies run concurrently, ordered by fences alone), clean and with forensics; then
@@ -48,7 +52,10 @@ from linear_state import (
     cuda_fence_check,
 )
 from radixcache import HybridRadixCache
+from radixcache.core.shared import MemoryStore
+from radixcache.testing.engine import EngineRequest, ReferenceEngine, generate_cold
 from radixcache.testing.hammer import HammerConfig, run_hammer
+from radixcache.testing.model import HybridConfig, HybridModel
 
 
 def device_info() -> dict[str, Any]:
@@ -211,6 +218,42 @@ def clone_and_fingerprint(reps: int) -> tuple[dict[str, Any], dict[str, Any]]:
     return clone_row, fingerprint_row
 
 
+def shared_tier() -> dict[str, Any]:
+    """Publish from one CUDA engine, fetch into another (inline, then background); exact answers."""
+    model = HybridModel(HybridConfig(), device="cuda")
+    system = [(7 * i) % 500 for i in range(300)]
+    prompts = [system + [(11 * i + j) % 500 for j in range(40)] for i in range(4)]
+    out: dict[str, Any] = {}
+    for mode in ("inline", "background"):
+        store = MemoryStore()
+        a = ReferenceEngine(model, shared_store=store, publisher="A", shared_background=mode == "background")
+        b = ReferenceEngine(model, shared_store=store, publisher="B")
+        for i, p in enumerate(prompts[:2]):
+            a.submit(EngineRequest(f"a{i}", p, 4))
+        a.run()
+        a.manager.publish_pending(wait=True)
+        for i, p in enumerate(prompts):
+            b.submit(EngineRequest(f"b{i}", p, 4))
+        finished = b.run()
+        wrong = sum(r.output != generate_cold(model, r.prompt, len(r.output))[0] for r in finished)
+        m_a, m_b = a.manager.metrics(), b.manager.metrics()
+        a.manager.check_invariants()
+        b.manager.check_invariants()
+        out[mode] = {
+            "published": m_a.shared_published,
+            "foreign_hits": m_b.shared_foreign_hits,
+            "rejected": m_b.shared_rejected,
+            "wrong_answers": int(wrong),
+        }
+        assert a.shared is not None
+        a.shared.close()
+    out["ok"] = all(
+        r["published"] > 0 and r["foreign_hits"] > 0 and r["rejected"] == 0 and r["wrong_answers"] == 0
+        for r in out.values()
+    )
+    return out
+
+
 def hammer(requests: int, delay_us: float) -> dict[str, Any]:
     """The hammer on cuda: clean, with forensics, clean with each forward delayed by ``delay_us``,
     and each fence bug injected under the same delay (which should make it serve wrong answers)."""
@@ -257,6 +300,10 @@ def main() -> None:
     out: dict[str, Any] = {"bench": "gpu_check", "device": device_info()}
     out["fences"] = fences()
     out["hosted_stream"] = hosted_stream()
+    try:
+        out["shared_tier"] = shared_tier()
+    except Exception as e:  # the other figures still come out
+        out["shared_tier"] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
     out["clone"], out["fingerprint"] = clone_and_fingerprint(args.reps)
     clean: list[bool] = []
     if args.hammer_requests:
@@ -275,6 +322,7 @@ def main() -> None:
         out["fences"]["ordered_ok"]
         and out["fences"]["unordered_stale"]
         and out["hosted_stream"]["ok"]
+        and out["shared_tier"]["ok"]
         and all(clean)
         and all(caught)
     )
