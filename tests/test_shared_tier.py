@@ -363,6 +363,72 @@ def test_a_background_upload_that_fails_marks_the_store_down_and_serving_goes_on
     a.manager.check_invariants()
 
 
+def _tier_state(tier: SharedTier, store: MemoryStore, pool: LinearStatePool) -> tuple[object, ...]:
+    return (
+        json.dumps(tier.stats.as_dict(), sort_keys=True),
+        sorted(store.blobs),
+        sorted((k, sorted(v)) for k, v in store.indexes.items()),
+        tier.down,
+        tier.pending_writes,
+        [pool.owner_of(i) for i in range(pool.capacity)],
+        pool.fingerprint(0),
+    )
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_bad_publish_fetch_and_flush_arguments_raise_typed_errors_and_change_nothing(background: bool) -> None:
+    store = MemoryStore()
+    layout = StateLayout(2, (4, 3), (2, 4, 4))
+    pool = LinearStatePool(layout, 2)
+    slot = pool.alloc(RequestOwner("r"))
+    tier = SharedTier(store, model="m", kv=_NoKV(), background=background)
+    with pytest.raises(RuntimeError, match="before bind"):
+        tier.publish(np.arange(3), None, pool, slot, torch.arange(3), None)
+    with pytest.raises(RuntimeError, match="before bind"):
+        tier.fetch(np.arange(3), None, 0)
+    tier.bind(layout)
+    ids, kv = np.arange(6), torch.arange(6)
+    assert tier.publish(ids, None, pool, slot, kv, None)
+    tier.flush()
+
+    def w(v: object) -> Any:
+        """A deliberately wrong argument (typed Any so the call type-checks)."""
+        return v
+
+    def pub(ids: Any, ns: Any = None, p: Any = pool, k: Any = None, after: Any = None) -> object:
+        return tier.publish(ids, ns, p, slot, torch.arange(len(ids)) if k is None else k, after)
+
+    bad: list[tuple[type[BaseException], str, Callable[[], object]]] = [
+        (TypeError, "ids must be an integer numpy array, got str", lambda: pub("abc")),
+        (TypeError, "ids must be an integer numpy array, got list", lambda: tier.fetch(w([1, 2]), None, 0)),
+        (TypeError, "array of float64", lambda: pub(np.arange(6.0) + 0.5)),
+        (ValueError, r"ids must be 1-D, got shape \(2, 3\)", lambda: tier.fetch(np.zeros((2, 3), dtype=int), None, 0)),
+        (TypeError, "pool must be a LinearStatePool, got object", lambda: pub(np.arange(7), p=object())),
+        (TypeError, "integer tensor, got Tensor of torch.float32", lambda: pub(np.arange(7), k=torch.zeros(7))),
+        (ValueError, r"one index per id: shape \(3,\) for 7 ids", lambda: pub(np.arange(7), k=torch.arange(3))),
+        (TypeError, "kv_after must be a Fence or None, got str", lambda: pub(np.arange(7), after="x")),
+        (TypeError, "namespaces that are None, str, int or bytes", lambda: pub(np.arange(7), ns=[1])),
+        (TypeError, "namespaces that are None, str, int or bytes", lambda: tier.fetch(np.arange(9), w([1]), 0)),
+        (ValueError, "local must be >= 0, got -1", lambda: tier.fetch(np.arange(9), None, -1)),
+        (ValueError, "local match 10 is longer than the request's 9 ids", lambda: tier.fetch(np.arange(9), None, 10)),
+        (TypeError, "local must be an int, got 1.5", lambda: tier.fetch(np.arange(9), None, w(1.5))),
+        (ValueError, "page must be >= 1, got 0", lambda: tier.fetch(np.arange(9), None, 0, page=0)),
+        (ValueError, "timeout_s must be None or a number >= 0, got -1", lambda: tier.flush(-1)),
+        (ValueError, "timeout_s must be None or a number >= 0, got nan", lambda: tier.close(float("nan"))),
+    ]
+    for err, msg, call in bad:
+        before = _tier_state(tier, store, pool)
+        with pytest.raises(err, match=msg):
+            call()
+        tier.flush()
+        assert _tier_state(tier, store, pool) == before, msg
+        tier.check_invariants()
+        pool.check_invariants()
+    got = tier.fetch(np.arange(9), None, 0)  # still serves: the good blob at depth 6
+    assert got is not None and got.depth == 6
+    assert tier.close()
+
+
 def test_keys_separate_models_namespaces_and_prefixes() -> None:
     layout = StateLayout(2, (4, 3), (2, 4, 4))
     tiers = []

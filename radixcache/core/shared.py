@@ -324,6 +324,20 @@ def _parse(blob: bytes) -> tuple[dict[str, object], bytes] | None:
     return header, blob[start + hl :]
 
 
+def _check_ids(ids: object) -> None:
+    """Cache ids as the tier takes them: a 1-D integer numpy array."""
+    if not isinstance(ids, np.ndarray) or ids.dtype.kind not in "iu":
+        kind = type(ids).__name__ if not isinstance(ids, np.ndarray) else f"array of {ids.dtype}"
+        raise TypeError(f"ids must be an integer numpy array, got {kind}")
+    if ids.ndim != 1:
+        raise ValueError(f"ids must be 1-D, got shape {ids.shape}")
+
+
+def _check_timeout(timeout_s: float | None) -> None:
+    if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and timeout_s >= 0):
+        raise ValueError(f"timeout_s must be None or a number >= 0, got {timeout_s!r}")
+
+
 def _ns_name(namespace: Hashable) -> str:
     """A request namespace as it enters a content address (stable across processes)."""
     if namespace is None or isinstance(namespace, (str, int, bytes)):
@@ -445,7 +459,12 @@ class SharedTier:
         return self._identity
 
     def key(self, ids: np.ndarray, namespace: Hashable) -> str:
-        """The store key of the snapshot after all of ``ids`` (int64 cache ids) in ``namespace``."""
+        """The store key of the snapshot after all of ``ids`` (int64 cache ids) in ``namespace``.
+
+        :raises TypeError: ``ids`` is not an integer numpy array, or a namespace the tier cannot
+            address. :raises ValueError: ``ids`` is not 1-D.
+        """
+        _check_ids(ids)
         h = hashlib.blake2b(digest_size=20)
         h.update(self._identity.encode())
         h.update(b"\0" + _ns_name(namespace).encode() + b"\0")
@@ -509,10 +528,25 @@ class SharedTier:
         (with ``background``: handed to the writer, which stores it unless the store fails).
         A key this tier published or fetched before is not published again.
 
-        :raises RuntimeError: the tier was never bound.
+        :raises RuntimeError: the tier was never bound. :raises TypeError: ``ids`` not an integer
+            numpy array, ``pool`` not a pool, ``kv_indices`` not an integer tensor, ``kv_after``
+            not a fence, a namespace the tier cannot address. :raises ValueError: ``ids`` not 1-D,
+            or ``kv_indices`` not one index per id. Nothing changes when it raises.
         """
         if self._layout is None:
             raise RuntimeError("SharedTier.publish before bind (give the tier to a CacheManager)")
+        _check_ids(ids)
+        if not isinstance(pool, LinearStatePool):
+            raise TypeError(f"pool must be a LinearStatePool, got {type(pool).__name__}")
+        dt = kv_indices.dtype if isinstance(kv_indices, torch.Tensor) else None
+        if dt is None or dt.is_floating_point or dt.is_complex or dt == torch.bool:
+            raise TypeError(f"kv_indices must be an integer tensor, got {type(kv_indices).__name__} of {dt}")
+        if kv_indices.dim() != 1 or kv_indices.numel() != ids.size:
+            raise ValueError(
+                f"kv_indices must hold one index per id: shape {tuple(kv_indices.shape)} for {ids.size} ids"
+            )
+        if kv_after is not None and not isinstance(kv_after, Fence):
+            raise TypeError(f"kv_after must be a Fence or None, got {type(kv_after).__name__}")
         depth = int(ids.size)
         key = self.key(ids, namespace)
         if key in self._done or self.down:
@@ -574,13 +608,21 @@ class SharedTier:
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until the writer thread stored every publication handed to it (or failed to);
-        True when none is left (always without ``background``), False at ``timeout_s``."""
+        True when none is left (always without ``background``), False at ``timeout_s``.
+
+        :raises ValueError: a negative or NaN ``timeout_s``.
+        """
+        _check_timeout(timeout_s)
         return True if self._writer is None else self._writer.flush(timeout_s)
 
     def close(self, timeout_s: float | None = None) -> bool:
         """Flush, then stop the writer thread; later publications are dropped (counted in
         ``stats.publish_skipped``). Idempotent; fetches keep working. True when the writer left
-        nothing behind."""
+        nothing behind.
+
+        :raises ValueError: a negative or NaN ``timeout_s``.
+        """
+        _check_timeout(timeout_s)
         self._closed = True
         return True if self._writer is None else self._writer.close(timeout_s)
 
@@ -595,9 +637,24 @@ class SharedTier:
         shorter than ``ids``) whose depth is a multiple of ``page`` (the tree keeps whole pages
         only: a replica with another page size may have published depths this tree cannot hold),
         staged in the tier's staging slot; None: a miss (nothing deeper, the store down, or the blob
-        rejected: then ``on_reject`` heard why and the blob was deleted)."""
+        rejected: then ``on_reject`` heard why and the blob was deleted).
+
+        :raises RuntimeError: the tier was never bound. :raises TypeError: ``ids`` not an integer
+            numpy array, ``local`` or ``page`` not ints, a namespace the tier cannot address.
+            :raises ValueError: ``ids`` not 1-D, ``local`` outside ``[0, len(ids)]``, ``page`` < 1.
+            Nothing changes when it raises.
+        """
         if self._layout is None:
             raise RuntimeError("SharedTier.fetch before bind (give the tier to a CacheManager)")
+        _check_ids(ids)
+        for name, v, lo in (("local", local, 0), ("page", page, 1)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise TypeError(f"{name} must be an int, got {v!r}")
+            if v < lo:
+                raise ValueError(f"{name} must be >= {lo}, got {v}")
+        if local > ids.size:
+            raise ValueError(f"local match {local} is longer than the request's {ids.size} ids")
+        _ns_name(namespace)  # an unaddressable namespace is a TypeError before anything is counted
         n = int(ids.size) - 1
         if n <= local:
             return None
