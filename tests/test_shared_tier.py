@@ -429,6 +429,27 @@ def test_bad_publish_fetch_and_flush_arguments_raise_typed_errors_and_change_not
     assert tier.close()
 
 
+def test_a_published_prefix_is_found_behind_many_deeper_depths_of_other_prompts() -> None:
+    store = MemoryStore()
+    layout = StateLayout(2, (4, 3), (2, 4, 4))
+    pool = LinearStatePool(layout, 2)
+    slot = pool.alloc(RequestOwner("r"))
+    tier = SharedTier(store, model="m", kv=_NoKV())
+    tier.bind(layout)
+    rng = np.random.default_rng(0)
+    prefix = rng.integers(0, 1000, 100)
+    assert tier.publish(prefix, None, pool, slot, torch.arange(100), None)
+    for d in range(101, 1101):  # other prompts published deeper in the same namespace
+        assert tier.publish(rng.integers(1000, 2000, d), None, pool, slot, torch.arange(d), None)
+    request = np.concatenate([prefix, rng.integers(0, 1000, 1050)])
+    got = tier.fetch(request, None, 0)
+    assert got is not None and got.depth == 100
+    assert tier.fetch(request, None, 100) is None  # nothing deeper than the local match
+    # the keys a probe computes in one pass are the keys publish used
+    depths = [1, 50, 100, 1150]
+    assert tier._keys(request, None, depths) == [tier.key(request[:d], None) for d in depths]
+
+
 def test_keys_separate_models_namespaces_and_prefixes() -> None:
     layout = StateLayout(2, (4, 3), (2, 4, 4))
     tiers = []

@@ -357,7 +357,10 @@ class SharedTier:
     :param kv: how the host's KV travels with a state.
     :param namespace: the deployment's namespace in the store (a key prefix).
     :param publisher: this replica's name, written into its blobs (default: host and process id).
-    :param max_probes: the deepest this many published depths are checked per probe.
+    :param max_probes: the deepest this many depths published in the request's namespace (past its
+        local match, up to its length) are checked per probe, in one round trip. The index lists
+        the depths of every prefix published in the namespace, most of them other prefixes': too
+        small a number misses a published prefix that many deeper depths of other prompts hide.
     :param retry_s: after a failed store call, no call is made for this long.
     :param max_pending: publications waiting for their fences beyond this are dropped (oldest first).
     :param clock: seconds, for ``retry_s``.
@@ -377,7 +380,7 @@ class SharedTier:
         kv: KVCodec,
         namespace: str = "radixcache",
         publisher: str | None = None,
-        max_probes: int = 32,
+        max_probes: int = 1024,
         retry_s: float = 1.0,
         max_pending: int = 1024,
         clock: Callable[[], float] = time.monotonic,
@@ -465,11 +468,21 @@ class SharedTier:
             address. :raises ValueError: ``ids`` is not 1-D.
         """
         _check_ids(ids)
+        return self._keys(ids, namespace, [int(ids.size)])[0]
+
+    def _keys(self, ids: np.ndarray, namespace: Hashable, depths: Sequence[int]) -> list[str]:
+        """``key(ids[:d], namespace)`` for every ``d`` of ``depths`` (ascending), hashing ``ids``
+        once: the hash of a longer prefix continues from the shorter one's."""
         h = hashlib.blake2b(digest_size=20)
         h.update(self._identity.encode())
         h.update(b"\0" + _ns_name(namespace).encode() + b"\0")
-        h.update(np.ascontiguousarray(ids, dtype=np.int64).tobytes())
-        return f"{self.namespace}:{self._id_digest}:{h.hexdigest()}"
+        words = np.ascontiguousarray(ids, dtype=np.int64)
+        out, at = [], 0
+        for d in depths:
+            h.update(words[at:d].tobytes())
+            at = d
+            out.append(f"{self.namespace}:{self._id_digest}:{h.hexdigest()}")  # digest() leaves h as is
+        return out
 
     @staticmethod
     def addressable(namespace: Hashable) -> bool:
@@ -664,10 +677,11 @@ class SharedTier:
         if not ok or not got:
             return None
         assert isinstance(got, list)
-        depths = [d for d in got if d % page == 0][-self.max_probes :][::-1]
+        depths = [d for d in got if d % page == 0][-self.max_probes :]
         if not depths:
             return None
-        keys = [self.key(ids[:d], namespace) for d in depths]
+        keys = self._keys(ids, namespace, depths)[::-1]  # deepest first
+        depths.reverse()
         ok, there = self._guarded(lambda: self.store.exists(keys))
         if not ok:
             return None
