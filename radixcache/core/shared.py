@@ -25,11 +25,12 @@ Costs: a publication reads the snapshot (and its KV) back to the host once its f
 probe is one round trip for the published depths and one for the blobs' existence, a fetch one
 more. Probes happen only when the local match is shorter than the request.
 
-With ``background=True`` the store round trip of a publication (the blob's upload, the slowest
-part with a remote store and a large state) runs on one writer thread of the tier's own, so the
-scheduler's thread pays only the read-back and the encoding; the thread touches nothing but the
-store and the tier's counters, and publications beyond ``max_queued_bytes`` waiting for it are
-dropped (counted). Fetches stay on the caller's thread: an admission needs their answer.
+With ``background=True`` a publication's fingerprint, encoding and store round trip (the upload is
+the slowest part with a remote store and a large state) run on one writer thread of the tier's
+own, so the scheduler's thread pays only the copy out of the slot and the codec's KV export; the
+thread touches nothing but its own one-slot staging pool, the store and the tier's counters, and
+publications beyond ``max_queued_bytes`` waiting for it are dropped (counted). Fetches stay on the
+caller's thread: an admission needs their answer.
 """
 
 from __future__ import annotations
