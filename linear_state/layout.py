@@ -6,9 +6,15 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 __all__ = ["StateLayout"]
+
+
+def _is_int(v: object) -> bool:
+    """An int (numpy's too), never a bool."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +32,8 @@ class StateLayout:
 
     :raises ValueError: a non-positive layer count or dimension, a non-floating dtype, or
         ``model_layers`` not ``num_layers`` distinct non-negative ascending ints.
+    :raises TypeError: a layer count or a dimension that is not an int (a bool, a float, a str),
+        a dtype that is not a ``torch.dtype``.
     """
 
     num_layers: int
@@ -36,13 +44,20 @@ class StateLayout:
     model_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        if not _is_int(self.num_layers):
+            raise TypeError(f"num_layers must be an int, got {self.num_layers!r}")
         if self.num_layers <= 0:
             raise ValueError(f"num_layers must be positive, got {self.num_layers}")
+        object.__setattr__(self, "num_layers", int(self.num_layers))
         for name, shape in (("conv_shape", self.conv_shape), ("recurrent_shape", self.recurrent_shape)):
-            if not shape or any(int(d) <= 0 for d in shape):
+            if not isinstance(shape, (tuple, list, torch.Size)) or not all(_is_int(d) for d in shape):
+                raise TypeError(f"{name} must be a tuple of ints, got {shape!r}")
+            if not shape or any(d <= 0 for d in shape):
                 raise ValueError(f"{name} must be non-empty with positive dims, got {shape}")
             object.__setattr__(self, name, tuple(int(d) for d in shape))
         for name, dtype in (("conv_dtype", self.conv_dtype), ("recurrent_dtype", self.recurrent_dtype)):
+            if not isinstance(dtype, torch.dtype):
+                raise TypeError(f"{name} must be a torch.dtype, got {dtype!r}")
             if not dtype.is_floating_point:
                 raise ValueError(f"{name} must be a floating dtype, got {dtype}")
         if self.model_layers is not None:

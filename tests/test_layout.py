@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 
@@ -35,6 +36,27 @@ def test_mamba2_layout() -> None:
 def test_bad_layouts_raise(kwargs: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         StateLayout(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_layers": "2", "conv_shape": (1, 1), "recurrent_shape": (1,)}, "num_layers must be an int, got '2'"),
+        ({"num_layers": True, "conv_shape": (1, 1), "recurrent_shape": (1,)}, "num_layers must be an int, got True"),
+        ({"num_layers": 2, "conv_shape": (4.5, 3), "recurrent_shape": (1,)}, r"conv_shape must be a tuple of ints"),
+        ({"num_layers": 2, "conv_shape": (4, 3), "recurrent_shape": 16}, r"recurrent_shape must be a tuple of ints"),
+        ({"num_layers": 2, "conv_shape": (4, 3), "recurrent_shape": (1,), "conv_dtype": "bfloat16"}, "torch.dtype"),
+    ],
+)
+def test_layouts_of_the_wrong_types_raise_type_errors_naming_the_field(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(TypeError, match=message):
+        StateLayout(**kwargs)  # type: ignore[arg-type]
+
+
+def test_numpy_ints_make_the_same_layout_as_python_ints() -> None:
+    a = StateLayout(np.int64(2), (np.int32(4), 3), (2, 4, 4))  # type: ignore[arg-type]
+    b = StateLayout(2, (4, 3), (2, 4, 4))
+    assert a == b and repr(a) == repr(b) and type(a.num_layers) is int
 
 
 def test_gdn_kernel_must_keep_a_window() -> None:

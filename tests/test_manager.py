@@ -239,6 +239,13 @@ def test_bad_manager_options() -> None:
         CacheManager(h.cache, barrier="sometimes")  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="another cache"):
         CacheManager(Host().cache, h.mgr.policy)
+    fresh = Host(page_size=16)
+    with pytest.raises(TypeError, match=r"policy must be a Policy, got str \(make_policy\(name\) builds one"):
+        CacheManager(fresh.cache, "hit-density")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="policy must be a Policy, got object"):
+        CacheManager(fresh.cache, object())  # type: ignore[arg-type]
+    fresh.cache.check_invariants()
+    CacheManager(fresh.cache)  # the refused calls bound nothing: the cache still takes a manager
 
 
 def test_check_invariants_detects_a_slot_shared_by_tree_and_request() -> None:

@@ -227,6 +227,11 @@ def test_budget_below_one_snapshot_is_refused() -> None:
         replay([TraceRecord("s", 0, 0.0, [1, 2, 3], [4])], make_policy("hit-density"), Q, 1000)
     with pytest.raises(TypeError, match="number of bytes"):
         replay([TraceRecord("s", 0, 0.0, [1, 2, 3], [4])], make_policy("hit-density"), Q, "4GiB")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="policy must be a Policy"):
+        replay(generate("edge")[:9], "hit-density", Q, 4 * GiB)  # type: ignore[arg-type]
+    for chunk in (0, -64, 2.5, True):
+        with pytest.raises(ValueError, match=f"chunk must be an int >= 1 .*got {chunk!r}"):
+            replay(generate("edge")[:9], make_policy("hit-density"), Q, 4 * GiB, chunk=chunk)  # type: ignore[arg-type]
     res = replay(generate("edge")[:9], make_policy("hit-density"), Q, 1.5 * GiB)  # a float budget: whole bytes
     assert res.budget_bytes == int(1.5 * GiB)
 

@@ -310,8 +310,9 @@ class CacheManager:
         CUDA pool): evicted snapshots are demoted to host memory instead of dropped
         (docs/host_tier.md). ``None``: no host tier unless the tree has its own.
     :param host_budget_bytes: the auto host tier's bytes (fewer than one slot's: none).
-    :raises ValueError: bad options. :raises RuntimeError: the policy (or the shared tier) serves
-        another manager.
+    :raises ValueError: bad options. :raises TypeError: a policy that is not a
+        :class:`~radixcache.policies.Policy`, a shared tier that is not a ``SharedTier``.
+        :raises RuntimeError: the policy (or the shared tier) serves another manager.
     """
 
     def __init__(
@@ -337,6 +338,9 @@ class CacheManager:
             or host_budget_bytes < 0
         ):
             raise ValueError(f"host_budget_bytes must be an int >= 0, got {host_budget_bytes!r}")
+        if policy is not None and not isinstance(policy, Policy):
+            hint = " (make_policy(name) builds one by name)" if isinstance(policy, str) else ""
+            raise TypeError(f"policy must be a Policy, got {type(policy).__name__}{hint}")
         if shared is not None and not isinstance(shared, SharedTier):
             raise TypeError(f"shared must be a SharedTier, got {type(shared).__name__}")
         if isinstance(track_slots, bool) or not isinstance(track_slots, int) or track_slots < 1:

@@ -187,9 +187,13 @@ def replay(
         one replica replayed, that is the bound a fleet's store gives it: every prefix this trace
         computed before stays fetchable after the tree dropped it.
     :raises ValueError: a budget smaller than one snapshot, a negative host budget, a bandwidth or
-        rate that is not positive. :raises TypeError: a budget that is not a number (a float is
-        rounded down to whole bytes).
+        rate that is not positive, a ``chunk`` below 1. :raises TypeError: a budget that is not a
+        number (a float is rounded down to whole bytes), a policy that is not a ``Policy``.
     """
+    if not isinstance(policy, Policy):
+        raise TypeError(f"policy must be a Policy (make_policy(name)), got {type(policy).__name__}")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be an int >= 1 (tokens per prefill window), got {chunk!r}")
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, float)):
         raise TypeError(f"budget_bytes must be a number of bytes, got {budget_bytes!r}")
     budget = int(budget_bytes)
