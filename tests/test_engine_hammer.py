@@ -58,6 +58,27 @@ def test_unknown_inject_mode() -> None:
         ReferenceEngine(MODEL, inject="typo")
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("concurrency", 0, "concurrency must be an int >= 1, got 0"),
+        ("requests", -1, "requests must be an int >= 0, got -1"),
+        ("chunk", 2.5, "chunk must be an int >= 1, got 2.5"),
+        ("max_new_tokens", 2, r"max_new_tokens must be an int >= min_new_tokens \(4\), got 2"),
+        ("tenant_share", 1.5, r"tenant_share must be a fraction in \[0, 1\], got 1.5"),
+        ("host_slots", -3, "host_slots must be None or an int >= 0, got -3"),
+        ("logit_tol", float("nan"), "logit_tol must be a number >= 0, got nan"),
+        ("policy", "lru", "hammer policy 'lru': known"),
+        ("inject", "typo", "hammer inject 'typo': known"),
+    ],
+)
+def test_a_hammer_config_out_of_range_is_refused_before_anything_runs(field: str, value: object, message: str) -> None:
+    # concurrency 0 used to spin until the watchdog; the others failed deep inside the run
+    cfg = dataclasses.replace(HammerConfig(requests=4), **{field: value})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=message):
+        run_hammer(cfg, model=MODEL)
+
+
 def test_a_hammer_without_ground_truth_says_so_and_never_passes() -> None:
     rep = run_hammer(HammerConfig(requests=6, concurrency=3, seed=1, ground_truth=False), model=MODEL)
     text = format_report(rep)

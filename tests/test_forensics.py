@@ -4,6 +4,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from linear_state import LinearStatePool, StateLayout
 from radixcache import Forensics, Ledger, SnapshotCorruption, read_ledger
 from radixcache.cli import main
 from radixcache.testing.hammer import HammerConfig, run_hammer
@@ -136,6 +137,13 @@ def test_bad_mode() -> None:
     h = Host()
     with pytest.raises(ValueError, match="mode"):
         Forensics(h.pool, mode="loud")  # type: ignore[arg-type]
+
+
+def test_forensics_of_something_that_is_not_a_pool_or_a_ledger_is_refused() -> None:
+    with pytest.raises(TypeError, match="Forensics watches a LinearStatePool, got str"):
+        Forensics("pool")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="ledger must be a Ledger or None, got str"):
+        Forensics(LinearStatePool(StateLayout(1, (2, 2), (2,)), 2), ledger="ledger.jsonl")  # type: ignore[arg-type]
 
 
 MODEL = HybridModel(HybridConfig())

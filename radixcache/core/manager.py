@@ -503,12 +503,14 @@ class CacheManager:
         :param now: the time of arrival in seconds (default: the manager's clock).
         :returns: an :class:`Admission`, or a :class:`Refusal` when slots cannot be found; then
             tree, pool and policy are exactly as they were.
-        :raises ValueError: ``rid`` already admitted, bad or empty ids. Nothing changed.
+        :raises ValueError: ``rid`` already admitted, bad or empty ids. :raises TypeError: an
+            unhashable ``rid`` or ``session``, ids of the wrong type. Nothing changed.
         """
-        try:
-            hash(rid)
-        except TypeError:
-            raise TypeError(f"request id must be hashable, got {type(rid).__name__}") from None
+        for what, v in (("request id", rid), ("session", session)):
+            try:
+                hash(v)
+            except TypeError:
+                raise TypeError(f"{what} must be hashable, got {type(v).__name__}") from None
         if rid in self._requests:
             raise ValueError(f"request {rid!r} is already admitted")
         kb, ids = self._ids(rid, cache_ids)

@@ -126,6 +126,10 @@ class Forensics:
     """
 
     def __init__(self, pool: LinearStatePool, *, ledger: Ledger | None = None, mode: Mode = "raise") -> None:
+        if not isinstance(pool, LinearStatePool):
+            raise TypeError(f"Forensics watches a LinearStatePool, got {type(pool).__name__}")
+        if ledger is not None and not isinstance(ledger, Ledger):
+            raise TypeError(f"ledger must be a Ledger or None, got {type(ledger).__name__}")
         if mode not in ("raise", "record"):
             raise ValueError(f"mode must be 'raise' or 'record', got {mode!r}")
         self.pool = pool

@@ -28,9 +28,9 @@ from typing import Any
 import torch
 
 from ..core.shared import RedisStore
-from ..policies import make_policy
+from ..policies import POLICIES, make_policy
 from .engine import EngineRequest, ReferenceEngine, generate_cold
-from .inject import injected
+from .inject import FUZZ_BUGS, injected
 from .model import HybridConfig, HybridModel
 
 __all__ = ["HammerConfig", "HammerReport", "format_report", "run_hammer"]
@@ -245,7 +245,9 @@ def run_hammer(
     """Run the hammer and return its report (see the module docstring).
 
     :raises ValueError: ``cfg.device`` names no device torch can use here (CUDA asked for where
-        ``torch.cuda.is_available()`` is False, or a name torch does not know)."""
+        ``torch.cuda.is_available()`` is False, or a name torch does not know), or a field of
+        ``cfg`` out of its range (the message names it): checked before anything runs."""
+    _check_config(cfg)
     try:
         device = torch.device(cfg.device)
     except RuntimeError as e:
@@ -260,6 +262,44 @@ def run_hammer(
         return _run(_hf_config(cfg), None, progress)
     with injected(cfg.inject):
         return _run(cfg, model or HybridModel(HybridConfig(), device=cfg.device), progress)
+
+
+def _check_config(cfg: HammerConfig) -> None:
+    """Every numeric field of ``cfg`` in its range, the policy and the injected bug known."""
+    if not isinstance(cfg, HammerConfig):
+        raise TypeError(f"run_hammer takes a HammerConfig, got {type(cfg).__name__}")
+    at_least = {
+        "requests": 0, "concurrency": 1, "chunk": 1, "system_prompts": 1, "min_new_tokens": 1,
+        "probe_tokens": 0, "page_size": 1, "stall_steps": 1, "tenants": 0, "images": 0, "snapshot_slots": 1,
+    }  # fmt: skip
+    for name, lo in at_least.items():
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ValueError(f"hammer {name} must be an int >= {lo}, got {v!r}")
+    if (
+        isinstance(cfg.max_new_tokens, bool)
+        or not isinstance(cfg.max_new_tokens, int)
+        or (cfg.max_new_tokens < cfg.min_new_tokens)
+    ):
+        raise ValueError(
+            f"hammer max_new_tokens must be an int >= min_new_tokens ({cfg.min_new_tokens}), got {cfg.max_new_tokens!r}"
+        )
+    if cfg.host_slots is not None and (
+        isinstance(cfg.host_slots, bool) or not isinstance(cfg.host_slots, int) or cfg.host_slots < 0
+    ):
+        raise ValueError(f"hammer host_slots must be None or an int >= 0, got {cfg.host_slots!r}")
+    for name in ("tenant_share", "image_share", "single_token_share"):
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+            raise ValueError(f"hammer {name} must be a fraction in [0, 1], got {v!r}")
+    for name in ("logit_tol", "forward_delay_us"):
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+            raise ValueError(f"hammer {name} must be a number >= 0, got {v!r}")
+    if cfg.policy not in POLICIES:
+        raise ValueError(f"hammer policy {cfg.policy!r}: known {sorted(POLICIES)}")
+    if cfg.inject is not None and cfg.inject not in FUZZ_BUGS:
+        raise ValueError(f"hammer inject {cfg.inject!r}: known {list(FUZZ_BUGS)}")
 
 
 def _hf_config(cfg: HammerConfig) -> HammerConfig:

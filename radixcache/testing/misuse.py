@@ -102,6 +102,7 @@ class MisuseMachine(HostMachine):
             ),
             Misuse("admit: unhashable rid", lambda: mgr.admit(_wrong([fresh]), [1, 2])),
             Misuse("admit: unhashable namespace", lambda: mgr.admit(fresh, [1, 2], namespace=_wrong({"lora": 1}))),
+            Misuse("admit: unhashable session", lambda: mgr.admit(fresh, [1, 2], session=_wrong(["chat", 1]))),
             Misuse("admit: now is not a number", lambda: mgr.admit(fresh, [1, 2], now=_wrong("soon"))),
             Misuse(
                 "can_admit: bad key", lambda: mgr.can_admit(_wrong(data.draw(st.sampled_from(bad_keys), label="key")))
