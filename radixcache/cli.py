@@ -57,7 +57,7 @@ def cmd_stress(args: argparse.Namespace) -> int:
 def cmd_hammer(args: argparse.Namespace) -> int:
     """Serve the hammer's mix and compare every answer with the cold run."""
     from .progress import progress_callback
-    from .testing.hammer import HammerConfig, format_report, run_hammer
+    from .testing.hammer import HammerConfig, check_config, format_report, run_hammer
 
     try:
         replica, replicas = (int(x) for x in args.replica.split("/"))
@@ -84,6 +84,11 @@ def cmd_hammer(args: argparse.Namespace) -> int:
         model=args.model,
         logit_tol=args.logit_tol if args.logit_tol is not None else (1e-6 if args.model == "reference" else 1e-5),
     )
+    try:
+        check_config(cfg)
+    except ValueError as e:
+        print(f"radixcache hammer: {e}", file=sys.stderr)
+        return 2
     update, close = progress_callback(cfg.requests, "hammer")
     try:
         hammered = run_hammer(cfg, progress=update)

@@ -24,6 +24,12 @@ def test_cli_stress_prints_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert out["actions"] == 200 and out["seed"] == 3
 
 
+def test_cli_hammer_refuses_a_bad_configuration_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["hammer", "--concurrency", "0", "--requests", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "radixcache hammer: hammer concurrency must be an int >= 1, got 0" in err and "Traceback" not in err
+
+
 def test_cli_demo_passes(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo"]) == 0
     out = capsys.readouterr().out

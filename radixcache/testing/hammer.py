@@ -33,7 +33,7 @@ from .engine import EngineRequest, ReferenceEngine, generate_cold
 from .inject import FUZZ_BUGS, injected
 from .model import HybridConfig, HybridModel
 
-__all__ = ["HammerConfig", "HammerReport", "format_report", "run_hammer"]
+__all__ = ["HammerConfig", "HammerReport", "check_config", "format_report", "run_hammer"]
 
 
 @dataclass(frozen=True)
@@ -247,7 +247,7 @@ def run_hammer(
     :raises ValueError: ``cfg.device`` names no device torch can use here (CUDA asked for where
         ``torch.cuda.is_available()`` is False, or a name torch does not know), or a field of
         ``cfg`` out of its range (the message names it): checked before anything runs."""
-    _check_config(cfg)
+    check_config(cfg)
     try:
         device = torch.device(cfg.device)
     except RuntimeError as e:
@@ -264,8 +264,14 @@ def run_hammer(
         return _run(cfg, model or HybridModel(HybridConfig(), device=cfg.device), progress)
 
 
-def _check_config(cfg: HammerConfig) -> None:
-    """Every numeric field of ``cfg`` in its range, the policy and the injected bug known."""
+def check_config(cfg: HammerConfig) -> None:
+    """Refuse a configuration the hammer cannot run: every numeric field of ``cfg`` in its range,
+    the policy and the injected bug known (:func:`run_hammer` calls it first; so does the CLI,
+    before its progress bar).
+
+    :raises ValueError: the first field out of range, named with its value. :raises TypeError:
+        not a :class:`HammerConfig`.
+    """
     if not isinstance(cfg, HammerConfig):
         raise TypeError(f"run_hammer takes a HammerConfig, got {type(cfg).__name__}")
     at_least = {
