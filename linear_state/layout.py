@@ -32,8 +32,8 @@ class StateLayout:
 
     :raises ValueError: a non-positive layer count or dimension, a non-floating dtype, or
         ``model_layers`` not ``num_layers`` distinct non-negative ascending ints.
-    :raises TypeError: a layer count or a dimension that is not an int (a bool, a float, a str),
-        a dtype that is not a ``torch.dtype``.
+    :raises TypeError: a layer count, a dimension or a model layer id that is not an int (a bool,
+        a float, a str), a dtype that is not a ``torch.dtype``.
     """
 
     num_layers: int
@@ -61,6 +61,8 @@ class StateLayout:
             if not dtype.is_floating_point:
                 raise ValueError(f"{name} must be a floating dtype, got {dtype}")
         if self.model_layers is not None:
+            if not isinstance(self.model_layers, (tuple, list)) or not all(_is_int(i) for i in self.model_layers):
+                raise TypeError(f"model_layers must be a tuple of ints, got {self.model_layers!r}")
             ids = tuple(int(i) for i in self.model_layers)
             if len(ids) != self.num_layers or any(i < 0 for i in ids) or list(ids) != sorted(set(ids)):
                 raise ValueError(

@@ -46,6 +46,7 @@ def test_bad_layouts_raise(kwargs: dict[str, object]) -> None:
         ({"num_layers": 2, "conv_shape": (4.5, 3), "recurrent_shape": (1,)}, r"conv_shape must be a tuple of ints"),
         ({"num_layers": 2, "conv_shape": (4, 3), "recurrent_shape": 16}, r"recurrent_shape must be a tuple of ints"),
         ({"num_layers": 2, "conv_shape": (4, 3), "recurrent_shape": (1,), "conv_dtype": "bfloat16"}, "torch.dtype"),
+        ({"num_layers": 2, "conv_shape": (4, 3), "recurrent_shape": (1,), "model_layers": (0, 1.5)}, "model_layers"),
     ],
 )
 def test_layouts_of_the_wrong_types_raise_type_errors_naming_the_field(kwargs: dict[str, object], message: str) -> None:
