@@ -527,6 +527,26 @@ def test_background_replicas_share_through_a_real_redis_server(model: HybridMode
         e.manager.check_invariants()
 
 
+def test_redis_existence_checks_answer_per_key_with_and_without_server_scripts(redis_server: RedisServer) -> None:
+    import redis
+
+    store = RedisStore(redis_server.url)
+    keys = [f"t:{i}" for i in range(300)]
+    for k in keys[::7]:
+        assert store.put(k, b"blob")
+    want = [i % 7 == 0 for i in range(300)]
+    assert store.exists(keys) == want  # one server-side script
+    assert store._exists_script is not None
+
+    def refuse(**kw: object) -> object:
+        raise redis.ResponseError("NOSCRIPT scripting is disabled on this server (test)")
+
+    store._exists_script = refuse  # a server that refuses scripts
+    assert store.exists(keys) == want  # the per-key pipeline
+    assert store._exists_script is None  # and it stays on it
+    assert store.exists(keys[:3]) == want[:3] and store.exists([]) == []
+
+
 def test_a_replica_keeps_serving_while_redis_is_down_and_uses_it_again_when_it_returns(
     model: HybridModel, redis_server: RedisServer
 ) -> None:
