@@ -576,7 +576,7 @@ class SharedTier:
         if kv_after is not None and not isinstance(kv_after, Fence):
             raise TypeError(f"kv_after must be a Fence or None, got {type(kv_after).__name__}")
         depth = int(ids.size)
-        key = self.key(ids, namespace)
+        key = self._keys(ids, namespace, [depth])[0]  # ids checked above
         if key in self._done or self.down:
             return False
         conv, rec = pool.read(slot)  # host copies: the slot may be reused once this returns
@@ -682,12 +682,11 @@ class SharedTier:
                 raise ValueError(f"{name} must be >= {lo}, got {v}")
         if local > ids.size:
             raise ValueError(f"local match {local} is longer than the request's {ids.size} ids")
-        _ns_name(namespace)  # an unaddressable namespace is a TypeError before anything is counted
+        index = self.index(namespace)  # an unaddressable namespace: a TypeError before anything is counted
         n = int(ids.size) - 1
         if n <= local:
             return None
         self.stats.probes += 1
-        index = self.index(namespace)
         ok, got = self._guarded(lambda: self.store.depths(index, local, n))
         if not ok or not got:
             return None

@@ -993,7 +993,7 @@ class HybridRadixCache:
         """Unlocked ``n``'s device snapshot goes: to the host tier (``demote``, when it has room),
         else dropped; a leaf then goes whole (its KV too, cascading), an inner node stays a
         tombstone. Returns (KV tokens, snapshots, nodes) freed."""
-        if demote and self.host_pool is not None and self._demote(n):
+        if demote and self._demote(n):
             return 0, 1, 0
         if n.children:
             self._free_snapshot(n)
