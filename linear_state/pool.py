@@ -112,6 +112,8 @@ class LinearStatePool:
         self._owner: list[Owner | None] = [None] * num_slots
         # One id object per slot, made once: alloc hands it out without building anything.
         self._ids = [SlotId(i, self.pool_id) for i in range(num_slots)]
+        # The class of this pool's ids (one per pool): an id of it is in range by construction.
+        self._id_type: type[SlotId] | None = type(self._ids[0]) if num_slots else None
         self._last_use: list[Fence] = [COMPLETE] * num_slots
         self._owned_by: dict[Owner, set[SlotId]] = {}
         self._hasher = SlotHasher([self.conv, self.recurrent])
@@ -520,6 +522,8 @@ class LinearStatePool:
 
     # ----------------------------------------------------------------- helpers
     def _index(self, slot: int) -> int:
+        if type(slot) is self._id_type:  # one of ours: the common case, one type check
+            return slot
         if isinstance(slot, SlotId):
             made_by = slot.pool_id
             if made_by == self.pool_id:
@@ -540,10 +544,12 @@ class LinearStatePool:
         self._free.append(self._ids[s])
 
     def _release_owner_entry(self, s: int, owner: Owner) -> None:
-        held = self._owned_by[owner]
+        # NOTE: pop, then put back only if the owner holds more: an owner's hash is a Python call
+        # (a dataclass), and a tree node, which frees most often, holds one slot (one hash, not two).
+        held = self._owned_by.pop(owner)
         held.discard(self._ids[s])
-        if not held:
-            del self._owned_by[owner]
+        if held:
+            self._owned_by[owner] = held
 
     def _submit_copy(self, s: int, d: int, stream: Stream | None, after: Iterable[Fence], kind: str) -> Fence:
         src, dst = self._copy_rows[s], self._copy_rows[d]

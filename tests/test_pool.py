@@ -37,6 +37,17 @@ def test_alloc_free_conserves(pool: LinearStatePool) -> None:
     pool.check_invariants()
 
 
+def test_freeing_one_of_an_owners_slots_keeps_the_others_indexed(pool: LinearStatePool) -> None:
+    slots = pool.alloc_many(A, 3)
+    pool.free(slots[1], A)
+    assert pool.slots_of(A) == {slots[0], slots[2]} and pool.num_owned_by(RequestOwner) == 2
+    pool.check_invariants()
+    pool.free(slots[0], A)
+    pool.free(slots[2], A)
+    assert not pool.slots_of(A) and pool.num_free == 4
+    pool.check_invariants()
+
+
 def test_exhaustion_is_typed_and_changes_nothing(pool: LinearStatePool) -> None:
     pool.alloc_many(A, 3)
     with pytest.raises(PoolExhausted) as exc:
