@@ -1,10 +1,12 @@
-"""LazyHeap pops exactly what one binary heap of (priority, seq) would, whatever the push order:
-its in-order run and its heap are one queue to every caller."""
+"""LazyHeap pops exactly what one binary heap of (priority, seq) would over each item's latest
+entry, whatever the push order: its in-order run and its heap are one queue to every caller, and a
+push supersedes the item's earlier entry."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -27,17 +29,17 @@ _ops = st.lists(
 )
 
 
-def _reference_pop(entries: list[tuple[int, int, int]], dead: frozenset[int], locked: frozenset[int]) -> int | None:
-    """What a single heap does: walk (priority, seq) ascending, drop dead entries on the way, set
-    locked ones aside (kept), stop at the first live unlocked one (removed)."""
-    for e in sorted(entries):
-        if e[2] in dead:
-            entries.remove(e)
+def _reference_pop(entries: dict[int, tuple[int, int]], dead: frozenset[int], locked: frozenset[int]) -> int | None:
+    """What a single heap of each item's latest (priority, seq) does: walk them ascending, drop dead
+    items on the way, set locked ones aside (kept), stop at the first live unlocked one (removed)."""
+    for _, _, item in sorted((p, seq, x) for x, (p, seq) in entries.items()):
+        if item in dead:
+            del entries[item]
             continue
-        if e[2] in locked:
+        if item in locked:
             continue
-        entries.remove(e)
-        return e[2]
+        del entries[item]
+        return item
     return None
 
 
@@ -52,7 +54,7 @@ def _member_not_of(items: frozenset[int]) -> Callable[[tuple[float, int, int]], 
 @given(_ops)
 def test_pops_follow_priority_then_push_order_like_a_single_heap(ops: list[tuple[object, ...]]) -> None:
     h: LazyHeap[int] = LazyHeap()
-    ref: list[tuple[int, int, int]] = []
+    ref: dict[int, tuple[int, int]] = {}  # item -> its latest (priority, seq)
     tick, item = 0, 0
     for op in ops:
         if op[0] == "push":
@@ -60,8 +62,8 @@ def test_pops_follow_priority_then_push_order_like_a_single_heap(ops: list[tuple
             assert isinstance(delta, int)
             tick += delta
             p = max(0, tick - 5) if back else tick
-            seq = h.push(p, item % 8)
-            ref.append((p, seq, item % 8))
+            seq = h.push(p, item % 4)  # few items: most pushes supersede an entry
+            ref[item % 4] = (p, seq)
             item += 1
         elif op[0] == "pop":
             dead, locked = op[1], op[2]
@@ -72,12 +74,45 @@ def test_pops_follow_priority_then_push_order_like_a_single_heap(ops: list[tuple
             dead = op[1]
             assert isinstance(dead, frozenset)
             h.compact(_member_not_of(dead))
-            ref[:] = [e for e in ref if e[2] not in dead]
+            for x in dead:
+                ref.pop(x, None)
+            assert len(h) == len(ref)  # nothing superseded or dead is left
         else:
             h.clear()
             ref.clear()
-        assert len(h) == len(ref)
-        assert sorted(h) == sorted(ref)
+        h.check_invariants()
+        assert sorted(h.current()) == sorted((p, seq, x) for x, (p, seq) in ref.items())
+        assert len(h) >= len(ref)
+
+
+def test_a_superseded_entry_is_dropped_without_asking_valid() -> None:
+    h: LazyHeap[str] = LazyHeap()
+    h.push(1, "a")
+    h.push(2, "b")
+    h.push(3, "a")  # supersedes a's entry at 1
+    asked: list[tuple[float, int, str]] = []
+
+    def valid(e: tuple[float, int, str]) -> bool:
+        asked.append(e)
+        return True
+
+    assert [h.pop_valid(valid) for _ in range(3)] == ["b", "a", None]
+    assert [e[2] for e in asked] == ["b", "a"]  # a's entry at 1 was never offered
+    assert asked[1][0] == 3 and len(h) == 0
+
+
+def test_check_invariants_names_a_corrupted_queue() -> None:
+    h: LazyHeap[str] = LazyHeap()
+    for p, name in ((1, "a"), (5, "b"), (3, "c")):
+        h.push(p, name)
+    h.check_invariants()
+    h._latest["ghost"] = 99  # an item with no entry
+    with pytest.raises(AssertionError, match="latest entry held"):
+        h.check_invariants()
+    del h._latest["ghost"]
+    h._run.reverse()
+    with pytest.raises(AssertionError, match="out of"):
+        h.check_invariants()
 
 
 def test_out_of_order_pushes_pop_before_later_in_order_ones() -> None:
