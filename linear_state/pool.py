@@ -181,11 +181,8 @@ class LinearStatePool:
             raise PoolExhausted(self.capacity, 1, owner)
         s = self._free.pop()
         self._owner[s] = owner
-        held = self._owned_by.get(owner)
-        if held is None:
-            self._owned_by[owner] = {s}
-        else:
-            held.add(s)
+        # NOTE: setdefault hashes the owner once (a Python-level dataclass hash); get-then-store twice.
+        self._owned_by.setdefault(owner, set()).add(s)
         return s
 
     def alloc_many(self, owner: Owner, n: int) -> list[SlotId]:
@@ -215,7 +212,9 @@ class LinearStatePool:
         :raises SlotMisuse: ``slot`` is already free (double free) or owned by someone else;
             nothing changed. :raises TypeError: a bad slot, owner or fence; nothing changed.
         """
-        s = self._index(slot)
+        # NOTE: the common cases inline (an id of this pool, a tuple of fences): eviction frees a slot
+        # per evicted snapshot in about ten Python calls, two of them here (benchmarks/bench_tree.py).
+        s = slot if type(slot) is self._id_type else self._index(slot)
         current = self._owner[s]
         if current is not owner and (current is None or type(owner) is not type(current) or current != owner):
             _check_owner(owner)  # a bad owner is a TypeError first, as everywhere
@@ -224,9 +223,11 @@ class LinearStatePool:
                 raise SlotMisuse("double free", slot=s, owner=None, actor=owner)
             raise SlotMisuse("free by a non-owner", slot=s, owner=current, actor=owner)
         # ``owner`` is the current owner, or of its class and equal to it: a valid owner, so only
-        # the fences need checking before anything changes.
-        for fence in _fences(after):
+        # the fences need checking before anything changes (waiting one changes nothing).
+        for fence in after if type(after) is tuple else _fences(after):
             if fence is not COMPLETE:
+                if not isinstance(fence, Fence):
+                    raise _not_a_fence(fence)
                 fence.wait()
         last = self._last_use
         if last[s] is not COMPLETE:
@@ -797,12 +798,16 @@ def _check_owner(owner: object) -> None:
         raise TypeError(f"an owner is a RequestOwner or a NodeOwner, got {owner!r}")
 
 
+def _not_a_fence(f: object) -> TypeError:
+    return TypeError(f"after holds {f!r} ({type(f).__name__}), not a Fence")
+
+
 def _fences(after: Iterable[Fence]) -> tuple[Fence, ...]:
     """``after`` as a tuple, every item a Fence (checked before anything is queued or taken)."""
     if type(after) is tuple:  # the common case: nothing to copy
         for f in after:
             if not isinstance(f, Fence):
-                raise TypeError(f"after holds {f!r} ({type(f).__name__}), not a Fence")
+                raise _not_a_fence(f)
         return after
     if isinstance(after, Fence):
         raise TypeError("after takes an iterable of fences; wrap a single fence: after=(fence,)")
@@ -812,7 +817,7 @@ def _fences(after: Iterable[Fence]) -> tuple[Fence, ...]:
         raise TypeError(f"after takes an iterable of fences, got {type(after).__name__}") from None
     for f in out:
         if not isinstance(f, Fence):
-            raise TypeError(f"after holds {f!r} ({type(f).__name__}), not a Fence")
+            raise _not_a_fence(f)
     return out
 
 
