@@ -2,8 +2,10 @@
 300 examples with a fixed seed, printing the shrunk program."""
 
 import importlib.util
+import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -39,12 +41,25 @@ def test_default_adapter_satisfies_the_protocol() -> None:
     assert isinstance(ManagerAdapter.build(), HostAdapter)
 
 
+def _fuzz_cli(bug: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "radixcache.cli", "fuzz", "--examples", "300", "--seed", "0", "--inject", bug]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+
+
+@pytest.fixture(scope="module")
+def fuzz_runs() -> dict[str, subprocess.CompletedProcess[str]]:
+    """One CLI run per injected bug, each in a fresh process, as many at once as there are cores
+    (they are independent and CPU-bound: sequential, they were most of the suite's time on a
+    2-core machine)."""
+    with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
+        return dict(zip(FUZZ_BUGS, pool.map(_fuzz_cli, FUZZ_BUGS), strict=True))
+
+
 @pytest.mark.parametrize("bug", FUZZ_BUGS)
-def test_machine_finds_each_injected_bug(bug: str) -> None:
+def test_machine_finds_each_injected_bug(bug: str, fuzz_runs: dict[str, subprocess.CompletedProcess[str]]) -> None:
     """Through the CLI, in a fresh process: found within 300 examples with seed 0, exit 1, and the
     shrunk failing program (each rule call) printed."""
-    cmd = [sys.executable, "-m", "radixcache.cli", "fuzz", "--examples", "300", "--seed", "0", "--inject", bug]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    out = fuzz_runs[bug]
     assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
     assert "FAIL after" in out.stdout
     assert "state = " in out.stdout and "state.teardown()" in out.stdout, "the shrunk failing program is printed"
