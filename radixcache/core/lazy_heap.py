@@ -85,9 +85,9 @@ class LazyHeap(Generic[T]):
         """Remove and return the item of the lowest valid entry, or None when none is left.
 
         Superseded and invalid entries on the way are dropped for good (``valid`` is asked of current
-        entries only). Entries for which ``skip`` is true are
-        valid but not wanted now (a locked node): they are set aside and pushed back, still ranked.
-        O(1) per in-order entry looked at, O(log n) per other.
+        entries only). Entries for which ``skip`` is true are valid but not wanted now (a locked
+        node): they are set aside and pushed back, still ranked. O(1) per in-order entry looked at,
+        O(log n) per other.
         """
         kept: list[Entry[T]] = []
         found: T | None = None
@@ -127,7 +127,7 @@ class LazyHeap(Generic[T]):
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` unless the run is in ``(priority, seq)`` order, the heap is a
         heap, every seq is unique and at most the last one handed out, and each queued item's
-        latest seq is that of one of its entries. O(n log n)."""
+        latest seq is that of one of its entries. O(n)."""
         run = list(self._run)
         assert all(a[:2] < b[:2] for a, b in pairwise(run)), "run out of (priority, seq) order"
         heap = self._heap
