@@ -939,3 +939,53 @@ def test_row_bookkeeping_invariants_detect_corruption() -> None:
     _refuses(fe, "changed but not tracked")
     hd._rows[0, 0] += 1.0  # the last use its row says
     _refuses(hd, "out of step")
+
+
+def _sessions(pol: HitDensity, count: int, turns: int, *, start: float = 0.0, gap: float = 10.0) -> None:
+    """``count`` sessions of exactly ``turns`` requests, ``gap`` seconds apart."""
+    for i in range(count):
+        for k in range(turns):
+            pol.admitted(_req(f"len{turns}-{start}-{i}", start + i * 0.01 + k * gap))
+
+
+def test_ours_measures_how_often_sessions_go_on_after_each_request() -> None:
+    pol = HitDensity()
+    _sessions(pol, 8, 3)  # every session ends after its third request
+    _sessions(pol, 8, 2, start=0.5)  # ... or its second
+    assert pol.continuation(3) is None, "the last requests are not older than every think time yet"
+    pol.admitted(_req("late", 100.0))  # every request above is settled now
+    assert pol.continuation(1) == pytest.approx(1.0)
+    assert pol.continuation(2) == pytest.approx(0.5, abs=0.01), "half the sessions went on after their second"
+    assert pol.continuation(3) == pytest.approx(0.0)
+    assert pol.continuation(4) is None and pol.continuation(0) is None, "no session seen at that count"
+    few = HitDensity()
+    _sessions(few, 7, 2)
+    few.admitted(_req("late", 100.0))
+    assert few.continuation(2) is None, "seven sessions are not evidence"
+    pol.check_invariants()
+    pol._goes_on[2].total = 99.0
+    _refuses(pol, "going on after request 2")
+
+
+def test_ours_evicts_the_final_state_of_a_session_where_sessions_end() -> None:
+    """Sessions of three requests: a conversation's state after its third is dead weight, however
+    soon its think time says a next turn would come; after its second it is due."""
+    t = _Tree()
+    pol = t.policy(HitDensity())
+    _sessions(pol, 16, 3)
+    now = 200.0
+    for k in range(3):  # x makes its third request, y its second, 10 s apart like everyone
+        pol.admitted(_req("x", now - 20.0 + k * 10.0))
+        if k:
+            pol.admitted(_req("y", now - 20.0 + k * 10.0))
+    third, second = t.add(t.fresh()), t.add(t.fresh())
+    pol.donated(third, _req("x", now), FINISH, now)
+    pol.donated(second, _req("y", now), FINISH, now)
+    assert pol.continuation(3) == pytest.approx(0.0) and pol.continuation(2) == pytest.approx(1.0)
+    assert pol.density(third, now + 5.0) == 0.0 < pol.density(second, now + 5.0)
+    est = pol.estimates(np.array([pol._pos[third.id], pol._pos[second.id]]), now + 5.0)
+    assert est[0] == 0.0 < est[1], "the batched estimate reads the request count from the row"
+    _evict(pol, now + 5.0)
+    assert third.snapshot is None and second.snapshot is not None
+    pol.check_invariants()
+    t.cache.check_invariants()

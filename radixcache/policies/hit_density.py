@@ -26,7 +26,11 @@ and bytes)::
 - ``q`` and ``wait``: the chance it is used again and the expected time until then. For a final
   state these come from the conversations' *think time* (the gaps between a session's requests,
   measured on every request whether it hit or not): a conversation just answered waits a whole
-  think time, one idle for a while is due soon, one idle beyond every observed gap is over.
+  think time, one idle for a while is due soon, one idle beyond every observed gap is over. The
+  chance that it comes back at all is measured per request count: of the sessions seen after
+  their k-th request, the share that made another within every observed think time (sessions of
+  10 to 14 turns: all go on after their ninth, none after their fourteenth). Without it, a
+  conversation that has ended looks ever more due until its longest think time has passed.
   For other kinds, ``q`` is the kind's measured reuse rate and ``wait`` the mean gap between the
   snapshot's own uses so far (the kind's mean reuse gap standing in for the first), plus the time
   it has been idle (older is colder): a prefix every conversation hits waits seconds, however
@@ -94,7 +98,7 @@ _KINDS = (FINISH, RESEND, BLOCK, BRANCH, HIT)
 _CODE = {k: i for i, k in enumerate(_KINDS)}
 # Columns of a tracked snapshot's row (what the batched estimate reads): times and hits as its last
 # event left them, its kind's code, and its path's gain and bytes (kept, dropped) then.
-_LAST, _BORN, _HITS, _KIND, _GAIN, _KEEP, _DROP, _LEAF = range(8)
+_LAST, _BORN, _HITS, _KIND, _GAIN, _KEEP, _DROP, _LEAF, _TURN = range(9)
 
 
 def _gone(node: TreeNode) -> bool:
@@ -112,6 +116,7 @@ class _Entry:
     users: set[Hashable | None] = field(default_factory=set)
     born: float = 0.0  # donation, or first sight
     hits: int = 0
+    turn: int = 0  # a final state: the requests its session had made by then
 
 
 class _Decayed:
@@ -167,6 +172,10 @@ class _Gaps:
             old = self._fifo.popleft()
             del self._sorted[bisect.bisect_left(self._sorted, old)]
         self._suffix = None
+
+    def longest(self) -> float:
+        """The longest gap in the window (0 when empty)."""
+        return self._sorted[-1] if self._sorted else 0.0
 
     def check_invariants(self) -> None:
         assert len(self._fifo) == len(self._sorted) <= self.window, "think-time window out of step"
@@ -229,7 +238,7 @@ class HitDensity(Policy):
         self._entries: dict[int, _Entry] = {}
         self._items: list[int] = []  # tracked node ids, for O(1) sampling
         self._pos: dict[int, int] = {}
-        self._rows = np.zeros((64, 8))  # row i: what the batched estimate knows of _items[i]
+        self._rows = np.zeros((64, 9))  # row i: what the batched estimate knows of _items[i]
         self._queue: deque[int] = deque()  # a batch's lowest, lowest first (node ids)
         self._queue_leaf = False  # the batch was drawn for KV pressure (leaves only)
         self._queue_bound = 0.0  # the batch's highest estimate
@@ -244,7 +253,12 @@ class HitDensity(Policy):
         self._repeated = _Decayed()  # requests whose prompt came before: reuse of re-send points
         self._gap = {k: _Decayed() for k in (BLOCK, BRANCH, HIT, RESEND, FINISH)}
         self._think = _Gaps()
-        self._sessions: OrderedDict[Hashable, tuple[float, int]] = OrderedDict()  # last (arrival, prompt)
+        self._sessions: OrderedDict[Hashable, tuple[float, int, int]] = OrderedDict()  # last (arrival, prompt), turns
+        # A session's k-th request waits here until every observed think time has passed since it:
+        # by then the session either made another request (it went on after k) or is taken to have
+        # ended at k. _goes_on[k]: the faded fraction that went on.
+        self._pending: deque[tuple[float, Hashable, int]] = deque()  # (arrival, session, k)
+        self._goes_on: list[_Decayed] = [_Decayed()]
         self._revisited = _Decayed()  # a session's request no longer than its last: it branched or went back
         self._digests: OrderedDict[int, None] = OrderedDict()
         self._skipped = dict.fromkeys((FINISH, RESEND, BLOCK, BRANCH), 0)
@@ -266,12 +280,38 @@ class HitDensity(Policy):
     def _see_session(self, session: Hashable, ts: float, prompt_len: int) -> None:
         last = self._sessions.pop(session, None)
         self._continued.add(last is not None)
+        turns = 1
         if last is not None:
             self._think.add(max(0.0, ts - last[0]))
             self._revisited.add(prompt_len <= last[1])
-        self._sessions[session] = (ts, prompt_len)
+            turns = last[2] + 1
+        self._sessions[session] = (ts, prompt_len, turns)
         if len(self._sessions) > _REMEMBER:
             self._sessions.popitem(last=False)
+        self._pending.append((ts, session, turns))
+        self._settle(ts)
+
+    def _settle(self, now: float) -> None:
+        """Count the requests older than every observed think time by whether their session went
+        on after them (a request of each session's is settled in order)."""
+        if len(self._think) < _MIN_THINK_SAMPLES:
+            return
+        horizon = self._think.longest()
+        while self._pending and (now - self._pending[0][0] > horizon or len(self._pending) > _REMEMBER):
+            _, session, k = self._pending.popleft()
+            seen = self._sessions.get(session)
+            while k >= len(self._goes_on):
+                self._goes_on.append(_Decayed())
+            self._goes_on[k].add(seen is not None and seen[2] > k)
+
+    def continuation(self, turns: int) -> float | None:
+        """Measured chance that a session which has made ``turns`` requests makes another: the
+        share of sessions seen at that count that went on within every observed think time
+        (counts fade like the reuse rates); ``None`` until 8 sessions were seen at that count."""
+        if not 0 < turns < len(self._goes_on):
+            return None
+        d = self._goes_on[turns]
+        return d.mean(0.0) if d.n >= _MIN_THINK_SAMPLES * _DECAY**_MIN_THINK_SAMPLES else None
 
     def rate(self, kind: str) -> float:
         """Measured reuse rate of a kind of snapshot (``finish``, ``resend``, ``block``, ``branch``,
@@ -335,7 +375,8 @@ class HitDensity(Policy):
             keep = self.freed_bytes(node, demote=True) if drop > self.snapshot_bytes else drop
         else:  # a hit served from the host tier: not a device snapshot to evict (yet)
             drop = keep = self.snapshot_bytes
-        self._rows[pos] = (e.last, e.born, e.hits, _CODE[e.kind], self._gain(e), keep, drop, not node.children)
+        row = (e.last, e.born, e.hits, _CODE[e.kind], self._gain(e), keep, drop, not node.children, e.turn)
+        self._rows[pos] = row
         self._rewritten.add(node.id)
 
     def _untrack(self, nid: int) -> None:
@@ -356,7 +397,11 @@ class HitDensity(Policy):
         self._superseded.pop(node.id, None)
         # A branch point is shared by construction: another sequence's KV goes on past it.
         users: set[Hashable | None] = {req.session, _SHARED} if kind == BRANCH else {req.session}
-        self._track(_Entry(node, kind, now, req.session, req.ts, users, born=now))
+        turn = 0
+        if finish and req.session is not None:
+            seen = self._sessions.get(req.session)
+            turn = seen[2] if seen is not None else 0
+        self._track(_Entry(node, kind, now, req.session, req.ts, users, born=now, turn=turn))
         if node.children:
             self._reanchor(node)  # a new snapshot above others: it may anchor them
         for d in HybridRadixCache.cost_dependents(node):  # a leaf no more, or a shorter cascade
@@ -479,6 +524,9 @@ class HitDensity(Policy):
         expected time until then; ``(0, 0)``: its conversation is over."""
         r = self.rate(e.kind)
         age = max(0.0, now - e.last)
+        if e.kind == FINISH and e.turn:
+            c = self.continuation(e.turn)
+            r = r if c is None else c
         if e.kind == FINISH and len(self._think) >= _MIN_THINK_SAMPLES:
             alive, wait = self._think.tail(age)
             if alive <= 0.0:
@@ -509,6 +557,11 @@ class HitDensity(Policy):
         if len(self._think) >= _MIN_THINK_SAMPLES and fin.any():
             alive, w = self._think.tails(age[fin])
             rf = rates[fin]
+            turns = r[fin, _TURN].astype(np.intp)
+            for t in np.unique(turns[turns > 0]).tolist():
+                c = self.continuation(t)
+                if c is not None:
+                    rf[turns == t] = c
             q = q.copy()
             q[fin] = rf * alive / (rf * alive + (1.0 - rf))
             wait[fin] = w
@@ -627,12 +680,19 @@ class HitDensity(Policy):
         for i, nid in enumerate(self._items):
             e = self._entries[nid]
             row = self._rows[i]
-            assert (row[_LAST], row[_BORN], row[_HITS], row[_KIND]) == (e.last, e.born, e.hits, _CODE[e.kind]), (
-                f"row {i} of node {nid} out of step with its entry"
-            )
+            assert (row[_LAST], row[_BORN], row[_HITS], row[_KIND], row[_TURN]) == (
+                e.last,
+                e.born,
+                e.hits,
+                _CODE[e.kind],
+                e.turn,
+            ), f"row {i} of node {nid} out of step with its entry"
         stray = [nid for nid in self._superseded if nid not in self._entries]
         assert not stray, f"superseded but not tracked: {stray}"
         self._think.check_invariants()
+        for k, d in enumerate(self._goes_on):
+            assert 0.0 <= d.total <= d.n + 1e-9, f"sessions going on after request {k}: {d.total} of {d.n}"
+        assert len(self._pending) <= _REMEMBER + 1, f"{len(self._pending)} requests waiting to be settled"
 
     def victim(self, now: float, *, kv: bool = False) -> TreeNode | None:
         """The tracked snapshot of lowest hit density (superseded turns first); ``None`` when
