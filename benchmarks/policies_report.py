@@ -1,6 +1,7 @@
 """Rewrite the results section of docs/policies.md (and docs/policies.json, docs/policies.png) from
 a fresh `radixcache policies-report` run: every trace shape x 3 budgets x every policy, for two
-seeds and both presets, replayed through the manager's public API (about 40 minutes here).
+seeds and both presets, replayed through the manager's public API (40 to 80 minutes on a 2-core
+machine; the plot needs matplotlib, an optional extra).
 
     python benchmarks/policies_report.py [--doc docs/policies.md] [--png docs/policies.png]
                                          [--preset NAME ...] [--seed N ...]
