@@ -962,6 +962,11 @@ def test_ours_measures_how_often_sessions_go_on_after_each_request() -> None:
     _sessions(few, 7, 2)
     few.admitted(_req("late", 100.0))
     assert few.continuation(2) is None, "seven sessions are not evidence"
+    before = pol.continuation(2)
+    for bad, err in ((2.0, TypeError), ("2", TypeError), (True, TypeError), (-1, ValueError)):
+        with pytest.raises(err, match="turns must be"):
+            pol.continuation(bad)  # type: ignore[arg-type]
+    assert pol.continuation(2) == before, "a refused query changes nothing"
     pol.check_invariants()
     pol._goes_on[2].total = 99.0
     _refuses(pol, "going on after request 2")

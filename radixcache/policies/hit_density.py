@@ -91,6 +91,7 @@ __all__ = ["HitDensity"]
 FINISH, RESEND, BLOCK, BRANCH, HIT = "finish", "resend", "block", "branch", "hit"
 _DECAY = 0.999  # counts fade with a half-life of ~700 events: a policy for a changing workload
 _MIN_THINK_SAMPLES = 8
+_MIN_SESSIONS = 8  # sessions seen at a request count before their share that went on is used
 _REMEMBER = 1 << 16  # sessions and prompt digests remembered
 _REDRAWS = 3  # batches drawn per eviction before the exact scan
 _SHARED = "<shared>"  # a user standing for "another sequence", for branch points
@@ -307,11 +308,17 @@ class HitDensity(Policy):
     def continuation(self, turns: int) -> float | None:
         """Measured chance that a session which has made ``turns`` requests makes another: the
         share of sessions seen at that count that went on within every observed think time
-        (counts fade like the reuse rates); ``None`` until 8 sessions were seen at that count."""
+        (counts fade like the reuse rates); ``None`` until 8 sessions were seen at that count.
+
+        :raises TypeError: ``turns`` not an int. :raises ValueError: ``turns`` negative."""
+        if isinstance(turns, bool) or not isinstance(turns, int):
+            raise TypeError(f"turns must be an int (a count of requests), got {turns!r}")
+        if turns < 0:
+            raise ValueError(f"turns must be >= 0, got {turns}")
         if not 0 < turns < len(self._goes_on):
             return None
         d = self._goes_on[turns]
-        return d.mean(0.0) if d.n >= _MIN_THINK_SAMPLES * _DECAY**_MIN_THINK_SAMPLES else None
+        return d.mean(0.0) if d.n >= _MIN_SESSIONS * _DECAY**_MIN_SESSIONS else None  # n is a faded count
 
     def rate(self, kind: str) -> float:
         """Measured reuse rate of a kind of snapshot (``finish``, ``resend``, ``block``, ``branch``,
@@ -375,8 +382,7 @@ class HitDensity(Policy):
             keep = self.freed_bytes(node, demote=True) if drop > self.snapshot_bytes else drop
         else:  # a hit served from the host tier: not a device snapshot to evict (yet)
             drop = keep = self.snapshot_bytes
-        row = (e.last, e.born, e.hits, _CODE[e.kind], self._gain(e), keep, drop, not node.children, e.turn)
-        self._rows[pos] = row
+        self._rows[pos] = (e.last, e.born, e.hits, _CODE[e.kind], self._gain(e), keep, drop, not node.children, e.turn)
         self._rewritten.add(node.id)
 
     def _untrack(self, nid: int) -> None:
@@ -524,10 +530,10 @@ class HitDensity(Policy):
         expected time until then; ``(0, 0)``: its conversation is over."""
         r = self.rate(e.kind)
         age = max(0.0, now - e.last)
-        if e.kind == FINISH and e.turn:
-            c = self.continuation(e.turn)
-            r = r if c is None else c
         if e.kind == FINISH and len(self._think) >= _MIN_THINK_SAMPLES:
+            # requests are settled only once think times are known: before, there is no count
+            c = self.continuation(e.turn) if e.turn else None
+            r = r if c is None else c
             alive, wait = self._think.tail(age)
             if alive <= 0.0:
                 return 0.0, 0.0  # idle beyond every observed think time
