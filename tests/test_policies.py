@@ -970,6 +970,9 @@ def test_ours_measures_how_often_sessions_go_on_after_each_request() -> None:
     pol.check_invariants()
     pol._goes_on[2].total = 99.0
     _refuses(pol, "going on after request 2")
+    pol._goes_on[2].total = 0.0
+    pol._pending.extend([(0.0, "s", 1)] * (1 << 17))  # more than the sessions remembered
+    _refuses(pol, "waiting to be settled")
 
 
 def test_ours_evicts_the_final_state_of_a_session_where_sessions_end() -> None:
