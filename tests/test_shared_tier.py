@@ -21,7 +21,15 @@ import torch
 
 from linear_state import LinearStatePool, RequestOwner, StateLayout
 from radixcache import Admission, CacheManager, HybridRadixCache
-from radixcache.core.shared import BLOB_MAGIC, MemoryStore, RedisStore, SharedStore, SharedStoreError, SharedTier
+from radixcache.core.shared import (
+    BLOB_MAGIC,
+    MemoryStore,
+    RedisStore,
+    SharedStore,
+    SharedStoreError,
+    SharedTier,
+    encode_blob,
+)
 from radixcache.core.tree import HOST_TIER_FACTOR, auto_host_pool
 from radixcache.testing.engine import EngineRequest, ReferenceEngine, generate_cold
 from radixcache.testing.model import HybridConfig, HybridModel
@@ -122,16 +130,57 @@ def _with_header(blob: bytes, **changes: object) -> bytes:
     return BLOB_MAGIC + len(h).to_bytes(4, "little") + h + blob[n + 4 + hl :]
 
 
+def _regions(blob: bytes) -> tuple[int, int, int]:
+    """Where a blob's state starts, its KV starts and its KV ends (read from its header)."""
+    n = len(BLOB_MAGIC)
+    hl = int.from_bytes(blob[n : n + 4], "little")
+    header = json.loads(blob[n + 4 : n + 4 + hl])
+    state = n + 4 + hl
+    return state, state + int(header["state_bytes"]), state + int(header["state_bytes"]) + int(header["kv_bytes"])
+
+
+def _flip_kv_byte(blob: bytes) -> bytes:
+    _, kv, end = _regions(blob)
+    at = (kv + end) // 2
+    return blob[:at] + bytes([blob[at] ^ 0x10]) + blob[at + 1 :]
+
+
+def _words_cancelling(blob: bytes) -> bytes:
+    """+2**40 in the state's first 8-byte word, -2**40 in its second: one block's sum unchanged."""
+    at, _, _ = _regions(blob)
+    w0, w1 = (int.from_bytes(blob[at + 8 * i : at + 8 * i + 8], "little") for i in (0, 1))
+    words = ((w0 + 2**40) % 2**64).to_bytes(8, "little") + ((w1 - 2**40) % 2**64).to_bytes(8, "little")
+    return blob[:at] + words + blob[at + 16 :]
+
+
+def _words_swapped(blob: bytes) -> bytes:
+    """The state's first two 8-byte words swapped (inside one fingerprint block)."""
+    at, _, _ = _regions(blob)
+    return blob[:at] + blob[at + 8 : at + 16] + blob[at : at + 8] + blob[at + 16 :]
+
+
 @pytest.mark.parametrize(
     ("how", "reason"),
     [
-        (_flip_state_byte, "fingerprint"),
+        (_flip_state_byte, "digest"),
+        (_flip_kv_byte, "digest"),  # the KV region: covered by no check before the digest
+        (_words_cancelling, "digest"),  # passes the fingerprint's block sums
+        (_words_swapped, "digest"),  # likewise
         (lambda b: b[: len(b) // 2], "length"),  # truncated inside the state
         (lambda b: b[:10], "format"),  # truncated inside the header
         (lambda b: _with_header(b, identity="model=other|layout=StateLayout(...)|kv=x"), "layout"),
         (lambda b: _with_header(b, kv_bytes=7), "length"),
     ],
-    ids=["flipped-state-byte", "truncated-body", "truncated-header", "another-layout", "lying-header"],
+    ids=[
+        "flipped-state-byte",
+        "flipped-kv-byte",
+        "cancelling-words",
+        "swapped-words",
+        "truncated-body",
+        "truncated-header",
+        "another-layout",
+        "lying-header",
+    ],
 )
 def test_a_bad_blob_is_a_miss_and_a_forensics_finding_never_a_restore(
     model: HybridModel, tmp_path: Path, how: Callable[[bytes], bytes], reason: str
@@ -141,7 +190,8 @@ def test_a_bad_blob_is_a_miss_and_a_forensics_finding_never_a_restore(
     b = ReferenceEngine(model, shared_store=store, publisher="B", forensics_ledger=str(tmp_path / "b.jsonl"))
     prompts = _prompts(2)
     _publish(a, prompts)
-    assert _corrupt(store, how) > 0
+    n = _corrupt(store, how)
+    assert n > 0
     finished = _serve(b, prompts, "b")
     _assert_exact(model, finished)  # served from B's own computation
     m = b.manager.metrics()
@@ -151,6 +201,7 @@ def test_a_bad_blob_is_a_miss_and_a_forensics_finding_never_a_restore(
     assert fx is not None
     kinds = {f.kind for f in fx.findings}
     assert kinds == {f"shared-{reason}"}
+    assert len(fx.findings) == m.shared_rejected  # every refusal is a finding
     assert all(f.donor == ("A" if reason != "format" else "?") for f in fx.findings)
     ledger = [json.loads(line) for line in (tmp_path / "b.jsonl").read_text().splitlines()]
     assert any(e.get("kind") == f"shared-{reason}" for e in ledger)
@@ -159,35 +210,141 @@ def test_a_bad_blob_is_a_miss_and_a_forensics_finding_never_a_restore(
     b.manager.check_invariants()
 
 
-def test_without_the_fingerprint_check_a_corrupted_blob_would_serve_a_wrong_state(
+def _publish_under(store: MemoryStore, tier: SharedTier, blob: bytes, ids: Sequence[int], namespace: object) -> str:
+    key = tier.key(np.asarray(ids, dtype=np.int64), namespace)
+    store.blobs[key] = blob
+    return key
+
+
+@pytest.mark.parametrize("where", ["another-prompt", "another-namespace"])
+def test_a_blob_moved_to_another_address_is_refused_by_its_digest(model: HybridModel, where: str) -> None:
+    """An honest blob stored under another key (another prompt's, or the same ids in another
+    namespace) has intact bytes and a matching fingerprint: only the address in its digest tells."""
+    store = MemoryStore()
+    a, b = _publisher_and_fetcher(model, store)
+    prompts = _prompts(1, seed=5)
+    if where == "another-prompt":
+        _publish(a, prompts)
+        victim, ns = _prompts(1, seed=6)[0], None  # no prefix in common with the published one
+    else:
+        for i, p in enumerate(prompts[:1]):
+            a.submit(EngineRequest(f"t{i}", p, 4, namespace="tenant"))
+        a.run()
+        a.manager.publish_pending(wait=True)
+        victim, ns = prompts[0], None
+    tier = _tier(b)
+    moved = 0
+    for blob in list(store.blobs.values()):
+        depth = json.loads(blob[len(BLOB_MAGIC) + 4 : _regions(blob)[0]])["depth"]
+        if depth < len(victim):
+            _publish_under(store, tier, blob, victim[:depth], ns)
+            store.indexes.setdefault(tier.index(ns), set()).add(depth)
+            moved += 1
+    assert moved > 0
+    r = EngineRequest("victim", victim, 4, namespace=ns)
+    b.submit(r)
+    finished = b.run()
+    _assert_exact(model, finished)
+    assert b.manager.metrics().shared_hits == 0
+    assert tier.stats.rejected.get("digest", 0) >= 1, tier.stats.rejected
+    b.manager.check_invariants()
+
+
+def test_a_blob_re_signed_with_a_wrong_fingerprint_is_refused_by_the_fingerprint() -> None:
+    """The digest proves the bytes are the publisher's; the fingerprint that the state is the one
+    the publisher meant (an aliased slot serialises another state than it fingerprinted)."""
+    layout = StateLayout(2, (4, 3), (2, 4, 4))
+    store = MemoryStore()
+    tier = SharedTier(store, model="m", kv=_NoKV(), publisher="P")
+    tier.bind(layout)
+    pool = LinearStatePool(layout, 2)
+    owner = RequestOwner("r")
+    slot = pool.alloc(owner)
+    pool.write(
+        slot,
+        torch.randn(2, 4, 3).to(layout.conv_dtype),
+        torch.randn(2, 2, 4, 4).to(layout.recurrent_dtype),
+        owner=owner,
+    ).wait()
+    ids = np.arange(8, dtype=np.int64)
+    assert tier.publish(ids, None, pool, slot, torch.zeros(8, dtype=torch.int64), None)
+    (key,) = store.blobs
+    blob = store.blobs[key]
+    at, kv, end = _regions(blob)
+    n = len(BLOB_MAGIC)
+    hl = int.from_bytes(blob[n : n + 4], "little")
+    header = json.loads(blob[n + 4 : n + 4 + hl])
+    header["fingerprint"] ^= 1
+    store.blobs[key] = encode_blob(header, blob[at:kv], blob[kv:end], key=key)  # a valid digest
+    rejected: list[str] = []
+    tier.on_reject = lambda rej: rejected.append(rej.reason)
+    assert tier.fetch(np.arange(9, dtype=np.int64), None, 0) is None
+    assert rejected == ["fingerprint"]
+
+
+def test_a_keyed_digest_refuses_blobs_of_writers_without_the_secret() -> None:
+    layout = StateLayout(2, (4, 3), (2, 4, 4))
+    store = MemoryStore()
+    pool = LinearStatePool(layout, 2)
+    owner = RequestOwner("r")
+    slot = pool.alloc(owner)
+    pool.write(
+        slot,
+        torch.randn(2, 4, 3).to(layout.conv_dtype),
+        torch.randn(2, 2, 4, 4).to(layout.recurrent_dtype),
+        owner=owner,
+    ).wait()
+    ids, longer = np.arange(8, dtype=np.int64), np.arange(9, dtype=np.int64)
+    tiers = {}
+    for name, secret in (("keyed", b"deployment secret"), ("other", b"another secret"), ("plain", None)):
+        tiers[name] = SharedTier(store, model="m", kv=_NoKV(), publisher=name, secret=secret)
+        tiers[name].bind(layout)
+    for planter in ("other", "plain"):  # a writer without the secret plants a blob
+        store.blobs.clear()
+        assert tiers[planter].publish(ids, None, pool, slot, torch.zeros(8, dtype=torch.int64), None)
+        assert tiers["keyed"].fetch(longer, None, 0) is None
+        assert tiers["keyed"].stats.rejected.get("digest") == {"other": 1, "plain": 2}[planter]
+    store.blobs.clear()
+    assert tiers["keyed"].publish(ids, None, pool, slot, torch.zeros(8, dtype=torch.int64), None)
+    fresh = SharedTier(store, model="m", kv=_NoKV(), publisher="keyed-2", secret=b"deployment secret")
+    fresh.bind(layout)
+    got = fresh.fetch(longer, None, 0)
+    assert got is not None and got.depth == 8  # replicas that share the secret share blobs
+    with pytest.raises(ValueError, match="1 to 64 bytes"):
+        SharedTier(store, model="m", kv=_NoKV(), secret=b"")
+    with pytest.raises(TypeError, match="secret must be bytes"):
+        SharedTier(store, model="m", kv=_NoKV(), secret="text")  # type: ignore[arg-type]
+
+
+def test_without_the_digest_check_a_corrupted_kv_region_would_serve_a_wrong_answer(
     model: HybridModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The check above can fail: with the verification's fingerprint comparison skipped, the
-    corrupted state is restored and the answer's logits move."""
+    """The checks above can fail: with the digest comparison skipped, a blob whose KV bytes were
+    changed (the fingerprint covers the state only) is restored and the answer moves."""
     store = MemoryStore()
     a, b = _publisher_and_fetcher(model, store)
     prompts = _prompts(1)
     _publish(a, prompts)
-    _corrupt(store, _flip_state_byte)
+    _corrupt(store, lambda blob: _flip_kv_range(blob))
     import radixcache.core.shared as shared_mod
 
-    real_parse, seen = shared_mod._parse, [0]
+    class _Blind:
+        @staticmethod
+        def compare_digest(x: bytes, y: bytes) -> bool:
+            return True
 
-    def parse(blob: bytes) -> tuple[dict[str, object], bytes] | None:
-        out = real_parse(blob)
-        if out is not None:
-            fp = out[0]["fingerprint"]
-            assert isinstance(fp, int)
-            seen[0] = fp
-        return out
-
-    monkeypatch.setattr(shared_mod, "_parse", parse)
-    monkeypatch.setattr(LinearStatePool, "fingerprint", lambda self, slot: seen[0])  # the check passes
+    monkeypatch.setattr(shared_mod, "hmac", _Blind)
     finished = _serve(b, prompts, "b")
     assert b.manager.metrics().shared_hits == 1
     _, first = generate_cold(model, prompts[0], len(finished[0].output))
     assert finished[0].first_logits is not None
     assert float((finished[0].first_logits - first).abs().max()) > 1e-6
+
+
+def _flip_kv_range(blob: bytes) -> bytes:
+    """Every KV byte of the blob inverted: the attention rows the hit serves are another's."""
+    _, kv, end = _regions(blob)
+    return blob[:kv] + bytes(x ^ 0x5A for x in blob[kv:end]) + blob[end:]
 
 
 def test_no_room_for_the_kv_is_a_miss_that_changes_nothing(model: HybridModel) -> None:
@@ -598,27 +755,42 @@ def test_two_replica_processes_share_prefixes_through_redis(redis_server: RedisS
     assert sum(foreign) > 0, foreign  # hits on prefixes only the other replica computed
 
 
-def test_a_corrupted_blob_between_replicas_is_reported_and_no_answer_is_wrong(
+def test_corrupted_and_swapped_blobs_between_replicas_are_refused_and_no_answer_is_wrong(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:
+    """Replica 0 publishes; then, in Redis, a quarter of its blobs get a state byte flipped, a
+    quarter a KV byte flipped, and the rest are swapped pairwise between keys (another prompt's or
+    another namespace's blob under each key). Replica 1 serves the other half of the same mix: no
+    wrong answer, every blob it fetched refused (a counted rejection and a forensics finding, never
+    a corruption of its own), nothing leaked."""
     first = _report(_hammer(redis_server.url, "0/2", 16))
     assert first["ok"], first
     import redis
 
     r = redis.Redis.from_url(redis_server.url)
-    blobs = [k for k in r.scan_iter() if b":depths:" not in k]
-    assert blobs
-    for k in blobs:
-        v = r.get(k)
-        assert isinstance(v, bytes)
-        r.set(k, _flip_state_byte(v))
+    blobs = sorted(k for k in r.scan_iter() if b":depths:" not in k)
+    assert len(blobs) >= 8, len(blobs)
+    values = {k: r.get(k) for k in blobs}
+    q = len(blobs) // 4
+    for k in blobs[:q]:
+        r.set(k, _flip_state_byte(values[k]))  # type: ignore[arg-type]
+    for k in blobs[q : 2 * q]:
+        r.set(k, _flip_kv_byte(values[k]))  # type: ignore[arg-type]
+    rest = blobs[2 * q :]
+    for a, b in zip(rest, rest[1:] + rest[:1], strict=True):  # a cycle: every key gets another's blob
+        r.set(a, values[b])  # type: ignore[arg-type]
+    r.close()
     ledger = tmp_path / "replica1.jsonl"
     second = _report(_hammer(redis_server.url, "1/2", 16, "--forensics", str(ledger)))
-    assert second["wrong_answers"] == 0 and second["slots_leaked"] == 0, second
-    assert second["metrics"]["shared_rejected"] >= 1  # type: ignore[index]
-    assert int(second["snapshot_corruptions"]) >= 1  # type: ignore[call-overload]  # forensics reports it
-    kinds = {json.loads(line).get("kind") for line in ledger.read_text().splitlines()}
-    assert "shared-fingerprint" in kinds
+    assert second["wrong_answers"] == 0 and second["slots_leaked"] == 0 and second["kv_leaked"] == 0, second
+    m = second["metrics"]
+    assert isinstance(m, dict)
+    assert m["shared_hits"] == 0 and m["shared_rejected"] >= 1, m
+    assert second["snapshot_corruptions"] == 0 and second["ok"], second  # refusals are not this replica's fault
+    assert second["shared_rejections"] == m["shared_rejected"]  # every refusal a finding
+    kinds = {json.loads(line).get("kind") for line in ledger.read_text().splitlines()} - {None}
+    # a swapped blob of another depth fails its header's depth first (length), the rest the digest
+    assert "shared-digest" in kinds and kinds <= {"shared-digest", "shared-length"}, kinds
 
 
 # -------------------------------------------------------------------- replay

@@ -5,10 +5,24 @@ prefix through the host's :class:`KVCodec`, and the slot fingerprint) under a co
 tier's namespace, the model and layout identity, the request's namespace and the cache ids up to
 the snapshot's depth. Another replica admitting a request whose local match is shorter asks the
 store for the deepest published prefix of its ids, verifies the blob (format, layout identity,
-lengths, then the fingerprint of the state as it will be restored) and only then writes it into the
-request's live slot and inserts it into its own tree. A blob that fails any check is a miss (and a
-forensics finding when the manager has forensics), never a restore; it is deleted from the store so
-that a healthy replica can publish it again.
+lengths, its digest, then the fingerprint of the state as it will be restored) and only then writes
+it into the request's live slot and inserts it into its own tree. A blob that fails any check is a
+miss (and a forensics finding when the manager has forensics), never a restore; it is deleted from
+the store so that a healthy replica can publish it again.
+
+Which check covers what. Every blob ends in a 32-byte blake2b digest over its address (the store
+key, itself a blake2b digest of the tier's namespace, the model, layout and KV identity, the request
+namespace and every cache id up to the depth) and every byte before the digest: magic, header, state
+and KV. It is what makes bytes that crossed a network and a store trustworthy: a flipped bit
+anywhere, a region replaced by another prompt's, or a whole blob stored under another key (another
+prompt's, or the same ids in another namespace) fails it. With ``secret`` the digest is keyed (a
+deployment secret every replica shares): a writer without the secret cannot plant a blob that
+verifies. The slot fingerprint in the header is a different check with a different job: it is the
+publisher's :meth:`~linear_state.LinearStatePool.fingerprint` of the state, recomputed here on the
+state as it will be restored, so a blob whose bytes are intact but whose publisher serialised
+another state than the one its fingerprint names (an aliased slot) is refused too. It is a block
+sum made to catch an engine's aliasing cheaply, not an integrity check: changes that cancel inside
+a block pass it, which is why the digest comes first.
 
 Why KV travels too: a replica that never computed a prefix holds no attention KV for it, and the
 state alone cannot be served without it. Models without attention layers pass a codec whose KV is
@@ -36,7 +50,9 @@ caller's thread: an admission needs their answer.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
+import math
 import struct
 import threading
 import time
@@ -52,9 +68,11 @@ import torch
 from linear_state import Fence, LinearStatePool, RequestOwner, StateLayout
 
 from .errors import RadixCacheError
+from .keys import MAX_ID
 
 __all__ = [
     "BLOB_MAGIC",
+    "DIGEST_BYTES",
     "Fetched",
     "KVCodec",
     "MemoryStore",
@@ -64,10 +82,13 @@ __all__ = [
     "SharedStore",
     "SharedStoreError",
     "SharedTier",
+    "blob_digest",
     "encode_blob",
 ]
 
-BLOB_MAGIC = b"RCSHARE1"
+BLOB_MAGIC = b"RCSHARE2"  # 2: a trailing digest over the address and every byte before it
+DIGEST_BYTES = 32
+_PERSON = b"radixcache-blob"  # blake2b personalisation: these digests mean nothing elsewhere
 _DONE_CAP = 65536  # keys published or fetched here, remembered (oldest forgotten first)
 _LEN = struct.Struct("<I")
 
@@ -151,12 +172,25 @@ class RedisStore:
 
     :param url: e.g. ``redis://127.0.0.1:6379/0``.
     :param timeout_s: socket connect and read timeout: a dead server costs at most this per call.
-    :param ttl_s: expire blobs after this many seconds (``None``: keep them; bound the server's
-        memory with its own ``maxmemory`` and an eviction policy instead).
+    :param ttl_s: expire blobs after this many seconds, at least 0.001 (Redis counts whole
+        milliseconds; ``None``: keep them; bound the server's memory with its own ``maxmemory``
+        and an eviction policy instead).
+    :raises ValueError: a URL that is not a Redis URL, a ``timeout_s`` that is not a finite number
+        above 0, a ``ttl_s`` below a millisecond or not finite.
     :raises ImportError: the ``redis`` package is not installed.
     """
 
     def __init__(self, url: str, *, timeout_s: float = 0.5, ttl_s: float | None = None) -> None:
+        if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"url must be a redis://, rediss:// or unix:// URL string, got {url!r}")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
+            raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
+        if ttl_s is not None and (
+            isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not 0.001 <= ttl_s < math.inf
+        ):
+            # Redis expires in whole milliseconds: below one a SET with PX fails, and a replica
+            # whose every publication fails would never publish at all.
+            raise ValueError(f"ttl_s must be None or a finite number of seconds >= 0.001, got {ttl_s!r}")
         try:
             import redis
         except ImportError as e:  # pragma: no cover - depends on the environment
@@ -172,6 +206,10 @@ class RedisStore:
         self._exists_script: Callable[..., object] | None = self._r.register_script(
             "local r = {} for i, k in ipairs(KEYS) do r[i] = redis.call('EXISTS', k) end return r"
         )
+
+    def close(self) -> None:
+        """Close the client's connections (idempotent; a later call reconnects)."""
+        self._r.close()
 
     def _call(self, what: str, fn: Callable[[], object]) -> object:
         try:
@@ -224,7 +262,10 @@ class RedisStore:
         """See :class:`SharedStore`."""
         out = self._call("ZRANGEBYSCORE", lambda: self._r.zrangebyscore(index, f"({int(lo)}", int(hi)))
         assert isinstance(out, list)
-        return [int(x) for x in out]
+        try:
+            return [int(x) for x in out]
+        except (TypeError, ValueError) as e:  # somebody else wrote this index: the store is out of protocol
+            raise SharedStoreError(f"redis at {self.url}: depth index {index!r} holds a non-integer member: {e}") from e
 
 
 class KVCodec(Protocol):
@@ -256,7 +297,8 @@ class SharedStats:
     :ivar probes: admissions that asked the store; :ivar hits: blobs fetched, verified and
         inserted; :ivar foreign_hits: those published by another replica;
     :ivar hit_tokens: tokens those hits covered beyond the local match;
-    :ivar rejected: blobs refused, by why (``format``, ``layout``, ``length``, ``fingerprint``);
+    :ivar rejected: blobs refused, by why (``format``, ``layout``, ``length``, ``digest``,
+        ``fingerprint``);
     :ivar no_room: verified blobs not used for want of a slot or KV room;
     :ivar codec_errors: the host's KV codec raised (an export at publication: that publication
         dropped; an import at fetch: a miss); the first one is also warned about;
@@ -287,7 +329,9 @@ class Rejection:
 
     :ivar reason: ``format`` (not a blob, or truncated), ``layout`` (published for another layout
         or model under this address), ``length`` (its sizes disagree with the layout or the
-        depth), ``fingerprint`` (the state is not what was published).
+        depth), ``digest`` (its bytes changed since they were published, it was published under
+        another address, or with another secret), ``fingerprint`` (the bytes are the publisher's,
+        but the state is not the one its fingerprint names).
     :ivar key: the store key; :ivar depth: the depth it was published for;
     :ivar publisher: who published it (as the blob says; ``?`` when unreadable);
     :ivar expected: the stored fingerprint; :ivar found: the state's fingerprint (0 when not
@@ -314,15 +358,29 @@ class Fetched:
     fingerprint: int
 
 
-def encode_blob(header: dict[str, object], state: bytes, kv: bytes) -> bytes:
+def blob_digest(key: str, signed: bytes, secret: bytes | None = None) -> bytes:
+    """The digest a blob ends with: blake2b (32 bytes, keyed with ``secret`` when given) over the
+    store ``key`` the blob is published under and ``signed``, every byte of the blob before the
+    digest (magic, header length, header, state, KV). O(len(signed))."""
+    h = hashlib.blake2b(digest_size=DIGEST_BYTES, key=secret or b"", person=_PERSON)
+    h.update(key.encode() + b"\0")
+    h.update(signed)
+    return h.digest()
+
+
+def encode_blob(header: dict[str, object], state: bytes, kv: bytes, *, key: str, secret: bytes | None = None) -> bytes:
     """A blob: magic, header length, JSON header (which must give ``state_bytes`` and
-    ``kv_bytes``), the state's raw bytes (conv rows, then recurrent rows), the KV bytes."""
+    ``kv_bytes``), the state's raw bytes (conv rows, then recurrent rows), the KV bytes, then
+    :func:`blob_digest` of all that under ``key`` (keyed with ``secret``): a blob verifies only
+    under the key it was encoded for."""
     h = json.dumps(header, sort_keys=True).encode()
-    return BLOB_MAGIC + _LEN.pack(len(h)) + h + state + kv
+    signed = BLOB_MAGIC + _LEN.pack(len(h)) + h + state + kv
+    return signed + blob_digest(key, signed, secret)
 
 
 def _parse(blob: bytes) -> tuple[dict[str, object], bytes] | None:
-    """Header and body of a blob, or None when it is not one (or was cut inside its header)."""
+    """Header and body (state, KV and digest) of a blob, or None when it is not one (or was cut
+    inside its header)."""
     n = len(BLOB_MAGIC)
     if len(blob) < n + _LEN.size or blob[:n] != BLOB_MAGIC:
         return None
@@ -346,6 +404,9 @@ def _check_ids(ids: object) -> None:
         raise TypeError(f"ids must be an integer numpy array, got {kind}")
     if ids.ndim != 1:
         raise ValueError(f"ids must be 1-D, got shape {ids.shape}")
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= MAX_ID):
+        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+        raise ValueError(f"cache id {bad} is outside [0, 2**31)")
 
 
 def _check_timeout(timeout_s: float | None) -> None:
@@ -384,7 +445,14 @@ class SharedTier:
         stops it. Recommended with a remote store: an upload never stalls the scheduler.
     :param max_queued_bytes: with ``background``, the blob bytes that may wait for the writer; a
         publication that would pass it is dropped (``stats.publish_skipped``).
-    :raises ValueError: an empty ``model`` or ``namespace``, a bad number.
+    :param secret: a deployment secret (1 to 64 bytes) that keys every blob's digest: replicas
+        share blobs only when they hold the same secret, and a writer without it cannot plant a
+        blob that verifies. ``None`` (default): an unkeyed digest, which still catches every
+        change of the bytes and every blob stored under another address.
+    :raises ValueError: an empty ``model`` or ``namespace``, a bad number, a ``secret`` outside 1
+        to 64 bytes. :raises TypeError: a store that is not a :class:`SharedStore`, a codec without
+        an identity, a ``clock`` that is not callable, a ``secret`` that is not bytes, a
+        ``background`` that is not a bool. Nothing is bound or started when it raises.
     """
 
     def __init__(
@@ -401,6 +469,7 @@ class SharedTier:
         clock: Callable[[], float] = time.monotonic,
         background: bool = False,
         max_queued_bytes: int = 1 << 30,
+        secret: bytes | None = None,
     ) -> None:
         if not isinstance(store, SharedStore):
             raise TypeError(f"store must implement SharedStore, got {type(store).__name__}")
@@ -413,8 +482,17 @@ class SharedTier:
         for name, v in (("max_probes", max_probes), ("max_pending", max_pending)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-        if not retry_s >= 0:
-            raise ValueError(f"retry_s must be >= 0, got {retry_s!r}")
+        if isinstance(retry_s, bool) or not isinstance(retry_s, (int, float)) or not 0 <= retry_s < math.inf:
+            raise ValueError(f"retry_s must be a finite number of seconds >= 0, got {retry_s!r}")
+        if not callable(clock):
+            raise TypeError(f"clock must be a callable returning seconds, got {clock!r}")
+        if publisher is not None and (not isinstance(publisher, str) or not publisher):
+            raise ValueError(f"publisher must be None or a non-empty string, got {publisher!r}")
+        if secret is not None:
+            if not isinstance(secret, (bytes, bytearray)):
+                raise TypeError(f"secret must be bytes or None, got {type(secret).__name__}")
+            if not 1 <= len(secret) <= 64:
+                raise ValueError(f"secret must hold 1 to 64 bytes (blake2b's key), got {len(secret)}")
         if not isinstance(background, bool):
             raise TypeError(f"background must be a bool, got {background!r}")
         if isinstance(max_queued_bytes, bool) or not isinstance(max_queued_bytes, int) or max_queued_bytes < 1:
@@ -434,6 +512,7 @@ class SharedTier:
         self.max_pending = max_pending
         self.clock = clock
         self.stats = SharedStats()
+        self._secret = None if secret is None else bytes(secret)
         self.on_reject: Callable[[Rejection], None] | None = None
         self._down_until = -1.0
         self._layout: StateLayout | None = None
@@ -449,17 +528,28 @@ class SharedTier:
         self._lock = threading.Lock()
         self._writer: _Writer | None = None
         self._closed = False
+        self._warned_foreign = False
+        self._client: object | None = None
 
     # ----------------------------------------------------------------- set-up
-    def bind(self, layout: StateLayout) -> None:
-        """Called by the manager: the layout of the pool the tier serves (once).
+    def bind(self, layout: StateLayout, *, client: object | None = None) -> None:
+        """Called by the manager (``client``, itself): the layout of the pool the tier serves. A
+        tier serves one layout and one manager; binding again with the same layout and no other
+        client changes nothing.
 
-        :raises RuntimeError: bound already to another layout.
+        :raises TypeError: ``layout`` not a StateLayout. :raises RuntimeError: bound already to
+            another layout or another client. Nothing changes when it raises.
         """
+        if not isinstance(layout, StateLayout):
+            raise TypeError(f"layout must be a StateLayout, got {type(layout).__name__}")
+        if client is not None and self._client is not None and self._client is not client:
+            raise RuntimeError("this SharedTier serves another manager already (one tier per manager)")
         if self._layout is not None:
             if self._layout != layout:
-                raise RuntimeError("this SharedTier serves another manager already (one tier per manager)")
+                raise RuntimeError("this SharedTier serves another layout already (one tier per manager)")
+            self._client = self._client if client is None else client
             return
+        self._client = client
         self._layout = layout
         self._identity = f"model={self.model}|layout={layout!r}|kv={self.kv.identity}"
         self._id_digest = hashlib.blake2b(self._identity.encode(), digest_size=10).hexdigest()
@@ -470,6 +560,11 @@ class SharedTier:
     def layout(self) -> StateLayout | None:
         """The layout of the pool the tier serves (None until bound)."""
         return self._layout
+
+    @property
+    def client(self) -> object | None:
+        """The manager the tier serves (None until a manager bound it)."""
+        return self._client
 
     @property
     def identity(self) -> str:
@@ -528,16 +623,28 @@ class SharedTier:
         return self.clock() < self._down_until
 
     def _guarded(self, fn: Callable[[], object]) -> tuple[bool, object]:
+        """Run one store call: (True, its answer), or (False, None) when the store is down or the
+        call raised. Any exception counts as a failed call, not only :class:`SharedStoreError`: a
+        store is outside code, and what it raises must cost a hit, never an admission."""
         if self.down:
             with self._lock:
                 self.stats.skipped_down += 1
             return False, None
         try:
             return True, fn()
-        except SharedStoreError:
+        except Exception as e:
             with self._lock:
                 self.stats.errors += 1
                 self._down_until = self.clock() + self.retry_s
+                first_foreign = not isinstance(e, SharedStoreError) and not self._warned_foreign
+                self._warned_foreign = self._warned_foreign or first_foreign
+            if first_foreign:
+                warnings.warn(
+                    f"shared tier: the store raised {type(e).__name__} outside the SharedStore protocol ({e}); "
+                    "counted as a failed call (stats.errors), served as a miss",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
             return False, None
 
     # ------------------------------------------------------------- publish
@@ -615,7 +722,7 @@ class SharedTier:
             "kv_bytes": len(job.kv),
             "publisher": self.publisher,
         }
-        blob = encode_blob(header, state, job.kv)
+        blob = encode_blob(header, state, job.kv, key=job.key, secret=self._secret)
         key, index, depth = job.key, job.index, job.depth
 
         def put() -> bool:
@@ -739,7 +846,7 @@ class SharedTier:
             or state_bytes != layout.slot_bytes
             or not isinstance(kv_bytes, int)
             or not isinstance(fp, int)
-            or len(body) != layout.slot_bytes + kv_bytes
+            or len(body) != layout.slot_bytes + kv_bytes + DIGEST_BYTES
         ):
             self._reject(
                 "length",
@@ -748,6 +855,17 @@ class SharedTier:
                 publisher,
                 detail=f"depth {header.get('depth')}, state {state_bytes} of {layout.slot_bytes} bytes, "
                 f"kv {kv_bytes}, body {len(body)} bytes",
+            )
+            return None
+        signed, stored = blob[:-DIGEST_BYTES], blob[-DIGEST_BYTES:]
+        if not hmac.compare_digest(blob_digest(key, signed, self._secret), stored):
+            self._reject(
+                "digest",
+                key,
+                depth,
+                publisher,
+                detail="blake2b over the address, header, state and KV does not match"
+                + (" (keyed: another secret, or the bytes changed)" if self._secret else " (the bytes changed)"),
             )
             return None
         conv_n = layout.num_layers * layout.conv_bytes_per_layer
@@ -762,7 +880,7 @@ class SharedTier:
             self._reject("fingerprint", key, depth, publisher, expected=fp, found=found)
             return None
         self._remember(key)
-        return Fetched(depth, body[layout.slot_bytes :], publisher, fp)
+        return Fetched(depth, body[layout.slot_bytes : -DIGEST_BYTES], publisher, fp)
 
     @property
     def staging(self) -> tuple[LinearStatePool, int, RequestOwner]:

@@ -305,10 +305,15 @@ class Forensics:
                 assert node in self._snaps and self._snaps[node].slot == slot, f"slot {slot} claims stale node {node}"
         assert all(p.node in self._snaps for p in self._pending), "a pending donation is not tracked"
 
-    def close(self) -> None:
-        """Flush the ledger."""
+    def flush(self) -> None:
+        """Write the ledger's buffered events to its file."""
         if self.ledger is not None:
             self.ledger.flush()
+
+    def close(self) -> None:
+        """Flush the ledger and close its file (idempotent; recording goes on, reopening it)."""
+        if self.ledger is not None:
+            self.ledger.close()
 
     # ------------------------------------------------------------ internals
     def _unclaim(self, snap: _Snap) -> None:
@@ -388,5 +393,5 @@ class Forensics:
         self._log("corruption", note=note, **finding.as_dict())
         self.findings.append(finding)
         if self.mode == "raise":
-            self.close()
+            self.flush()
             raise finding

@@ -409,7 +409,16 @@ class ReferenceEngine(ServingQueue):
         self.forward.synchronize()
         self.copies.synchronize()
         if self.forensics is not None:
+            self.forensics.flush()
+
+    def close(self) -> None:
+        """Drain, then close the forensics ledger's file and stop the shared tier's writer (its
+        store stays open: it is the caller's). Idempotent."""
+        self.drain()
+        if self.forensics is not None:
             self.forensics.close()
+        if self.shared is not None:
+            self.shared.close()
 
     # ------------------------------------------------------------------ step
     def step(self) -> None:

@@ -18,6 +18,7 @@ the run (``error``).
 
 from __future__ import annotations
 
+import os
 import random
 import statistics
 import time
@@ -26,6 +27,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+
+from linear_state import DeviceUnavailable, check_device
 
 from ..core.shared import RedisStore
 from ..policies import POLICIES, make_policy
@@ -93,7 +96,7 @@ class HammerReport:
     probe_ttft_cold_ms: float
     probe_ttft_hit_ms: float
     probe_hit_fraction: float
-    snapshot_corruptions: int
+    snapshot_corruptions: int  # this replica's own snapshots that changed (forensics): a failure
     wall_s: float
     ground_truth_s: float
     inject: str | None
@@ -109,6 +112,9 @@ class HammerReport:
     metrics: dict[str, object] = field(default_factory=dict)  # the manager's counters at the end
     wrong_examples: list[str] = field(default_factory=list)
     device: str = "cpu"  # where the model, its pools and its streams ran
+    # Blobs from the shared tier that failed verification (forensics' shared-* findings): the tier
+    # doing its job (each was a miss, never a restore), so not a failure of this run.
+    shared_rejections: int = 0
 
     @property
     def cached_fraction(self) -> float:
@@ -248,20 +254,19 @@ def run_hammer(
         ``torch.cuda.is_available()`` is False, or a name torch does not know), or a field of
         ``cfg`` out of its range (the message names it): checked before anything runs."""
     check_config(cfg)
-    try:
-        device = torch.device(cfg.device)
-    except RuntimeError as e:
-        raise ValueError(f"hammer device {cfg.device!r}: {e}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"hammer device {cfg.device!r}: torch.cuda.is_available() is False on this machine")
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"hammer device {cfg.device!r}: the reference engine runs on 'cpu' or 'cuda'")
-    if not (isinstance(cfg.replicas, int) and cfg.replicas >= 1 and 0 <= cfg.replica < cfg.replicas):
-        raise ValueError(f"hammer replica {cfg.replica} of {cfg.replicas}: need 0 <= replica < replicas")
     if cfg.model != "reference":
         return _run(_hf_config(cfg), None, progress)
     with injected(cfg.inject):
         return _run(cfg, model or HybridModel(HybridConfig(), device=cfg.device), progress)
+
+
+def tiny_families() -> list[str]:
+    """The transformers families the hammer serves as ``hf:FAMILY`` (none without the hf extra)."""
+    try:
+        from ..hf.families import TINY_CONFIGS
+    except ImportError:
+        return []
+    return list(TINY_CONFIGS)
 
 
 def check_config(cfg: HammerConfig) -> None:
@@ -306,6 +311,33 @@ def check_config(cfg: HammerConfig) -> None:
         raise ValueError(f"hammer policy {cfg.policy!r}: known {sorted(POLICIES)}")
     if cfg.inject is not None and cfg.inject not in FUZZ_BUGS:
         raise ValueError(f"hammer inject {cfg.inject!r}: known {list(FUZZ_BUGS)}")
+    if not isinstance(cfg.device, str) or cfg.device.split(":")[0] not in ("cpu", "cuda"):
+        raise ValueError(f"hammer device {cfg.device!r}: the reference engine runs on 'cpu' or 'cuda'")
+    try:
+        check_device(cfg.device)
+    except DeviceUnavailable as e:
+        raise ValueError(f"hammer device: {e}") from None
+    if not (
+        isinstance(cfg.replicas, int)
+        and isinstance(cfg.replica, int)
+        and cfg.replicas >= 1
+        and 0 <= cfg.replica < cfg.replicas
+    ):
+        raise ValueError(f"hammer replica {cfg.replica!r} of {cfg.replicas!r}: need 0 <= replica < replicas")
+    if cfg.model != "reference" and not (
+        isinstance(cfg.model, str) and cfg.model.startswith("hf:") and cfg.model.removeprefix("hf:") in tiny_families()
+    ):
+        raise ValueError(
+            f"hammer model {cfg.model!r}: 'reference' or hf:FAMILY with FAMILY in {', '.join(tiny_families())}"
+        )
+    if cfg.shared_redis is not None and (
+        not isinstance(cfg.shared_redis, str) or not cfg.shared_redis.startswith(("redis://", "rediss://", "unix://"))
+    ):
+        raise ValueError(f"hammer shared_redis {cfg.shared_redis!r}: a redis://host:port/db URL")
+    if cfg.forensics is not None:
+        where = os.path.dirname(os.path.abspath(cfg.forensics)) if isinstance(cfg.forensics, str) else ""
+        if not where or os.path.isdir(cfg.forensics) or not os.access(where, os.W_OK):
+            raise ValueError(f"hammer forensics ledger {cfg.forensics!r}: not a file path in a writable folder")
 
 
 def _hf_config(cfg: HammerConfig) -> HammerConfig:
@@ -382,6 +414,18 @@ def _reference_engine(cfg: HammerConfig, model: HybridModel) -> ReferenceEngine:
     )
 
 
+def _close(engine: Any) -> None:
+    """Close what the run opened: the forensics ledger's file, the shared tier's writer and its
+    Redis connection (the engine's shared store is the hammer's own)."""
+    if getattr(engine, "forensics", None) is not None:
+        engine.forensics.close()
+    shared = getattr(engine, "shared", None)
+    if shared is not None:
+        shared.close()
+        if isinstance(shared.store, RedisStore):
+            shared.store.close()
+
+
 def _hammer(
     cfg: HammerConfig,
     engine: Any,
@@ -413,13 +457,14 @@ def _hammer(
             probes.append(p)
         if engine.forensics is not None:
             engine.forensics.verify_all()
-            engine.forensics.close()
     except Exception as e:  # any failure of the engine or the cache fails the run
         error = f"{type(e).__name__}: {e}"
     wall = time.perf_counter() - t0
     # The mix's requests (not the probes); the watchdog's aborts are counted as stuck.
     served = [r for r in engine.finished[: n_served or len(engine.finished)] if not r.stalled]
-    corruptions = len(engine.forensics.findings) if engine.forensics is not None else 0
+    findings = engine.forensics.findings if engine.forensics is not None else []
+    refused = sum(f.kind.startswith("shared-") for f in findings)
+    corruptions = len(findings) - refused
     metrics = engine.manager.metrics().as_dict()
     leaked_slots = leaked_kv = 0
     if error is None:
@@ -427,6 +472,7 @@ def _hammer(
             leaked_slots, leaked_kv = _leaks(engine)
         except Exception as e:  # a reset that cannot complete is a failure too
             error = f"{type(e).__name__}: {e}"
+    _close(engine)
 
     t1 = time.perf_counter()
     truth: dict[_Key, tuple[list[int], torch.Tensor]] = {}
@@ -482,6 +528,7 @@ def _hammer(
         slots_leaked=leaked_slots,
         kv_leaked=leaked_kv,
         snapshot_corruptions=corruptions,
+        shared_rejections=refused,
         ttft_cold_ms=statistics.mean(cold) if cold else 0.0,
         ttft_hit_ms=statistics.mean(hit) if hit else 0.0,
         probe_ttft_cold_ms=1e3 * max(0.0, p_cold.t_first - p_cold.t_submit) if p_cold else 0.0,
@@ -582,6 +629,7 @@ def format_report(rep: HammerReport) -> str:
         ("stuck requests (aborted by the watchdog)", str(rep.stuck)),
         ("slots leaked", str(rep.slots_leaked)),
         ("snapshot corruptions (forensics)", str(rep.snapshot_corruptions) if rep.forensics else "off"),
+        ("shared blobs refused (forensics; each a miss)", str(rep.shared_rejections) if rep.forensics else "off"),
         ("KV indices leaked", str(rep.kv_leaked)),
         ("TTFT cold / hit >= 90% (mean, under load)", f"{rep.ttft_cold_ms:.1f} ms / {rep.ttft_hit_ms:.1f} ms"),
         (
