@@ -4,7 +4,8 @@ and the streams and fences that order every read and write of them.
 Nothing here imports :mod:`radixcache`.
 """
 
-from .errors import ForeignSlot, PoolError, PoolExhausted, SlotMisuse
+from .device import check_device
+from .errors import DeviceUnavailable, ForeignSlot, PoolError, PoolExhausted, PrecisionLoss, SlotMisuse
 from .fencecheck import FenceCheck, cuda_fence_check
 from .fingerprint import Fingerprint
 from .layout import StateLayout
@@ -16,6 +17,7 @@ __all__ = [
     "COMPLETE",
     "CudaStream",
     "DeferredStream",
+    "DeviceUnavailable",
     "Fence",
     "FenceCheck",
     "Fingerprint",
@@ -27,6 +29,7 @@ __all__ = [
     "Owner",
     "PoolError",
     "PoolExhausted",
+    "PrecisionLoss",
     "RequestOwner",
     "SlotId",
     "SlotLender",
@@ -34,6 +37,7 @@ __all__ = [
     "SlotWrite",
     "StateLayout",
     "Stream",
+    "check_device",
     "cuda_fence_check",
     "device_synchronize",
 ]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from .owners import Owner
 
-__all__ = ["ForeignSlot", "PoolError", "PoolExhausted", "SlotMisuse"]
+__all__ = ["DeviceUnavailable", "ForeignSlot", "PoolError", "PoolExhausted", "PrecisionLoss", "SlotMisuse"]
 
 
 class PoolError(Exception):
@@ -63,3 +63,14 @@ class ForeignSlot(PoolError, ValueError):
         super().__init__(
             f"slot {slot} was handed out by pool #{slot_pool}, not by this pool (#{pool}); nothing was done"
         )
+
+
+class PrecisionLoss(PoolError, TypeError):
+    """A state would be narrowed into a slot of a dtype that cannot hold it exactly (float64 into a
+    float32 slot, a complex state into a real one, float32 into bf16): a restored state would not
+    be the one written, so nothing was written."""
+
+
+class DeviceUnavailable(PoolError, ValueError):
+    """A device this process cannot use was named (``cuda`` on a machine without CUDA, a device
+    index past the last one, an unknown device type)."""

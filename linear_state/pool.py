@@ -21,7 +21,8 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import torch
 
-from .errors import ForeignSlot, PoolError, PoolExhausted, SlotMisuse
+from .device import check_device
+from .errors import ForeignSlot, PoolError, PoolExhausted, PrecisionLoss, SlotMisuse
 from .fingerprint import Fingerprint, SlotHasher
 from .layout import StateLayout
 from .owners import NodeOwner, Owner, RequestOwner, SlotId
@@ -60,6 +61,7 @@ class LinearStatePool:
     :param pin_memory: a pool on the CPU in page-locked memory, so that :meth:`copy_from` a CUDA
         pool (and back) runs asynchronously on the copy's stream (a host tier).
     :raises ValueError: ``num_slots`` not positive; ``pin_memory`` for a pool not on the CPU.
+    :raises DeviceUnavailable: a device this process cannot allocate on (CUDA without CUDA).
 
     Slot ids the pool hands out are :class:`~linear_state.SlotId` ints carrying its ``pool_id``;
     every call given one from another pool raises :class:`~linear_state.ForeignSlot` and changes
@@ -85,7 +87,7 @@ class LinearStatePool:
         if stream is not None and not isinstance(stream, Stream):
             raise TypeError(f"stream must be a linear_state Stream, got {type(stream).__name__}")
         self.layout = layout
-        self.device = torch.device(device)
+        self.device = check_device(device)
         self.stream: Stream = stream if stream is not None else ImmediateStream()
         self._immediate = isinstance(self.stream, ImmediateStream)
         L = layout.num_layers
@@ -440,8 +442,12 @@ class LinearStatePool:
         """Write a whole state (``conv`` ``[L, *conv_shape]``, ``recurrent`` ``[L, *recurrent_shape]``)
         into ``slot``: what a forward pass does, as one pool operation.
 
+        A state of a narrower dtype is widened; one the slot's dtype cannot hold exactly is refused.
+
         :raises SlotMisuse: the slot is not writable.
         :raises ValueError: a shape does not match the layout.
+        :raises PrecisionLoss: a state of a dtype the slot's cannot hold exactly (float64 into
+            float32, complex into real, float32 into bf16).
         :raises TypeError: not tensors, a bad slot, owner, stream or fence. Nothing was queued.
         """
         self.check_writable(slot, owner)
@@ -456,6 +462,14 @@ class LinearStatePool:
                 f"state shapes {tuple(conv.shape)}, {tuple(recurrent.shape)} "
                 f"do not match the layout's {want_c}, {want_r}"
             )
+        for what, t, dtype in (
+            ("conv", conv, self.layout.conv_dtype),
+            ("recurrent", recurrent, self.layout.recurrent_dtype),
+        ):
+            if t.dtype != dtype and torch.promote_types(t.dtype, dtype) != dtype:
+                raise PrecisionLoss(
+                    f"the {what} state is {t.dtype}; slot {s} keeps {dtype}, which cannot hold it exactly"
+                )
 
         def work() -> None:
             self._conv_rows[s].copy_(conv)
@@ -665,6 +679,7 @@ class HostedStatePool(LinearStatePool):
         self.reserved = frozenset(res)
         self._setup(conv, recurrent)
         self._free = []  # never used: the host's allocator holds the free slots
+        self._lent: set[int] = set()  # slots lend() brought in: only these go back by reclaim()
 
     @property
     def num_free(self) -> int:
@@ -734,18 +749,25 @@ class HostedStatePool(LinearStatePool):
             raise SlotMisuse("lend of a slot the pool sees owned", slot=s, owner=cur, actor=owner)
         self._owner[s] = owner
         self._owned_by.setdefault(owner, set()).add(self._ids[s])
+        self._lent.add(s)
         return self._ids[s]
 
     def reclaim(self, slot: int, owner: RequestOwner) -> None:
         """Return a slot :meth:`lend` took to the host, after the pool's pending work on it
         (a clone reading it) completed. The host's allocator is not told: the host frees it.
 
-        :raises SlotMisuse: ``slot`` not owned by ``owner``. Nothing changed.
+        :raises SlotMisuse: ``slot`` not owned by ``owner``, or not lent (a slot :meth:`alloc`
+            took from the host's allocator goes back by :meth:`free`, which tells the allocator;
+            reclaimed, it would be lost to it). Nothing changed.
         """
         s = self._index(slot)
         cur = self._owner[s]
         if cur is None or cur != owner or not isinstance(cur, RequestOwner):
             raise SlotMisuse("reclaim by a non-owner", slot=s, owner=cur, actor=owner)
+        if s not in self._lent:
+            why = "reclaim of a slot the pool allocated, not lent (free it instead)"
+            raise SlotMisuse(why, slot=s, owner=cur, actor=owner)
+        self._lent.discard(s)
         self._last_use[s].wait()
         self._last_use[s] = COMPLETE
         self._release_owner_entry(s, cur)
@@ -759,6 +781,8 @@ class HostedStatePool(LinearStatePool):
         for r in sorted(self.reserved):
             assert self._owner[r] is None, f"reserved slot {r} is owned by {self._owner[r]}"
         owned = self._check_owner_index()
+        for s in sorted(self._lent):
+            assert isinstance(self._owner[s], RequestOwner), f"lent slot {s} is owned by {self._owner[s]}"
         avail = self.num_free
         assert owned + avail <= self.capacity - len(self.reserved), (
             f"owned {owned} + host-free {avail} > capacity {self.capacity} - reserved {len(self.reserved)}"
@@ -767,6 +791,7 @@ class HostedStatePool(LinearStatePool):
     def _release(self, s: int, owner: Owner) -> None:
         self._release_owner_entry(s, owner)
         self._owner[s] = None
+        self._lent.discard(s)
         self.lender.give([s])
 
 

@@ -1,14 +1,21 @@
 """The ``radixcache`` command line: one function per command, each taking its parsed arguments
-and returning the process exit status."""
+and returning the process exit status.
+
+A bad flag or input (a number out of range, a missing or unreadable file, an unknown device or
+model) is one line on stderr naming it, and exit status 2; never a traceback, and never a result
+that reads as a pass.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
+from typing import NoReturn
 
 from .policies import DEFAULT_POLICY, POLICIES
 from .simulator.traces import SHAPES
@@ -18,6 +25,58 @@ __all__ = ["main"]
 
 _PRESETS = ["qwen3-next-80b", "nemotron-h-8b"]
 _SHAPES = list(SHAPES)
+
+
+class _BadInput(Exception):
+    """A command's input is unusable: printed as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors on one line (the usage is one ``--help`` away)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _int_at_least(lo: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``lo``."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {lo}, got {v}")
+        return v
+
+    return parse
+
+
+def _float_at_least(lo: float) -> Callable[[str], float]:
+    """An argparse type: a finite number of at least ``lo``."""
+
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not lo <= v < float("inf"):
+            raise argparse.ArgumentTypeError(f"must be a finite number >= {lo}, got {text}")
+        return v
+
+    return parse
+
+
+def _replica(text: str) -> tuple[int, int]:
+    """An argparse type: ``I/N`` with ``0 <= I < N``."""
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes I/N (e.g. 0/2), got {text!r}") from None
+    if not 0 <= i < n:
+        raise argparse.ArgumentTypeError(f"I/N needs 0 <= I < N, got {text!r}")
+    return i, n
 
 
 def _print_failures(exc: BaseException) -> None:
@@ -59,11 +118,7 @@ def cmd_hammer(args: argparse.Namespace) -> int:
     from .progress import progress_callback
     from .testing.hammer import HammerConfig, check_config, format_report, run_hammer
 
-    try:
-        replica, replicas = (int(x) for x in args.replica.split("/"))
-    except ValueError:
-        print(f"radixcache hammer: --replica takes I/N (e.g. 0/2), got {args.replica!r}", file=sys.stderr)
-        return 2
+    replica, replicas = args.replica
     cfg = HammerConfig(
         requests=args.requests,
         concurrency=args.concurrency,
@@ -76,7 +131,7 @@ def cmd_hammer(args: argparse.Namespace) -> int:
         device=args.device,
         forward_delay_us=args.forward_delay_us,
         snapshot_slots=args.snapshot_slots,
-        host_slots=None if args.host_slots < 0 else args.host_slots,
+        host_slots=args.host_slots,
         shared_redis=args.shared_redis,
         replica=replica,
         replicas=replicas,
@@ -87,8 +142,7 @@ def cmd_hammer(args: argparse.Namespace) -> int:
     try:
         check_config(cfg)
     except ValueError as e:
-        print(f"radixcache hammer: {e}", file=sys.stderr)
-        return 2
+        raise _BadInput(str(e)) from None
     update, close = progress_callback(cfg.requests, "hammer")
     try:
         hammered = run_hammer(cfg, progress=update)
@@ -102,7 +156,10 @@ def cmd_forensics(args: argparse.Namespace) -> int:
     """Read a forensics ledger; exit 1 when it records a corruption."""
     from .forensics import analyze, format_forensics
 
-    rep = analyze(args.ledger)
+    try:
+        rep = analyze(args.ledger)
+    except (OSError, ValueError) as e:  # a mistyped path is an error, never an all-clear
+        raise _BadInput(str(e)) from None
     print(json.dumps(rep.as_dict(), indent=2, default=str) if args.json else format_forensics(rep))
     return 1 if rep.corrupted else 0
 
@@ -163,7 +220,12 @@ def cmd_bench_trace(args: argparse.Namespace) -> int:
     from .progress import progress_callback
     from .simulator import DEFAULT_BUDGETS_GIB, load_trace, run_grid
 
-    traces = [load_trace(args.trace, args.seed)]
+    if args.trace not in SHAPES and not os.path.isfile(args.trace):
+        raise _BadInput(f"trace {args.trace!r} is neither a JSONL file nor a shape ({', '.join(_SHAPES)})")
+    try:
+        traces = [load_trace(args.trace, args.seed)]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise _BadInput(f"trace {args.trace!r} cannot be read: {type(e).__name__}: {e}") from None
     policies = args.policy or list(POLICIES)
     budgets = args.budget or DEFAULT_BUDGETS_GIB.get(traces[0][0], (2.0, 4.0, 8.0))
     update, close = progress_callback(len(policies) * len(budgets), "bench-trace")
@@ -200,12 +262,15 @@ def cmd_make_trace(args: argparse.Namespace) -> int:
     """Write a seeded trace as JSONL."""
     from .simulator import generate, write_trace
 
-    write_trace(generate(args.shape, args.seed), args.out)
+    try:
+        write_trace(generate(args.shape, args.seed), args.out)
+    except OSError as e:
+        raise _BadInput(f"cannot write {args.out!r}: {e.strerror or e}") from None
     return 0
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="radixcache", description="radix prefix cache for hybrid LLMs")
+    parser = _Parser(prog="radixcache", description="radix prefix cache for hybrid LLMs")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def add(name: str, fn: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
@@ -215,16 +280,16 @@ def _parser() -> argparse.ArgumentParser:
 
     add("demo", cmd_demo, "walk through the slot pool's ownership rule and fences")
     stress = add("stress", cmd_stress, "seeded random actions on the tree, invariants checked after each")
-    stress.add_argument("--count", type=int, default=10_000, help="number of actions")
+    stress.add_argument("--count", type=_int_at_least(1), default=10_000, help="number of actions")
     stress.add_argument("--seed", type=int, default=0)
-    stress.add_argument("--page-size", type=int, default=1)
-    stress.add_argument("--slots", type=int, default=64, help="pool capacity")
+    stress.add_argument("--page-size", type=_int_at_least(1), default=1)
+    stress.add_argument("--slots", type=_int_at_least(1), default=64, help="pool capacity")
     hammer = add("hammer", cmd_hammer, "serve a request mix concurrently and check every answer against cold")
-    hammer.add_argument("--requests", type=int, default=500)
-    hammer.add_argument("--concurrency", type=int, default=8)
+    hammer.add_argument("--requests", type=_int_at_least(0), default=500)
+    hammer.add_argument("--concurrency", type=_int_at_least(1), default=8)
     hammer.add_argument("--seed", type=int, default=0)
-    hammer.add_argument("--chunk", type=int, default=256, help="prefill chunk size")
-    hammer.add_argument("--page-size", type=int, default=1, help="tokens per KV page of the tree")
+    hammer.add_argument("--chunk", type=_int_at_least(1), default=256, help="prefill chunk size")
+    hammer.add_argument("--page-size", type=_int_at_least(1), default=1, help="tokens per KV page of the tree")
     hammer.add_argument(
         "--policy", choices=sorted(POLICIES), default=DEFAULT_POLICY, help="the manager's snapshot policy"
     )
@@ -239,11 +304,13 @@ def _parser() -> argparse.ArgumentParser:
     hammer.add_argument(
         "--device", default="cpu", help="where the reference model runs: cpu, or cuda (two CUDA streams, real races)"
     )
-    hammer.add_argument("--snapshot-slots", type=int, default=512, help="device pool slots for the tree's snapshots")
+    hammer.add_argument(
+        "--snapshot-slots", type=_int_at_least(1), default=512, help="device pool slots for the tree's snapshots"
+    )
     hammer.add_argument(
         "--host-slots",
-        type=int,
-        default=-1,
+        type=_int_at_least(0),
+        default=None,
         help="the tree's host tier, in snapshots (0: evicted snapshots are dropped; default: the tree's "
         "own budget, 4x the device pool)",
     )
@@ -255,7 +322,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     hammer.add_argument(
         "--replica",
-        default="0/1",
+        type=_replica,
+        default=(0, 1),
         metavar="I/N",
         help="serve replica I's round-robin share of the mix (every N-th request drawn), e.g. 0/2 and 1/2",
     )
@@ -269,13 +337,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     hammer.add_argument(
         "--logit-tol",
-        type=float,
+        type=_float_at_least(0.0),
         default=None,
         help="first-token logits must match the cold run within this (default 1e-6; 1e-5 for hf models)",
     )
     hammer.add_argument(
         "--forward-delay-us",
-        type=float,
+        type=_float_at_least(0.0),
         default=0.0,
         help="cuda only: every forward first keeps the GPU busy this long, so an unfenced copy races it",
     )
@@ -283,18 +351,20 @@ def _parser() -> argparse.ArgumentParser:
     fx.add_argument("ledger")
     fx.add_argument("--json", action="store_true")
     fuzz = add("fuzz", cmd_fuzz, "run the host state machine: random interleavings, invariants after each step")
-    fuzz.add_argument("--examples", type=int, default=1000)
+    fuzz.add_argument("--examples", type=_int_at_least(1), default=1000)
     fuzz.add_argument("--seed", type=int, default=0)
-    fuzz.add_argument("--page-size", type=int, default=1)
-    fuzz.add_argument("--steps", type=int, default=50, help="rules per example")
-    fuzz.add_argument("--host-slots", type=int, default=0, help="give the tree a host tier of this many snapshots")
+    fuzz.add_argument("--page-size", type=_int_at_least(1), default=1)
+    fuzz.add_argument("--steps", type=_int_at_least(1), default=50, help="rules per example")
+    fuzz.add_argument(
+        "--host-slots", type=_int_at_least(0), default=0, help="give the tree a host tier of this many snapshots"
+    )
     fuzz.add_argument(
         "--inject", choices=list(FUZZ_BUGS), default=None, help="commit a bug on purpose; the machine must find it"
     )
     mu = add("misuse", cmd_misuse, "interleave wrong calls with valid steps: typed errors, nothing changed")
-    mu.add_argument("--examples", type=int, default=1000)
+    mu.add_argument("--examples", type=_int_at_least(1), default=1000)
     mu.add_argument("--seed", type=int, default=0)
-    mu.add_argument("--steps", type=int, default=30, help="rules per example")
+    mu.add_argument("--steps", type=_int_at_least(1), default=30, help="rules per example")
     mu.add_argument(
         "--inject",
         choices=list(MISUSE_BUGS),
@@ -304,7 +374,7 @@ def _parser() -> argparse.ArgumentParser:
     bt = add("bench-trace", cmd_bench_trace, "replay a trace under policies and budgets, side by side (JSON)")
     bt.add_argument("trace", help="a JSONL trace, or a shape: " + ", ".join(_SHAPES))
     bt.add_argument("--policy", nargs="+", choices=sorted(POLICIES), default=None, help="default: every policy")
-    bt.add_argument("--budget", nargs="+", type=float, default=None, help="cache budgets in GiB")
+    bt.add_argument("--budget", nargs="+", type=_float_at_least(0.0), default=None, help="cache budgets in GiB")
     bt.add_argument("--preset", default=_PRESETS[0], choices=_PRESETS)
     bt.add_argument("--seed", type=int, default=0)
     pr = add("policies-report", cmd_policies_report, "every trace shape x 3 budgets x every policy: the table")
@@ -314,7 +384,7 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--policy", nargs="+", choices=sorted(POLICIES), default=None, help="default: every policy")
     pr.add_argument(
         "--host-factor",
-        type=float,
+        type=_float_at_least(0.0),
         default=8.0,
         help="each policy also with a host tier of this many times the device budget (0: none)",
     )
@@ -330,7 +400,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``radixcache`` console script. Returns the process exit status."""
     args = _parser().parse_args(argv)
     run: Callable[[argparse.Namespace], int] = args.run
-    return run(args)
+    try:
+        return run(args)
+    except _BadInput as e:
+        print(f"radixcache {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

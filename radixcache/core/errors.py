@@ -8,6 +8,7 @@ written against the builtin types keeps working.
 from __future__ import annotations
 
 __all__ = [
+    "AdmissionFailed",
     "ConcurrentUseError",
     "ForeignObjectError",
     "LockError",
@@ -47,3 +48,12 @@ class ForeignObjectError(RadixCacheError, ValueError):
 class LockError(RadixCacheError, RuntimeError):
     """A lock used against its rule: an unlock without a lock, the eviction of a locked snapshot,
     a reset while requests still hold locks."""
+
+
+class AdmissionFailed(RadixCacheError, RuntimeError):
+    """Code the manager called during an admission raised (the policy, the host's stream, a
+    shared store or KV codec outside their protocols). Everything the admission had taken was given
+    back (its slots to the pool, its lock on the tree, its record and counters), so the pool, the
+    tree's locks and the manager are as they were; the cause is chained (``__cause__``). A
+    snapshot verified and inserted from the shared tier before the failure stays in the tree,
+    unlocked (it is valid), and snapshots evicted to make room stay evicted."""

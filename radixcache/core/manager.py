@@ -29,7 +29,9 @@ manager) gets :class:`~radixcache.core.errors.ConcurrentUseError` and changes no
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import math
 import threading
 import time
 from collections import deque
@@ -54,7 +56,7 @@ from linear_state.owners import NodeOwner
 
 from ..forensics.recorder import Forensics
 from ..policies.base import DonationReason, Policy, RequestInfo
-from .errors import ConcurrentUseError, ProtocolError, UnknownRequest
+from .errors import AdmissionFailed, ConcurrentUseError, ProtocolError, UnknownRequest
 from .keys import IMAGE_ID_BASE, MAX_ID, KeyLike, key_bytes
 from .metrics import ManagerMetrics, MetricsCounters
 from .shared import Fetched, Rejection, SharedTier
@@ -330,6 +332,10 @@ class CacheManager:
         host_tier: Literal["auto"] | None = "auto",
         host_budget_bytes: int | None = None,
     ) -> None:
+        # Everything is checked before anything is bound, attached or allocated: a constructor
+        # that raises leaves the cache, the policy and the shared tier as they were.
+        if not isinstance(cache, HybridRadixCache):
+            raise TypeError(f"cache must be a HybridRadixCache, got {type(cache).__name__}")
         if host_tier not in ("auto", None):
             raise ValueError(f"host_tier must be 'auto' or None, got {host_tier!r}")
         if host_budget_bytes is not None and (
@@ -341,25 +347,42 @@ class CacheManager:
         if policy is not None and not isinstance(policy, Policy):
             hint = " (make_policy(name) builds one by name)" if isinstance(policy, str) else ""
             raise TypeError(f"policy must be a Policy, got {type(policy).__name__}{hint}")
+        if policy is not None and getattr(policy, "cache", None) not in (None, cache):
+            raise RuntimeError(f"policy {policy.name!r} already serves another cache; make one policy per manager")
         if shared is not None and not isinstance(shared, SharedTier):
             raise TypeError(f"shared must be a SharedTier, got {type(shared).__name__}")
+        if shared is not None and shared.client is not None:
+            raise RuntimeError("this SharedTier serves another manager already (one tier per manager)")
         if isinstance(track_slots, bool) or not isinstance(track_slots, int) or track_slots < 1:
             raise ValueError(f"track_slots must be an int >= 1, got {track_slots!r}")
         if barrier not in ("fence", "device"):
             raise ValueError(f"barrier must be 'fence' or 'device', got {barrier!r}")
+        if stream is not None and not isinstance(stream, Stream):
+            raise TypeError(f"stream must be a linear_state Stream or None, got {type(stream).__name__}")
+        if forensics is not None and not isinstance(forensics, Forensics):
+            raise TypeError(f"forensics must be a Forensics or None, got {type(forensics).__name__}")
         if forensics is not None and forensics.pool is not cache.pool:
             raise ValueError("forensics must watch the cache's own pool")
+        if kv_bytes_per_token is not None and (
+            isinstance(kv_bytes_per_token, bool) or not isinstance(kv_bytes_per_token, int) or kv_bytes_per_token < 1
+        ):
+            raise ValueError(f"kv_bytes_per_token must be None or an int >= 1, got {kv_bytes_per_token!r}")
+        if not callable(clock):
+            raise TypeError(f"clock must be a callable returning seconds, got {clock!r}")
+        if shared is not None and shared.layout is not None and shared.layout != cache.pool.layout:
+            raise RuntimeError("this SharedTier serves another layout already (one tier per manager)")
+        host = None
+        if host_tier == "auto" and cache.host_pool is None:
+            host = auto_host_pool(cache.pool, host_budget_bytes)  # raises before anything is bound
         if policy is None:
             from ..policies.hit_density import HitDensity
 
             policy = HitDensity()
         policy.bind(cache)
         if shared is not None:
-            shared.bind(cache.pool.layout)
-        if host_tier == "auto" and cache.host_pool is None:
-            host = auto_host_pool(cache.pool, host_budget_bytes)
-            if host is not None:
-                cache.attach_host_pool(host)
+            shared.bind(cache.pool.layout, client=self)
+        if host is not None:
+            cache.attach_host_pool(host)
         if kv_bytes_per_token is not None:
             policy.costs(cache.pool.layout.slot_bytes, kv_bytes_per_token)
         self.cache = cache
@@ -445,11 +468,17 @@ class CacheManager:
             raise UnknownRequest(f"request {rid!r} is not admitted (or already finished or aborted)") from None
 
     def _now(self, now: float | None) -> float:
-        if now is None:
-            return self.clock()
-        if isinstance(now, bool) or not isinstance(now, (int, float)):
-            raise TypeError(f"now must be seconds (a number), got {now!r}")
-        return float(now)
+        """``now``, or the clock's time when None, as finite seconds.
+
+        :raises TypeError: not a number. :raises ValueError: not finite (a policy fed NaN or
+            infinity ranks nothing). Both name where the value came from."""
+        source = "now" if now is not None else "the manager's clock"
+        t = self.clock() if now is None else now
+        if isinstance(t, bool) or not isinstance(t, (int, float)):
+            raise TypeError(f"{source} must give seconds (a number), got {t!r}")
+        if not math.isfinite(t):
+            raise ValueError(f"{source} must give finite seconds, got {t!r}")
+        return float(t)
 
     # ------------------------------------------------------------------- admit
     def _ids(self, rid: Hashable, cache_ids: KeyLike) -> tuple[bytes, np.ndarray]:
@@ -526,40 +555,62 @@ class CacheManager:
             return Refusal(
                 rid, f"{need} state slots needed, {self.pool.num_free} free and {avail} with evictions", need, avail
             )
-        # From here on the admission succeeds: every step below is within what was counted.
-        if m.length:
-            self.cache.touch(node)
-        self.cache.lock(node)
-        short = need - self.pool.num_free
-        if short > 0:
-            self._evict_snapshots(short, t, "admission")
+        # From here on the admission succeeds: every step below is within what was counted. Only
+        # code outside the manager can still raise (the policy, the stream, a store or codec
+        # outside its protocol); then everything taken is given back (AdmissionFailed).
         owner = RequestOwner(rid)
-        slots = self.pool.alloc_many(owner, need)
-        live, tracks = slots[0], tuple(slots[1:])
-        fx = self.forensics
-        if fx is not None:
-            fx.request_slots(rid, slots)
-        stream = self.stream or self.cache.stream
-        fetched: Fetched | None = None
-        if self.shared is not None and m.length < ids.size - 1:
-            got = self._fetch_shared(ids, namespace, m, owner, live, stream, t)
-            if got is not None:
-                fetched, m, ready = got
-                node = m.node
-        if fetched is None and m.length:
+        slots: list[SlotId] = []
+        ready: Fence = COMPLETE
+        locked: TreeNode | None = None
+        try:
+            if m.length:
+                self.cache.touch(node)
+            self.cache.lock(node)
+            locked = node
+            short = need - self.pool.num_free
+            if short > 0:
+                self._evict_snapshots(short, t, "admission")
+            slots = self.pool.alloc_many(owner, need)
+            live, tracks = slots[0], tuple(slots[1:])
+            fx = self.forensics
             if fx is not None:
-                fx.before_restore(node.id, rid, live)
-            ready = self.cache.restore(node, live, stream=stream, dst_owner=owner)
-        elif fetched is None:
-            ready = self.pool.zero(live, owner=owner, stream=stream)
-        # (a fetched hit's state is in the live slot already, written behind ``ready``)
-        if m.length and self.barrier == "device":  # a hit from the tree or the shared tier
-            ready.wait()
-            device_synchronize(self.pool.device)
-        is_img = ids >= IMAGE_ID_BASE
-        starts = np.flatnonzero(is_img & ~np.concatenate([[False], is_img[:-1]]))
-        digest = int.from_bytes(hashlib.blake2b(kb, digest_size=8).digest(), "little") or 1
-        info = RequestInfo(int(ids.size), m.length, m.token_length, session, t, digest, tuple(int(s) for s in starts))
+                fx.request_slots(rid, slots)
+            stream = self.stream or self.cache.stream
+            fetched: Fetched | None = None
+            if self.shared is not None and m.length < ids.size - 1:
+                got = self._fetch_shared(ids, namespace, m, owner, live, stream, t)
+                if got is not None:
+                    fetched, m, ready = got
+                    node = locked = m.node
+            if fetched is None and m.length:
+                if fx is not None:
+                    fx.before_restore(node.id, rid, live)
+                ready = self.cache.restore(node, live, stream=stream, dst_owner=owner)
+            elif fetched is None:
+                ready = self.pool.zero(live, owner=owner, stream=stream)
+            # (a fetched hit's state is in the live slot already, written behind ``ready``)
+            if m.length and self.barrier == "device":  # a hit from the tree or the shared tier
+                ready.wait()
+                device_synchronize(self.pool.device)
+            is_img = ids >= IMAGE_ID_BASE
+            starts = np.flatnonzero(is_img & ~np.concatenate([[False], is_img[:-1]]))
+            digest = int.from_bytes(hashlib.blake2b(kb, digest_size=8).digest(), "little") or 1
+            info = RequestInfo(
+                int(ids.size), m.length, m.token_length, session, t, digest, tuple(int(s) for s in starts)
+            )
+            self.policy.admitted(info)
+            if fetched is not None:
+                self.policy.donated(node, info, DonationReason.CAPTURE, t)
+            if m.length:
+                self.policy.touched(node, info, t)
+        except BaseException as e:
+            self._undo_admission(rid, owner, slots, ready, locked)
+            if isinstance(e, Exception):
+                raise AdmissionFailed(
+                    f"admission of request {rid!r} failed in code the manager called ({type(e).__name__}: {e}); "
+                    f"its {len(slots)} slots and its lock were given back"
+                ) from e
+            raise
         rec = _Request(
             rid=rid,
             owner=owner,
@@ -585,12 +636,23 @@ class CacheManager:
             c.hit_tokens += m.length
             c.restores += fetched is None
             c.host_hits += fetched is None and node.snapshot is None
-        self.policy.admitted(info)
-        if fetched is not None:
-            self.policy.donated(node, info, DonationReason.CAPTURE, t)
-        if m.length:
-            self.policy.touched(node, info, t)
         return Admission(rid, m.length, m.token_length, m.kv_indices, live, tracks, ready)
+
+    def _undo_admission(
+        self, rid: Hashable, owner: RequestOwner, slots: Sequence[SlotId], ready: Fence, locked: TreeNode | None
+    ) -> None:
+        """Give back what a failed admission took: its slots (after the restore's fence, when one
+        was submitted), its forensics record and its lock. Never raises for the admission's own
+        state; a fence that itself raises is not waited (the pool still waits each slot's last
+        use)."""
+        with contextlib.suppress(Exception):  # a broken stream: the pool still waits each slot's last use
+            ready.wait()
+        for s in slots:
+            self.pool.free(s, owner)
+        if slots and self.forensics is not None:
+            self.forensics.request_freed(rid, slots)
+        if locked is not None:
+            self.cache.unlock(locked)
 
     # ------------------------------------------------------------- shared tier
     def _fetch_shared(
@@ -627,6 +689,13 @@ class CacheManager:
         if kv is None:
             shared.stats.no_room += 1
             return None
+        bad = _bad_imported_kv(kv, d)
+        if bad is not None:  # the host's code broke its contract: a miss, its indices back to it
+            free = self.cache.on_free_kv
+            if free is not None and _bad_imported_kv(kv, int(getattr(kv, "shape", (0,))[0])) is None:
+                free(kv.to(torch.int64))  # 1-D non-negative integers of the wrong count: the host's
+            shared.codec_failed("import_kv", ValueError(bad))
+            return None
         stage, sslot, _ = shared.staging
         ready = self.pool.copy_from(stage, sslot, live, dst_owner=owner, stream=stream)
         key = ids[:d]
@@ -634,10 +703,10 @@ class CacheManager:
         node = res.node
         if res.snapshot_created and self.forensics is not None:
             self._record_donation(f"shared:{got.publisher}", node, key)
-        self.cache.lock(node)
+        hit = MatchResult(d, max(d, m.token_length), self.cache.kv_indices(node), node, node.snapshot)
+        self.cache.lock(node)  # the lock moves last: the caller's undo unlocks the node it was told of
         self.cache.unlock(m.node)
         shared.counted_hit(got, d - m.length)
-        hit = MatchResult(d, max(d, m.token_length), self.cache.kv_indices(node), node, node.snapshot)
         return got, hit, ready
 
     def _queue_publication(self, node: TreeNode, key: np.ndarray, namespace: Hashable, kv_after: Fence | None) -> None:
@@ -920,8 +989,8 @@ class CacheManager:
         now: float | None,
     ) -> WindowResult:
         _check_fence(ready)
-        t = None if now is None else self._now(now)
         rec = self._check_plan(plan)
+        t = None if now is None and not plan.captures else self._now(now)  # the clock only when a policy hears it
         n = plan.end - plan.start
         small = _small_kv(kv_indices, n)
         kv = _as_window_kv(kv_indices, n) if small is None else None
@@ -966,7 +1035,8 @@ class CacheManager:
                 rec.last_write[c.slot] = ready
         if not plan.captures:
             return WindowResult((), rec.committed, False, _EMPTY_KV, COMPLETE)
-        t = self.clock() if now is None else now
+        t = now
+        assert t is not None, "the caller reads the clock for a window with captures"
         donated: list[int] = []
         freed: list[torch.Tensor] = []
         for c in plan.captures:
@@ -1017,8 +1087,8 @@ class CacheManager:
         if batch.manager_id != id(self):
             raise ProtocolError("decode batch was planned by another manager")
         _check_fence(ready)
-        t = None if now is None else self._now(now)
         get, plans = self._requests.get, batch.plans
+        t = None if now is None and not any(p.captures for p in plans.values()) else self._now(now)
         recs: list[_Request] = []
         for rid in batch.rids:
             rec = get(rid)
@@ -1374,9 +1444,21 @@ def _small_kv(kv: object, n: int) -> list[int] | None:
         if kv.dtype is not torch.int64 or kv.dim() != 1 or kv.shape[0] != n or not kv.is_cpu:
             return None
         out: list[int] = kv.tolist()
-        return out
-    if type(kv) is list and len(kv) == n and all(type(i) is int for i in kv):
+        return out if all(i >= 0 for i in out) else None
+    if type(kv) is list and len(kv) == n and all(type(i) is int and i >= 0 for i in kv):
         return list(kv)
+    return None
+
+
+def _bad_imported_kv(kv: object, n: int) -> str | None:
+    """Why the KV indices a codec's ``import_kv`` returned break its contract (a 1-D integer
+    tensor of ``n`` non-negative indices), or None when they keep it."""
+    if not isinstance(kv, torch.Tensor) or kv.dtype not in _INT_DTYPES:
+        return f"import_kv returned {type(kv).__name__} of {getattr(kv, 'dtype', None)}, not integer KV indices"
+    if kv.dim() != 1 or kv.shape[0] != n:
+        return f"import_kv returned shape {tuple(kv.shape)} for {n} tokens"
+    if n and int(kv.min()) < 0:
+        return f"negative KV index {int(kv.min())} from import_kv"
     return None
 
 
@@ -1397,5 +1479,7 @@ def _as_window_kv(kv: object, n: int) -> torch.Tensor:
         raise ValueError(f"kv_indices must be 1-D integers, got shape {tuple(t.shape)} dtype {t.dtype}")
     if t.shape[0] != n:
         raise ValueError(f"kv_indices has {t.shape[0]} entries for a window of {n} tokens")
+    if n and int(t.min()) < 0:
+        raise ValueError(f"kv_indices holds a negative KV index ({int(t.min())})")
     # A private copy: the host may rewrite its index buffer for other requests right after.
     return t.to(torch.int64) if t.dtype != torch.int64 else t.clone()

@@ -74,7 +74,7 @@ def auto_host_pool(pool: LinearStatePool, budget_bytes: int | None = None) -> Li
     capped at a quarter of the machine's physical memory (when the platform reports it).
 
     :returns: the pool, or ``None`` when the budget holds less than one slot.
-    :raises ValueError: a negative budget.
+    :raises ValueError: a negative budget, or one above the machine's physical memory.
     """
     slot = pool.layout.slot_bytes
     if budget_bytes is None:
@@ -84,6 +84,9 @@ def auto_host_pool(pool: LinearStatePool, budget_bytes: int | None = None) -> Li
             budget_bytes = min(budget_bytes, phys // 4)
     if budget_bytes < 0:
         raise ValueError(f"host budget must be >= 0 bytes, got {budget_bytes}")
+    phys = _physical_memory()
+    if phys is not None and budget_bytes > phys:
+        raise ValueError(f"host budget of {budget_bytes} bytes is more than this machine's {phys} bytes of memory")
     n = int(budget_bytes) // slot
     if n < 1:
         return None

@@ -39,7 +39,7 @@ from typing import Any, Literal
 
 import torch
 
-from linear_state import Fence, LinearStatePool, Owner, StateLayout
+from linear_state import Fence, LinearStatePool, Owner, PrecisionLoss, StateLayout, check_device
 from linear_state.hf import CONV_ONLY, INEXACT, hf_family
 
 try:
@@ -49,10 +49,6 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("radixcache.hf needs transformers: pip install 'radixcache[hf]'") from e
 
 __all__ = ["DecodeBatch", "HFStateBridge", "PrecisionLoss"]
-
-
-class PrecisionLoss(TypeError):
-    """A state would be narrowed into a slot of a narrower dtype (``on_narrowing="raise"``)."""
 
 
 @dataclass(frozen=True)
@@ -134,7 +130,7 @@ class HFStateBridge:
         self.layout = layout
         self.on_narrowing = on_narrowing
         self.conv_only = family in CONV_ONLY  # no recurrent state: the slot's is a placeholder
-        self.device = torch.device(device)
+        self.device = check_device(device)
         self.narrowed = 0  # states narrowed so far (with on_narrowing="warn")
         assert layout.model_layers is not None
         self._layers: tuple[int, ...] = layout.model_layers

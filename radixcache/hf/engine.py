@@ -96,7 +96,9 @@ class HFEngine(ServingQueue):
     :param policy: the manager's policy (default ``HitDensity(block=track_align)``).
     :param host_slots: the tree's host tier in snapshots (``None``: the manager's default, 0: none).
     :param batch_decode: decode every decoding request in one forward (default), or one by one.
-    :raises TypeError: ``batch_decode`` not a bool (checked before anything is built).
+    :raises TypeError: ``batch_decode`` not a bool. :raises ValueError: a count below its least
+        value (``max_running``, ``kv_tokens``, ``chunk``, ``track_slots``, ``track_align`` >= 1;
+        ``snapshot_slots``, ``host_slots`` >= 0). Both before anything is built.
     """
 
     def __init__(
@@ -116,6 +118,20 @@ class HFEngine(ServingQueue):
     ) -> None:
         if type(batch_decode) is not bool:
             raise TypeError(f"batch_decode must be a bool, got {batch_decode!r}")
+        for name, v, lo in (
+            ("max_running", max_running, 1),
+            ("snapshot_slots", snapshot_slots, 0),
+            ("kv_tokens", kv_tokens, 1),
+            ("chunk", chunk, 1),
+            ("track_slots", track_slots, 1),
+            ("track_align", track_align, 1),
+        ):
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+        if host_slots is not None and (
+            isinstance(host_slots, bool) or not isinstance(host_slots, int) or host_slots < 0
+        ):
+            raise ValueError(f"host_slots must be None or an int >= 0, got {host_slots!r}")
         self.model = model
         self.batch_decode = batch_decode
         self.decode_forwards = 0  # decode forwards run (a batch counts once)
