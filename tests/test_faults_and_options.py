@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from linear_state import (
     SlotMisuse,
     StateLayout,
 )
-from radixcache import CacheManager, HybridRadixCache
+from radixcache import Admission, CacheManager, HybridRadixCache
 from radixcache.cli import main
 from radixcache.core.errors import AdmissionFailed
 from radixcache.core.shared import MemoryStore, RedisStore, SharedStoreError, SharedTier
@@ -120,14 +121,15 @@ def test_a_kv_codec_returning_bad_indices_is_a_miss_and_nothing_leaks(model: Hyb
     def bad(data: bytes, n: int) -> Any:
         if how == "too-few":  # the host allocated, then answered out of contract: they go back to it
             return b.kv.alloc(n - 1)
-        return {
-            "float": lambda: torch.arange(n, dtype=torch.float32),
-            "2-d": lambda: torch.arange(n).reshape(1, n),
-            "negative": lambda: torch.full((n,), -1, dtype=torch.int64),
-            "list": lambda: list(range(n)),
-        }[how]()
+        if how == "float":
+            return torch.arange(n, dtype=torch.float32)
+        if how == "2-d":
+            return torch.arange(n).reshape(1, n)
+        if how == "negative":
+            return torch.full((n,), -1, dtype=torch.int64)
+        return list(range(n))
 
-    b.kv_codec.import_kv = bad  # type: ignore[method-assign]
+    b.kv_codec.import_kv = bad  # type: ignore[method-assign, assignment]
     with pytest.warns(RuntimeWarning, match="import_kv"):
         _serve_exact(model, b, prompts)
     assert b.shared is not None and b.shared.stats.codec_errors >= 1 and b.shared.stats.hits == 0
@@ -174,6 +176,7 @@ def test_a_failed_admission_after_a_hit_unlocks_the_hit() -> None:
     mgr = CacheManager(HybridRadixCache(pool), host_tier=None)
     ids = list(range(40))
     adm = mgr.admit("a", ids)
+    assert isinstance(adm, Admission)
     plan = mgr.plan_prefill("a", 40)
     mgr.commit(plan, None, kv_indices=torch.arange(40))
     mgr.finish("a")
@@ -182,7 +185,7 @@ def test_a_failed_admission_after_a_hit_unlocks_the_hit() -> None:
     def touched(*args: object) -> None:
         raise RuntimeError("a bug in a custom policy")
 
-    mgr.policy.touched = touched  # type: ignore[method-assign]
+    mgr.policy.touched = touched  # type: ignore[method-assign, assignment]
     with pytest.raises(AdmissionFailed):
         mgr.admit("b", [*ids, 99])
     mgr.check_invariants()  # no node is left locked by the failed admission
@@ -342,7 +345,7 @@ class _Lender:
         out, self.free = self.free[:n], self.free[n:]
         return out
 
-    def give(self, slots: list[int]) -> None:
+    def give(self, slots: Sequence[int]) -> None:
         self.free += slots
 
     def available(self) -> int:
@@ -396,6 +399,7 @@ BAD_COMMANDS = [
 
 @pytest.mark.parametrize("argv", BAD_COMMANDS, ids=[" ".join(a) for a in BAD_COMMANDS])
 def test_a_bad_flag_or_input_is_one_line_and_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    code: int | str | None
     try:
         code = main(argv)
     except SystemExit as e:
