@@ -66,9 +66,9 @@ class ForeignSlot(PoolError, ValueError):
 
 
 class PrecisionLoss(PoolError, TypeError):
-    """A state would be narrowed into a slot of a dtype that cannot hold it exactly (float64 into a
-    float32 slot, a complex state into a real one, float32 into bf16): a restored state would not
-    be the one written, so nothing was written."""
+    """A state would be narrowed into a slot of a dtype that cannot hold it (float64 into a float32
+    slot, a complex state into a real one; the HF bridge also refuses float32 into bf16 unless told
+    to warn): a restored state would not be the one written, so nothing was written."""
 
 
 class DeviceUnavailable(PoolError, ValueError):

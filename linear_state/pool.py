@@ -442,12 +442,13 @@ class LinearStatePool:
         """Write a whole state (``conv`` ``[L, *conv_shape]``, ``recurrent`` ``[L, *recurrent_shape]``)
         into ``slot``: what a forward pass does, as one pool operation.
 
-        A state of a narrower dtype is widened; one the slot's dtype cannot hold exactly is refused.
+        A state of another dtype is converted to the slot's, except float64 and complex states,
+        which the slot's dtype cannot hold (never narrowed silently).
 
         :raises SlotMisuse: the slot is not writable.
         :raises ValueError: a shape does not match the layout.
-        :raises PrecisionLoss: a state of a dtype the slot's cannot hold exactly (float64 into
-            float32, complex into real, float32 into bf16).
+        :raises PrecisionLoss: a float64 state into a narrower slot, or a complex one into a
+            real slot.
         :raises TypeError: not tensors, a bad slot, owner, stream or fence. Nothing was queued.
         """
         self.check_writable(slot, owner)
@@ -466,7 +467,9 @@ class LinearStatePool:
             ("conv", conv, self.layout.conv_dtype),
             ("recurrent", recurrent, self.layout.recurrent_dtype),
         ):
-            if t.dtype != dtype and torch.promote_types(t.dtype, dtype) != dtype:
+            # float64 and complex states are refused: no slot dtype of a layout holds them. A
+            # float32 state into a bf16 or fp16 slot is the storage the layout declares.
+            if t.dtype != dtype and (t.dtype.is_complex or t.dtype == torch.float64) and not dtype.is_complex:
                 raise PrecisionLoss(
                     f"the {what} state is {t.dtype}; slot {s} keeps {dtype}, which cannot hold it exactly"
                 )
