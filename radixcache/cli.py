@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from .policies import DEFAULT_POLICY, POLICIES
 from .simulator.traces import SHAPES
@@ -38,34 +38,29 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _int_at_least(lo: int) -> Callable[[str], int]:
-    """An argparse type: an integer of at least ``lo``."""
+def _at_least(kind: Callable[[str], float], lo: float, what: str) -> Callable[[str], Any]:
+    """An argparse type: a finite ``kind`` (int or float) of at least ``lo``."""
 
-    def parse(text: str) -> int:
+    def parse(text: str) -> Any:
         try:
-            v = int(text)
+            v = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {lo}, got {v}")
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not lo <= v < float("inf"):
+            raise argparse.ArgumentTypeError(f"must be {what} >= {lo} (finite), got {text}")
         return v
 
     return parse
+
+
+def _int_at_least(lo: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``lo``."""
+    return _at_least(int, lo, "an integer")
 
 
 def _float_at_least(lo: float) -> Callable[[str], float]:
     """An argparse type: a finite number of at least ``lo``."""
-
-    def parse(text: str) -> float:
-        try:
-            v = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not lo <= v < float("inf"):
-            raise argparse.ArgumentTypeError(f"must be a finite number >= {lo}, got {text}")
-        return v
-
-    return parse
+    return _at_least(float, lo, "a number")
 
 
 def _replica(text: str) -> tuple[int, int]:

@@ -209,3 +209,19 @@ def test_a_tree_on_a_hosted_pool_donates_restores_and_evicts_through_the_host() 
     assert lender.given == [int(snap)] and freed == [10, 11, 12]
     tree.check_invariants()
     pool.check_invariants()
+
+
+def test_only_lent_slots_are_reclaimed() -> None:
+    """A slot alloc() took from the host's allocator goes back by free(), which tells the
+    allocator; reclaimed, it would be lost to it, so reclaim refuses it and changes nothing."""
+    pool, lender = make()
+    s = pool.alloc(A)
+    with pytest.raises(SlotMisuse, match="not lent"):
+        pool.reclaim(s, A)
+    assert pool.owner_of(s) == A
+    pool.free(s, A)
+    assert lender.free.count(int(s)) == 1  # back in the host's allocator, not lost
+    taken = lender.take(1)
+    assert taken is not None
+    pool.reclaim(pool.lend(taken[0], A), A)
+    pool.check_invariants()

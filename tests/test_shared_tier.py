@@ -250,6 +250,17 @@ def test_a_blob_moved_to_another_address_is_refused_by_its_digest(model: HybridM
     b.manager.check_invariants()
 
 
+def _written_slot(layout: StateLayout) -> tuple[LinearStatePool, int]:
+    """A pool of ``layout`` with one slot holding a random state."""
+    pool = LinearStatePool(layout, 2)
+    owner = RequestOwner("r")
+    slot = pool.alloc(owner)
+    conv = torch.randn(layout.num_layers, *layout.conv_shape).to(layout.conv_dtype)
+    rec = torch.randn(layout.num_layers, *layout.recurrent_shape).to(layout.recurrent_dtype)
+    pool.write(slot, conv, rec, owner=owner).wait()
+    return pool, slot
+
+
 def test_a_blob_re_signed_with_a_wrong_fingerprint_is_refused_by_the_fingerprint() -> None:
     """The digest proves the bytes are the publisher's; the fingerprint that the state is the one
     the publisher meant (an aliased slot serialises another state than it fingerprinted)."""
@@ -257,15 +268,7 @@ def test_a_blob_re_signed_with_a_wrong_fingerprint_is_refused_by_the_fingerprint
     store = MemoryStore()
     tier = SharedTier(store, model="m", kv=_NoKV(), publisher="P")
     tier.bind(layout)
-    pool = LinearStatePool(layout, 2)
-    owner = RequestOwner("r")
-    slot = pool.alloc(owner)
-    pool.write(
-        slot,
-        torch.randn(2, 4, 3).to(layout.conv_dtype),
-        torch.randn(2, 2, 4, 4).to(layout.recurrent_dtype),
-        owner=owner,
-    ).wait()
+    pool, slot = _written_slot(layout)
     ids = np.arange(8, dtype=np.int64)
     assert tier.publish(ids, None, pool, slot, torch.zeros(8, dtype=torch.int64), None)
     (key,) = store.blobs
@@ -285,15 +288,7 @@ def test_a_blob_re_signed_with_a_wrong_fingerprint_is_refused_by_the_fingerprint
 def test_a_keyed_digest_refuses_blobs_of_writers_without_the_secret() -> None:
     layout = StateLayout(2, (4, 3), (2, 4, 4))
     store = MemoryStore()
-    pool = LinearStatePool(layout, 2)
-    owner = RequestOwner("r")
-    slot = pool.alloc(owner)
-    pool.write(
-        slot,
-        torch.randn(2, 4, 3).to(layout.conv_dtype),
-        torch.randn(2, 2, 4, 4).to(layout.recurrent_dtype),
-        owner=owner,
-    ).wait()
+    pool, slot = _written_slot(layout)
     ids, longer = np.arange(8, dtype=np.int64), np.arange(9, dtype=np.int64)
     tiers = {}
     for name, secret in (("keyed", b"deployment secret"), ("other", b"another secret"), ("plain", None)):

@@ -582,6 +582,19 @@ class CacheManager:
                 if got is not None:
                     fetched, m, ready = got
                     node = locked = m.node
+            is_img = ids >= IMAGE_ID_BASE
+            starts = np.flatnonzero(is_img & ~np.concatenate([[False], is_img[:-1]]))
+            digest = int.from_bytes(hashlib.blake2b(kb, digest_size=8).digest(), "little") or 1
+            info = RequestInfo(
+                int(ids.size), m.length, m.token_length, session, t, digest, tuple(int(s) for s in starts)
+            )
+            # The policy hears of the admission before the live slot is written: a policy that
+            # raises then leaves the slot's contents as they were (nothing to take back).
+            self.policy.admitted(info)
+            if fetched is not None:
+                self.policy.donated(node, info, DonationReason.CAPTURE, t)
+            if m.length:
+                self.policy.touched(node, info, t)
             if fetched is None and m.length:
                 if fx is not None:
                     fx.before_restore(node.id, rid, live)
@@ -592,17 +605,6 @@ class CacheManager:
             if m.length and self.barrier == "device":  # a hit from the tree or the shared tier
                 ready.wait()
                 device_synchronize(self.pool.device)
-            is_img = ids >= IMAGE_ID_BASE
-            starts = np.flatnonzero(is_img & ~np.concatenate([[False], is_img[:-1]]))
-            digest = int.from_bytes(hashlib.blake2b(kb, digest_size=8).digest(), "little") or 1
-            info = RequestInfo(
-                int(ids.size), m.length, m.token_length, session, t, digest, tuple(int(s) for s in starts)
-            )
-            self.policy.admitted(info)
-            if fetched is not None:
-                self.policy.donated(node, info, DonationReason.CAPTURE, t)
-            if m.length:
-                self.policy.touched(node, info, t)
         except BaseException as e:
             self._undo_admission(rid, owner, slots, ready, locked)
             if isinstance(e, Exception):
@@ -647,7 +649,7 @@ class CacheManager:
         use)."""
         with contextlib.suppress(Exception):  # a broken stream: the pool still waits each slot's last use
             ready.wait()
-        for s in slots:
+        for s in reversed(slots):  # the free list as it was: the next admission gets the same slots
             self.pool.free(s, owner)
         if slots and self.forensics is not None:
             self.forensics.request_freed(rid, slots)

@@ -336,7 +336,7 @@ def check_config(cfg: HammerConfig) -> None:
         raise ValueError(f"hammer shared_redis {cfg.shared_redis!r}: a redis://host:port/db URL")
     if cfg.forensics is not None:
         where = os.path.dirname(os.path.abspath(cfg.forensics)) if isinstance(cfg.forensics, str) else ""
-        if not where or os.path.isdir(cfg.forensics) or not os.access(where, os.W_OK):
+        if not os.path.isdir(where) or os.path.isdir(cfg.forensics) or not os.access(where, os.W_OK):
             raise ValueError(f"hammer forensics ledger {cfg.forensics!r}: not a file path in a writable folder")
 
 

@@ -39,6 +39,10 @@ validates-after-mutating   commit counts the window's tokens before it checks th
                            no KV for.
 accepts-foreign-node       the tree takes any node, whichever cache made it: a foreign node is
                            locked, unlocked, evicted or restored from this cache's pool.
+accepts-negative-kv        commit takes negative KV indices: the tree would hand them back to
+                           the host's allocator through ``on_free_kv``.
+keeps-failed-admission     an admission that fails in code the manager called (its policy)
+                           raises but keeps its slots and its lock.
 =========================  ====================================================================
 """
 
@@ -51,7 +55,18 @@ from typing import Literal
 import numpy as np
 import torch
 
-from linear_state import COMPLETE, Fence, LinearStatePool, NodeOwner, Owner, SlotId, SlotWrite, StateLayout, Stream
+from linear_state import (
+    COMPLETE,
+    Fence,
+    LinearStatePool,
+    NodeOwner,
+    Owner,
+    RequestOwner,
+    SlotId,
+    SlotWrite,
+    StateLayout,
+    Stream,
+)
 
 from ..core.keys import KeyLike
 from ..core.manager import Admission, CacheManager, Refusal, WindowPlan, WindowResult, _Request
@@ -255,6 +270,29 @@ class _ValidateLateManager(CacheManager):
         return super()._commit(plan, ready, kv_indices, now)
 
 
+class _NegativeKVManager(CacheManager):
+    def _commit(
+        self,
+        plan: WindowPlan,
+        ready: Fence | None,
+        kv_indices: torch.Tensor | np.ndarray | Sequence[int],
+        now: float | None,
+    ) -> WindowResult:
+        kv = torch.as_tensor(kv_indices) if isinstance(kv_indices, (list, tuple, np.ndarray)) else kv_indices
+        if isinstance(kv, torch.Tensor) and kv.dim() == 1 and kv.numel() and int(kv.min()) < 0:
+            rec = self._check_plan(plan)
+            t = self.clock() if now is None else now  # BUG: negative KV indices taken as they are
+            return self._apply_commit(rec, plan, ready, None, kv.to(torch.int64), t)
+        return super()._commit(plan, ready, kv_indices, now)
+
+
+class _KeepFailedAdmissionManager(CacheManager):
+    def _undo_admission(
+        self, rid: Hashable, owner: RequestOwner, slots: Sequence[SlotId], ready: Fence, locked: TreeNode | None
+    ) -> None:
+        return  # BUG: the failed admission's slots and lock stay behind, tracked by nobody
+
+
 class _ForeignNodeTree(HybridRadixCache):
     def _own(self, node: object) -> TreeNode:
         if not isinstance(node, TreeNode):
@@ -262,7 +300,12 @@ class _ForeignNodeTree(HybridRadixCache):
         return node  # BUG: whichever cache made it
 
 
-MISUSE_BUGS: tuple[str, ...] = ("validates-after-mutating", "accepts-foreign-node")
+MISUSE_BUGS: tuple[str, ...] = (
+    "validates-after-mutating",
+    "accepts-foreign-node",
+    "accepts-negative-kv",
+    "keeps-failed-admission",
+)
 
 FUZZ_BUGS: tuple[str, ...] = (
     "alias",
@@ -283,6 +326,8 @@ _MANAGERS: dict[str, type[CacheManager]] = {
     "snapshot-off-by-page": _OffByPageManager,
     "double-free-swallowed": _DoubleFreeManager,
     "validates-after-mutating": _ValidateLateManager,
+    "accepts-negative-kv": _NegativeKVManager,
+    "keeps-failed-admission": _KeepFailedAdmissionManager,
     "namespace-blind": _NamespaceBlindManager,
     "full-hit-admission": _FullHitManager,
 }

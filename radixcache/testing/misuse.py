@@ -1,6 +1,9 @@
 """A misuse fuzzer: a hypothesis state machine that interleaves a host's valid steps with calls
 carrying wrong types, wrong values, objects of another cache or manager, and lifecycle steps out
-of order, against the public API of the pool, the tree and the manager.
+of order, against the public API of the pool, the tree and the manager, the manager's constructor,
+and the shared tier and its stores (a tier of the machine's own over an in-memory store, whose
+blobs, index and counters must not move either); and admissions whose policy raises, which must
+give back everything they took.
 
 After every misuse call it asserts that the call raised a typed error (radixcache's own, a
 ``TypeError``, ``ValueError``, ``KeyError``, ``IndexError`` or a pool error; never an
@@ -16,6 +19,7 @@ Run it with :func:`run_misuse` (``radixcache misuse``) or as a test:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +33,7 @@ from linear_state import COMPLETE, LinearStatePool, NodeOwner, PoolError, Reques
 
 from ..core.errors import RadixCacheError
 from ..core.manager import CacheManager, WindowPlan
+from ..core.shared import MemoryStore, RedisStore, SharedTier
 from ..core.tree import HybridRadixCache, TreeNode
 from .adapter import FUZZ_LAYOUT, ManagerAdapter
 from .digest import state_digest
@@ -76,13 +81,57 @@ class _Foreign:
         self.slot = donor  # a slot id of another pool (its index is likely in use here too)
 
 
+class _NoKV:
+    """A KV codec for a model without attention layers (the tier's own tests of its edges)."""
+
+    identity = "none"
+
+    def export_kv(self, kv_indices: torch.Tensor, after: object) -> bytes:
+        return b""
+
+    def import_kv(self, data: bytes, num_tokens: int) -> torch.Tensor | None:
+        return torch.zeros(num_tokens, dtype=torch.int64)
+
+
+class _Tier:
+    """A shared tier over an in-memory store holding one published blob, and a pool slot to
+    publish from: the target of the shared tier's wrong calls."""
+
+    def __init__(self) -> None:
+        self.store = MemoryStore()
+        self.tier = SharedTier(self.store, model="misuse", kv=_NoKV(), publisher="misuse")
+        self.tier.bind(FUZZ_LAYOUT)
+        self.pool = LinearStatePool(FUZZ_LAYOUT, 2)
+        self.slot = self.pool.alloc(RequestOwner("publisher"))
+        self.ids = np.arange(1, 9, dtype=np.int64)
+        assert self.tier.publish(self.ids, None, self.pool, self.slot, torch.arange(8), None)
+
+    def digest(self) -> tuple[object, ...]:
+        """Everything a refused call must leave as it was."""
+        return (
+            repr(self.tier.stats.as_dict()),
+            sorted(self.store.blobs.items()),
+            sorted((k, sorted(v)) for k, v in self.store.indexes.items()),
+            self.pool.owner_of(self.slot),
+            self.tier.layout,
+            self.tier.client,
+        )
+
+
 class MisuseMachine(HostMachine):
     """The host machine plus a ``misuse`` rule (see the module docstring)."""
 
     def __init__(self) -> None:
         super().__init__()
         self._foreign: _Foreign | None = None
+        self._tier: _Tier | None = None
         self.misuses = 0
+
+    @property
+    def shared(self) -> _Tier:
+        if self._tier is None:
+            self._tier = _Tier()
+        return self._tier
 
     @property
     def foreign(self) -> _Foreign:
@@ -104,6 +153,10 @@ class MisuseMachine(HostMachine):
             Misuse("admit: unhashable namespace", lambda: mgr.admit(fresh, [1, 2], namespace=_wrong({"lora": 1}))),
             Misuse("admit: unhashable session", lambda: mgr.admit(fresh, [1, 2], session=_wrong(["chat", 1]))),
             Misuse("admit: now is not a number", lambda: mgr.admit(fresh, [1, 2], now=_wrong("soon"))),
+            Misuse("admit: now is not finite", lambda: mgr.admit(fresh, [1, 2], now=math.nan)),
+            Misuse("manager: a clock that is not callable", lambda: CacheManager(cache, clock=_wrong(5))),
+            Misuse("manager: a stream that is not one", lambda: CacheManager(cache, stream=_wrong("cuda"))),
+            Misuse("manager: kv_bytes_per_token 0", lambda: CacheManager(cache, kv_bytes_per_token=0)),
             Misuse(
                 "can_admit: bad key", lambda: mgr.can_admit(_wrong(data.draw(st.sampled_from(bad_keys), label="key")))
             ),
@@ -137,6 +190,14 @@ class MisuseMachine(HostMachine):
             Misuse("pool owner_of: float slot", lambda: pool.owner_of(_wrong(0.5))),
             Misuse("pool free: out of range", lambda: pool.free(pool.capacity, RequestOwner(fresh))),
         ]
+        if cache.host_pool is None:
+            out.append(
+                Misuse(
+                    "manager: a host budget above physical memory",
+                    lambda: CacheManager(cache, host_budget_bytes=1 << 62),
+                )
+            )
+        out += self._shared_catalogue()
         stale = getattr(self.host, "last_plan", None)
         if isinstance(stale, WindowPlan):
             out.append(Misuse("commit: a plan committed already", lambda: mgr.commit(stale, None, kv_indices=[0])))
@@ -184,20 +245,78 @@ class MisuseMachine(HostMachine):
                 ]
         return out
 
+    def _shared_catalogue(self) -> list[Misuse]:
+        """Wrong calls of the shared tier, its stores and its options."""
+        sh = self.shared
+        tier, pool, slot, ids = sh.tier, sh.pool, sh.slot, sh.ids
+        kv = torch.arange(8)
+        return [
+            Misuse("tier key: negative id", lambda: tier.key(np.array([1, -2, 3]), None)),
+            Misuse("tier key: id past 2**31", lambda: tier.key(np.array([1, 2**31]), None)),
+            Misuse("tier key: a list, not an array", lambda: tier.key(_wrong([1, 2]), None)),
+            Misuse("tier key: 2-D ids", lambda: tier.key(np.ones((2, 2), dtype=np.int64), None)),
+            Misuse("tier key: a namespace it cannot address", lambda: tier.key(ids, _wrong((1, 2)))),
+            Misuse("tier fetch: negative local", lambda: tier.fetch(np.arange(12), None, -1)),
+            Misuse("tier fetch: page 0", lambda: tier.fetch(np.arange(12), None, 0, page=0)),
+            Misuse("tier fetch: local past the ids", lambda: tier.fetch(np.arange(12), None, 13)),
+            Misuse("tier publish: float KV", lambda: tier.publish(ids, None, pool, slot, kv.float(), None)),
+            Misuse("tier publish: KV of the wrong length", lambda: tier.publish(ids, None, pool, slot, kv[:3], None)),
+            Misuse("tier publish: not a pool", lambda: tier.publish(ids, None, _wrong("pool"), slot, kv, None)),
+            Misuse("tier publish: not a fence", lambda: tier.publish(ids, None, pool, slot, kv, _wrong("x"))),
+            Misuse("tier flush: negative timeout", lambda: tier.flush(-1)),
+            Misuse("tier bind: not a layout", lambda: tier.bind(_wrong("layout"))),
+            Misuse("tier: an empty model", lambda: SharedTier(sh.store, model="", kv=_NoKV())),
+            Misuse("tier: retry_s a string", lambda: SharedTier(sh.store, model="m", kv=_NoKV(), retry_s=_wrong("1"))),
+            Misuse("tier: an empty secret", lambda: SharedTier(sh.store, model="m", kv=_NoKV(), secret=b"")),
+            Misuse(
+                "tier: a clock that is not callable",
+                lambda: SharedTier(sh.store, model="m", kv=_NoKV(), clock=_wrong(1)),
+            ),
+            Misuse("redis store: ttl under a millisecond", lambda: RedisStore("redis://127.0.0.1:1/0", ttl_s=0.0004)),
+            Misuse("redis store: ttl 0", lambda: RedisStore("redis://127.0.0.1:1/0", ttl_s=0)),
+            Misuse("redis store: negative timeout", lambda: RedisStore("redis://127.0.0.1:1/0", timeout_s=-1)),
+            Misuse("redis store: not a URL", lambda: RedisStore("notaurl")),
+        ]
+
     def refused(self, case: Misuse) -> None:
         """Make the wrong call; assert a typed error, the digest unchanged, invariants holding."""
         mgr = self.host.manager
         before = state_digest(mgr)
+        tier_before = self.shared.digest()
         try:
             case.call()
         except MISUSE_ERRORS:
+            pass
+        except ImportError:  # a RedisStore without the redis client: nothing to check here
             pass
         else:
             raise AssertionError(f"{case.label}: the call was accepted")
         after = state_digest(mgr)
         assert after == before, f"{case.label}: raised, but changed the state of pool, tree, manager or policy"
+        assert self.shared.digest() == tier_before, f"{case.label}: raised, but changed the shared tier or its store"
         mgr.check_invariants()
+        self.shared.tier.check_invariants()
         self.misuses += 1
+
+    @rule(data=st.data())
+    def failing_policy_admission(self, data: st.DataObject) -> None:
+        """An admission whose policy raises (a custom policy's bug): AdmissionFailed, and every
+        slot, lock, record and counter given back. Its ids match nothing, so no eviction or
+        recency refresh (which a failure cannot take back) happens first."""
+        mgr = self.host.manager
+        policy = mgr.policy
+        if mgr.pool.num_free < 1 + mgr.track_slots:
+            return
+        ids = [2**29 + self.next_rid, *range(2**29 + 1000, 2**29 + 1000 + data.draw(st.integers(0, 6)))]
+
+        def raising(info: object) -> None:
+            raise ZeroDivisionError("a bug in the policy")
+
+        policy.admitted = raising  # type: ignore[method-assign, assignment]
+        try:
+            self.refused(Misuse("admit: the policy raises", lambda: mgr.admit(10**9 + self.next_rid, ids)))
+        finally:
+            del policy.admitted
 
     @rule(data=st.data())
     def misuse(self, data: st.DataObject) -> None:
@@ -219,6 +338,7 @@ class MisuseMachine(HostMachine):
         wrong = [
             Misuse("commit: KV of the wrong length", lambda: mgr.commit(plan, None, kv_indices=list(range(n + 1)))),
             Misuse("commit: float KV", lambda: mgr.commit(plan, None, kv_indices=torch.zeros(n))),
+            Misuse("commit: negative KV", lambda: mgr.commit(plan, None, kv_indices=[-1] * n)),
             Misuse("commit: 2-D KV", lambda: mgr.commit(plan, None, kv_indices=torch.zeros(1, n, dtype=torch.int64))),
             Misuse("commit: ready not a fence", lambda: mgr.commit(plan, _wrong("done"), kv_indices=list(range(n)))),
             Misuse(
