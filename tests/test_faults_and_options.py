@@ -380,3 +380,70 @@ def test_forensics_of_a_garbage_ledger_is_an_error_never_an_all_clear(
     assert main(["forensics", str(garbage)]) == 2
     out, err = capsys.readouterr()
     assert "findings: none" not in out and "ledger.jsonl:1" in err
+
+
+# ------------------------------------------------------------------ the faulty store and codec
+def test_the_faulty_store_commits_each_fault_and_counts_it() -> None:
+    from radixcache.testing.faults import FaultyStore
+
+    for bad in (-0.1, 1.5, "x", True):
+        with pytest.raises(ValueError, match="probability"):
+            FaultyStore(corrupt=bad)  # type: ignore[arg-type]
+    s = FaultyStore(corrupt=1.0, misplace=1.0)
+    assert s.put("a", b"blob-a") and s.put("b", b"blob-b")
+    assert s.faults.misplaced == 1 and s.blobs["a"] == b"blob-b"  # b's put also landed under a
+    got = s.get("b")
+    assert got is not None and got != b"blob-b" and len(got) == 6 and s.faults.corrupted == 1
+    assert s.faults.served_bad == {"b"}
+    with pytest.raises(SharedStoreError):
+        FaultyStore(fail=1.0).get("a")
+    with pytest.raises(RuntimeError, match="outside the protocol"):
+        FaultyStore(foreign=1.0).depths("i", 0, 5)
+    dropping = FaultyStore(drop=1.0)
+    dropping.put("k", b"v")
+    assert dropping.get("k") is None and dropping.faults.dropped == 1
+
+
+def test_every_blob_a_corrupting_store_hands_out_is_refused(model: HybridModel) -> None:
+    from radixcache.testing.faults import FaultyStore
+
+    clean = MemoryStore()
+    _, prompts = _published(model, clean)
+    store = FaultyStore(seed=3, corrupt=1.0)
+    store.blobs, store.indexes = clean.blobs, clean.indexes  # the same server, read through a bad link
+    b = ReferenceEngine(model, shared_store=store, publisher="B", forensics_ledger=None)
+    _serve_exact(model, b, prompts)
+    assert b.shared is not None
+    assert store.faults.corrupted >= 1 and b.shared.stats.hits == 0
+    assert sum(b.shared.stats.rejected.values()) == store.faults.corrupted  # each one refused
+    _nothing_leaked(b)
+
+
+def test_the_faulty_codec_gives_back_what_it_left_out() -> None:
+    from radixcache.testing.faults import FaultyCodec
+
+    freed: list[list[int]] = []
+
+    class Inner:
+        identity = "inner"
+
+        def export_kv(self, kv_indices: torch.Tensor, after: object) -> bytes:
+            return b""
+
+        def import_kv(self, data: bytes, num_tokens: int) -> torch.Tensor | None:
+            return torch.arange(num_tokens)
+
+    codec = FaultyCodec(Inner(), seed=0, p=1.0, free=lambda t: freed.append(t.tolist()))
+    outcomes: set[object] = set()
+    for _ in range(40):
+        try:
+            got = codec.import_kv(b"", 5)
+        except RuntimeError:
+            outcomes.add("raised")
+            continue
+        assert got is not None
+        outcomes.add((str(got.dtype), tuple(got.shape)))
+    assert outcomes == {"raised", ("torch.int64", (4,)), ("torch.float32", (5,)), ("torch.int64", (1, 5))}
+    assert freed and all(f == [4] for f in freed)  # the index left out went back to the host
+    with pytest.raises(ValueError, match="probability"):
+        FaultyCodec(Inner(), p=2.0)

@@ -7,11 +7,10 @@ import sys
 import pytest
 from hypothesis import settings
 
-from radixcache.testing.adapter import ManagerAdapter
 from radixcache.testing.inject import MISUSE_BUGS
-from radixcache.testing.misuse import make_misuse_machine
+from radixcache.testing.misuse import make_misuse_machine, misuse_adapter
 
-TestMisuse = make_misuse_machine(lambda: ManagerAdapter.build(), name="MisuseOnOurStack").TestCase
+TestMisuse = make_misuse_machine(misuse_adapter, name="MisuseOnOurStack").TestCase
 TestMisuse.settings = settings(settings.get_profile("ci"), max_examples=5000, stateful_step_count=30)
 
 

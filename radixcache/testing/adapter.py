@@ -25,8 +25,10 @@ from linear_state import DeferredStream, Fence, LinearStatePool, StateLayout
 from ..core.keys import IMAGE_ID_BASE
 from ..core.manager import Admission, CacheManager, WindowPlan
 from ..core.multimodal import image_cache_ids, image_runs
+from ..core.shared import SharedStore, SharedTier
 
 __all__ = [
+    "AdapterKV",
     "FUZZ_LAYOUT",
     "PLACEHOLDER",
     "HostAdapter",
@@ -157,6 +159,27 @@ class _Req:
     last: Fence | None
 
 
+class AdapterKV:
+    """The :class:`~radixcache.core.shared.KVCodec` of :class:`ManagerAdapter`: its KV has no
+    contents (the ground truth is the state), so a prefix's KV travels as 8 bytes a token and is
+    imported as fresh indices of the adapter's allocator."""
+
+    identity = "fuzz-kv 8 bytes/token"
+
+    def __init__(self, holder: list[ManagerAdapter]) -> None:
+        self._holder = holder
+
+    def export_kv(self, kv_indices: torch.Tensor, after: Fence | None) -> bytes:
+        """8 zero bytes per token."""
+        return bytes(8 * kv_indices.numel())
+
+    def import_kv(self, data: bytes, num_tokens: int) -> torch.Tensor | None:
+        """``num_tokens`` fresh indices; None when ``data`` is not 8 bytes a token."""
+        if len(data) != 8 * num_tokens:
+            return None
+        return torch.tensor(self._holder[0].alloc_kv(num_tokens), dtype=torch.int64)
+
+
 class ManagerAdapter:
     """The default adapter: a small host scheduler on :class:`CacheManager`'s host protocol, with
     a deferred forward stream, a deferred copy stream and a strict KV allocator. It hands each
@@ -190,16 +213,25 @@ class ManagerAdapter:
         chunk: int = 8,
         inject: str | None = None,
         host_slots: int = 0,
+        shared: SharedStore | None = None,
+        codec_faults: float = 0.0,
     ) -> ManagerAdapter:
         """A fresh adapter (and cache) committing fuzzing bug ``inject`` when given; with a host
-        tier of ``host_slots`` snapshots when positive.
+        tier of ``host_slots`` snapshots when positive; with a shared tier over ``shared`` when
+        given (its KV codec, :class:`AdapterKV` behind a :class:`~radixcache.testing.faults.FaultyCodec`,
+        misbehaves on ``codec_faults`` of its calls).
 
         :raises ValueError: ``track_slots`` below 1, or an unknown bug.
         """
+        from .faults import FaultyCodec
         from .inject import make_fuzz_stack
 
         forward, copies = DeferredStream("forward"), DeferredStream("copies")
         holder: list[ManagerAdapter] = []
+        tier = None
+        if shared is not None:
+            codec = FaultyCodec(AdapterKV(holder), p=codec_faults, free=lambda t: holder[0].free_kv(t))
+            tier = SharedTier(shared, model="fuzz", kv=codec, publisher="fuzz")
         manager = make_fuzz_stack(
             inject,
             FUZZ_LAYOUT,
@@ -210,6 +242,7 @@ class ManagerAdapter:
             on_free_kv=lambda t: holder[0].free_kv(t),
             stream=copies,
             host_slots=host_slots,
+            shared=tier,
         )
         adapter = cls(manager, forward, copies, chunk)
         holder.append(adapter)

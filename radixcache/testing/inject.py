@@ -70,6 +70,7 @@ from linear_state import (
 
 from ..core.keys import KeyLike
 from ..core.manager import Admission, CacheManager, Refusal, WindowPlan, WindowResult, _Request
+from ..core.shared import SharedTier
 from ..core.tree import HybridRadixCache, InsertResult, MatchResult, TreeNode
 from ..policies import FixedPoints, Policy
 from ..policies.base import DonationReason
@@ -396,11 +397,12 @@ def make_fuzz_stack(
     stream: Stream | None = None,
     policy: Policy | None = None,
     host_slots: int = 0,
+    shared: SharedTier | None = None,
 ) -> CacheManager:
     """Pool, tree and manager for the fuzzing kit, correct or committing bug ``inject``
     (one of :data:`FUZZ_BUGS`). The default policy is :class:`~radixcache.policies.FixedPoints`
     on a ``track_align`` grid: the most captures per window, so the most donations to check.
-    ``host_slots``: a host tier of that many snapshots (0: none).
+    ``host_slots``: a host tier of that many snapshots (0: none); ``shared``: the manager's shared tier.
 
     :raises ValueError: unknown bug name.
     """
@@ -413,4 +415,5 @@ def make_fuzz_stack(
         policy if policy is not None else FixedPoints(track_align),
         track_slots=track_slots,
         host_tier=None,  # the machine's tier is host_slots, exactly
+        shared=shared,
     )

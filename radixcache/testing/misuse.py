@@ -37,9 +37,10 @@ from ..core.shared import MemoryStore, RedisStore, SharedTier
 from ..core.tree import HybridRadixCache, TreeNode
 from .adapter import FUZZ_LAYOUT, ManagerAdapter
 from .digest import state_digest
+from .faults import FaultyStore
 from .fuzz import HostMachine, run_machine
 
-__all__ = ["MISUSE_ERRORS", "Misuse", "MisuseMachine", "make_misuse_machine", "run_misuse"]
+__all__ = ["MISUSE_ERRORS", "Misuse", "MisuseMachine", "make_misuse_machine", "misuse_adapter", "run_misuse"]
 
 MISUSE_ERRORS: tuple[type[BaseException], ...] = (
     RadixCacheError,
@@ -370,6 +371,16 @@ class MisuseMachine(HostMachine):
         )
 
 
+def misuse_adapter(inject: str | None = None) -> ManagerAdapter:
+    """The misuse machine's default host: the fuzz adapter with a shared tier over a
+    :class:`~radixcache.testing.faults.FaultyStore` that corrupts, drops and misplaces blobs and
+    fails calls in and outside its protocol, and a KV codec that misbehaves on 10% of its calls, so
+    the valid steps between the wrong calls keep admitting through every fault (each must be a
+    miss: the machine checks every restored state against the ground truth)."""
+    store = FaultyStore(seed=0, corrupt=0.2, drop=0.1, misplace=0.2, fail=0.05, foreign=0.05)
+    return ManagerAdapter.build(inject=inject, shared=store, codec_faults=0.1)
+
+
 def make_misuse_machine(factory: Callable[[], ManagerAdapter], *, name: str = "MisusedHost") -> type[MisuseMachine]:
     """A :class:`MisuseMachine` subclass driving adapters from ``factory``."""
     return type(name, (MisuseMachine,), {"adapter_factory": staticmethod(factory)})
@@ -388,5 +399,5 @@ def run_misuse(
 
     :param inject: a bug of :data:`radixcache.testing.inject.MISUSE_BUGS`, committed on purpose.
     """
-    machine = make_misuse_machine(lambda: ManagerAdapter.build(inject=inject))
+    machine = make_misuse_machine(lambda: misuse_adapter(inject))
     run_machine(machine, examples, seed, stateful_step_count=stateful_step_count, progress=progress)
