@@ -191,7 +191,7 @@ def test_the_hammer_refuses_a_device_it_cannot_use() -> None:
     with pytest.raises(ValueError, match="'not-a-device'"):
         run_hammer(HammerConfig(requests=1, device="not-a-device"))
     if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match=r"'cuda'.*is_available"):
+        with pytest.raises(ValueError, match=r"'cuda'.*CUDA is not available"):
             run_hammer(HammerConfig(requests=1, device="cuda"))
 
 

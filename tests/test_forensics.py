@@ -72,9 +72,12 @@ def test_restore_of_a_poisoned_snapshot_raises(tmp_path: Path) -> None:
     node = h.cache.match(p[:-1]).node  # what an identical prompt will hit
     assert node.snapshot is not None
     h.pool.conv[0, node.snapshot].zero_()
+    free = h.pool.num_free
     with pytest.raises(SnapshotCorruption) as exc:
         h.admit("victim", p)
     assert exc.value.kind == "changed" and exc.value.node == node.id
+    assert "victim" not in h.mgr and h.pool.num_free == free  # the admission took nothing with it
+    h.mgr.check_invariants()
     h.mgr.forensics.close()  # type: ignore[union-attr]
     assert main(["forensics", str(tmp_path / "ledger.jsonl")]) == 1
 

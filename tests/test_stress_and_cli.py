@@ -25,9 +25,14 @@ def test_cli_stress_prints_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_cli_hammer_refuses_a_bad_configuration_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["hammer", "--concurrency", "0", "--requests", "3"]) == 2
+    with pytest.raises(SystemExit) as exit_:
+        main(["hammer", "--concurrency", "0", "--requests", "3"])  # refused by the flag's type
+    assert exit_.value.code == 2
     err = capsys.readouterr().err
-    assert "radixcache hammer: hammer concurrency must be an int >= 1, got 0" in err and "Traceback" not in err
+    assert err.strip() == "radixcache hammer: error: argument --concurrency: must be an integer >= 1 (finite), got 0"
+    assert main(["hammer", "--device", "tpu", "--requests", "3"]) == 2  # refused by check_config
+    err = capsys.readouterr().err
+    assert err.startswith("radixcache hammer: error: hammer device 'tpu'") and len(err.strip().splitlines()) == 1
 
 
 def test_cli_demo_passes(capsys: pytest.CaptureFixture[str]) -> None:

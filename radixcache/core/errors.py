@@ -51,8 +51,9 @@ class LockError(RadixCacheError, RuntimeError):
 
 
 class AdmissionFailed(RadixCacheError, RuntimeError):
-    """Code the manager called during an admission raised (the policy, the host's stream, a
-    shared store or KV codec outside their protocols). Everything the admission had taken was given
+    """Code the manager called during an admission raised (the policy, the host's stream).
+    radixcache's own errors and forensics' ``SnapshotCorruption`` (``mode="raise"``) are raised
+    as themselves, after the same give-back. Everything the admission had taken was given
     back (its slots to the pool, its lock on the tree, its record and counters), so the pool, the
     tree's locks and the manager are as they were; the cause is chained (``__cause__``). A
     snapshot verified and inserted from the shared tier before the failure stays in the tree,

@@ -54,9 +54,9 @@ from linear_state import (
 )
 from linear_state.owners import NodeOwner
 
-from ..forensics.recorder import Forensics
+from ..forensics.recorder import Forensics, SnapshotCorruption
 from ..policies.base import DonationReason, Policy, RequestInfo
-from .errors import AdmissionFailed, ConcurrentUseError, ProtocolError, UnknownRequest
+from .errors import AdmissionFailed, ConcurrentUseError, ProtocolError, RadixCacheError, UnknownRequest
 from .keys import IMAGE_ID_BASE, MAX_ID, KeyLike, key_bytes
 from .metrics import ManagerMetrics, MetricsCounters
 from .shared import Fetched, Rejection, SharedTier
@@ -607,7 +607,7 @@ class CacheManager:
                 device_synchronize(self.pool.device)
         except BaseException as e:
             self._undo_admission(rid, owner, slots, ready, locked)
-            if isinstance(e, Exception):
+            if isinstance(e, Exception) and not isinstance(e, (RadixCacheError, SnapshotCorruption)):
                 raise AdmissionFailed(
                     f"admission of request {rid!r} failed in code the manager called ({type(e).__name__}: {e}); "
                     f"its {len(slots)} slots and its lock were given back"
