@@ -19,6 +19,7 @@ Run it with :func:`run_misuse` (``radixcache misuse``) or as a test:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
 
-from linear_state import COMPLETE, LinearStatePool, NodeOwner, PoolError, RequestOwner
+from linear_state import COMPLETE, LinearStatePool, NodeOwner, PoolError, RequestOwner, StateLayout
 
 from ..core.errors import RadixCacheError
 from ..core.manager import CacheManager, WindowPlan
@@ -198,7 +199,7 @@ class MisuseMachine(HostMachine):
                     lambda: CacheManager(cache, host_budget_bytes=1 << 62),
                 )
             )
-        out += self._shared_catalogue()
+        out += self._shared_catalogue() + _hf_catalogue()
         stale = getattr(self.host, "last_plan", None)
         if isinstance(stale, WindowPlan):
             out.append(Misuse("commit: a plan committed already", lambda: mgr.commit(stale, None, kv_indices=[0])))
@@ -369,6 +370,35 @@ class MisuseMachine(HostMachine):
                 lambda: self.host.manager.cache.restore(node, live, dst_owner=RequestOwner(rid)),
             )
         )
+
+
+@functools.cache
+def _hf_config() -> Any:
+    """A tiny transformers config (None without transformers), made once."""
+    try:
+        from ..hf import tiny_config
+    except ImportError:
+        return None
+    return tiny_config("qwen3_next")
+
+
+def _hf_catalogue() -> list[Misuse]:
+    """Wrong options of the transformers bridge and host (when transformers is installed): each a
+    typed error before anything is built."""
+    cfg = _hf_config()
+    if cfg is None:
+        return []
+    from ..hf import HFEngine, HFStateBridge
+
+    other = StateLayout(1, (2, 3), (2, 2))
+    return [
+        Misuse("hf bridge: on_narrowing unknown", lambda: HFStateBridge(cfg, on_narrowing=_wrong("ignore"))),
+        Misuse("hf bridge: an unknown device", lambda: HFStateBridge(cfg, device="tpu")),
+        Misuse("hf bridge: a layout of another model", lambda: HFStateBridge(cfg, other)),
+        Misuse("hf engine: max_running 0", lambda: HFEngine(object(), cfg, max_running=0)),
+        Misuse("hf engine: chunk 0", lambda: HFEngine(object(), cfg, chunk=0)),
+        Misuse("hf engine: batch_decode not a bool", lambda: HFEngine(object(), cfg, batch_decode=_wrong(1))),
+    ]
 
 
 def misuse_adapter(inject: str | None = None) -> ManagerAdapter:
