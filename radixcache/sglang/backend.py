@@ -141,10 +141,28 @@ def _namespace(extra_key: Any, cache_salt: Any) -> Hashable:
 
 
 def _key(key: Any) -> tuple[np.ndarray, np.ndarray, Hashable]:
-    """A ``RadixKey``'s whole ids, the ids within its ``limit``, and its namespace."""
+    """A ``RadixKey``'s whole ids, the ids within its ``limit``, and its namespace.
+
+    :raises TypeError: not a ``RadixKey`` (no ``token_ids`` and ``extra_key``)."""
+    if not (hasattr(key, "token_ids") and hasattr(key, "extra_key")):
+        raise TypeError(f"key must be SGLang's RadixKey, got {type(key).__name__}")
     full = _ids(key.token_ids)
     ids = full[: len(key)] if getattr(key, "limit", None) is not None else full
     return full, ids, _namespace(key.extra_key, getattr(key, "cache_salt", None))
+
+
+def _kv(value: Any, what: str) -> torch.Tensor:
+    """SGLang's KV indices as a 1-D int64 CPU tensor.
+
+    :raises TypeError: not a tensor of integers. :raises ValueError: not 1-D, or a negative index
+        (a float or negative index would be handed back to SGLang's allocator later)."""
+    if not isinstance(value, torch.Tensor) or value.dtype.is_floating_point or value.dtype.is_complex:
+        raise TypeError(f"{what} must be an integer tensor of KV indices, got {getattr(value, 'dtype', type(value))}")
+    if value.dim() != 1:
+        raise ValueError(f"{what} must be 1-D, got shape {tuple(value.shape)}")
+    if value.numel() and int(value.min()) < 0:
+        raise ValueError(f"{what} holds a negative KV index ({int(value.min())})")
+    return value.to(torch.int64).cpu()
 
 
 def _ids(tokens: Any) -> np.ndarray:
@@ -333,8 +351,8 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         The caller keeps its slot: ``mamba_exist`` is always True (SGLang's callers then free
         the slot they passed)."""
         _, ids, ns = _key(params.key)
+        kv = _kv(params.value, "insert's value")
         slot = None if params.mamba_value is None else int(params.mamba_value.reshape(-1)[0])
-        kv = params.value.to(torch.int64).cpu()
         res = self._insert(ids, kv, slot, ns, ("sglang-insert", id(params)), None)
         p, prev = res.prefix_length, int(params.prev_prefix_len)
         if p > prev:

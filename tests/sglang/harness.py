@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -342,10 +343,20 @@ def step(env: Env, run: Running, chunk: int) -> bool:
     return True
 
 
-def run_stream(env: Env, seed: int, n: int, *, concurrency: int = 3, chunk: int = 48, retract_p: float = 0.0) -> None:
+def run_stream(
+    env: Env,
+    seed: int,
+    n: int,
+    *,
+    concurrency: int = 3,
+    chunk: int = 48,
+    retract_p: float = 0.0,
+    between: Callable[[Env, random.Random], None] | None = None,
+) -> None:
     """The seeded stream through ``env``, ``concurrency`` requests in flight, idle checks whenever
     none runs. With ``retract_p``, each decode step first retracts its request with that
-    probability (it waits, then resumes with its outputs as prompt). Mismatches are collected in
+    probability (it waits, then resumes with its outputs as prompt). ``between`` runs after every
+    scheduler step (the misuse test's wrong calls). Mismatches are collected in
     ``env.mismatches``."""
     rng = random.Random(seed * 7919 + 1)
     reqs = stream(seed, n)
@@ -376,6 +387,8 @@ def run_stream(env: Env, seed: int, n: int, *, concurrency: int = 3, chunk: int 
             waiting.append(r)
         elif not step(env, r, chunk):
             running.remove(r)
+        if between is not None:
+            between(env, rng)
         if not running:
             env.idle_check()
     env.idle_check()

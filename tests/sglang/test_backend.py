@@ -360,3 +360,63 @@ def test_register_refuses_a_foreign_factory_under_our_name_and_bad_host_budgets(
     finally:
         del os.environ["RADIXCACHE_HOST_TIER_BYTES"]
     env.cache.sanity_check()
+
+
+def test_wrong_calls_between_a_streams_steps_raise_typed_errors_and_change_nothing() -> None:
+    """The misuse fuzzer's rule on the SGLang backend: after every scheduler step of a seeded
+    stream, one wrong call drawn at random (KV indices that are floats, 2-D, negative or of the
+    wrong length; a key that is not a RadixKey or holds a negative id; a negative eviction; an
+    unlock without a lock; a node of another cache). Each raises a typed error, and the tree, the
+    pool, the manager, the policy and SGLang's allocators are exactly as before; the stream's
+    answers stay right."""
+    from radixcache.core.tree import TreeNode
+    from radixcache.testing.digest import state_digest
+    from radixcache.testing.misuse import MISUSE_ERRORS
+
+    other = H.make_env("radixcache", kv_size=64, mamba_size=6).cache
+    foreign = other.insert(InsertParams(key=RadixKey([9, 9, 9]), value=other.token_to_kv_pool_allocator.alloc(3)))
+    foreign_node = foreign.last_device_node
+    seen: dict[str, int] = {}
+
+    def digest(env: H.Env) -> tuple[object, ...]:
+        cache = env.cache
+        return (
+            state_digest(cache.manager),
+            env.alloc.available_size(),
+            env.rtp.mamba_allocator.available_size(),
+            cache.total_size(),
+        )
+
+    def wrong(env: H.Env, rng: random.Random) -> None:
+        cache = env.cache
+        kv = torch.arange(3, dtype=torch.int64)
+        unlocked = [n for n in cache.tree.iter_nodes() if isinstance(n, TreeNode) and not n.kv_lock and not n.snap_lock]
+        calls = {
+            "insert: float KV": lambda: cache.insert(InsertParams(key=RadixKey([1, 2, 3]), value=kv.float())),
+            "insert: 2-D KV": lambda: cache.insert(InsertParams(key=RadixKey([1, 2, 3]), value=kv.reshape(1, 3))),
+            "insert: negative KV": lambda: cache.insert(InsertParams(key=RadixKey([1, 2, 3]), value=-1 - kv)),
+            "insert: KV of the wrong length": lambda: cache.insert(InsertParams(key=RadixKey([1, 2]), value=kv)),
+            "insert: a negative id": lambda: cache.insert(InsertParams(key=RadixKey([1, -2, 3]), value=kv)),
+            "insert: not a RadixKey": lambda: cache.insert(InsertParams(key=[1, 2, 3], value=kv)),
+            "match: not a RadixKey": lambda: cache.match_prefix(MatchPrefixParams(key=(1, 2, 3))),
+            "evict: negative tokens": lambda: cache.evict(EvictParams(num_tokens=-1)),
+            "evict: negative snapshots": lambda: cache.evict(EvictParams(num_tokens=0, mamba_num=-2)),
+            "lock: a node of another cache": lambda: cache.inc_lock_ref(foreign_node),
+            "unlock: a node of another cache": lambda: cache.dec_lock_ref(foreign_node),
+        }
+        if unlocked:
+            node = rng.choice(unlocked)
+            calls["unlock: a node holding no lock"] = lambda: cache.dec_lock_ref(node)
+        label = rng.choice(sorted(calls))
+        before = digest(env)
+        with pytest.raises(MISUSE_ERRORS):
+            calls[label]()
+        assert digest(env) == before, f"{label}: raised, but changed the cache or SGLang's pools"
+        cache.manager.check_invariants()
+        seen[label] = seen.get(label, 0) + 1
+
+    env = H.make_env("radixcache", kv_size=4096, mamba_size=10)
+    H.run_stream(env, 0, 60, between=wrong)
+    assert not env.mismatches, env.mismatches[:3]
+    assert len(seen) >= 10 and sum(seen.values()) >= 100, seen
+    env.cache.sanity_check()
