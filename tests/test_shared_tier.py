@@ -726,7 +726,7 @@ def test_a_replica_keeps_serving_while_redis_is_down_and_uses_it_again_when_it_r
 
 
 def _hammer(url: str, replica: str, requests: int, *extra: str) -> subprocess.Popen[str]:
-    env = dict(os.environ, RADIXCACHE_NO_PROGRESS="1")
+    env = dict(os.environ, RADIXCACHE_NO_PROGRESS="1", PYTHONWARNINGS="always::ResourceWarning")
     args = [sys.executable, "-m", "radixcache.cli", "hammer", "--json", "--no-warm", "--shared-redis", url]
     args += ["--replica", replica, "--requests", str(requests), "--concurrency", "4", "--seed", "3", *extra]
     return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -735,6 +735,7 @@ def _hammer(url: str, replica: str, requests: int, *extra: str) -> subprocess.Po
 def _report(p: subprocess.Popen[str]) -> dict[str, object]:
     out, err = p.communicate(timeout=900)
     assert out.strip(), err[-2000:]
+    assert "ResourceWarning" not in err, err[-2000:]  # every file and connection it opened was closed
     rep = json.loads(out)
     assert isinstance(rep, dict)
     return rep
