@@ -74,6 +74,22 @@ def _replica(text: str) -> tuple[int, int]:
     return i, n
 
 
+def _after(close: Callable[[], None]) -> Callable[[int, str], tuple[Callable[[int], None], Callable[[], None]]]:
+    """A bar factory for a run's later phases that first closes the serving bar ``close`` (once):
+    each phase then shows on a line of its own."""
+    closed = [False]
+
+    def bars(total: int, desc: str) -> tuple[Callable[[int], None], Callable[[], None]]:
+        from .progress import progress_callback
+
+        if not closed[0]:
+            closed[0] = True
+            close()
+        return progress_callback(total, desc)
+
+    return bars
+
+
 def _print_failures(exc: BaseException) -> None:
     """Print each failure hypothesis found with its shrunk program (attached as notes); with more
     than one distinct failure they come inside an exception group, each with its own program."""
@@ -132,6 +148,7 @@ def cmd_hammer(args: argparse.Namespace) -> int:
         replicas=replicas,
         warm=not args.no_warm,
         model=args.model,
+        workers=args.workers,
         logit_tol=args.logit_tol if args.logit_tol is not None else (1e-6 if args.model == "reference" else 1e-5),
     )
     try:
@@ -140,7 +157,7 @@ def cmd_hammer(args: argparse.Namespace) -> int:
         raise _BadInput(str(e)) from None
     update, close = progress_callback(cfg.requests, "hammer")
     try:
-        hammered = run_hammer(cfg, progress=update)
+        hammered = run_hammer(cfg, progress=update, bars=_after(close))
     finally:
         close()
     print(json.dumps(hammered.as_dict(), indent=2) if args.json else format_report(hammered))
@@ -323,6 +340,12 @@ def _parser() -> argparse.ArgumentParser:
         help="serve replica I's round-robin share of the mix (every N-th request drawn), e.g. 0/2 and 1/2",
     )
     hammer.add_argument("--no-warm", action="store_true", help="do not pre-cache the system prompts")
+    hammer.add_argument(
+        "--workers",
+        type=_int_at_least(1),
+        default=None,
+        help="processes computing the ground truth (default: one per core)",
+    )
     hammer.add_argument(
         "--model",
         default="reference",

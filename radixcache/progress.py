@@ -24,7 +24,9 @@ def progress_callback(total: int, desc: str) -> tuple[Callable[[int], None], Cal
                 print(f"\r{desc}: {step + 1}/{total} ({now - start:.0f}s)", end="", file=sys.stderr, flush=True)
 
         def close() -> None:
-            print(file=sys.stderr)
+            if last[0] >= 0:  # once: a second close prints nothing
+                last[0] = -1.0
+                print(file=sys.stderr)
 
         return update, close
     bar = tqdm(total=total, desc=desc, unit="step", mininterval=0.5)

@@ -230,3 +230,33 @@ def test_on_cuda_delayed_forwards_expose_each_missing_fence(bug: str | None) -> 
     20 ms is not yet confirmed on a GPU.)"""
     rep = run_hammer(HammerConfig(requests=60, device="cuda", inject=bug, forward_delay_us=20_000))
     assert rep.ok == (bug is None), format_report(rep)
+
+
+def test_the_ground_truth_in_worker_processes_is_the_alone_answer_on_200_prompts() -> None:
+    """generate_cold_many (two spawned processes, one thread each) against generate_cold here, one
+    prompt at a time: the same tokens and bit-identical first logits on 200 prompts with shared
+    system prompts, two namespaces and images, so the hammer's faster ground truth is still the
+    cold, alone answer."""
+    import random
+
+    from radixcache.testing.engine import generate_cold_many
+
+    rng = random.Random(11)
+    ph = MODEL.cfg.placeholder_id
+    systems = [[rng.randrange(ph) for _ in range(rng.randint(60, 140))] for _ in range(3)]
+    jobs = []
+    for i in range(200):
+        prompt = rng.choice(systems) + [rng.randrange(ph) for _ in range(rng.randint(1, 40))]
+        images: tuple[bytes, ...] = ()
+        if i % 5 == 0:
+            prompt = prompt + [ph] * 6 + [rng.randrange(ph) for _ in range(3)]
+            images = (bytes([i % 256]) * 64,)
+        jobs.append((prompt, rng.randint(1, 4), "tenant" if i % 3 == 0 else None, images))
+    seen: list[int] = []
+    many = generate_cold_many(MODEL, jobs, chunk=64, workers=2, progress=seen.append, parallel_above=0)
+    assert sorted(seen) == list(range(200))
+    for (prompt, n, ns, images), (tokens, first) in zip(jobs, many, strict=True):
+        alone, alone_first = generate_cold(MODEL, prompt, n, chunk=64, namespace=ns, images=images)
+        assert tokens == alone and torch.equal(first, alone_first), (len(prompt), ns, bool(images))
+    with pytest.raises(ValueError, match="workers"):
+        generate_cold_many(MODEL, jobs[:2], workers=0)

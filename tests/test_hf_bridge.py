@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from linear_state import LinearStatePool, RequestOwner, StateLayout
+from linear_state import LinearStatePool, RequestOwner, SlotMisuse, StateLayout
 from linear_state.hf import CONV_ONLY, FAMILIES, INEXACT, UNSUPPORTED
 from radixcache.hf import HFEngine, HFStateBridge, PrecisionLoss, generate_cold_hf, tiny_config, tiny_model
 from radixcache.hf.families import INEXACT_CONFIGS, TINY_CONFIGS
@@ -120,6 +120,26 @@ def test_storing_a_wider_state_into_a_narrower_slot_is_refused_or_reported_once(
         warnings.simplefilter("error")
         warn.store(cache, pool, slot, owner=owner)  # not reported again
     assert warn.narrowed == 2
+
+
+def test_store_refuses_a_slot_its_request_does_not_own_and_writes_nothing() -> None:
+    cfg, model = tiny_model("qwen3_next")
+    bridge = HFStateBridge(cfg)
+    pool = LinearStatePool(bridge.layout, 3)
+    mine, theirs = RequestOwner("mine"), RequestOwner("theirs")
+    my_slot, their_slot = pool.alloc(mine), pool.alloc(theirs)
+    cache = bridge.new_cache()
+    _forward(model, cache, list(range(3, 20)))
+    before = pool.fingerprint(their_slot)
+    with pytest.raises(SlotMisuse, match="owned by someone else"):
+        bridge.store(cache, pool, their_slot, owner=mine)
+    with pytest.raises(TypeError, match="owner"):
+        bridge.store(cache, pool, their_slot, owner=None)  # type: ignore[arg-type]
+    with pytest.raises(SlotMisuse, match="free slot"):
+        bridge.store(cache, pool, 2, owner=mine)
+    assert pool.fingerprint(their_slot) == before  # nothing written
+    bridge.store(cache, pool, my_slot, owner=mine).wait()
+    assert pool.fingerprint(my_slot) != pool.fingerprint(their_slot)
 
 
 def test_load_refuses_a_cache_that_already_ran() -> None:

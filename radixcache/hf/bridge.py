@@ -39,7 +39,7 @@ from typing import Any, Literal
 
 import torch
 
-from linear_state import Fence, LinearStatePool, Owner, PrecisionLoss, StateLayout, check_device
+from linear_state import Fence, LinearStatePool, PrecisionLoss, RequestOwner, StateLayout, check_device
 from linear_state.hf import CONV_ONLY, INEXACT, hf_family
 
 try:
@@ -254,15 +254,22 @@ class HFStateBridge:
             layer.has_previous_state[0] = True
 
     def store(
-        self, cache: Any, pool: LinearStatePool, slot: int, *, owner: Owner | None = None, after: tuple[Fence, ...] = ()
+        self, cache: Any, pool: LinearStatePool, slot: int, *, owner: RequestOwner, after: tuple[Fence, ...] = ()
     ) -> Fence:
-        """Copy ``cache``'s current linear states (batch row 0) into ``slot`` (a pool write,
-        ordered behind ``after``); returns its fence.
+        """Copy ``cache``'s current linear states (batch row 0) into ``slot``, a slot ``owner`` (the
+        request whose cache it is) holds: a pool write, ordered behind ``after``; returns its fence.
 
+        :raises TypeError: ``owner`` is not a :class:`~linear_state.RequestOwner` (it is required:
+            without it a write could land in another request's slot).
+        :raises linear_state.SlotMisuse: ``slot`` is not ``owner``'s (another request's, a tree
+            snapshot, free); nothing was written.
         :raises PrecisionLoss: a state wider than the slot's dtype, with ``on_narrowing="raise"``;
             nothing was written.
         :raises ValueError: a layer has no state yet (no forward ran), or shapes differ.
         """
+        if not isinstance(owner, RequestOwner):
+            raise TypeError(f"store needs the owner of the request whose state it writes, got {owner!r}")
+        pool.check_writable(slot, owner)
         convs, recs = [], []
         for i in self._layers:
             layer = self._linear(cache, i)

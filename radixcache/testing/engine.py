@@ -19,6 +19,7 @@ allocator never hands its memory to another stream while the forward still reads
 from __future__ import annotations
 
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -44,7 +45,9 @@ __all__ = [
     "KVAllocator",
     "ReferenceEngine",
     "ServingQueue",
+    "ColdJob",
     "generate_cold",
+    "generate_cold_many",
     "take_token",
 ]
 
@@ -633,6 +636,84 @@ def generate_cold(
         logits = model.decode(torch.tensor([out[-1]]), [pos], pool, slots, kvp, [kv_idx[: pos + 1]], bias=bias)[0]
         out.append(model.greedy(logits))
     return out, first
+
+
+ColdJob = tuple[list[int], int, Hashable, tuple[bytes, ...]]
+"""One ground-truth request for :func:`generate_cold_many`: prompt, tokens, namespace, images."""
+
+_WORKER_MODEL: list[HybridModel] = []  # the model a ground-truth worker process computes with
+
+
+def _init_cold_worker(model: HybridModel) -> None:
+    torch.set_num_threads(1)  # one process per core: no thread of one fighting another's
+    _WORKER_MODEL[:] = [model]
+
+
+def _cold_jobs(jobs: list[ColdJob], chunk: int) -> list[tuple[list[int], torch.Tensor]]:
+    model = _WORKER_MODEL[0]
+    return [generate_cold(model, p, n, chunk=chunk, namespace=ns, images=imgs) for p, n, ns, imgs in jobs]
+
+
+def generate_cold_many(
+    model: HybridModel,
+    jobs: Sequence[ColdJob],
+    *,
+    chunk: int = 256,
+    workers: int = 1,
+    progress: Callable[[int], None] | None = None,
+    parallel_above: int = 30_000,
+) -> list[tuple[list[int], torch.Tensor]]:
+    """:func:`generate_cold` of every job, in order: each prompt computed alone and cold, as
+    :func:`generate_cold` computes it, in ``workers`` processes at once (each a private copy of
+    ``model`` on one thread; a CPU model only: on another device the jobs run here, one by one).
+    ``progress(i)`` after each job (in completion order). Jobs of ``parallel_above`` prompt tokens
+    or fewer in all run here: starting a process (importing torch, receiving the model) costs
+    about as much as computing that many tokens. The answers are those of
+    :func:`generate_cold` run here, token for token (a test compares them on 200 prompts).
+    Worker processes are spawned, so a script calling this needs multiprocessing's
+    ``if __name__ == "__main__":`` guard; without it the jobs run here (warned).
+
+    :raises ValueError: ``workers`` below 1. O(sum of prompt lengths) work.
+    """
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers must be an int >= 1, got {workers!r}")
+    todo = list(jobs)
+    out: list[tuple[list[int], torch.Tensor] | None] = [None] * len(todo)
+    done = 0
+    small = sum(len(p) for p, _, _, _ in todo) <= parallel_above
+    if workers == 1 or model.device.type != "cpu" or len(todo) < 2 or small:
+        for i, (p, n, ns, imgs) in enumerate(todo):
+            out[i] = generate_cold(model, p, n, chunk=chunk, namespace=ns, images=imgs)
+            if progress is not None:
+                progress(i)
+        return [o for o in out if o is not None]
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    # Longest first, in small batches: the workers finish together, and each batch is one round trip.
+    order = sorted(range(len(todo)), key=lambda i: -len(todo[i][0]))
+    batches = [order[i : i + 4] for i in range(0, len(order), 4)]
+    ctx = mp.get_context("spawn")  # torch's thread pools do not survive a fork
+    try:
+        with cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_cold_worker, initargs=(model,)) as ex:
+            futures = {ex.submit(_cold_jobs, [todo[i] for i in b], chunk): b for b in batches}
+            for fut in cf.as_completed(futures):
+                for i, answer in zip(futures[fut], fut.result(), strict=True):
+                    out[i] = answer
+                    if progress is not None:
+                        progress(done)
+                    done += 1
+    except (cf.process.BrokenProcessPool, RuntimeError) as e:
+        # No worker could start (a script without the ``if __name__ == "__main__"`` guard that
+        # spawned processes need, say): the rest here, one by one, with the same answers.
+        warnings.warn(f"ground truth: worker processes failed ({e}); computing here", RuntimeWarning, stacklevel=2)
+        for i, (p, n, ns, imgs) in enumerate(todo):
+            if out[i] is None:
+                out[i] = generate_cold(model, p, n, chunk=chunk, namespace=ns, images=imgs)
+                if progress is not None:
+                    progress(done)
+                done += 1
+    return [o for o in out if o is not None]
 
 
 def _spin_cycles_per_us() -> float:

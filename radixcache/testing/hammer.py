@@ -32,7 +32,7 @@ from linear_state import DeviceUnavailable, check_device
 
 from ..core.shared import RedisStore
 from ..policies import POLICIES, make_policy
-from .engine import EngineRequest, ReferenceEngine, generate_cold
+from .engine import ColdJob, EngineRequest, ReferenceEngine, generate_cold_many
 from .inject import FUZZ_BUGS, injected
 from .model import HybridConfig, HybridModel
 
@@ -74,6 +74,8 @@ class HammerConfig:
     # "reference" (the reference hybrid model) or "hf:FAMILY": a tiny seeded transformers model of
     # that family (radixcache.hf.families) served by radixcache.hf.HFEngine: text only, base model
     model: str = "reference"
+    # processes computing the ground truth (reference model on the CPU): None, one per core
+    workers: int | None = None
 
 
 @dataclass
@@ -245,19 +247,33 @@ def _key(r: EngineRequest) -> _Key:
     return tuple(r.prompt), r.namespace, tuple(r.images)
 
 
+Bars = Callable[[int, str], tuple[Callable[[int], None], Callable[[], None]]]
+"""A progress bar factory, ``bars(total, desc) -> (update(step), close())``
+(:func:`radixcache.progress.progress_callback`)."""
+
+
 def run_hammer(
-    cfg: HammerConfig, *, model: HybridModel | None = None, progress: Callable[[int], None] | None = None
+    cfg: HammerConfig,
+    *,
+    model: HybridModel | None = None,
+    progress: Callable[[int], None] | None = None,
+    bars: Bars | None = None,
 ) -> HammerReport:
     """Run the hammer and return its report (see the module docstring).
+
+    ``progress(step)`` after each request served; ``bars`` makes a bar for each later phase
+    that takes time (the ground truth, with its own count and estimate). The ground truth of the
+    reference model on the CPU runs in ``cfg.workers`` spawned processes, so a script calling this
+    needs multiprocessing's ``if __name__ == "__main__":`` guard (without it, it runs here, warned).
 
     :raises ValueError: ``cfg.device`` names no device torch can use here (CUDA asked for where
         ``torch.cuda.is_available()`` is False, or a name torch does not know), or a field of
         ``cfg`` out of its range (the message names it): checked before anything runs."""
     check_config(cfg)
     if cfg.model != "reference":
-        return _run(_hf_config(cfg), None, progress)
+        return _run(_hf_config(cfg), None, progress, bars)
     with injected(cfg.inject):
-        return _run(cfg, model or HybridModel(HybridConfig(), device=cfg.device), progress)
+        return _run(cfg, model or HybridModel(HybridConfig(), device=cfg.device), progress, bars)
 
 
 def tiny_families() -> list[str]:
@@ -295,6 +311,10 @@ def check_config(cfg: HammerConfig) -> None:
         raise ValueError(
             f"hammer max_new_tokens must be an int >= min_new_tokens ({cfg.min_new_tokens}), got {cfg.max_new_tokens!r}"
         )
+    if cfg.workers is not None and (
+        isinstance(cfg.workers, bool) or not isinstance(cfg.workers, int) or cfg.workers < 1
+    ):
+        raise ValueError(f"hammer workers must be None or an int >= 1, got {cfg.workers!r}")
     if cfg.host_slots is not None and (
         isinstance(cfg.host_slots, bool) or not isinstance(cfg.host_slots, int) or cfg.host_slots < 0
     ):
@@ -382,18 +402,31 @@ def _hf_engine(cfg: HammerConfig) -> tuple[Any, Callable[[list[int], int], tuple
     return engine, lambda prompt, n: generate_cold_hf(model, engine.bridge, prompt, n), int(config.vocab_size)
 
 
-def _run(cfg: HammerConfig, model: HybridModel | None, progress: Callable[[int], None] | None) -> HammerReport:
+ColdMany = Callable[[list[ColdJob], Callable[[int], None] | None], list[tuple[list[int], torch.Tensor]]]
+
+
+def _run(
+    cfg: HammerConfig, model: HybridModel | None, progress: Callable[[int], None] | None, bars: Bars | None
+) -> HammerReport:
     if model is None:
-        engine, cold, vocab = _hf_engine(cfg)
+        engine, cold_one, vocab = _hf_engine(cfg)
+
+        def cold(jobs: list[ColdJob], tick: Callable[[int], None] | None) -> list[tuple[list[int], torch.Tensor]]:
+            out = []
+            for i, (prompt, n, _, _) in enumerate(jobs):
+                out.append(cold_one(prompt, n))
+                if tick is not None:
+                    tick(i)
+            return out
+
     else:
         engine, vocab = _reference_engine(cfg, model), model.cfg.vocab_size
+        workers = cfg.workers if cfg.workers is not None else max(1, os.cpu_count() or 1)
 
-        def cold(
-            prompt: list[int], n: int, namespace: object = None, images: object = ()
-        ) -> tuple[list[int], torch.Tensor]:
-            return generate_cold(model, prompt, n, chunk=cfg.chunk, namespace=namespace, images=images)  # type: ignore[arg-type]
+        def cold(jobs: list[ColdJob], tick: Callable[[int], None] | None) -> list[tuple[list[int], torch.Tensor]]:
+            return generate_cold_many(model, jobs, chunk=cfg.chunk, workers=workers, progress=tick)
 
-    return _hammer(cfg, engine, cold, vocab, progress)
+    return _hammer(cfg, engine, cold, vocab, progress, bars)
 
 
 def _reference_engine(cfg: HammerConfig, model: HybridModel) -> ReferenceEngine:
@@ -429,9 +462,10 @@ def _close(engine: Any) -> None:
 def _hammer(
     cfg: HammerConfig,
     engine: Any,
-    cold_run: Callable[..., tuple[list[int], torch.Tensor]],
+    cold_many: ColdMany,
     vocab: int,
     progress: Callable[[int], None] | None,
+    bars: Bars | None = None,
 ) -> HammerReport:
     work = _Workload(cfg, vocab)
     t0 = time.perf_counter()
@@ -480,11 +514,15 @@ def _hammer(
     for r in served:
         key = _key(r)
         need[key] = max(need.get(key, 0), len(r.output))
-    for key, n in need.items() if cfg.ground_truth else ():
-        prompt, namespace, images = key
-        truth[key] = (
-            cold_run(list(prompt), n, namespace, images) if cfg.model == "reference" else cold_run(list(prompt), n)
-        )
+    if cfg.ground_truth and need:
+        keys = list(need)
+        jobs: list[ColdJob] = [(list(p), need[(p, ns, imgs)], ns, imgs) for p, ns, imgs in keys]
+        update, close = bars(len(jobs), "ground truth") if bars is not None else (None, None)
+        try:
+            truth = dict(zip(keys, cold_many(jobs, update), strict=True))
+        finally:
+            if close is not None:
+                close()
     gt_s = time.perf_counter() - t1
     wrong = cross = drift = 0
     examples: list[str] = []
