@@ -7,6 +7,7 @@ import importlib
 import itertools
 import threading
 from collections.abc import Hashable
+from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -422,4 +423,48 @@ def test_decode_batch_is_all_or_nothing() -> None:
     h.mgr.abort("a")
     h.mgr.abort("b")
     h.reqs.clear()
+    h.mgr.check_invariants()
+
+
+def test_a_decode_batchs_free_kv_is_the_concatenation_of_its_requests_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DecodeBatchResult.free_kv is every per-request WindowResult.free_kv, concatenated in the
+    order of results: a host frees one or the other, never both. (Each request's commit is made
+    to free two indices of its own, so the contract is checked with something to free.)"""
+    h = Host(page_size=16, policy=HitDensity(block=64), slots=24)
+    rids = ["a", "b", "c"]
+    for rid in rids:
+        assert h.admit(rid, tokens(90), session=rid) is not None  # one length: captures in the same steps
+        h.prefill(rid)
+    real = CacheManager._apply_commit
+
+    def freeing(self: CacheManager, rec: Any, plan: Any, *args: Any) -> Any:
+        out = real(self, rec, plan, *args)
+        base = 10_000 + 10 * ord(str(rec.rid)[0])
+        return out._replace(free_kv=torch.tensor([base, base + 1]))
+
+    monkeypatch.setattr(CacheManager, "_apply_commit", freeing)
+    checked = 0
+    for step in range(40):
+        batch = h.mgr.plan_decode_batch(rids, [step + 1] * 3)
+        res = h.mgr.commit_batch(batch, None, kv_indices=h.alloc_kv(3))
+        assert set(res.results) == set(batch.plans)
+        if res.results:
+            parts = [one.free_kv for one in res.results.values()]
+            assert torch.equal(res.free_kv, torch.cat(parts))
+            checked += len(res.results) > 1
+    assert checked, "no decode step committed captures of two requests: the test checked nothing"
+
+
+def test_eviction_reasons_name_the_call_that_evicted() -> None:
+    """evict(kv_tokens=) counts kv-pressure (leaves dropped for KV); evict(snapshots=) counts host."""
+    h = Host(slots=20)
+    for rid in range(3):
+        serve(h, rid, tokens(70), [])
+    ev = dict(h.mgr.metrics().evictions)
+    h.mgr.evict(snapshots=1)
+    after = dict(h.mgr.metrics().evictions)
+    assert after["host"] == ev["host"] + 1 and after["kv-pressure"] == ev["kv-pressure"]
+    h.mgr.evict(kv_tokens=1)
+    last = dict(h.mgr.metrics().evictions)
+    assert last["kv-pressure"] > after["kv-pressure"] and last["host"] == after["host"]
     h.mgr.check_invariants()

@@ -190,7 +190,9 @@ class DecodeBatchResult(NamedTuple):
 
     :ivar results: the :class:`WindowResult` of each request that had captures (keyed by rid);
         the others only recorded their token.
-    :ivar free_kv: host KV indices the tree made redundant, all requests together...
+    :ivar free_kv: host KV indices the tree made redundant: the concatenation of the ``free_kv``
+        of every result in ``results``, in their order. Free either this or the per-request
+        ones, never both (a host that frees both frees every index twice)...
     :ivar free_after: ...free them after this fence.
     """
 

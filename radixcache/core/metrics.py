@@ -28,8 +28,10 @@ class ManagerMetrics:
     :ivar donations_skipped: donations not made, by why: ``held`` (the tree already had a snapshot
         there), ``no-slot`` (no pool slot even after eviction), ``declined`` (the policy keeps no
         final state), ``unaligned`` (no page-aligned final state was captured);
-    :ivar evictions: snapshots evicted, by why: ``admission``, ``donation``, ``kv-pressure``,
-        ``host`` (the host's own :meth:`~radixcache.CacheManager.evict`);
+    :ivar evictions: snapshots evicted, by why: ``admission`` (to make room for an admission's
+        slots), ``donation`` (for a capture's clone), ``kv-pressure`` (leaves dropped for KV, by
+        the host's ``CacheManager.evict(kv_tokens=)``), ``host`` (snapshots the host asked for,
+        ``CacheManager.evict(snapshots=)``);
     :ivar evicted_kv_tokens: KV tokens freed by those evictions;
     :ivar restores: hit states copied into a request's slot;
     :ivar host_hits: hits whose state came from the host tier (a demoted snapshot);
