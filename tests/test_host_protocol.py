@@ -7,8 +7,8 @@ import importlib
 import itertools
 import threading
 from collections.abc import Hashable
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
