@@ -338,3 +338,28 @@ def test_the_readme_lists_exactly_the_covered_families() -> None:
     line = next(ln for ln in readme.splitlines() if ln.startswith("Hybrid families served:"))
     listed = {x.strip(" .`") for x in line.split(":", 1)[1].split(",")}
     assert listed == set(TINY_CONFIGS)
+
+
+def test_the_cold_generation_returns_every_steps_logits_and_matches_a_full_forward() -> None:
+    """cold_generation_hf: the first token's logits are generate_cold_hf's, every step's logits
+    chose its token, and each step equals a full forward of the prompt and the tokens so far
+    (transformers' cached step against no cache) within the 1e-5 the docs state."""
+    from radixcache.hf import cold_generation_hf
+
+    cfg, model = tiny_model("qwen3_next")
+    bridge = HFStateBridge(cfg)
+    prompt = list(range(3, 40))
+    gen = cold_generation_hf(model, bridge, prompt, 5)
+    tokens, first = generate_cold_hf(model, bridge, prompt, 5)
+    assert gen.tokens == tokens and torch.equal(gen.logits[0], first) and len(gen.logits) == 5
+    for k, (tok, logits) in enumerate(zip(gen.tokens, gen.logits, strict=True)):
+        assert int(torch.argmax(logits)) == tok
+        full = bridge.new_cache()
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor([prompt + gen.tokens[:k]]), cache=full, use_cache=True)
+        assert float((out.logits[0, -1].float() - logits).abs().max()) < 1e-5, k
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="n must be"):
+            cold_generation_hf(model, bridge, prompt, bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="non-empty"):
+        cold_generation_hf(model, bridge, [], 1)

@@ -10,17 +10,19 @@ from __future__ import annotations
 from linear_state.hf import FAMILIES, UNSUPPORTED, hf_family, linear_layer_ids
 
 from .bridge import HFStateBridge, PrecisionLoss
-from .engine import HFEngine, KVStore, generate_cold_hf
+from .engine import ColdGeneration, HFEngine, KVStore, cold_generation_hf, generate_cold_hf
 from .families import TINY_CONFIGS, tiny_config, tiny_model
 
 __all__ = [
     "FAMILIES",
     "TINY_CONFIGS",
     "UNSUPPORTED",
+    "ColdGeneration",
     "HFEngine",
     "HFStateBridge",
     "KVStore",
     "PrecisionLoss",
+    "cold_generation_hf",
     "generate_cold_hf",
     "hf_family",
     "linear_layer_ids",
