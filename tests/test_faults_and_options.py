@@ -31,6 +31,7 @@ from radixcache.testing.engine import EngineRequest, ReferenceEngine, generate_c
 from radixcache.testing.model import HybridConfig, HybridModel
 
 from .redis_server import RedisServer
+from .test_shared_tier import _NoKV
 
 LAYOUT = StateLayout(2, (4, 3), (2, 4, 4))
 
@@ -207,16 +208,6 @@ def test_redis_store_options_are_checked_at_construction(kw: dict[str, Any], err
         RedisStore("redis://127.0.0.1:1/0", **kw)
     with pytest.raises(ValueError, match="url"):
         RedisStore("notaurl")
-
-
-class _NoKV:
-    identity = "none"
-
-    def export_kv(self, kv_indices: torch.Tensor, after: object) -> bytes:
-        return b""
-
-    def import_kv(self, data: bytes, num_tokens: int) -> torch.Tensor | None:
-        return torch.zeros(num_tokens, dtype=torch.int64)
 
 
 @pytest.mark.parametrize(
@@ -424,16 +415,7 @@ def test_the_faulty_codec_gives_back_what_it_left_out() -> None:
 
     freed: list[list[int]] = []
 
-    class Inner:
-        identity = "inner"
-
-        def export_kv(self, kv_indices: torch.Tensor, after: object) -> bytes:
-            return b""
-
-        def import_kv(self, data: bytes, num_tokens: int) -> torch.Tensor | None:
-            return torch.arange(num_tokens)
-
-    codec = FaultyCodec(Inner(), seed=0, p=1.0, free=lambda t: freed.append(t.tolist()))
+    codec = FaultyCodec(_NoKV(), seed=0, p=1.0, free=lambda t: freed.append(t.tolist()))
     outcomes: set[object] = set()
     for _ in range(40):
         try:
@@ -446,4 +428,4 @@ def test_the_faulty_codec_gives_back_what_it_left_out() -> None:
     assert outcomes == {"raised", ("torch.int64", (4,)), ("torch.float32", (5,)), ("torch.int64", (1, 5))}
     assert freed and all(f == [4] for f in freed)  # the index left out went back to the host
     with pytest.raises(ValueError, match="probability"):
-        FaultyCodec(Inner(), p=2.0)
+        FaultyCodec(_NoKV(), p=2.0)
