@@ -993,3 +993,15 @@ def test_check_invariants_covers_the_shared_tier(model: HybridModel, kind: str) 
     SHARED_CORRUPTIONS[kind](e)
     with pytest.raises(AssertionError, match=kind):
         e.manager.check_invariants()
+
+
+def test_blob_digest_refuses_arguments_of_the_wrong_type() -> None:
+    from radixcache.core.shared import blob_digest
+
+    assert blob_digest("k", b"x") != blob_digest("k", b"x", b"secret") != blob_digest("k2", b"x", b"secret")
+    with pytest.raises(TypeError, match="store key"):
+        blob_digest(b"k", b"x")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="bytes"):
+        blob_digest("k", "x")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="64 bytes"):
+        blob_digest("k", b"x", b"s" * 65)

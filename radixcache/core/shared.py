@@ -361,7 +361,16 @@ class Fetched:
 def blob_digest(key: str, signed: bytes, secret: bytes | None = None) -> bytes:
     """The digest a blob ends with: blake2b (32 bytes, keyed with ``secret`` when given) over the
     store ``key`` the blob is published under and ``signed``, every byte of the blob before the
-    digest (magic, header length, header, state, KV). O(len(signed))."""
+    digest (magic, header length, header, state, KV). O(len(signed)).
+
+    :raises TypeError: ``key`` not a string, ``signed`` or ``secret`` not bytes.
+    :raises ValueError: a ``secret`` longer than 64 bytes."""
+    if not isinstance(key, str):
+        raise TypeError(f"key must be the store key (a string), got {type(key).__name__}")
+    if not isinstance(signed, (bytes, bytearray)) or not isinstance(secret, (bytes, bytearray, type(None))):
+        raise TypeError(f"signed and secret must be bytes, got {type(signed).__name__} and {type(secret).__name__}")
+    if secret is not None and len(secret) > 64:
+        raise ValueError(f"secret must hold at most 64 bytes (blake2b's key), got {len(secret)}")
     h = hashlib.blake2b(digest_size=DIGEST_BYTES, key=secret or b"", person=_PERSON)
     h.update(key.encode() + b"\0")
     h.update(signed)
