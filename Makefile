@@ -1,25 +1,31 @@
 # Two commands a newcomer runs: `make demo` (the main job: the ground-truth hammer) and
 # `make test` (the test suite).
-# Each creates .venv and installs on first use; repeated runs skip the install.
+# Each creates .venv and installs on first use (the demo the runtime alone: torch, numpy,
+# sortedcontainers; the tests their extras on top); repeated runs skip the install.
 PYTHON ?= python3
 VENV ?= .venv
 # The CPU build of torch is pinned here, for set-up on machines like CI's; pyproject keeps a range.
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+CORE_STAMP := $(VENV)/.installed-core
 
 .PHONY: demo walkthrough test test-sglang lint bench clean
 
-$(STAMP): pyproject.toml Makefile
+$(CORE_STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check '$(TORCH_SPEC)'
+	$(PY) -m pip install -q --disable-pip-version-check -e .
+	touch $(CORE_STAMP)
+
+$(STAMP): $(CORE_STAMP)
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,dev,hf,prometheus,redis]'
 	touch $(STAMP)
 
-demo: $(STAMP)
+demo: $(CORE_STAMP)
 	$(VENV)/bin/radixcache hammer
 
-walkthrough: $(STAMP)
+walkthrough: $(CORE_STAMP)
 	$(VENV)/bin/radixcache demo
 
 test: $(STAMP)

@@ -21,7 +21,9 @@ def progress_callback(total: int, desc: str) -> tuple[Callable[[int], None], Cal
             now = time.monotonic()
             if now - last[0] >= 1.0 or step + 1 == total:
                 last[0] = now
-                print(f"\r{desc}: {step + 1}/{total} ({now - start:.0f}s)", end="", file=sys.stderr, flush=True)
+                done, spent = step + 1, now - start
+                left = f", ~{spent / done * (total - done):.0f}s left" if done < total else ""
+                print(f"\r{desc}: {done}/{total} ({spent:.0f}s{left})", end="", file=sys.stderr, flush=True)
 
         def close() -> None:
             if last[0] >= 0:  # once: a second close prints nothing
