@@ -16,6 +16,7 @@ def progress_callback(total: int, desc: str) -> tuple[Callable[[int], None], Cal
     except ImportError:
         start = time.monotonic()
         last = [0.0]
+        closed = [False]
 
         def update(step: int) -> None:
             now = time.monotonic()
@@ -26,8 +27,8 @@ def progress_callback(total: int, desc: str) -> tuple[Callable[[int], None], Cal
                 print(f"\r{desc}: {done}/{total} ({spent:.0f}s{left})", end="", file=sys.stderr, flush=True)
 
         def close() -> None:
-            if last[0] >= 0:  # once: a second close prints nothing
-                last[0] = -1.0
+            if not closed[0]:  # once: a second close prints nothing
+                closed[0] = True
                 print(file=sys.stderr)
 
         return update, close

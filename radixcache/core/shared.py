@@ -73,6 +73,7 @@ from .keys import MAX_ID
 __all__ = [
     "BLOB_MAGIC",
     "DIGEST_BYTES",
+    "REDIS_URL_SCHEMES",
     "Fetched",
     "KVCodec",
     "MemoryStore",
@@ -86,6 +87,8 @@ __all__ = [
     "encode_blob",
 ]
 
+REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://")
+"""The URLs :class:`RedisStore` takes (redis-py's ``from_url``)."""
 BLOB_MAGIC = b"RCSHARE2"  # 2: a trailing digest over the address and every byte before it
 DIGEST_BYTES = 32
 _PERSON = b"radixcache-blob"  # blake2b personalisation: these digests mean nothing elsewhere
@@ -181,13 +184,11 @@ class RedisStore:
     """
 
     def __init__(self, url: str, *, timeout_s: float = 0.5, ttl_s: float | None = None) -> None:
-        if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
+        if not isinstance(url, str) or not url.startswith(REDIS_URL_SCHEMES):
             raise ValueError(f"url must be a redis://, rediss:// or unix:// URL string, got {url!r}")
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
+        if not (_finite(timeout_s) and timeout_s > 0):
             raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
-        if ttl_s is not None and (
-            isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not 0.001 <= ttl_s < math.inf
-        ):
+        if ttl_s is not None and not (_finite(ttl_s) and ttl_s >= 0.001):
             # Redis expires in whole milliseconds: below one a SET with PX fails, and a replica
             # whose every publication fails would never publish at all.
             raise ValueError(f"ttl_s must be None or a finite number of seconds >= 0.001, got {ttl_s!r}")
@@ -418,6 +419,11 @@ def _check_ids(ids: object) -> None:
         raise ValueError(f"cache id {bad} is outside [0, 2**31)")
 
 
+def _finite(v: object) -> bool:
+    """Whether ``v`` is a finite real number of seconds (an int or float, not a bool)."""
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+
+
 def _check_timeout(timeout_s: float | None) -> None:
     if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and timeout_s >= 0):
         raise ValueError(f"timeout_s must be None or a number >= 0, got {timeout_s!r}")
@@ -491,7 +497,7 @@ class SharedTier:
         for name, v in (("max_probes", max_probes), ("max_pending", max_pending)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-        if isinstance(retry_s, bool) or not isinstance(retry_s, (int, float)) or not 0 <= retry_s < math.inf:
+        if not (_finite(retry_s) and retry_s >= 0):
             raise ValueError(f"retry_s must be a finite number of seconds >= 0, got {retry_s!r}")
         if not callable(clock):
             raise TypeError(f"clock must be a callable returning seconds, got {clock!r}")

@@ -680,39 +680,38 @@ def generate_cold_many(
     todo = list(jobs)
     out: list[tuple[list[int], torch.Tensor] | None] = [None] * len(todo)
     done = 0
-    small = sum(len(p) for p, _, _, _ in todo) <= parallel_above
-    if workers == 1 or model.device.type != "cpu" or len(todo) < 2 or small:
-        for i, (p, n, ns, imgs) in enumerate(todo):
-            out[i] = generate_cold(model, p, n, chunk=chunk, namespace=ns, images=imgs)
-            if progress is not None:
-                progress(i)
-        return [o for o in out if o is not None]
-    import concurrent.futures as cf
-    import multiprocessing as mp
 
-    # Longest first, in small batches: the workers finish together, and each batch is one round trip.
-    order = sorted(range(len(todo)), key=lambda i: -len(todo[i][0]))
-    batches = [order[i : i + 4] for i in range(0, len(order), 4)]
-    ctx = mp.get_context("spawn")  # torch's thread pools do not survive a fork
-    try:
-        with cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_cold_worker, initargs=(model,)) as ex:
-            futures = {ex.submit(_cold_jobs, [todo[i] for i in b], chunk): b for b in batches}
-            for fut in cf.as_completed(futures):
-                for i, answer in zip(futures[fut], fut.result(), strict=True):
-                    out[i] = answer
-                    if progress is not None:
-                        progress(done)
-                    done += 1
-    except (cf.process.BrokenProcessPool, RuntimeError) as e:
-        # No worker could start (a script without the ``if __name__ == "__main__"`` guard that
-        # spawned processes need, say): the rest here, one by one, with the same answers.
-        warnings.warn(f"ground truth: worker processes failed ({e}); computing here", RuntimeWarning, stacklevel=2)
-        for i, (p, n, ns, imgs) in enumerate(todo):
-            if out[i] is None:
-                out[i] = generate_cold(model, p, n, chunk=chunk, namespace=ns, images=imgs)
-                if progress is not None:
-                    progress(done)
-                done += 1
+    def answered(i: int, answer: tuple[list[int], torch.Tensor]) -> None:
+        nonlocal done
+        out[i] = answer
+        if progress is not None:
+            progress(done)
+        done += 1
+
+    small = sum(len(p) for p, _, _, _ in todo) <= parallel_above
+    if workers > 1 and model.device.type == "cpu" and len(todo) > 1 and not small:
+        import concurrent.futures as cf
+        import multiprocessing as mp
+
+        # Longest first, in small batches: the workers finish together, each batch one round trip.
+        order = sorted(range(len(todo)), key=lambda i: -len(todo[i][0]))
+        batches = [order[i : i + 4] for i in range(0, len(order), 4)]
+        ctx = mp.get_context("spawn")  # torch's thread pools do not survive a fork
+        try:
+            with cf.ProcessPoolExecutor(
+                workers, mp_context=ctx, initializer=_init_cold_worker, initargs=(model,)
+            ) as ex:
+                futures = {ex.submit(_cold_jobs, [todo[i] for i in b], chunk): b for b in batches}
+                for fut in cf.as_completed(futures):
+                    for i, answer in zip(futures[fut], fut.result(), strict=True):
+                        answered(i, answer)
+        except (cf.process.BrokenProcessPool, RuntimeError) as e:
+            # No worker could start (a script without the ``if __name__ == "__main__"`` guard that
+            # spawned processes need, say): the rest here, one by one, with the same answers.
+            warnings.warn(f"ground truth: worker processes failed ({e}); computing here", RuntimeWarning, stacklevel=2)
+    for i, (p, n, ns, imgs) in enumerate(todo):  # everything no worker answered
+        if out[i] is None:
+            answered(i, generate_cold(model, p, n, chunk=chunk, namespace=ns, images=imgs))
     return [o for o in out if o is not None]
 
 

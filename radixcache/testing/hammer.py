@@ -30,7 +30,7 @@ import torch
 
 from linear_state import DeviceUnavailable, check_device
 
-from ..core.shared import RedisStore
+from ..core.shared import REDIS_URL_SCHEMES, RedisStore
 from ..policies import POLICIES, make_policy
 from .engine import ColdJob, EngineRequest, ReferenceEngine, generate_cold_many
 from .inject import FUZZ_BUGS, injected
@@ -351,7 +351,7 @@ def check_config(cfg: HammerConfig) -> None:
             f"hammer model {cfg.model!r}: 'reference' or hf:FAMILY with FAMILY in {', '.join(tiny_families())}"
         )
     if cfg.shared_redis is not None and (
-        not isinstance(cfg.shared_redis, str) or not cfg.shared_redis.startswith(("redis://", "rediss://", "unix://"))
+        not isinstance(cfg.shared_redis, str) or not cfg.shared_redis.startswith(REDIS_URL_SCHEMES)
     ):
         raise ValueError(f"hammer shared_redis {cfg.shared_redis!r}: a redis://host:port/db URL")
     if cfg.forensics is not None:
