@@ -1005,3 +1005,34 @@ def test_blob_digest_refuses_arguments_of_the_wrong_type() -> None:
         blob_digest("k", "x")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="64 bytes"):
         blob_digest("k", b"x", b"s" * 65)
+
+
+def test_a_fetched_prefix_is_cloned_into_the_tree_before_the_request_writes_its_slot() -> None:
+    """The misuse machine's find (deferred streams, a shared tier): a prefix fetched from the store
+    is copied into the request's live slot and the tree clones that slot as its snapshot; the
+    admission's fence must cover the clone too, or the request's first forward (ordered after the
+    admission only) lands in the slot before the clone reads it and the tree keeps a state
+    several tokens too deep. The next request that hits it restores a wrong state."""
+    from radixcache.testing.adapter import ManagerAdapter, prefix_state
+
+    host = ManagerAdapter.build(shared=MemoryStore())
+    ids = [1, 2, 9, 9, 9, 9, 1]
+
+    def finish(rid: int) -> None:
+        while host.extend(rid):
+            pass
+        host.finish(rid)
+
+    for rid in range(2):
+        assert host.admit(rid, ids) is not None
+    finish(0)
+    finish(1)
+    assert host.manager.publish_pending(wait=True) >= 0
+    host.manager.evict(snapshots=10**6)  # the tree forgets; the store remembers
+    assert host.admit(2, ids) == 6 and host.manager.metrics().shared_hits == 1  # from the store
+    finish(2)
+    assert host.admit(3, ids) == 6 and host.manager.metrics().shared_hits == 1  # from the tree now
+    conv, rec, fed = host.state(3)
+    want_conv, want_rec = prefix_state(fed)
+    assert torch.equal(conv, want_conv) and torch.equal(rec, want_rec), "the tree's clone of a fetched prefix"
+    host.manager.check_invariants()

@@ -711,7 +711,12 @@ class CacheManager:
         self.cache.lock(node)  # the lock moves last: the caller's undo unlocks the node it was told of
         self.cache.unlock(m.node)
         shared.counted_hit(got, d - m.length)
-        return got, hit, ready
+        # The tree's clone reads ``live`` after the copy: the host's first forward, which waits the
+        # admission's fence alone, must wait the clone too, or it writes the slot before the clone
+        # reads it and the tree keeps a state tokens too deep (the misuse machine's find, on
+        # deferred streams). The slot's last use is the clone's fence, or the copy's when the
+        # tree had the snapshot already.
+        return got, hit, self.pool.last_use(live)
 
     def _queue_publication(self, node: TreeNode, key: np.ndarray, namespace: Hashable, kv_after: Fence | None) -> None:
         shared = self.shared
