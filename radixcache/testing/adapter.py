@@ -13,6 +13,7 @@ ids, so a collision of cache ids is seen as a wrong state).
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -231,7 +232,11 @@ class ManagerAdapter:
         tier = None
         if shared is not None:
             codec = FaultyCodec(AdapterKV(holder), p=codec_faults, free=lambda t: holder[0].free_kv(t))
-            tier = SharedTier(shared, model="fuzz", kv=codec, publisher="fuzz")
+            # The tier's clock counts its own calls, a tenth of a second each: when a failed call
+            # marks the store down, how long it stays down depends on the program, not on how
+            # fast the machine ran it (hypothesis replays a failure exactly).
+            calls = itertools.count()
+            tier = SharedTier(shared, model="fuzz", kv=codec, publisher="fuzz", clock=lambda: next(calls) / 10)
         manager = make_fuzz_stack(
             inject,
             FUZZ_LAYOUT,
