@@ -400,13 +400,13 @@ def test_every_blob_a_corrupting_store_hands_out_is_refused(model: HybridModel) 
 
     clean = MemoryStore()
     _, prompts = _published(model, clean)
-    store = FaultyStore(seed=3, corrupt=1.0)
-    store.blobs, store.indexes = clean.blobs, clean.indexes  # the same server, read through a bad link
+    store = FaultyStore(clean, seed=3, corrupt=1.0)  # the same server, read through a bad link
     b = ReferenceEngine(model, shared_store=store, publisher="B", forensics_ledger=None)
     _serve_exact(model, b, prompts)
     assert b.shared is not None
     assert store.faults.corrupted >= 1 and b.shared.stats.hits == 0
     assert sum(b.shared.stats.rejected.values()) == store.faults.corrupted  # each one refused
+    assert store.faults.rejected_bad == store.faults.corrupted and store.faults.accepted_bad == 0
     _nothing_leaked(b)
 
 

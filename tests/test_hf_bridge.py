@@ -3,6 +3,7 @@ tiny seeded models of every covered family with hits equal to cold runs."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import warnings
 from typing import Any
@@ -310,6 +311,20 @@ def test_the_hammer_serves_a_transformers_model_exactly() -> None:
     rep = run_hammer(HammerConfig(model="hf:nemotron_h", requests=16, concurrency=4, logit_tol=TOL, probe_tokens=512))
     assert rep.ok, rep.as_dict()
     assert rep.cached_tokens > 0 and rep.wrong_answers == 0
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "qwen3_next"])
+def test_a_conv_window_loaded_one_column_off_fails_the_hf_hammer(family: str) -> None:
+    """The bridge bug the fuzzing kit cannot see (it never runs the bridge): the hammer on a
+    transformers model finds wrong answers, and the bridge is put back afterwards."""
+    from radixcache.hf.bridge import HFStateBridge
+    from radixcache.testing.hammer import HammerConfig, format_report, run_hammer
+
+    real = HFStateBridge.load
+    cfg = HammerConfig(model=f"hf:{family}", requests=16, concurrency=4, logit_tol=TOL, probe_tokens=512)
+    rep = run_hammer(dataclasses.replace(cfg, inject="hf-conv-shift"))
+    assert not rep.ok and rep.wrong_answers > 0, format_report(rep)
+    assert HFStateBridge.load is real
 
 
 def test_the_hammer_refuses_what_the_hf_engine_cannot_do() -> None:

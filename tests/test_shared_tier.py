@@ -1015,7 +1015,7 @@ def test_a_fetched_prefix_is_cloned_into_the_tree_before_the_request_writes_its_
     several tokens too deep. The next request that hits it restores a wrong state."""
     from radixcache.testing.adapter import ManagerAdapter, prefix_state
 
-    host = ManagerAdapter.build(shared=MemoryStore())
+    host = ManagerAdapter.build(shared=MemoryStore(), host_slots=0, kv_budget=None)
     ids = [1, 2, 9, 9, 9, 9, 1]
 
     def finish(rid: int) -> None:
@@ -1036,3 +1036,47 @@ def test_a_fetched_prefix_is_cloned_into_the_tree_before_the_request_writes_its_
     want_conv, want_rec = prefix_state(fed)
     assert torch.equal(conv, want_conv) and torch.equal(rec, want_rec), "the tree's clone of a fetched prefix"
     host.manager.check_invariants()
+
+
+def test_the_hammer_on_redis_corrupts_blobs_on_purpose_and_every_one_is_refused(redis_server: RedisServer) -> None:
+    """Two replicas on one real redis-server, the second reading through a link that corrupts half
+    the blobs: every corrupted blob refused, every answer exact; a tier that skips verification
+    when the sizes match keeps them and fails the run."""
+    import redis
+
+    from radixcache.testing.hammer import HammerConfig, HammerReport, format_report, run_hammer
+
+    def replica(i: int, inject: str | None = None) -> HammerReport:
+        cfg = HammerConfig(
+            requests=60,
+            seed=4,
+            shared_redis=redis_server.url,
+            replica=i,
+            replicas=2,
+            warm=False,
+            shared_corrupt=0.5,
+            inject=inject,
+        )
+        return run_hammer(cfg)
+
+    first, second = replica(0), replica(1)
+    assert first.ok and second.ok, format_report(second)
+    assert second.shared_corrupted > 0 and second.shared_accepted_bad == 0, format_report(second)
+    assert "corrupted on purpose" in format_report(second)
+    redis.Redis.from_url(redis_server.url).flushdb()
+    replica(0)
+    bad = replica(1, inject="shared-trusts-sizes")
+    assert not bad.ok and bad.shared_accepted_bad > 0, format_report(bad)
+
+
+def test_the_fuzzing_kit_runs_its_faulty_shared_tier_over_a_real_redis_server(redis_server: RedisServer) -> None:
+    """`radixcache fuzz --shared-redis URL`: the same faults over a real server, each example under
+    a key prefix of its own; clean it passes, and a tier that skips verification is caught."""
+    import redis
+
+    from radixcache.testing.fuzz import run_fuzz
+
+    run_fuzz(40, 0, shared_redis=redis_server.url)
+    assert redis.Redis.from_url(redis_server.url).dbsize() > 0, "the examples published to the server"
+    with pytest.raises(AssertionError, match="differs from the ground truth"):
+        run_fuzz(300, 0, shared_redis=redis_server.url, inject="shared-key-no-ns", shrink=False)

@@ -6,7 +6,9 @@
   state machine and a seeded runner (``strategies``, ``adapter``, ``fuzz``);
 - the misuse fuzzer: wrong calls between valid steps, each refused with nothing changed
   (``misuse``), and the state digest it compares (``digest``);
-- the historical bugs to inject (``inject``).
+- the historical bugs to inject (``inject``), a shared store and a KV codec that misbehave on
+  purpose (``faults``), and the hit-rate guard that fails a run serving fewer tokens from cache
+  than recorded (``guard``).
 
 Names are imported on first use, so ``import radixcache.testing`` needs neither hypothesis nor
 transformers; the fuzzing names need the ``test`` extra.
@@ -44,6 +46,11 @@ _EXPORTS = {
     "BUGS": "inject",
     "FUZZ_BUGS": "inject",
     "MISUSE_BUGS": "inject",
+    "HAMMER_BUGS": "inject",
+    "FaultyStore": "faults",
+    "FaultyCodec": "faults",
+    "StoreFaults": "faults",
+    "GuardResult": "guard",
     "MisuseMachine": "misuse",
     "make_misuse_machine": "misuse",
     "run_misuse": "misuse",

@@ -16,7 +16,7 @@ import hashlib
 import itertools
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -26,7 +26,7 @@ from linear_state import DeferredStream, Fence, LinearStatePool, StateLayout
 from ..core.keys import IMAGE_ID_BASE
 from ..core.manager import Admission, CacheManager, WindowPlan
 from ..core.multimodal import image_cache_ids, image_runs
-from ..core.shared import SharedStore, SharedTier
+from ..core.shared import SharedStore
 
 __all__ = [
     "AdapterKV",
@@ -178,7 +178,7 @@ class AdapterKV:
         """``num_tokens`` fresh indices; None when ``data`` is not 8 bytes a token."""
         if len(data) != 8 * num_tokens:
             return None
-        return torch.tensor(self._holder[0].alloc_kv(num_tokens), dtype=torch.int64)
+        return torch.tensor(self._holder[0].alloc_kv(num_tokens, room=False), dtype=torch.int64)
 
 
 class ManagerAdapter:
@@ -191,8 +191,18 @@ class ManagerAdapter:
     :param manager: a manager whose tree's ``on_free_kv`` is :meth:`free_kv` (see :meth:`build`).
     """
 
-    def __init__(self, manager: CacheManager, forward: DeferredStream, copies: DeferredStream, chunk: int) -> None:
+    def __init__(
+        self,
+        manager: CacheManager,
+        forward: DeferredStream,
+        copies: DeferredStream,
+        chunk: int,
+        *,
+        kv_budget: int | None = None,
+    ) -> None:
         self.manager = manager
+        self.kv_budget = kv_budget
+        self.kv_evictions = 0  # evictions this host asked for to stay within kv_budget
         self.pool: LinearStatePool = manager.pool
         self.forward = forward
         self.copies = copies
@@ -213,30 +223,52 @@ class ManagerAdapter:
         track_slots: int = 2,
         chunk: int = 8,
         inject: str | None = None,
-        host_slots: int = 0,
-        shared: SharedStore | None = None,
+        host_slots: int = 2,
+        shared: SharedStore | Literal["faulty"] | None = "faulty",
         codec_faults: float = 0.0,
+        kv_budget: int | None = 96,
+        seed: int = 0,
     ) -> ManagerAdapter:
-        """A fresh adapter (and cache) committing fuzzing bug ``inject`` when given; with a host
-        tier of ``host_slots`` snapshots when positive; with a shared tier over ``shared`` when
-        given (its KV codec, :class:`AdapterKV` behind a :class:`~radixcache.testing.faults.FaultyCodec`,
-        misbehaves on ``codec_faults`` of its calls).
+        """A fresh adapter (and cache) committing fuzzing bug ``inject`` when given.
 
-        :raises ValueError: ``track_slots`` below 1, or an unknown bug.
+        The defaults put what a host runs under pressure: a pool of ``slots`` state slots (the
+        tree's snapshots compete with the requests' live and track slots, so donations and
+        admissions evict), a host tier of ``host_slots`` snapshots (0: none) that evictions demote
+        into and hits promote from, a KV budget of ``kv_budget`` tokens (None: unbounded) that the
+        host holds by asking the manager to evict before it allocates (:meth:`alloc_kv`), and a
+        shared tier over a :class:`~radixcache.testing.faults.FaultyStore` (``shared="faulty"``:
+        in memory, corrupting, dropping, delaying and misplacing blobs, seeded by ``seed``; a
+        store of your own, a real Redis through :class:`~radixcache.core.shared.RedisStore` say,
+        is used as given (wrap one that outlives the adapter in a ``FaultyStore`` with a ``prefix``
+        of its own); None: no shared tier). Its KV codec, :class:`AdapterKV` behind a
+        :class:`~radixcache.testing.faults.FaultyCodec`, misbehaves on ``codec_faults`` of its calls.
+
+        :raises ValueError: ``track_slots`` below 1, a ``kv_budget`` below 1, or an unknown bug.
         """
-        from .faults import FaultyCodec
-        from .inject import make_fuzz_stack
+        from .faults import FaultyCodec, FaultyStore
+        from .inject import make_fuzz_stack, make_shared_tier
 
+        if kv_budget is not None and (isinstance(kv_budget, bool) or not isinstance(kv_budget, int) or kv_budget < 1):
+            raise ValueError(f"kv_budget must be None or an int >= 1, got {kv_budget!r}")
         forward, copies = DeferredStream("forward"), DeferredStream("copies")
         holder: list[ManagerAdapter] = []
         tier = None
+        if shared == "faulty":
+            shared = FaultyStore(seed=seed, corrupt=0.2, drop=0.2, delay=0.1, misplace=0.2)
         if shared is not None:
             codec = FaultyCodec(AdapterKV(holder), p=codec_faults, free=lambda t: holder[0].free_kv(t))
             # The tier's clock counts its own calls, a tenth of a second each: when a failed call
             # marks the store down, how long it stays down depends on the program, not on how
             # fast the machine ran it (hypothesis replays a failure exactly).
             calls = itertools.count()
-            tier = SharedTier(shared, model="fuzz", kv=codec, publisher="fuzz", clock=lambda: next(calls) / 10)
+            tier = make_shared_tier(
+                inject,
+                shared,
+                model="fuzz",
+                kv=codec,
+                publisher="fuzz",
+                clock=lambda: next(calls) / 10,
+            )
         manager = make_fuzz_stack(
             inject,
             FUZZ_LAYOUT,
@@ -249,7 +281,7 @@ class ManagerAdapter:
             host_slots=host_slots,
             shared=tier,
         )
-        adapter = cls(manager, forward, copies, chunk)
+        adapter = cls(manager, forward, copies, chunk, kv_budget=kv_budget)
         holder.append(adapter)
         return adapter
 
@@ -264,8 +296,30 @@ class ManagerAdapter:
             assert i not in live, f"KV index {i} freed while a live request uses it"
             self.kv_free.add(i)
 
-    def alloc_kv(self, n: int) -> list[int]:
-        """``n`` fresh KV indices of this host's allocator (never reused: a freed one stays free)."""
+    @property
+    def kv_in_use(self) -> int:
+        """KV indices handed out and not freed (the tree's and the live requests')."""
+        return self.kv_next - len(self.kv_free)
+
+    def make_room(self, n: int, keep: Sequence[int] | np.ndarray | None = None, namespace: Hashable = None) -> bool:
+        """Ask the manager to evict until ``n`` more KV tokens fit in the budget (protecting the
+        hit of ``keep`` in ``namespace``, a request about to be admitted); whether they fit."""
+        if self.kv_budget is None:
+            return True
+        over = self.kv_in_use + n - self.kv_budget
+        if over > 0:
+            self.kv_evictions += 1
+            self.manager.evict(kv_tokens=over, keep=keep, namespace=namespace if keep is not None else None)
+        return self.kv_in_use + n <= self.kv_budget
+
+    def alloc_kv(self, n: int, *, room: bool = True) -> list[int]:
+        """``n`` fresh KV indices of this host's allocator (never reused: a freed one stays free),
+        after asking the manager to make room for them within the budget when ``room`` (a soft
+        budget: a request already running gets its indices even when the tree cannot give enough
+        back). ``room=False`` inside a call of the manager's (its codec importing a fetched
+        prefix's KV), which must not call the manager again."""
+        if room:
+            self.make_room(n)
         out = list(range(self.kv_next, self.kv_next + n))
         self.kv_next += n
         return out
@@ -290,6 +344,11 @@ class ManagerAdapter:
         self, rid: int, ids: list[int], *, namespace: Hashable = None, images: Sequence[bytes] = ()
     ) -> int | None:
         key = image_cache_ids(ids, PLACEHOLDER, images) if images else list(ids)
+        # A host's admission: what the prompt still needs of the KV budget, made room for with
+        # the request's own hit kept; refused when it cannot fit.
+        need = len(key) - self.manager.can_admit(key, namespace=namespace).cached_length
+        if not self.make_room(need, keep=key, namespace=namespace):
+            return None
         adm = self.manager.admit(rid, key, namespace=namespace)
         if not isinstance(adm, Admission):
             return None

@@ -32,11 +32,11 @@ from linear_state import CudaStream, DeferredStream, Fence, ImmediateStream, Lin
 
 from ..core.manager import Admission, CacheManager, WindowPlan, WindowResult
 from ..core.multimodal import image_cache_ids
-from ..core.shared import SharedStore, SharedTier
+from ..core.shared import SharedStore
 from ..core.tree import HybridRadixCache
 from ..forensics import Forensics, Ledger
-from ..policies import HitDensity, Policy
-from .inject import make_cache, make_manager, make_pool
+from ..policies import Policy
+from .inject import make_cache, make_hit_density, make_manager, make_pool, make_shared_tier
 from .model import HybridConfig, HybridModel, KVPool
 
 __all__ = [
@@ -309,7 +309,8 @@ class ReferenceEngine(ServingQueue):
         self.shared = (
             None
             if shared_store is None
-            else SharedTier(
+            else make_shared_tier(
+                inject,
                 shared_store,
                 model=f"reference {cfg!r}",
                 kv=self.kv_codec,
@@ -323,7 +324,7 @@ class ReferenceEngine(ServingQueue):
         self.manager: CacheManager = make_manager(
             inject,
             self.cache,
-            policy if policy is not None else HitDensity(block=track_align),
+            policy if policy is not None else make_hit_density(inject, block=track_align),
             track_slots=track_slots,
             barrier=barrier,
             forensics=self.forensics,

@@ -22,17 +22,20 @@ Run it with :func:`run_fuzz` (``radixcache fuzz``) or as a test: ``TestHost = ma
 
 from __future__ import annotations
 
+import itertools
+import os
+import time
 from collections.abc import Callable
 
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import seed as hyp_seed
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from linear_state import RequestOwner
 
-from .adapter import HostAdapter, ManagerAdapter, ns_salt, prefix_state
+from .adapter import PLACEHOLDER, HostAdapter, ManagerAdapter, ns_salt, prefix_state
 from .inject import injected
 from .strategies import FuzzRequest, requests, token_keys
 
@@ -77,6 +80,22 @@ class HostMachine(RuleBasedStateMachine):
     def resend(self, data: st.DataObject) -> None:
         """An identical prompt again (same ids, namespace and images): the deepest hit there is."""
         self._admit(data.draw(st.sampled_from(self.sent), label="re-send of"))
+
+    @precondition(lambda self: len(self.active) < self.max_active and bool(self.sent))
+    @rule(data=st.data())
+    def resend_changed(self, data: st.DataObject) -> None:
+        """A sent prompt with one id changed strictly inside it: it leaves the tree's edge part-way
+        and may agree with the edge again after it (the same first and last page), where a walk
+        that does not compare the whole edge serves another branch's state."""
+        req = data.draw(st.sampled_from(self.sent), label="changed from")
+        if len(req.ids) < 3:
+            return
+        at = data.draw(st.integers(1, len(req.ids) - 2), label="at")
+        new = data.draw(st.integers(1, 4).filter(lambda t: t != req.ids[at]), label="to")
+        ids = [*req.ids[:at], new, *req.ids[at + 1 :]]
+        if PLACEHOLDER in (req.ids[at], new):  # keep the prompt's image runs as they were
+            return
+        self._admit(FuzzRequest(ids, req.namespace, req.images))
 
     def _admit(self, req: FuzzRequest) -> None:
         self.sent.append(req)
@@ -206,16 +225,50 @@ def run_fuzz(
     factory: AdapterFactory | None = None,
     progress: Callable[[int], None] | None = None,
     stateful_step_count: int = 50,
-    host_slots: int = 0,
+    host_slots: int = 2,
+    shared: bool = True,
+    shared_redis: str | None = None,
+    kv_budget: int | None = 96,
+    shrink: bool = True,
 ) -> None:
     """Run ``examples`` programs of the machine with ``seed`` (deterministic); raise on the first
-    failure after shrinking it (hypothesis prints the shrunk program). ``host_slots``: the built-in
-    adapter's tree gets a host tier of that many snapshots (ignored with ``factory``)."""
-    machine = make_machine(
-        factory or (lambda: ManagerAdapter.build(inject=inject, page_size=page_size, host_slots=host_slots))
-    )
-    with injected(inject):
-        run_machine(machine, examples, seed, stateful_step_count=stateful_step_count, progress=progress)
+    failure after shrinking it (hypothesis prints the shrunk program).
+
+    Without ``factory`` the built-in adapter (:meth:`ManagerAdapter.build`) runs what a host runs:
+    a host tier of ``host_slots`` snapshots (0: none), a KV budget of ``kv_budget`` tokens held
+    by eviction (None: unbounded), and unless ``shared`` is False a shared tier over a store that
+    corrupts, drops, delays and misplaces blobs: in memory, or over the Redis server at
+    ``shared_redis`` (each example under addresses of its own). These are ignored with ``factory``.
+    ``shrink=False`` reports the first failing program as found (faster; longer to read).
+    """
+    from ..core.shared import RedisStore
+    from .faults import FaultyStore
+
+    store = RedisStore(shared_redis, ttl_s=3600) if shared and shared_redis is not None else None
+    run = f"fuzz-{os.getpid()}-{time.time_ns()}"
+    made = itertools.count()
+
+    def build() -> HostAdapter:
+        faulty = None
+        if store is not None:  # each adapter's keys apart in the one database; its faults its own
+            faulty = FaultyStore(store, corrupt=0.2, drop=0.2, delay=0.1, misplace=0.2, prefix=f"{run}-{next(made)}-")
+        return ManagerAdapter.build(
+            inject=inject,
+            page_size=page_size,
+            host_slots=host_slots,
+            shared=faulty if faulty is not None else ("faulty" if shared else None),
+            kv_budget=kv_budget,
+        )
+
+    machine = make_machine(factory or build)
+    try:
+        with injected(inject):
+            run_machine(
+                machine, examples, seed, stateful_step_count=stateful_step_count, progress=progress, shrink=shrink
+            )
+    finally:
+        if store is not None:
+            store.close()
 
 
 def run_machine(
@@ -225,9 +278,11 @@ def run_machine(
     *,
     stateful_step_count: int = 50,
     progress: Callable[[int], None] | None = None,
+    shrink: bool = True,
 ) -> None:
     """Run ``examples`` programs of ``machine`` with ``seed`` (deterministic, no example database);
-    raise on the first failure after shrinking it (hypothesis attaches the shrunk program)."""
+    raise on the first failure after shrinking it (hypothesis attaches the shrunk program; with
+    ``shrink=False``, the program as found)."""
     count = [0]
 
     def tick() -> None:
@@ -247,5 +302,6 @@ def run_machine(
             derandomize=False,
             suppress_health_check=list(HealthCheck),
             print_blob=True,
+            phases=list(Phase) if shrink else [p for p in Phase if p not in (Phase.shrink, Phase.explain)],
         ),
     )

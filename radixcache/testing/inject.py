@@ -29,6 +29,30 @@ image-digest-prefix    image digests cover the first 4 KiB of each image only: t
                        differ further on share cache ids.
 full-hit-admission     admission matches all ids instead of all but the last: a full hit leaves
                        the host no token to compute.
+host-restore-early     a hit served from the host tier returns the fence of the snapshot's
+                       demotion instead of the promote copy's: the request's first forward runs
+                       before its state arrived.
+demote-keeps-slot      a demotion gives the device slot back to the pool but leaves the node
+                       pointing at it: the next owner of the slot writes the node's snapshot.
+shared-trusts-sizes    the shared tier takes a blob whose sizes match without checking its digest
+                       or its state's fingerprint: a corrupted or misplaced blob is served.
+shared-key-no-ns       the shared tier's addresses (keys and depth index) leave the request's
+                       namespace out: a LoRA request is served the base model's published state.
+edge-last-page-only    the tree's walk takes an edge when the key agrees with its last page
+                       only: a match returns a sibling branch's snapshot.
+lru-evicts-locked      the tree's LRU snapshot queue no longer skips locked nodes: a snapshot a
+                       live request holds is evicted.
+=====================  ========================================================================
+
+Two more are found by the hammer, not the fuzzing kit (:data:`HAMMER_ONLY_BUGS`):
+
+=====================  ========================================================================
+capture-one-late       hit-density captures one token past each point it chose (a block
+                       boundary, a branch, the resend point): every answer stays exact, fewer
+                       prompt tokens are served from cache. The hit-rate guard
+                       (:mod:`radixcache.testing.guard`) fails it.
+hf-conv-shift          the transformers bridge loads the conv window one column off when it
+                       restores a hit: ``radixcache hammer --model hf:FAMILY`` finds wrong answers.
 =====================  ========================================================================
 
 The misuse fuzzer adds bugs of the edges (:data:`MISUSE_BUGS`):
@@ -50,7 +74,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -68,14 +92,28 @@ from linear_state import (
     Stream,
 )
 
+from ..core import shared as _shared
 from ..core.keys import KeyLike
 from ..core.manager import Admission, CacheManager, Refusal, WindowPlan, WindowResult, _Request
-from ..core.shared import SharedTier
+from ..core.shared import DIGEST_BYTES, Fetched, SharedStore, SharedTier
 from ..core.tree import HybridRadixCache, InsertResult, MatchResult, TreeNode
-from ..policies import FixedPoints, Policy
-from ..policies.base import DonationReason
+from ..policies import FixedPoints, HitDensity, Policy
+from ..policies.base import DonationReason, RequestInfo
 
-__all__ = ["BUGS", "FUZZ_BUGS", "MISUSE_BUGS", "injected", "make_cache", "make_fuzz_stack", "make_manager", "make_pool"]
+__all__ = [
+    "BUGS",
+    "FUZZ_BUGS",
+    "HAMMER_BUGS",
+    "HAMMER_ONLY_BUGS",
+    "MISUSE_BUGS",
+    "injected",
+    "make_cache",
+    "make_fuzz_stack",
+    "make_hit_density",
+    "make_manager",
+    "make_pool",
+    "make_shared_tier",
+]
 
 
 def _raw_restore(tree: HybridRadixCache, node: TreeNode, dst_slot: int, ordered: bool) -> Fence:
@@ -239,22 +277,39 @@ class _FullHitManager(CacheManager):
 @contextlib.contextmanager
 def injected(inject: str | None) -> Iterator[None]:
     """Commit bug ``inject`` for the duration of the block when it lives outside the pool, tree and
-    manager classes (``image-digest-prefix`` patches the image digest of ``image_cache_ids``)."""
-    if inject != "image-digest-prefix":
+    manager classes: ``image-digest-prefix`` patches the image digest of ``image_cache_ids``,
+    ``hf-conv-shift`` the transformers bridge's ``load`` (needs the hf extra)."""
+    if inject == "image-digest-prefix":
+        from ..core import multimodal
+
+        real = multimodal._digest
+
+        def first_4k(*parts: bytes) -> int:
+            return real(*(p[:4096] for p in parts))  # BUG: the rest of each image is ignored
+
+        multimodal._digest = first_4k
+        try:
+            yield
+        finally:
+            multimodal._digest = real
+    elif inject == "hf-conv-shift":
+        from ..hf.bridge import HFStateBridge
+
+        real_load = HFStateBridge.load
+
+        def shifted(self: HFStateBridge, pool: LinearStatePool, slot: int, cache: Any) -> None:
+            real_load(self, pool, slot, cache)
+            for i in self.layout.model_layers or ():  # BUG: the window lands one column to the right
+                conv = cache.layers[i].conv_states[0]
+                conv.copy_(torch.roll(conv, 1, dims=-1))
+
+        HFStateBridge.load = shifted  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            HFStateBridge.load = real_load  # type: ignore[method-assign]
+    else:
         yield
-        return
-    from ..core import multimodal
-
-    real = multimodal._digest
-
-    def first_4k(*parts: bytes) -> int:
-        return real(*(p[:4096] for p in parts))  # BUG: the rest of each image is ignored
-
-    multimodal._digest = first_4k
-    try:
-        yield
-    finally:
-        multimodal._digest = real
 
 
 class _ValidateLateManager(CacheManager):
@@ -301,6 +356,107 @@ class _ForeignNodeTree(HybridRadixCache):
         return node  # BUG: whichever cache made it
 
 
+class _HostRestoreEarlyTree(HybridRadixCache):
+    def restore(
+        self, node: TreeNode, dst_slot: int, *, stream: Stream | None = None, dst_owner: Owner | None = None
+    ) -> Fence:
+        from_host = node.snapshot is None and node.host is not None
+        fence = super().restore(node, dst_slot, stream=stream, dst_owner=dst_owner)
+        return node.host_fence if from_host else fence  # BUG: the demotion's fence, not the copy's
+
+
+class _DemoteKeepsSlotTree(HybridRadixCache):
+    def _demote(self, n: TreeNode) -> bool:
+        slot = n.snapshot
+        if not super()._demote(n):
+            return False
+        n.snapshot = slot  # BUG: the slot went back to the pool; the node still points at it
+        return True
+
+
+class _EdgeLastPageTree(HybridRadixCache):
+    def _walk(self, kb: bytes, end: int, root: TreeNode) -> tuple[list[TreeNode], int, int, TreeNode | None]:
+        pb = self._page_bytes
+        node, pos = root, 0
+        path: list[TreeNode] = []
+        snap_at = 0
+        while pos < end:
+            child = node.children.get(kb[pos : pos + pb])
+            if child is None:
+                break
+            edge = child.key
+            stop = pos + len(edge)
+            # BUG: the edge is taken when its last page agrees; the pages between are not compared
+            if stop <= end and kb[stop - pb : stop] == edge[-pb:]:
+                pos = stop
+                node = child
+                path.append(child)
+                if child.snapshot is not None or child.host is not None:
+                    snap_at = len(path)
+                continue
+            return path, pos + self._common_bytes(kb, pos, edge, min(len(edge), end - pos)), snap_at, child
+        return path, pos, snap_at, None
+
+
+def _lru_any(e: tuple[float, int, TreeNode]) -> bool:
+    n = e[2]  # BUG: the lock is not checked
+    return n.parent is not None and n.snapshot is not None and n.last_access == e[0]
+
+
+class _LRUEvictsLockedTree(HybridRadixCache):
+    def evict(self, *, kv_tokens: int = 0, snapshots: int = 0) -> Any:
+        out = super().evict(kv_tokens=kv_tokens)
+        kv, snaps, removed = out
+        while snaps < snapshots:
+            n = self._snap_heap.pop_valid(_lru_any)  # BUG: a locked snapshot is a candidate too
+            if n is None:
+                break
+            k, s, r = self._evict_device_snapshot(n, demote=True)
+            kv, snaps, removed = kv + k, snaps + s, removed + r
+        return type(out)(kv, snaps, removed)
+
+
+class _TrustingTier(SharedTier):
+    def _verify(self, blob: bytes, key: str, depth: int) -> Fetched | None:
+        parsed = _shared._parse(blob)
+        layout = self.layout
+        if parsed is None or layout is None:
+            return super()._verify(blob, key, depth)
+        header, body = parsed
+        kv_bytes = header.get("kv_bytes")
+        if (
+            header.get("identity") != self.identity
+            or header.get("state_bytes") != layout.slot_bytes
+            or not isinstance(kv_bytes, int)
+            or len(body) != layout.slot_bytes + kv_bytes + DIGEST_BYTES
+        ):
+            return super()._verify(blob, key, depth)
+        # BUG: the sizes match, so the blob is taken: its digest and its state's fingerprint unchecked
+        conv_n = layout.num_layers * layout.conv_bytes_per_layer
+        conv = _shared._tensor(body[:conv_n], layout.conv_dtype, (layout.num_layers, *layout.conv_shape))
+        rec = _shared._tensor(
+            body[conv_n : layout.slot_bytes], layout.recurrent_dtype, (layout.num_layers, *layout.recurrent_shape)
+        )
+        stage, s, owner = self.staging
+        stage.write(s, conv, rec, owner=owner).wait()
+        publisher = str(header.get("publisher", "?"))
+        return Fetched(depth, body[layout.slot_bytes : -DIGEST_BYTES], publisher, stage.fingerprint(s))
+
+
+class _NamespaceBlindTier(SharedTier):
+    def _keys(self, ids: np.ndarray, namespace: Hashable, depths: Sequence[int]) -> list[str]:
+        return super()._keys(ids, None, depths)  # BUG: every namespace shares the base model's keys
+
+    def index(self, namespace: Hashable) -> str:
+        return super().index(None)  # BUG: and its index of published depths
+
+
+class _LateCaptures(HitDensity):
+    def captures(self, req: RequestInfo, start: int, end: int, *, decode: bool) -> list[int]:
+        # BUG: each point taken one token past where it was chosen (dropped past the window)
+        return [d + 1 for d in super().captures(req, start, end, decode=decode) if d + 1 <= end]
+
+
 MISUSE_BUGS: tuple[str, ...] = (
     "validates-after-mutating",
     "accepts-foreign-node",
@@ -320,7 +476,26 @@ FUZZ_BUGS: tuple[str, ...] = (
     "namespace-blind",
     "image-digest-prefix",
     "full-hit-admission",
+    "host-restore-early",
+    "demote-keeps-slot",
+    "shared-trusts-sizes",
+    "shared-key-no-ns",
+    "edge-last-page-only",
+    "lru-evicts-locked",
 )
+"""Bugs the fuzzing kit finds at its defaults (``radixcache fuzz --inject BUG``)."""
+
+HAMMER_ONLY_BUGS: tuple[str, ...] = ("capture-one-late", "hf-conv-shift")
+"""Bugs found by the hammer only: a placement bug that keeps answers exact (the hit-rate guard
+fails it) and a bug of the transformers bridge (``--model hf:FAMILY``)."""
+
+HAMMER_BUGS: tuple[str, ...] = FUZZ_BUGS + HAMMER_ONLY_BUGS
+"""Every bug ``radixcache hammer --inject`` commits."""
+
+_SHARED_TIERS: dict[str, type[SharedTier]] = {
+    "shared-trusts-sizes": _TrustingTier,
+    "shared-key-no-ns": _NamespaceBlindTier,
+}
 _MANAGERS: dict[str, type[CacheManager]] = {
     "free-before-fence": _FreeBeforeFenceManager,
     "unlock-before-restore": _UnlockBeforeRestoreManager,
@@ -338,12 +513,34 @@ _TREES: dict[str, type[HybridRadixCache]] = {
     **BUGS,
     "tree-keeps-kv-view": _KVViewTree,
     "accepts-foreign-node": _ForeignNodeTree,
+    "host-restore-early": _HostRestoreEarlyTree,
+    "demote-keeps-slot": _DemoteKeepsSlotTree,
+    "edge-last-page-only": _EdgeLastPageTree,
+    "lru-evicts-locked": _LRUEvictsLockedTree,
 }
 
 
 def _check_bug(inject: str | None) -> None:
-    if inject is not None and inject not in FUZZ_BUGS + MISUSE_BUGS:
-        raise ValueError(f"unknown inject mode {inject!r}; known: {list(FUZZ_BUGS + MISUSE_BUGS)}")
+    if inject is not None and inject not in HAMMER_BUGS + MISUSE_BUGS:
+        raise ValueError(f"unknown inject mode {inject!r}; known: {list(HAMMER_BUGS + MISUSE_BUGS)}")
+
+
+def make_shared_tier(inject: str | None, store: SharedStore, **options: Any) -> SharedTier:
+    """A correct :class:`~radixcache.core.shared.SharedTier` over ``store``, or the tier of bug
+    ``inject`` when the bug lives in the tier. ``options`` are the tier's keyword arguments.
+
+    :raises ValueError: unknown bug name (and whatever the tier's constructor raises)."""
+    _check_bug(inject)
+    return _SHARED_TIERS.get(inject or "", SharedTier)(store, **options)
+
+
+def make_hit_density(inject: str | None, *, block: int) -> HitDensity:
+    """A correct :class:`~radixcache.policies.HitDensity` on a ``block`` grid, or its placement
+    bug (``capture-one-late``).
+
+    :raises ValueError: unknown bug name, a bad ``block``."""
+    _check_bug(inject)
+    return (_LateCaptures if inject == "capture-one-late" else HitDensity)(block=block)
 
 
 def make_pool(
