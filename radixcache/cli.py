@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 
 from .policies import DEFAULT_POLICY, POLICIES
 from .simulator.traces import SHAPES
-from .testing.inject import FUZZ_BUGS, MISUSE_BUGS
+from .testing.inject import FUZZ_BUGS, HAMMER_BUGS, MISUSE_BUGS
 
 __all__ = ["main"]
 
@@ -61,6 +61,14 @@ def _int_at_least(lo: int) -> Callable[[str], int]:
 def _float_at_least(lo: float) -> Callable[[str], float]:
     """An argparse type: a finite number of at least ``lo``."""
     return _at_least(float, lo, "a number")
+
+
+def _fraction(text: str) -> float:
+    """An argparse type: a number in [0, 1]."""
+    v = _float_at_least(0.0)(text)
+    if v > 1.0:
+        raise argparse.ArgumentTypeError(f"must be a fraction in [0, 1], got {text}")
+    return v
 
 
 def _replica(text: str) -> tuple[int, int]:
@@ -168,18 +176,38 @@ def cmd_hammer(args: argparse.Namespace) -> int:
         model=args.model,
         workers=args.workers,
         logit_tol=args.logit_tol if args.logit_tol is not None else _default_logit_tol(args.model),
+        shared_corrupt=args.shared_corrupt,
+        hit_guard=not args.no_hit_guard,
     )
     try:
         check_config(cfg)
     except ValueError as e:
         raise _BadInput(str(e)) from None
+    if args.record_hit_rate is not None and (cfg.inject is not None or not args.record_hit_rate.strip()):
+        raise _BadInput("--record-hit-rate records a clean run (no --inject) and needs a reason")
     update, close = progress_callback(cfg.requests, "hammer")
     try:
         hammered = run_hammer(cfg, progress=update, bars=_after(close))
     finally:
         close()
     print(json.dumps(hammered.as_dict(), indent=2) if args.json else format_report(hammered))
+    if args.record_hit_rate is not None:
+        return _record_hammer(cfg, hammered, args.record_hit_rate)
     return 0 if hammered.ok else 1
+
+
+def _record_hammer(cfg: Any, rep: Any, reason: str) -> int:
+    """Record a clean, checked hammer run's cached tokens (the hit-rate guard's figure)."""
+    from .testing import guard
+    from .testing.hammer import guard_fields
+
+    clean = rep.checked and rep.error is None and rep.wrong_answers == 0 and rep.stuck == 0
+    if not clean:
+        print("not recorded: the run was not clean", file=sys.stderr)
+        return 1
+    guard.record(guard.hammer_key(guard_fields(cfg)), rep.cached_tokens, reason)
+    print(f"recorded {rep.cached_tokens} cached tokens in {guard.RECORDS}", file=sys.stderr)
+    return 0
 
 
 def cmd_forensics(args: argparse.Namespace) -> int:
@@ -209,6 +237,10 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
             progress=update,
             stateful_step_count=args.steps,
             host_slots=args.host_slots,
+            shared=not args.no_shared,
+            shared_redis=args.shared_redis,
+            kv_budget=args.kv_budget or None,
+            shrink=not args.no_shrink,
         ),
     )
 
@@ -263,8 +295,30 @@ def cmd_bench_trace(args: argparse.Namespace) -> int:
         rows = run_grid(traces, policies, lambda _: budgets, preset=args.preset, progress=update)
     finally:
         close()
+    return _guard_replay(args, rows)
+
+
+def _guard_replay(args: argparse.Namespace, rows: list[dict[str, Any]]) -> int:
+    """The hit-rate guard on replay rows of a built-in trace shape (a file has no record): each
+    row gets ``hit_guard``; exit 1 when one fails. ``--record-hit-rate`` writes them instead."""
+    from .testing import guard
+
+    shape = args.trace in SHAPES and not os.path.isfile(args.trace)
+    failed = []
+    for row in rows:
+        if not shape or args.no_hit_guard:
+            continue
+        key = guard.replay_key(args.trace, args.seed, args.preset, str(row["policy"]), int(row["budget_bytes"]))
+        if args.record_hit_rate is not None:
+            guard.record(key, int(row["hit_tokens"]), args.record_hit_rate)
+        res = guard.check(key, int(row["hit_tokens"]))
+        row["hit_guard"] = res.as_dict()
+        if res.status == "fail":
+            failed.append(f"{row['policy']} at {row['budget_bytes']} bytes: {res.describe()}")
     print(json.dumps(rows, indent=1, default=str))
-    return 0
+    for line in failed:
+        print(f"hit-rate guard: {line}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def cmd_policies_report(args: argparse.Namespace) -> int:
@@ -325,9 +379,25 @@ def _parser() -> argparse.ArgumentParser:
     )
     hammer.add_argument(
         "--inject",
-        choices=list(FUZZ_BUGS),
+        choices=list(HAMMER_BUGS),
         default=None,
         help="commit a bug on purpose; the hammer must catch it",
+    )
+    hammer.add_argument(
+        "--shared-corrupt",
+        type=_fraction,
+        default=0.05,
+        help="with --shared-redis: the fraction of blobs handed out corrupted on purpose (each must be refused)",
+    )
+    hammer.add_argument(
+        "--no-hit-guard", action="store_true", help="do not compare cached tokens with the recorded figure"
+    )
+    hammer.add_argument(
+        "--record-hit-rate",
+        metavar="REASON",
+        default=None,
+        help="write this run's cached tokens as the recorded figure of its configuration, with REASON "
+        "(a clean run only; the file is radixcache/testing/hit_rates.json)",
     )
     hammer.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
     hammer.add_argument("--forensics", metavar="LEDGER", default=None, help="fingerprint snapshots, log to LEDGER")
@@ -399,7 +469,21 @@ def _parser() -> argparse.ArgumentParser:
     fuzz.add_argument("--page-size", type=_int_at_least(1), default=1)
     fuzz.add_argument("--steps", type=_int_at_least(1), default=50, help="rules per example")
     fuzz.add_argument(
-        "--host-slots", type=_int_at_least(0), default=0, help="give the tree a host tier of this many snapshots"
+        "--host-slots", type=_int_at_least(0), default=2, help="the tree's host tier, in snapshots (0: none)"
+    )
+    fuzz.add_argument(
+        "--kv-budget",
+        type=_int_at_least(0),
+        default=96,
+        help="KV tokens the host holds by asking the manager to evict (0: unbounded)",
+    )
+    fuzz.add_argument("--no-shared", action="store_true", help="no shared tier (default: one over a faulty store)")
+    fuzz.add_argument("--no-shrink", action="store_true", help="report the failing program as found, unshrunk")
+    fuzz.add_argument(
+        "--shared-redis",
+        metavar="URL",
+        default=None,
+        help="put the faulty shared store over this Redis server instead of memory (redis://127.0.0.1:6379/0)",
     )
     fuzz.add_argument(
         "--inject", choices=list(FUZZ_BUGS), default=None, help="commit a bug on purpose; the machine must find it"
@@ -420,6 +504,13 @@ def _parser() -> argparse.ArgumentParser:
     bt.add_argument("--budget", nargs="+", type=_float_at_least(0.0), default=None, help="cache budgets in GiB")
     bt.add_argument("--preset", default=_PRESETS[0], choices=_PRESETS)
     bt.add_argument("--seed", type=int, default=0)
+    bt.add_argument("--no-hit-guard", action="store_true", help="do not compare hit tokens with the recorded figures")
+    bt.add_argument(
+        "--record-hit-rate",
+        metavar="REASON",
+        default=None,
+        help="write each row's hit tokens as the recorded figure (a trace shape only), with REASON",
+    )
     pr = add("policies-report", cmd_policies_report, "every trace shape x 3 budgets x every policy: the table")
     pr.add_argument("--preset", nargs="+", default=[_PRESETS[0]], choices=_PRESETS)
     pr.add_argument("--seed", nargs="+", type=int, default=[0])

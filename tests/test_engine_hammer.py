@@ -260,3 +260,53 @@ def test_the_ground_truth_in_worker_processes_is_the_alone_answer_on_200_prompts
         assert tokens == alone and torch.equal(first, alone_first), (len(prompt), ns, bool(images))
     with pytest.raises(ValueError, match="workers"):
         generate_cold_many(MODEL, jobs[:2], workers=0)
+
+
+# ------------------------------------------------------------------ the hit-rate guard (issue 37)
+def test_the_default_mix_puts_the_pools_under_pressure_and_passes_the_hit_rate_guard() -> None:
+    """The default hammer (served without its ground truth here: the guard reads cached tokens
+    only) evicts for slots and for KV, demotes to the host tier and hits there, and serves what
+    the repository recorded for seeds 0 and 7."""
+    for seed in (0, 7):
+        rep = run_hammer(HammerConfig(seed=seed, ground_truth=False), model=MODEL)
+        assert rep.hit_guard is not None and rep.hit_guard["status"] == "pass", rep.hit_guard
+        m = rep.metrics
+        assert isinstance(m["evictions"], dict) and m["evictions"]["admission"] and m["evictions"]["kv-pressure"]
+        assert m["demotions"] and m["host_hits"], m
+        assert "hit-rate guard" in format_report(rep) and "pass" in format_report(rep)
+
+
+def test_captures_one_token_late_fail_the_hit_rate_guard() -> None:
+    """A placement bug: every answer exact, fewer prompt tokens served from cache. The guard fails
+    it; nothing else in the hammer would."""
+    rep = run_hammer(HammerConfig(seed=0, inject="capture-one-late"), model=MODEL)
+    assert rep.hit_guard is not None and rep.hit_guard["status"] == "fail", rep.hit_guard
+    assert float(rep.hit_guard["drop"]) > 0.02  # type: ignore[arg-type]
+    assert rep.wrong_answers == 0 and rep.error is None, "the bug costs hits, not answers"
+    assert not rep.ok and "RESULT: FAIL" in format_report(rep)
+    assert dataclasses.replace(rep, hit_guard=None).ok, "only the guard sees it"
+
+
+def test_an_unrecorded_configuration_is_neither_pass_nor_fail() -> None:
+    rep = run_hammer(HammerConfig(requests=8, concurrency=2, seed=2), model=MODEL)
+    assert rep.ok and rep.hit_guard is not None and rep.hit_guard["status"] == "unrecorded"
+    off = run_hammer(HammerConfig(requests=8, concurrency=2, seed=2, hit_guard=False), model=MODEL)
+    assert off.hit_guard is None and "hit-rate guard" in format_report(off)
+
+
+def test_the_guard_key_leaves_out_what_does_not_shape_hits() -> None:
+    from radixcache.testing.hammer import guard_fields
+
+    base = guard_fields(HammerConfig())
+    assert guard_fields(HammerConfig(inject="alias", forensics="x", workers=3, ground_truth=False)) == base
+    assert guard_fields(HammerConfig(seed=1)) != base
+    with_redis = guard_fields(HammerConfig(shared_redis="redis://127.0.0.1:1/0"))
+    assert with_redis == guard_fields(HammerConfig(shared_redis="redis://127.0.0.1:2/0"))
+    assert with_redis["shared_redis"] is True and "shared_corrupt" not in base
+
+
+def test_the_hammer_knows_the_bugs_it_injects() -> None:
+    with pytest.raises(ValueError, match="hf:FAMILY"):
+        run_hammer(HammerConfig(requests=1, inject="hf-conv-shift"), model=MODEL)
+    with pytest.raises(ValueError, match="shared_corrupt"):
+        run_hammer(HammerConfig(requests=1, shared_corrupt=1.5), model=MODEL)

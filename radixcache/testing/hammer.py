@@ -32,11 +32,13 @@ from linear_state import DeviceUnavailable, check_device
 
 from ..core.shared import REDIS_URL_SCHEMES, RedisStore
 from ..policies import POLICIES, make_policy
+from . import guard
 from .engine import ColdJob, EngineRequest, ReferenceEngine, generate_cold_many
-from .inject import FUZZ_BUGS, injected
+from .faults import FaultyStore
+from .inject import HAMMER_BUGS, injected
 from .model import HybridConfig, HybridModel
 
-__all__ = ["HammerConfig", "HammerReport", "check_config", "format_report", "run_hammer"]
+__all__ = ["HammerConfig", "HammerReport", "check_config", "format_report", "guard_fields", "run_hammer"]
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,12 @@ class HammerConfig:
     model: str = "reference"
     # processes computing the ground truth (reference model on the CPU): None, one per core
     workers: int | None = None
+    # with shared_redis: the fraction of blobs the store hands out corrupted on purpose (one bit
+    # flipped); each must be refused by the tier's verification, or the run fails
+    shared_corrupt: float = 0.05
+    # compare the tokens served from cache with the figure recorded for this configuration
+    # (radixcache.testing.guard); a drop beyond its tolerance fails the run
+    hit_guard: bool = True
 
 
 @dataclass
@@ -117,6 +125,12 @@ class HammerReport:
     # Blobs from the shared tier that failed verification (forensics' shared-* findings): the tier
     # doing its job (each was a miss, never a restore), so not a failure of this run.
     shared_rejections: int = 0
+    # With shared_redis: blobs the store handed out corrupted (or misplaced) on purpose, and how
+    # many of them the tier kept instead of refusing (a failure: a verification skipped).
+    shared_corrupted: int = 0
+    shared_accepted_bad: int = 0
+    # The hit-rate guard's comparison (radixcache.testing.guard.GuardResult.as_dict()); None: off.
+    hit_guard: dict[str, object] | None = None
 
     @property
     def cached_fraction(self) -> float:
@@ -130,8 +144,9 @@ class HammerReport:
 
     @property
     def ok(self) -> bool:
-        """Answers were compared with the cold run, and: no wrong answer, no cross-talk, no leak.
-        False when nothing was checked (``ground_truth=False``)."""
+        """Answers were compared with the cold run, and: no wrong answer, no cross-talk, no leak,
+        no corrupted shared blob kept, no drop of cached tokens beyond the hit-rate guard's
+        tolerance. False when nothing was checked (``ground_truth=False``)."""
         return (
             self.checked
             and self.error is None
@@ -141,6 +156,8 @@ class HammerReport:
             and self.slots_leaked == 0
             and self.kv_leaked == 0
             and self.snapshot_corruptions == 0
+            and self.shared_accepted_bad == 0
+            and (self.hit_guard is None or self.hit_guard["status"] != "fail")
         )
 
     def as_dict(self) -> dict[str, object]:
@@ -271,7 +288,12 @@ def run_hammer(
         ``cfg`` out of its range (the message names it): checked before anything runs."""
     check_config(cfg)
     if cfg.model != "reference":
-        return _run(_hf_config(cfg), None, progress, bars)
+        with injected(cfg.inject):
+            return _run(_hf_config(cfg), None, progress, bars)
+    if cfg.inject == "hf-conv-shift":
+        raise ValueError(
+            "hammer inject 'hf-conv-shift' is a bug of the transformers bridge: run it with model='hf:FAMILY'"
+        )
     with injected(cfg.inject):
         return _run(cfg, model or HybridModel(HybridConfig(), device=cfg.device), progress, bars)
 
@@ -283,6 +305,20 @@ def tiny_families() -> list[str]:
     except ImportError:
         return []
     return list(TINY_CONFIGS)
+
+
+_NOT_SHAPING_HITS = ("inject", "forensics", "ground_truth", "logit_tol", "stall_steps", "workers", "hit_guard")
+
+
+def guard_fields(cfg: HammerConfig) -> dict[str, object]:
+    """The fields of ``cfg`` that shape its cached-token figure: the hit-rate guard's key (the
+    injected bug is not one: a bug is compared with the clean figure; a Redis URL counts only as
+    whether there is a shared tier)."""
+    fields = {k: v for k, v in asdict(cfg).items() if k not in _NOT_SHAPING_HITS}
+    fields["shared_redis"] = cfg.shared_redis is not None
+    if cfg.shared_redis is None:
+        fields.pop("shared_corrupt")
+    return fields
 
 
 def check_config(cfg: HammerConfig) -> None:
@@ -319,7 +355,7 @@ def check_config(cfg: HammerConfig) -> None:
         isinstance(cfg.host_slots, bool) or not isinstance(cfg.host_slots, int) or cfg.host_slots < 0
     ):
         raise ValueError(f"hammer host_slots must be None or an int >= 0, got {cfg.host_slots!r}")
-    for name in ("tenant_share", "image_share", "single_token_share"):
+    for name in ("tenant_share", "image_share", "single_token_share", "shared_corrupt"):
         v = getattr(cfg, name)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
             raise ValueError(f"hammer {name} must be a fraction in [0, 1], got {v!r}")
@@ -329,8 +365,8 @@ def check_config(cfg: HammerConfig) -> None:
             raise ValueError(f"hammer {name} must be a number >= 0, got {v!r}")
     if cfg.policy not in POLICIES:
         raise ValueError(f"hammer policy {cfg.policy!r}: known {sorted(POLICIES)}")
-    if cfg.inject is not None and cfg.inject not in FUZZ_BUGS:
-        raise ValueError(f"hammer inject {cfg.inject!r}: known {list(FUZZ_BUGS)}")
+    if cfg.inject is not None and cfg.inject not in HAMMER_BUGS:
+        raise ValueError(f"hammer inject {cfg.inject!r}: known {list(HAMMER_BUGS)}")
     if not isinstance(cfg.device, str) or cfg.device.split(":")[0] not in ("cpu", "cuda"):
         raise ValueError(f"hammer device {cfg.device!r}: the reference engine runs on 'cpu' or 'cuda'")
     try:
@@ -374,7 +410,7 @@ def _hf_config(cfg: HammerConfig) -> HammerConfig:
     bad = [
         name
         for name, v in (
-            ("inject", cfg.inject),
+            ("inject", None if cfg.inject == "hf-conv-shift" else cfg.inject),
             ("forensics", cfg.forensics),
             ("shared_redis", cfg.shared_redis),
             ("device", None if cfg.device == "cpu" else cfg.device),
@@ -442,7 +478,13 @@ def _reference_engine(cfg: HammerConfig, model: HybridModel) -> ReferenceEngine:
         forward_delay_us=cfg.forward_delay_us,
         snapshot_slots=cfg.snapshot_slots,
         host_slots=cfg.host_slots,
-        shared_store=None if cfg.shared_redis is None else RedisStore(cfg.shared_redis),
+        shared_store=(
+            None
+            if cfg.shared_redis is None
+            else FaultyStore(
+                RedisStore(cfg.shared_redis), seed=cfg.seed * 1000 + cfg.replica, corrupt=cfg.shared_corrupt
+            )
+        ),
         publisher=f"replica-{cfg.replica}",
     )
 
@@ -455,8 +497,9 @@ def _close(engine: Any) -> None:
     shared = getattr(engine, "shared", None)
     if shared is not None:
         shared.close()
-        if isinstance(shared.store, RedisStore):
-            shared.store.close()
+        store = shared.store.inner if isinstance(shared.store, FaultyStore) else shared.store
+        if isinstance(store, RedisStore):
+            store.close()
 
 
 def _hammer(
@@ -500,6 +543,11 @@ def _hammer(
     refused = sum(f.kind.startswith("shared-") for f in findings)
     corruptions = len(findings) - refused
     metrics = engine.manager.metrics().as_dict()
+    faults = (
+        engine.shared.store.faults
+        if isinstance(getattr(engine, "shared", None) and engine.shared.store, FaultyStore)
+        else None
+    )
     leaked_slots = leaked_kv = 0
     if error is None:
         try:
@@ -553,13 +601,17 @@ def _hammer(
     cold = [1e3 * (r.t_first - r.t_admit) for r in served if r.cached_length == 0 and r.t_first]
     hit = [1e3 * (r.t_first - r.t_admit) for r in served if r.cached_length >= 0.9 * len(r.prompt) and r.t_first]
     p_cold, p_hit = probes if len(probes) == 2 else (None, None)
+    cached_tokens = sum(r.cached_length for r in served)
+    hit_guard = None
+    if cfg.hit_guard and error is None and not stuck:
+        hit_guard = guard.check(guard.hammer_key(guard_fields(cfg)), cached_tokens).as_dict()
     return HammerReport(
         requests=len(served),
         finished=sum(not r.aborted for r in served),
         aborted=sum(r.aborted for r in served),
         hits=sum(r.cached_length > 0 for r in served),
         prompt_tokens=sum(len(r.prompt) for r in served),
-        cached_tokens=sum(r.cached_length for r in served),
+        cached_tokens=cached_tokens,
         wrong_answers=wrong,
         cross_talk=cross,
         logit_mismatches=drift,
@@ -567,6 +619,9 @@ def _hammer(
         kv_leaked=leaked_kv,
         snapshot_corruptions=corruptions,
         shared_rejections=refused,
+        shared_corrupted=0 if faults is None else len(faults.served_bad),
+        shared_accepted_bad=0 if faults is None else faults.accepted_bad,
+        hit_guard=hit_guard,
         ttft_cold_ms=statistics.mean(cold) if cold else 0.0,
         ttft_hit_ms=statistics.mean(hit) if hit else 0.0,
         probe_ttft_cold_ms=1e3 * max(0.0, p_cold.t_first - p_cold.t_submit) if p_cold else 0.0,
@@ -667,8 +722,31 @@ def format_report(rep: HammerReport) -> str:
         ("stuck requests (aborted by the watchdog)", str(rep.stuck)),
         ("slots leaked", str(rep.slots_leaked)),
         ("snapshot corruptions (forensics)", str(rep.snapshot_corruptions) if rep.forensics else "off"),
+        *(
+            [
+                (
+                    "shared blobs corrupted on purpose / kept",
+                    f"{rep.shared_corrupted} / {rep.shared_accepted_bad} (every one must be refused)",
+                )
+            ]
+            if rep.shared_corrupted or rep.shared_accepted_bad
+            else []
+        ),
         ("shared blobs refused (forensics; each a miss)", str(rep.shared_rejections) if rep.forensics else "off"),
         ("KV indices leaked", str(rep.kv_leaked)),
+        (
+            "hit-rate guard",
+            "off"
+            if rep.hit_guard is None
+            else str(rep.hit_guard["status"])
+            + f" ({rep.cached_tokens:,} cached tokens"
+            + (
+                f" against {rep.hit_guard['recorded']:,} recorded, {-100 * float(rep.hit_guard['drop']):+.2f}%, "  # type: ignore[arg-type]
+                f"fails below -{100 * float(rep.hit_guard['tolerance']):.0f}%)"  # type: ignore[arg-type]
+                if rep.hit_guard["recorded"] is not None
+                else "; none recorded for this configuration)"
+            ),
+        ),
         ("TTFT cold / hit >= 90% (mean, under load)", f"{rep.ttft_cold_ms:.1f} ms / {rep.ttft_hit_ms:.1f} ms"),
         (
             f"TTFT probe, {rep.probe_hit_fraction:.0%} cached (alone)",
