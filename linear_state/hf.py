@@ -1,6 +1,6 @@
 """Layouts of the hybrid families transformers ships, read from a model's config.
 
-``StateLayout.from_hf_config(config)`` calls :func:`layout_from_hf_config`. The layout keeps each
+``StateLayout.from_hf_config(config)`` builds its layout from :func:`layout_fields`. The layout keeps each
 family's own per-layer state exactly as transformers' cache holds it (batch dimension dropped), so
 a bridge copies tensors without reshaping:
 
@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CONV_ONLY", "FAMILIES", "INEXACT", "UNSUPPORTED", "hf_family", "layout_from_hf_config", "linear_layer_ids"]
+__all__ = ["CONV_ONLY", "FAMILIES", "INEXACT", "UNSUPPORTED", "hf_family", "layout_fields", "linear_layer_ids"]
 
 Shapes = tuple[tuple[int, ...], tuple[int, ...]]
 
@@ -201,30 +201,29 @@ def linear_layer_ids(config: Any) -> tuple[int, ...]:
     return tuple(i for i, layer in enumerate(cache.layers) if isinstance(layer, LinearAttentionCacheLayerMixin))
 
 
-def layout_from_hf_config(
+def layout_fields(
     config: Any, *, conv_dtype: torch.dtype | None = None, recurrent_dtype: torch.dtype | None = None
-) -> Any:
-    """The :class:`~linear_state.StateLayout` of a transformers hybrid model (see the module
-    docstring): one slot layer per linear model layer (``layout.model_layers``), each family's own
-    state shapes, the conv state in the model's dtype and the recurrent state in float32 unless
-    overridden.
+) -> dict[str, Any]:
+    """The arguments of the :class:`~linear_state.StateLayout` of a transformers hybrid model (see
+    the module docstring): one slot layer per linear model layer (``model_layers``), each family's
+    own state shapes, the conv state in the model's dtype and the recurrent state in float32
+    unless overridden. ``StateLayout.from_hf_config(config)`` builds the layout from them (this
+    module never imports the layout's: the dependency runs one way).
 
     :raises ValueError: a family not covered, or a config without linear layers.
     :raises ImportError: transformers is not installed.
     """
-    from .layout import StateLayout
-
     family = hf_family(config)
     text = _text(config)
     conv, rec = FAMILIES[family][1](text)
     layers = linear_layer_ids(config)
     if not layers:
         raise ValueError(f"{family} config has no linear layers (layer types: {getattr(text, 'layer_types', None)})")
-    return StateLayout(
-        len(layers),
-        conv,
-        rec,
-        conv_dtype=conv_dtype or _model_dtype(text),
-        recurrent_dtype=recurrent_dtype or torch.float32,
-        model_layers=layers,
-    )
+    return {
+        "num_layers": len(layers),
+        "conv_shape": conv,
+        "recurrent_shape": rec,
+        "conv_dtype": conv_dtype or _model_dtype(text),
+        "recurrent_dtype": recurrent_dtype or torch.float32,
+        "model_layers": layers,
+    }

@@ -81,11 +81,17 @@ class StateLayout:
         :raises ValueError: a family not covered (with the reason for those transformers ships).
         :raises ImportError: transformers is not installed (``pip install 'radixcache[hf]'``).
         """
-        from .hf import layout_from_hf_config
+        from .hf import layout_fields
 
-        out = layout_from_hf_config(config, conv_dtype=conv_dtype, recurrent_dtype=recurrent_dtype)
-        assert isinstance(out, cls)
-        return out
+        f = layout_fields(config, conv_dtype=conv_dtype, recurrent_dtype=recurrent_dtype)
+        return cls(
+            f["num_layers"],
+            f["conv_shape"],
+            f["recurrent_shape"],
+            conv_dtype=f["conv_dtype"],
+            recurrent_dtype=f["recurrent_dtype"],
+            model_layers=f["model_layers"],
+        )
 
     @property
     def conv_bytes_per_layer(self) -> int:
