@@ -1,7 +1,10 @@
-"""A progress bar for long CLI runs: tqdm when installed, a plain counter on stderr otherwise."""
+"""A progress bar for long CLI runs: tqdm when installed, a plain counter on stderr otherwise;
+nothing at all when the environment sets ``RADIXCACHE_NO_PROGRESS`` (to anything but ``""`` or
+``0``: CI logs, scripts that parse stderr)."""
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -10,7 +13,14 @@ __all__ = ["progress_callback"]
 
 
 def progress_callback(total: int, desc: str) -> tuple[Callable[[int], None], Callable[[], None]]:
-    """Return ``(update(step), close())`` for a run of ``total`` steps."""
+    """Return ``(update(step), close())`` for a run of ``total`` steps (both do nothing under
+    ``RADIXCACHE_NO_PROGRESS``)."""
+    if os.environ.get("RADIXCACHE_NO_PROGRESS", "") not in ("", "0"):
+
+        def nothing(step: int = 0) -> None:
+            return None
+
+        return nothing, nothing
     try:
         from tqdm import tqdm  # type: ignore[import-untyped, unused-ignore]
     except ImportError:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -234,6 +235,39 @@ def test_one_shared_tier_serves_one_manager() -> None:
     with pytest.raises(RuntimeError, match="another manager"):
         CacheManager(cache, policy, shared=tier, host_tier=None)
     assert getattr(policy, "cache", None) is None  # refused before anything was bound
+
+
+def test_one_tree_is_served_by_one_manager() -> None:
+    """A second manager on a tree the first serves would evict, lock and restore behind the first
+    one's requests: refused before anything is bound."""
+    pool = LinearStatePool(LAYOUT, 16)
+    cache = HybridRadixCache(pool)
+    first = CacheManager(cache, host_tier=None)
+    assert cache.client is first
+    policy = HitDensity()
+    with pytest.raises(RuntimeError, match="one manager per tree"):
+        CacheManager(cache, policy, host_tier=None)
+    assert getattr(policy, "cache", None) is None and cache.client is first
+    first.check_invariants()
+
+
+def test_no_progress_in_the_environment_silences_the_bars(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from radixcache.progress import progress_callback
+
+    monkeypatch.setenv("RADIXCACHE_NO_PROGRESS", "1")
+    update, close = progress_callback(3, "quiet")
+    for i in range(3):
+        update(i)
+    close()
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("RADIXCACHE_NO_PROGRESS", "0")
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # the plain counter, whatever is installed
+    update, close = progress_callback(3, "loud")
+    update(2)
+    close()
+    assert "loud: 3/3" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -316,7 +316,7 @@ class CacheManager:
     :param host_budget_bytes: the auto host tier's bytes (fewer than one slot's: none).
     :raises ValueError: bad options. :raises TypeError: a policy that is not a
         :class:`~radixcache.policies.Policy`, a shared tier that is not a ``SharedTier``.
-        :raises RuntimeError: the policy (or the shared tier) serves another manager.
+        :raises RuntimeError: the policy (or the shared tier, or the tree) serves another manager.
     """
 
     def __init__(
@@ -355,6 +355,11 @@ class CacheManager:
             raise TypeError(f"shared must be a SharedTier, got {type(shared).__name__}")
         if shared is not None and shared.client is not None:
             raise RuntimeError("this SharedTier serves another manager already (one tier per manager)")
+        if cache.client is not None:
+            raise RuntimeError(
+                "this HybridRadixCache is served by another CacheManager already (one manager per tree: a "
+                "second one would evict, lock and restore behind the first one's requests)"
+            )
         if isinstance(track_slots, bool) or not isinstance(track_slots, int) or track_slots < 1:
             raise ValueError(f"track_slots must be an int >= 1, got {track_slots!r}")
         if barrier not in ("fence", "device"):
@@ -387,6 +392,7 @@ class CacheManager:
             cache.attach_host_pool(host)
         if kv_bytes_per_token is not None:
             policy.costs(cache.pool.layout.slot_bytes, kv_bytes_per_token)
+        cache.client = self
         self.cache = cache
         self.pool = cache.pool
         self.policy = policy

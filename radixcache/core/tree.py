@@ -320,6 +320,8 @@ class HybridRadixCache:
         self.on_free_snapshot: Callable[[TreeNode], None] | None = None
         # Called with a node once its snapshot was demoted to the host tier (``node.host`` set).
         self.on_demote: Callable[[TreeNode], None] | None = None
+        # The CacheManager serving this tree (set by it): one manager per tree.
+        self.client: object | None = None
         self._page_bytes = page_size * TOKEN_BYTES
         self.reset_state()
 
