@@ -224,8 +224,9 @@ def cmd_forensics(args: argparse.Namespace) -> int:
 
 def cmd_fuzz(args: argparse.Namespace) -> int:
     """Run the host state machine; print the shrunk program on a failure."""
-    from .testing.fuzz import run_fuzz
+    from .testing.fuzz import fuzz_hosts, run_fuzz
 
+    bridge = None if args.bridge == "none" else args.bridge
     return _run_machine(
         "fuzz",
         args,
@@ -241,7 +242,9 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
             shared_redis=args.shared_redis,
             kv_budget=args.kv_budget or None,
             shrink=not args.no_shrink,
+            bridge=bridge,
         ),
+        hosts=fuzz_hosts(bridge),
     )
 
 
@@ -259,11 +262,14 @@ def cmd_misuse(args: argparse.Namespace) -> int:
     )
 
 
-def _run_machine(name: str, args: argparse.Namespace, run: Callable[[Callable[[int], None]], None]) -> int:
-    """Run a state machine with a progress bar; print PASS, or each failure's shrunk program."""
+def _run_machine(
+    name: str, args: argparse.Namespace, run: Callable[[Callable[[int], None]], None], hosts: int = 1
+) -> int:
+    """Run a state machine (``hosts`` of them, one after the other, ``args.examples`` each) with a
+    progress bar; print PASS, or each failure's shrunk program."""
     from .progress import progress_callback
 
-    update, close = progress_callback(args.examples, name)
+    update, close = progress_callback(args.examples * hosts, name)
     t0 = time.perf_counter()
     try:
         run(update)
@@ -273,7 +279,8 @@ def _run_machine(name: str, args: argparse.Namespace, run: Callable[[Callable[[i
         print(f"FAIL after {time.perf_counter() - t0:.1f} s: {type(exc).__name__}: {exc}")
         return 1
     close()
-    print(f"PASS: {args.examples} examples, seed {args.seed}, {time.perf_counter() - t0:.1f} s, nothing found")
+    each = f" on each of {hosts} hosts" if hosts > 1 else ""
+    print(f"PASS: {args.examples} examples{each}, seed {args.seed}, {time.perf_counter() - t0:.1f} s, nothing found")
     return 0
 
 
@@ -479,6 +486,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     fuzz.add_argument("--no-shared", action="store_true", help="no shared tier (default: one over a faulty store)")
     fuzz.add_argument("--no-shrink", action="store_true", help="report the failing program as found, unshrunk")
+    fuzz.add_argument(
+        "--bridge",
+        default="auto",
+        metavar="FAMILY|auto|none",
+        help="keep each request's state in a transformers cache of FAMILY's tiny model between windows, "
+        "loaded through the bridge (auto: qwen3_next when transformers is installed)",
+    )
     fuzz.add_argument(
         "--shared-redis",
         metavar="URL",

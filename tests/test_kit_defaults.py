@@ -175,3 +175,48 @@ def test_replay_fails_the_guard_when_hits_fall(
     out = capsys.readouterr()
     assert json.loads(out.out)[0]["hit_guard"]["status"] == "fail" and "hit-rate guard" in out.err
     assert main([*args, "--no-hit-guard"]) == 0
+
+
+def test_the_bridged_adapter_loads_every_hit_through_the_transformers_bridge(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With transformers installed the kit's default host keeps each request's state in a
+    transformers cache: every admission goes through HFStateBridge.load, and the machine passes."""
+    pytest.importorskip("transformers")
+    from radixcache.hf.bridge import HFStateBridge
+    from radixcache.testing.adapter import BridgedAdapter, default_bridge
+
+    assert default_bridge() == "qwen3_next"
+    loads = [0]
+    real = HFStateBridge.load
+
+    def counting(self: HFStateBridge, *args: object) -> None:
+        loads[0] += 1
+        real(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(HFStateBridge, "load", counting)
+    made: list[ManagerAdapter] = []
+
+    def factory() -> ManagerAdapter:
+        made.append(ManagerAdapter.build(bridge="qwen3_next"))
+        return made[-1]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        run_machine(make_machine(factory), 30, 0)
+    assert all(isinstance(a, BridgedAdapter) for a in made)
+    assert loads[0] == sum(a.manager.metrics().admissions for a in made) > 0
+    assert made[0].manager.pool.layout.num_layers == 3, "the family's own layout"
+    with pytest.raises(ValueError, match="bridge family"):
+        ManagerAdapter.build(bridge="not-a-family")
+
+
+def test_the_kit_runs_the_bridged_host_after_the_plain_one(capsys: pytest.CaptureFixture[str]) -> None:
+    from radixcache.cli import main
+    from radixcache.testing.fuzz import fuzz_hosts
+
+    assert fuzz_hosts(None) == 1 and fuzz_hosts("nemotron_h") == 2
+    assert main(["fuzz", "--examples", "5", "--seed", "3", "--bridge", "none"]) == 0
+    assert "PASS: 5 examples, seed 3" in capsys.readouterr().out
+    pytest.importorskip("transformers")
+    assert fuzz_hosts("auto") == 2
+    assert main(["fuzz", "--examples", "5", "--seed", "3"]) == 0
+    assert "PASS: 5 examples on each of 2 hosts" in capsys.readouterr().out

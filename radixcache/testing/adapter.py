@@ -16,7 +16,7 @@ import hashlib
 import itertools
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -30,11 +30,13 @@ from ..core.shared import SharedStore
 
 __all__ = [
     "AdapterKV",
+    "BridgedAdapter",
     "FUZZ_LAYOUT",
     "PLACEHOLDER",
     "HostAdapter",
     "ManagerAdapter",
     "advance",
+    "default_bridge",
     "model_inputs",
     "ns_salt",
     "prefix_state",
@@ -228,6 +230,7 @@ class ManagerAdapter:
         codec_faults: float = 0.0,
         kv_budget: int | None = 96,
         seed: int = 0,
+        bridge: str | None = None,
     ) -> ManagerAdapter:
         """A fresh adapter (and cache) committing fuzzing bug ``inject`` when given.
 
@@ -242,14 +245,22 @@ class ManagerAdapter:
         is used as given (wrap one that outlives the adapter in a ``FaultyStore`` with a ``prefix``
         of its own); None: no shared tier). Its KV codec, :class:`AdapterKV` behind a
         :class:`~radixcache.testing.faults.FaultyCodec`, misbehaves on ``codec_faults`` of its calls.
+        ``bridge``: a transformers family (``radixcache.hf.TINY_CONFIGS``): the host keeps each
+        request's state in a transformers cache of that family's tiny model between windows, as
+        a transformers host does (:class:`BridgedAdapter`; needs the ``hf`` extra).
 
-        :raises ValueError: ``track_slots`` below 1, a ``kv_budget`` below 1, or an unknown bug.
+        :raises ValueError: ``track_slots`` below 1, a ``kv_budget`` below 1, an unknown bug or
+            family.
         """
         from .faults import FaultyCodec, FaultyStore
         from .inject import make_fuzz_stack, make_shared_tier
 
         if kv_budget is not None and (isinstance(kv_budget, bool) or not isinstance(kv_budget, int) or kv_budget < 1):
             raise ValueError(f"kv_budget must be None or an int >= 1, got {kv_budget!r}")
+        layout, hf_bridge = FUZZ_LAYOUT, None
+        if bridge is not None:
+            hf_bridge = _tiny_bridge(bridge)
+            layout = hf_bridge.layout
         forward, copies = DeferredStream("forward"), DeferredStream("copies")
         holder: list[ManagerAdapter] = []
         tier = None
@@ -271,7 +282,7 @@ class ManagerAdapter:
             )
         manager = make_fuzz_stack(
             inject,
-            FUZZ_LAYOUT,
+            layout,
             slots,
             page_size=page_size,
             track_align=track_align,
@@ -281,7 +292,12 @@ class ManagerAdapter:
             host_slots=host_slots,
             shared=tier,
         )
-        adapter = cls(manager, forward, copies, chunk, kv_budget=kv_budget)
+        if hf_bridge is not None:
+            adapter: ManagerAdapter = BridgedAdapter(
+                manager, forward, copies, chunk, kv_budget=kv_budget, bridge=hf_bridge
+            )
+        else:
+            adapter = cls(manager, forward, copies, chunk, kv_budget=kv_budget)
         holder.append(adapter)
         return adapter
 
@@ -422,3 +438,125 @@ class ManagerAdapter:
         assert not tree & self.kv_free, f"KV indices both free and held by the tree: {sorted(tree & self.kv_free)[:5]}"
         lost = set(range(self.kv_next)) - tree - live - self.kv_free
         assert not lost, f"KV indices leaked: {sorted(lost)[:5]}"
+
+
+_BRIDGES: dict[str, Any] = {}
+
+
+def _tiny_bridge(family: str) -> Any:
+    """An ``HFStateBridge`` of ``family``'s tiny config over a float64 layout (exact for the
+    ground-truth hash), made once per process."""
+    if family not in _BRIDGES:
+        from ..hf import HFStateBridge
+        from ..hf.families import TINY_CONFIGS, tiny_config
+
+        if family not in TINY_CONFIGS:
+            raise ValueError(f"bridge family {family!r}: known {', '.join(TINY_CONFIGS)}")
+        config = tiny_config(family)
+        layout = StateLayout.from_hf_config(config, conv_dtype=torch.float64, recurrent_dtype=torch.float64)
+        _BRIDGES[family] = HFStateBridge(config, layout)
+    return _BRIDGES[family]
+
+
+def default_bridge() -> str | None:
+    """The family the fuzzing kit runs through a transformers cache by default: ``qwen3_next``
+    when transformers is installed, else None."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return None
+    return "qwen3_next"
+
+
+class BridgedAdapter(ManagerAdapter):
+    """:class:`ManagerAdapter` as a transformers host runs it: each request's state lives in a
+    transformers cache between windows. Admission loads the live slot (restored from a hit, or
+    zeroed) into a fresh cache through ``bridge.load``; each window advances the cache's own
+    conv and recurrent tensors; each capture and, at the window's end, the live state are
+    written into the pool's rows (what the forward's kernels do). A bridge that loads a state
+    wrong (a conv window a column off, layers swapped) makes the request's later states differ
+    from the ground truth.
+
+    :param bridge: a :class:`~radixcache.hf.HFStateBridge` whose layout is the pool's.
+    """
+
+    def __init__(
+        self,
+        manager: CacheManager,
+        forward: DeferredStream,
+        copies: DeferredStream,
+        chunk: int,
+        *,
+        kv_budget: int | None = None,
+        bridge: Any,
+    ) -> None:
+        super().__init__(manager, forward, copies, chunk, kv_budget=kv_budget)
+        if bridge.layout != manager.pool.layout:
+            raise ValueError("the bridge's layout must be the pool's")
+        self.bridge = bridge
+        self.caches: dict[int, Any] = {}
+
+    def admit(
+        self, rid: int, ids: list[int], *, namespace: Hashable = None, images: Sequence[bytes] = ()
+    ) -> int | None:
+        cached = super().admit(rid, ids, namespace=namespace, images=images)
+        if cached is not None:
+            cache = self.bridge.new_cache()
+            self.bridge.load(self.pool, self.reqs[rid].adm.live_slot, cache)  # after the restore
+            self.caches[rid] = cache
+        return cached
+
+    def _advance(self, cache: Any, token: int, salt: int) -> None:
+        """One token of the ground-truth model on a request's transformers cache."""
+        for i in self.bridge.layout.model_layers or ():
+            layer = cache.layers[i]
+            advance(layer.conv_states[0], layer.recurrent_states[0], token, salt)
+
+    def _put(self, cache: Any, slot: int) -> None:
+        """A request's cached states into ``slot``'s rows, as the forward's kernels write the
+        pool (inside the forward's own stream item: no fence of its own)."""
+        pool = self.pool
+        for j, i in enumerate(self.bridge.layout.model_layers or ()):
+            layer = cache.layers[i]
+            pool.conv[j, slot].copy_(layer.conv_states[0][0])
+            pool.recurrent[j, slot].copy_(layer.recurrent_states[0][0])
+
+    def extend(self, rid: int) -> bool:
+        r = self.reqs[rid]
+        start, end = r.done, min(r.prompt_len, r.done + self.chunk)
+        if start >= end:
+            return False
+        plan = self.manager.plan_prefill(rid, end)
+        caps = {c.depth: c.slot for c in plan.captures}
+        live, ids, salt, cache = r.adm.live_slot, r.ids, r.salt, self.caches[rid]
+
+        def forward_pass() -> None:  # may run after the request ended: it holds its own cache
+            for i in range(start, end):
+                self._advance(cache, ids[i], salt)
+                if i + 1 in caps:
+                    self._put(cache, caps[i + 1])
+            self._put(cache, live)
+
+        self._window(r, plan, self.alloc_kv(end - start), forward_pass, f"extend {rid} [{start},{end})")
+        return True
+
+    def decode(self, rid: int, token: int) -> None:
+        r = self.reqs[rid]
+        plan = self.manager.plan_decode(rid, [token])
+        caps, live, salt, cache = [c.slot for c in plan.captures], r.adm.live_slot, r.salt, self.caches[rid]
+
+        def forward_pass() -> None:
+            self._advance(cache, token, salt)
+            for t in [*caps, live]:
+                self._put(cache, t)
+
+        r.ids.append(token)
+        self._window(r, plan, self.alloc_kv(1), forward_pass, f"decode {rid}")
+
+    def finish(self, rid: int) -> None:
+        super().finish(rid)
+        self.caches.pop(rid, None)
+
+    def abort(self, rid: int) -> None:
+        super().abort(rid)
+        self.caches.pop(rid, None)

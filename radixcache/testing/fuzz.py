@@ -35,11 +35,11 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from linear_state import RequestOwner
 
-from .adapter import PLACEHOLDER, HostAdapter, ManagerAdapter, ns_salt, prefix_state
+from .adapter import PLACEHOLDER, HostAdapter, ManagerAdapter, default_bridge, ns_salt, prefix_state
 from .inject import injected
 from .strategies import FuzzRequest, requests, token_keys
 
-__all__ = ["HostMachine", "make_machine", "run_fuzz", "run_machine"]
+__all__ = ["HostMachine", "fuzz_hosts", "make_machine", "run_fuzz", "run_machine"]
 
 AdapterFactory = Callable[[], HostAdapter]
 
@@ -64,7 +64,7 @@ class HostMachine(RuleBasedStateMachine):
 
     def _check_state(self, rid: int, what: str) -> None:
         conv, rec, fed = self.host.state(rid)
-        want_conv, want_rec = prefix_state(fed, salt=self.salts.get(rid, 0))
+        want_conv, want_rec = prefix_state(fed, self.host.manager.pool.layout, salt=self.salts.get(rid, 0))
         assert torch.equal(rec, want_rec) and torch.equal(conv, want_conv), (
             f"request {rid}: {what} state differs from the ground truth after {len(fed)} tokens "
             f"(namespace salt {self.salts.get(rid, 0)})"
@@ -158,7 +158,7 @@ class HostMachine(RuleBasedStateMachine):
             return
         owner = RequestOwner("direct insert")
         donor = pool.alloc(owner)
-        conv, rec = prefix_state(key, salt=ns_salt("direct"))
+        conv, rec = prefix_state(key, pool.layout, salt=ns_salt("direct"))
         pool.write(donor, conv.to(pool.conv.dtype), rec.to(pool.recurrent.dtype), owner=owner).wait()
         handed = alloc(len(key))
         buf = torch.tensor(handed, dtype=torch.int64)
@@ -230,6 +230,7 @@ def run_fuzz(
     shared_redis: str | None = None,
     kv_budget: int | None = 96,
     shrink: bool = True,
+    bridge: str | None = "auto",
 ) -> None:
     """Run ``examples`` programs of the machine with ``seed`` (deterministic); raise on the first
     failure after shrinking it (hypothesis prints the shrunk program).
@@ -238,7 +239,14 @@ def run_fuzz(
     a host tier of ``host_slots`` snapshots (0: none), a KV budget of ``kv_budget`` tokens held
     by eviction (None: unbounded), and unless ``shared`` is False a shared tier over a store that
     corrupts, drops, delays and misplaces blobs: in memory, or over the Redis server at
-    ``shared_redis`` (each example under addresses of its own). These are ignored with ``factory``.
+    ``shared_redis`` (each example under addresses of its own). With ``bridge`` (a transformers
+    family; ``"auto"``: ``qwen3_next`` when transformers is installed, else none) a second host
+    runs ``examples`` programs too: each request's state kept in a transformers cache between
+    windows, loaded from its restored slot through the bridge
+    (:class:`~radixcache.testing.adapter.BridgedAdapter`); the plain host runs first (a bridge
+    reads a restored slot through the pool, which waits every copy: an ordering bug only the
+    plain host, ordered by the fences it was given, can show). These are ignored with
+    ``factory``.
     ``shrink=False`` reports the first failing program as found (faster; longer to read).
     """
     from ..core.shared import RedisStore
@@ -248,7 +256,7 @@ def run_fuzz(
     run = f"fuzz-{os.getpid()}-{time.time_ns()}"
     made = itertools.count()
 
-    def build() -> HostAdapter:
+    def build(family: str | None) -> HostAdapter:
         faulty = None
         if store is not None:  # each adapter's keys apart in the one database; its faults its own
             faulty = FaultyStore(store, corrupt=0.2, drop=0.2, delay=0.1, misplace=0.2, prefix=f"{run}-{next(made)}-")
@@ -258,17 +266,34 @@ def run_fuzz(
             host_slots=host_slots,
             shared=faulty if faulty is not None else ("faulty" if shared else None),
             kv_budget=kv_budget,
+            bridge=family,
         )
 
-    machine = make_machine(factory or build)
+    factories: list[AdapterFactory] = [factory] if factory is not None else [lambda: build(None)]
+    family = default_bridge() if bridge == "auto" else bridge
+    if factory is None and family is not None:
+        factories.append(lambda: build(family))
     try:
         with injected(inject):
-            run_machine(
-                machine, examples, seed, stateful_step_count=stateful_step_count, progress=progress, shrink=shrink
-            )
+            for i, make in enumerate(factories):
+                tick = None if progress is None else (lambda n, off=i * examples: progress(off + n))
+                run_machine(
+                    make_machine(make),
+                    examples,
+                    seed,
+                    stateful_step_count=stateful_step_count,
+                    progress=tick,
+                    shrink=shrink,
+                )
     finally:
         if store is not None:
             store.close()
+
+
+def fuzz_hosts(bridge: str | None = "auto") -> int:
+    """How many host kinds :func:`run_fuzz` runs with ``bridge`` (each for its examples): the plain
+    adapter, and the bridged one when a family is given or ``auto`` finds transformers."""
+    return 1 + ((default_bridge() if bridge == "auto" else bridge) is not None)
 
 
 def run_machine(
