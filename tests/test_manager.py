@@ -245,7 +245,9 @@ def test_bad_manager_options() -> None:
     with pytest.raises(TypeError, match="policy must be a Policy, got object"):
         CacheManager(fresh.cache, object())  # type: ignore[arg-type]
     fresh.cache.check_invariants()
-    CacheManager(fresh.cache)  # the refused calls bound nothing: the cache still takes a manager
+    assert fresh.cache.client is fresh.mgr  # the refused calls bound nothing
+    with pytest.raises(RuntimeError, match="one manager per tree"):
+        CacheManager(fresh.cache)  # its own manager serves it: a second one is refused
 
 
 def test_check_invariants_detects_a_slot_shared_by_tree_and_request() -> None:

@@ -355,11 +355,6 @@ class CacheManager:
             raise TypeError(f"shared must be a SharedTier, got {type(shared).__name__}")
         if shared is not None and shared.client is not None:
             raise RuntimeError("this SharedTier serves another manager already (one tier per manager)")
-        if cache.client is not None:
-            raise RuntimeError(
-                "this HybridRadixCache is served by another CacheManager already (one manager per tree: a "
-                "second one would evict, lock and restore behind the first one's requests)"
-            )
         if isinstance(track_slots, bool) or not isinstance(track_slots, int) or track_slots < 1:
             raise ValueError(f"track_slots must be an int >= 1, got {track_slots!r}")
         if barrier not in ("fence", "device"):
@@ -378,6 +373,12 @@ class CacheManager:
             raise TypeError(f"clock must be a callable returning seconds, got {clock!r}")
         if shared is not None and shared.layout is not None and shared.layout != cache.pool.layout:
             raise RuntimeError("this SharedTier serves another layout already (one tier per manager)")
+        # Last of the checks: a bad option is reported as itself even on a served tree.
+        if cache.client is not None:
+            raise RuntimeError(
+                "this HybridRadixCache is served by another CacheManager already (one manager per tree: a "
+                "second one would evict, lock and restore behind the first one's requests)"
+            )
         host = None
         if host_tier == "auto" and cache.host_pool is None:
             host = auto_host_pool(cache.pool, host_budget_bytes)  # raises before anything is bound
