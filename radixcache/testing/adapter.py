@@ -379,7 +379,21 @@ class ManagerAdapter:
         if start >= end:
             return False
         plan = self.manager.plan_prefill(rid, end)
-        caps = {c.depth: c.slot for c in plan.captures}
+        work = self._prefill_work(rid, start, end, {c.depth: c.slot for c in plan.captures})
+        self._window(r, plan, self.alloc_kv(end - start), work, f"extend {rid} [{start},{end})")
+        return True
+
+    def decode(self, rid: int, token: int) -> None:
+        r = self.reqs[rid]
+        plan = self.manager.plan_decode(rid, [token])
+        work = self._decode_work(rid, token, [c.slot for c in plan.captures])
+        r.ids.append(token)
+        self._window(r, plan, self.alloc_kv(1), work, f"decode {rid}")
+
+    def _prefill_work(self, rid: int, start: int, end: int, caps: dict[int, int]) -> Callable[[], None]:
+        """The forward of prompt tokens ``[start, end)``: the model on the live slot's rows, each
+        capture's slot written with the state after exactly its depth."""
+        r = self.reqs[rid]
         pool, live, ids, salt = self.pool, r.adm.live_slot, r.ids, r.salt
 
         def forward_pass() -> None:
@@ -390,22 +404,20 @@ class ManagerAdapter:
                     pool.conv[:, caps[i + 1]].copy_(conv)
                     pool.recurrent[:, caps[i + 1]].copy_(rec)
 
-        self._window(r, plan, self.alloc_kv(end - start), forward_pass, f"extend {rid} [{start},{end})")
-        return True
+        return forward_pass
 
-    def decode(self, rid: int, token: int) -> None:
+    def _decode_work(self, rid: int, token: int, caps: list[int]) -> Callable[[], None]:
+        """The forward of one decoded token (every capture is the state after it)."""
         r = self.reqs[rid]
-        plan = self.manager.plan_decode(rid, [token])
-        pool, live, caps, salt = self.pool, r.adm.live_slot, [c.slot for c in plan.captures], r.salt
+        pool, live, salt = self.pool, r.adm.live_slot, r.salt
 
         def forward_pass() -> None:
             advance(pool.conv[:, live], pool.recurrent[:, live], token, salt)
-            for t in caps:  # a one-token window: every capture is the state after it
+            for t in caps:
                 pool.conv[:, t].copy_(pool.conv[:, live])
                 pool.recurrent[:, t].copy_(pool.recurrent[:, live])
 
-        r.ids.append(token)
-        self._window(r, plan, self.alloc_kv(1), forward_pass, f"decode {rid}")
+        return forward_pass
 
     def finish(self, rid: int) -> None:
         r = self.reqs[rid]
@@ -480,18 +492,9 @@ class BridgedAdapter(ManagerAdapter):
     :param bridge: a :class:`~radixcache.hf.HFStateBridge` whose layout is the pool's.
     """
 
-    def __init__(
-        self,
-        manager: CacheManager,
-        forward: DeferredStream,
-        copies: DeferredStream,
-        chunk: int,
-        *,
-        kv_budget: int | None = None,
-        bridge: Any,
-    ) -> None:
-        super().__init__(manager, forward, copies, chunk, kv_budget=kv_budget)
-        if bridge.layout != manager.pool.layout:
+    def __init__(self, *args: Any, bridge: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if bridge.layout != self.manager.pool.layout:
             raise ValueError("the bridge's layout must be the pool's")
         self.bridge = bridge
         self.caches: dict[int, Any] = {}
@@ -521,37 +524,29 @@ class BridgedAdapter(ManagerAdapter):
             pool.conv[j, slot].copy_(layer.conv_states[0][0])
             pool.recurrent[j, slot].copy_(layer.recurrent_states[0][0])
 
-    def extend(self, rid: int) -> bool:
-        r = self.reqs[rid]
-        start, end = r.done, min(r.prompt_len, r.done + self.chunk)
-        if start >= end:
-            return False
-        plan = self.manager.plan_prefill(rid, end)
-        caps = {c.depth: c.slot for c in plan.captures}
-        live, ids, salt, cache = r.adm.live_slot, r.ids, r.salt, self.caches[rid]
+    def _prefill_work(self, rid: int, start: int, end: int, caps: dict[int, int]) -> Callable[[], None]:
+        r, cache = self.reqs[rid], self.caches[rid]  # the work may run after the request ended
+        live, ids, salt = r.adm.live_slot, r.ids, r.salt
 
-        def forward_pass() -> None:  # may run after the request ended: it holds its own cache
+        def forward_pass() -> None:
             for i in range(start, end):
                 self._advance(cache, ids[i], salt)
                 if i + 1 in caps:
                     self._put(cache, caps[i + 1])
             self._put(cache, live)
 
-        self._window(r, plan, self.alloc_kv(end - start), forward_pass, f"extend {rid} [{start},{end})")
-        return True
+        return forward_pass
 
-    def decode(self, rid: int, token: int) -> None:
-        r = self.reqs[rid]
-        plan = self.manager.plan_decode(rid, [token])
-        caps, live, salt, cache = [c.slot for c in plan.captures], r.adm.live_slot, r.salt, self.caches[rid]
+    def _decode_work(self, rid: int, token: int, caps: list[int]) -> Callable[[], None]:
+        r, cache = self.reqs[rid], self.caches[rid]
+        live, salt = r.adm.live_slot, r.salt
 
         def forward_pass() -> None:
             self._advance(cache, token, salt)
             for t in [*caps, live]:
                 self._put(cache, t)
 
-        r.ids.append(token)
-        self._window(r, plan, self.alloc_kv(1), forward_pass, f"decode {rid}")
+        return forward_pass
 
     def finish(self, rid: int) -> None:
         super().finish(rid)
