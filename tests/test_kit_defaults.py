@@ -220,3 +220,11 @@ def test_the_kit_runs_the_bridged_host_after_the_plain_one(capsys: pytest.Captur
     assert fuzz_hosts("auto") == 2
     assert main(["fuzz", "--examples", "5", "--seed", "3"]) == 0
     assert "PASS: 5 examples on each of 2 hosts" in capsys.readouterr().out
+
+
+def test_a_guard_result_survives_its_dict() -> None:
+    res = guard.GuardResult("k", 90, 100, 0.02, "fail")
+    back = guard.GuardResult.from_dict(json.loads(json.dumps(res.as_dict())))
+    assert back == res and back.describe() == res.describe()
+    with pytest.raises(ValueError, match="not a GuardResult"):
+        guard.GuardResult.from_dict({**res.as_dict(), "status": "maybe"})

@@ -252,7 +252,7 @@ class ManagerAdapter:
         :raises ValueError: ``track_slots`` below 1, a ``kv_budget`` below 1, an unknown bug or
             family.
         """
-        from .faults import FaultyCodec, FaultyStore
+        from .faults import FUZZ_STORE_FAULTS, FaultyCodec, FaultyStore
         from .inject import make_fuzz_stack, make_shared_tier
 
         if kv_budget is not None and (isinstance(kv_budget, bool) or not isinstance(kv_budget, int) or kv_budget < 1):
@@ -265,7 +265,7 @@ class ManagerAdapter:
         holder: list[ManagerAdapter] = []
         tier = None
         if shared == "faulty":
-            shared = FaultyStore(seed=seed, corrupt=0.2, drop=0.2, delay=0.1, misplace=0.2)
+            shared = FaultyStore(seed=seed, **FUZZ_STORE_FAULTS)
         if shared is not None:
             codec = FaultyCodec(AdapterKV(holder), p=codec_faults, free=lambda t: holder[0].free_kv(t))
             # The tier's clock counts its own calls, a tenth of a second each: when a failed call

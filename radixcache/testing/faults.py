@@ -21,6 +21,7 @@ import hashlib
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 import torch
 
@@ -28,7 +29,20 @@ from linear_state import Fence
 
 from ..core.shared import KVCodec, MemoryStore, SharedStore, SharedStoreError
 
-__all__ = ["FaultyCodec", "FaultyStore", "StoreFaults"]
+__all__ = ["FUZZ_STORE_FAULTS", "FaultRates", "FaultyCodec", "FaultyStore", "StoreFaults"]
+
+
+class FaultRates(TypedDict):
+    """Probabilities of :class:`FaultyStore`'s faults on stored blobs."""
+
+    corrupt: float
+    drop: float
+    delay: float
+    misplace: float
+
+
+FUZZ_STORE_FAULTS: FaultRates = {"corrupt": 0.2, "drop": 0.2, "delay": 0.1, "misplace": 0.2}
+"""The fault rates of the fuzzing kit's default shared store (``FaultyStore(**FUZZ_STORE_FAULTS)``)."""
 
 
 @dataclass

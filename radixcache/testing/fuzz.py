@@ -250,7 +250,7 @@ def run_fuzz(
     ``shrink=False`` reports the first failing program as found (faster; longer to read).
     """
     from ..core.shared import RedisStore
-    from .faults import FaultyStore
+    from .faults import FUZZ_STORE_FAULTS, FaultyStore
 
     store = RedisStore(shared_redis, ttl_s=3600) if shared and shared_redis is not None else None
     run = f"fuzz-{os.getpid()}-{time.time_ns()}"
@@ -259,7 +259,7 @@ def run_fuzz(
     def build(family: str | None) -> HostAdapter:
         faulty = None
         if store is not None:  # each adapter's keys apart in the one database; its faults its own
-            faulty = FaultyStore(store, corrupt=0.2, drop=0.2, delay=0.1, misplace=0.2, prefix=f"{run}-{next(made)}-")
+            faulty = FaultyStore(store, prefix=f"{run}-{next(made)}-", **FUZZ_STORE_FAULTS)
         return ManagerAdapter.build(
             inject=inject,
             page_size=page_size,

@@ -57,6 +57,24 @@ class GuardResult:
         """Every field and the drop, for JSON."""
         return {**asdict(self), "drop": self.drop}
 
+    @classmethod
+    def from_dict(cls, d: dict[str, object]) -> GuardResult:
+        """The result :meth:`as_dict` wrote (its derived ``drop`` ignored).
+
+        :raises KeyError: a field missing. :raises ValueError: a field of the wrong type."""
+        key, measured, recorded, tolerance, status = (
+            d[k] for k in ("key", "measured", "recorded", "tolerance", "status")
+        )
+        if not (
+            isinstance(key, str)
+            and isinstance(measured, int)
+            and (recorded is None or isinstance(recorded, int))
+            and isinstance(tolerance, float)
+            and status in ("pass", "fail", "unrecorded")
+        ):
+            raise ValueError(f"not a GuardResult: {d!r}")
+        return cls(key, measured, recorded, tolerance, status)
+
     def describe(self) -> str:
         """One line for a report."""
         if self.recorded is None:

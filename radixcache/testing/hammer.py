@@ -736,16 +736,7 @@ def format_report(rep: HammerReport) -> str:
         ("KV indices leaked", str(rep.kv_leaked)),
         (
             "hit-rate guard",
-            "off"
-            if rep.hit_guard is None
-            else str(rep.hit_guard["status"])
-            + f" ({rep.cached_tokens:,} cached tokens"
-            + (
-                f" against {rep.hit_guard['recorded']:,} recorded, {-100 * float(rep.hit_guard['drop']):+.2f}%, "  # type: ignore[arg-type]
-                f"fails below -{100 * float(rep.hit_guard['tolerance']):.0f}%)"  # type: ignore[arg-type]
-                if rep.hit_guard["recorded"] is not None
-                else "; none recorded for this configuration)"
-            ),
+            "off" if rep.hit_guard is None else guard.GuardResult.from_dict(rep.hit_guard).describe(),
         ),
         ("TTFT cold / hit >= 90% (mean, under load)", f"{rep.ttft_cold_ms:.1f} ms / {rep.ttft_hit_ms:.1f} ms"),
         (
