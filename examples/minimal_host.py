@@ -1,7 +1,8 @@
 """A minimal host scheduler on CacheManager: every step of docs/integration.md, in order.
 
 The "model" is radixcache.testing's ground-truth recurrence (exact in float64), the device a
-deferred stream, the KV allocator a free list. Each request is served in prefill chunks, then
+deferred stream, the KV allocator a free list that the manager draws from and gives back to (it
+keeps every request's KV table). Each request is served in prefill chunks, then
 decoded token by token; every hit's restored state is checked against the cold computation.
 Run: python examples/minimal_host.py
 """
@@ -13,31 +14,14 @@ import random
 import torch
 
 from linear_state import DeferredStream, Fence, LinearStatePool
-from radixcache import Admission, CacheManager, HybridRadixCache, WindowPlan
+from radixcache import Admission, CacheManager, HybridRadixCache, KVFreeList, WindowPlan
 from radixcache.testing.adapter import FUZZ_LAYOUT, advance, prefix_state
-
-
-class KVFreeList:
-    """The host's KV allocator; the tree returns evicted indices through ``free``."""
-
-    def __init__(self, n: int) -> None:
-        self.free_ids = list(range(n))
-
-    def alloc(self, n: int) -> torch.Tensor | None:
-        if n > len(self.free_ids):
-            return None
-        out, self.free_ids = self.free_ids[:n], self.free_ids[n:]
-        return torch.tensor(out, dtype=torch.int64)
-
-    def free(self, idx: torch.Tensor) -> None:
-        self.free_ids += idx.tolist()
-
 
 forward = DeferredStream("forward")  # stands in for the device's forward stream
 pool = LinearStatePool(FUZZ_LAYOUT, num_slots=4 * 3 + 16)  # (1 + track_slots) per request + snapshots
-kv = KVFreeList(4096)
-cache = HybridRadixCache(pool, page_size=16, on_free_kv=kv.free, stream=DeferredStream("copies"))
-manager = CacheManager(cache, track_slots=2)  # the default policy: HitDensity
+kv = KVFreeList(4096)  # one forward stream: an index freed is reused only by later forwards
+cache = HybridRadixCache(pool, page_size=16, stream=DeferredStream("copies"))
+manager = CacheManager(cache, track_slots=2, kv=kv)  # the default policy: HitDensity
 
 
 def run_window(live: int, plan: WindowPlan, ids: list[int], last: Fence | None) -> Fence:
@@ -56,37 +40,26 @@ def run_window(live: int, plan: WindowPlan, ids: list[int], last: Fence | None) 
 
 def serve(rid: int, prompt: list[int], answer: list[int], session: str) -> int:
     """One request through the protocol; returns its hit length."""
-    # admission: a dry run, KV pressure through the manager's policy, then the admission itself
-    check = manager.can_admit(prompt)
-    need = len(prompt) + len(answer) - check.cached_length
-    if len(kv.free_ids) < need:
-        manager.evict(kv_tokens=need - len(kv.free_ids), keep=prompt)
-    fresh = kv.alloc(need)
-    adm = manager.admit(rid, prompt, session=session)
-    assert isinstance(adm, Admission) and fresh is not None, "sized for it above"
+    # admission reserves the request's KV (evicting the tree's through the policy when short)
+    adm = manager.admit(rid, prompt, session=session, max_new_tokens=len(answer))
+    assert isinstance(adm, Admission), adm  # a Refusal: a real host retries it later
     last: Fence | None = adm.ready  # the first forward is ordered after the restore
-    done, table = adm.cached_length, adm.kv_indices  # table: KV of [0, done), what attention reads
     adm.ready.wait()  # only to check the restore here; a host orders its forward after it instead
+    done = adm.cached_length
     assert torch.equal(pool.recurrent[:, adm.live_slot], prefix_state(prompt[:done])[1]), "wrong restore"
-    # prefill, one chunk per window: plan -> forward -> commit
+    # prefill, one chunk per window: plan -> forward -> commit. A real forward writes its tokens'
+    # KV at plan.kv_indices and its attention reads plan.kv_table (the tree's pages for the hit).
     while done < len(prompt):
         plan = manager.plan_prefill(rid, min(len(prompt), done + 64))
         last = run_window(adm.live_slot, plan, prompt[plan.start : plan.end], last)
-        res = manager.commit(plan, last, kv_indices=fresh[: plan.end - plan.start])
-        table = manager.kv_indices(rid) if res.spliced else torch.cat([table, fresh[: plan.end - plan.start]])
-        fresh, done = fresh[plan.end - plan.start :], plan.end
-        kv.free(res.free_kv)  # reused only by forwards after res.free_after: one stream gives that
-    assert len(table) == len(prompt) and torch.equal(table, manager.kv_indices(rid))
+        manager.commit(plan, last)  # the tree takes its captures; duplicate KV goes back to kv
+        done = plan.end
     # decode, one token per window
     for tok in answer:
         plan = manager.plan_decode(rid, [tok])
         last = run_window(adm.live_slot, plan, [tok], last)
-        res = manager.commit(plan, last, kv_indices=fresh[:1])
-        fresh = fresh[1:]
-        kv.free(res.free_kv)
-    fin = manager.finish(rid, last)  # donates the final state (or its deepest page-aligned capture)
-    kv.free(fin.free_kv)  # the request's KV the tree does not hold
-    kv.free(fresh)  # allocated, never handed over
+        manager.commit(plan, last)
+    manager.finish(rid, last)  # donates the final state; the KV the tree does not hold goes back to kv
     return adm.cached_length
 
 
@@ -104,6 +77,7 @@ def main() -> None:
     print(f"{m.admissions} requests, {m.hits} hits, {m.hit_tokens} of {m.prompt_tokens} prompt tokens from cache")
     print(f"donated {dict(m.donations)}, evicted {dict(m.evictions)}")
     assert hits == m.hit_tokens and m.hits > 0
+    assert kv.num_free + cache.total_kv_tokens == kv.capacity, "every KV index is free or the tree's"
 
 
 if __name__ == "__main__":

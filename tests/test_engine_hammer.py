@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from radixcache.cli import main
+from radixcache.core.kv import KVFreeList
 from radixcache.policies import FixedPoints
-from radixcache.testing.engine import EngineRequest, KVAllocator, ReferenceEngine, generate_cold
+from radixcache.testing.engine import EngineRequest, ReferenceEngine, generate_cold
 from radixcache.testing.hammer import HammerConfig, format_report, run_hammer
 from radixcache.testing.model import HybridConfig, HybridModel
 
@@ -45,7 +46,7 @@ def test_engine_serves_identical_prompts_with_a_hit_and_the_same_answer() -> Non
 
 
 def test_kv_allocator_refuses_double_free() -> None:
-    kv = KVAllocator(4)
+    kv = KVFreeList(4)
     idx = kv.alloc(3)
     assert idx is not None and kv.num_free == 1 and kv.alloc(2) is None and kv.num_free == 1
     kv.free(idx[:1])

@@ -26,7 +26,7 @@ def test_minimal_host_serves_with_hits_and_exact_restores(capsys: pytest.Capture
     assert m is not None, out
     requests, hits, hit_tokens, prompt_tokens = map(int, m.groups())
     assert requests == 9 and hits >= 6 and hit_tokens > prompt_tokens // 2
-    assert host.manager.num_requests == 0 and len(host.kv.free_ids) + host.cache.total_kv_tokens == 4096
+    assert host.manager.num_requests == 0 and host.kv.num_free + host.cache.total_kv_tokens == 4096
 
 
 def test_minimal_host_is_short() -> None:

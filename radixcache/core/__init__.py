@@ -9,6 +9,7 @@ from .errors import (
     UnknownRequest,
 )
 from .keys import IMAGE_ID_BASE, MAX_ID, KeyLike, key_bytes
+from .kv import KVAllocator, KVExhausted, KVFreeList
 from .lazy_heap import LazyHeap
 from .manager import (
     Admission,
@@ -43,7 +44,10 @@ __all__ = [
     "ForeignObjectError",
     "HybridRadixCache",
     "InsertResult",
+    "KVAllocator",
     "KVCodec",
+    "KVExhausted",
+    "KVFreeList",
     "KeyLike",
     "LockError",
     "LazyHeap",

@@ -58,6 +58,7 @@ from ..forensics.recorder import Forensics, SnapshotCorruption
 from ..policies.base import DonationReason, Policy, RequestInfo
 from .errors import AdmissionFailed, ConcurrentUseError, ProtocolError, RadixCacheError, UnknownRequest
 from .keys import IMAGE_ID_BASE, MAX_ID, KeyLike, key_bytes
+from .kv import KVAllocator, KVExhausted
 from .metrics import ManagerMetrics, MetricsCounters
 from .shared import Fetched, Rejection, SharedTier
 from .tree import EvictResult, HybridRadixCache, MatchResult, TreeNode, auto_host_pool
@@ -158,6 +159,11 @@ class WindowPlan(NamedTuple):
     every fence in ``after`` (earlier clones may still read them). Then :meth:`CacheManager.commit`.
     A plan is good for one commit, on the manager that made it (the very object: a copy is not
     the plan).
+
+    With a manager that owns the KV (``CacheManager(kv=...)``): ``kv_indices`` are where the window
+    writes its tokens' KV (one per token of ``[start, end)``) and ``kv_table`` what its attention
+    reads (the request's indices for ``[0, end)``, the window's last); both are safe to use until
+    the request's next commit, finish or abort. ``None`` when the host keeps its own tables.
     """
 
     rid: Hashable
@@ -168,6 +174,8 @@ class WindowPlan(NamedTuple):
     live_slot: SlotId
     decode: bool
     manager_id: int
+    kv_indices: torch.Tensor | None = None
+    kv_table: torch.Tensor | None = None
 
 
 class DecodeBatchPlan(NamedTuple):
@@ -177,12 +185,17 @@ class DecodeBatchPlan(NamedTuple):
     :ivar plans: the requests whose window carries captures, with their :class:`WindowPlan`
         (copy each capture's state after the token, as for a single window); empty most steps.
     :ivar after: order the forward's writes into those capture slots after these fences.
+    :ivar kv_indices: with a manager that owns the KV, where each request's token writes its KV
+        (``kv_indices[i]`` for ``rids[i]``); :ivar kv_tables: what each one's attention reads
+        (its indices for ``[0, done + 1)``). Safe until the next commit; ``None`` otherwise.
     """
 
     rids: tuple[Hashable, ...]
     plans: dict[Hashable, WindowPlan]
     after: tuple[Fence, ...]
     manager_id: int
+    kv_indices: torch.Tensor | None = None
+    kv_tables: tuple[torch.Tensor, ...] | None = None
 
 
 class DecodeBatchResult(NamedTuple):
@@ -209,7 +222,11 @@ class WindowResult(NamedTuple):
     :ivar spliced: the request's KV table changed: from now on use :meth:`CacheManager.kv_indices`
         (the tree's indices for ``[0, kv_held)``, the host's own beyond).
     :ivar free_kv: host KV indices the tree made redundant (it holds the same tokens): free them...
+        (empty with a manager that owns the KV: it gave them to the allocator itself)
     :ivar free_after: ...once this fence completed (their last writer: the window's forward).
+    :ivar kv_table: with a manager that owns the KV, the request's KV table for
+        ``[0, tokens committed)`` after this commit (safe until its next commit, finish or abort);
+        ``None`` otherwise.
     """
 
     donated: tuple[int, ...]
@@ -217,6 +234,7 @@ class WindowResult(NamedTuple):
     spliced: bool
     free_kv: torch.Tensor
     free_after: Fence
+    kv_table: torch.Tensor | None = None
 
 
 class FinishResult(NamedTuple):
@@ -226,7 +244,8 @@ class FinishResult(NamedTuple):
     :ivar slots_freed: state slots returned to the pool.
     :ivar kv_held: the tree holds the KV of ``[0, kv_held)``.
     :ivar free_kv: every KV index of the request the host must now free (its own beyond
-        ``kv_held``, and duplicates of the final donation)...
+        ``kv_held``, and duplicates of the final donation; empty with a manager that owns the
+        KV: it gave them to the allocator, the reservation never used included)...
     :ivar free_after: ...once this fence completed.
     :ivar node: the node holding the donated final state (None when nothing was donated).
     """
@@ -258,6 +277,9 @@ class _Request:
     plan: WindowPlan | DecodeBatchPlan | None = None
     final: Capture | None = None  # planned decode capture held for the final state
     pending: tuple[Capture, Fence | None] | None = None  # the deepest such capture committed
+    # With a manager that owns the KV: the request's KV table for [0, done), then its reserved
+    # indices (kv_parts and kv_tail stay empty). The request owns kv_full[committed:].
+    kv_full: torch.Tensor | None = None
 
 
 def _busy(name: str) -> ConcurrentUseError:
@@ -314,6 +336,13 @@ class CacheManager:
         CUDA pool): evicted snapshots are demoted to host memory instead of dropped
         (docs/host_tier.md). ``None``: no host tier unless the tree has its own.
     :param host_budget_bytes: the auto host tier's bytes (fewer than one slot's: none).
+    :param kv: the host's KV allocator (:class:`~radixcache.core.kv.KVAllocator`, e.g.
+        :class:`~radixcache.core.kv.KVFreeList`): the manager then owns every request's KV table.
+        :meth:`admit` reserves the request's KV (evicting the tree's through the policy when the
+        allocator runs short), each plan carries the indices its window writes and the table it
+        reads, :meth:`commit` takes no indices, and every index the tree or a request lets go
+        returns through ``kv.free`` (the tree's ``on_free_kv`` becomes ``kv.free``). ``None``
+        (default): the host keeps its tables and frees what results hand back.
     :raises ValueError: bad options. :raises TypeError: a policy that is not a
         :class:`~radixcache.policies.Policy`, a shared tier that is not a ``SharedTier``.
         :raises RuntimeError: the policy (or the shared tier, or the tree) serves another manager.
@@ -333,6 +362,7 @@ class CacheManager:
         shared: SharedTier | None = None,
         host_tier: Literal["auto"] | None = "auto",
         host_budget_bytes: int | None = None,
+        kv: KVAllocator | None = None,
     ) -> None:
         # Everything is checked before anything is bound, attached or allocated: a constructor
         # that raises leaves the cache, the policy and the shared tier as they were.
@@ -373,6 +403,13 @@ class CacheManager:
             raise TypeError(f"clock must be a callable returning seconds, got {clock!r}")
         if shared is not None and shared.layout is not None and shared.layout != cache.pool.layout:
             raise RuntimeError("this SharedTier serves another layout already (one tier per manager)")
+        if kv is not None and not isinstance(kv, KVAllocator):
+            raise TypeError(f"kv must be a KVAllocator (num_free, alloc, free), got {type(kv).__name__}")
+        if kv is not None and cache.on_free_kv is not None and cache.on_free_kv != kv.free:
+            raise ValueError(
+                "the tree frees its KV to another callback (on_free_kv); with kv= the manager routes it to "
+                "kv.free: build the tree without on_free_kv, or with on_free_kv=kv.free"
+            )
         # Last of the checks: a bad option is reported as itself even on a served tree.
         if cache.client is not None:
             raise RuntimeError(
@@ -393,7 +430,10 @@ class CacheManager:
             cache.attach_host_pool(host)
         if kv_bytes_per_token is not None:
             policy.costs(cache.pool.layout.slot_bytes, kv_bytes_per_token)
+        if kv is not None:
+            cache.on_free_kv = kv.free  # one channel: every index the tree lets go
         cache.client = self
+        self.kv = kv
         self.cache = cache
         self.pool = cache.pool
         self.policy = policy
@@ -528,6 +568,7 @@ class CacheManager:
         namespace: Hashable = None,
         session: Hashable | None = None,
         now: float | None = None,
+        max_new_tokens: int = 0,
     ) -> Admission | Refusal:
         """Admit a request: match, lock the hit, allocate slots, order the restore.
 
@@ -537,12 +578,21 @@ class CacheManager:
         the snapshot's fence) or the zero state. With ``barrier="device"`` the device is
         synchronized after the restore.
 
+        With a manager that owns the KV (``kv=``), the request's KV is reserved here: the tokens
+        beyond the hit plus ``max_new_tokens``; when the allocator has fewer free, the tree's
+        unlocked KV is evicted through the policy first (the hit is kept). Decode windows beyond
+        the reservation allocate as they go.
+
         :param session: the conversation the request continues (lets the policy learn think times).
         :param now: the time of arrival in seconds (default: the manager's clock).
-        :returns: an :class:`Admission`, or a :class:`Refusal` when slots cannot be found; then
-            tree, pool and policy are exactly as they were.
-        :raises ValueError: ``rid`` already admitted, bad or empty ids. :raises TypeError: an
-            unhashable ``rid`` or ``session``, ids of the wrong type. Nothing changed.
+        :param max_new_tokens: tokens the request may decode, reserved with its prompt (``kv=``
+            only).
+        :returns: an :class:`Admission`, or a :class:`Refusal` when slots (or KV) cannot be found;
+            then tree, pool and policy are exactly as they were, except that a KV refusal keeps
+            the evictions made for it.
+        :raises ValueError: ``rid`` already admitted, bad or empty ids, ``max_new_tokens`` not an
+            int >= 0 (or given without ``kv=``). :raises TypeError: an unhashable ``rid`` or
+            ``session``, ids of the wrong type. Nothing changed.
         """
         for what, v in (("request id", rid), ("session", session)):
             try:
@@ -551,6 +601,10 @@ class CacheManager:
                 raise TypeError(f"{what} must be hashable, got {type(v).__name__}") from None
         if rid in self._requests:
             raise ValueError(f"request {rid!r} is already admitted")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        if max_new_tokens and self.kv is None:
+            raise ValueError("max_new_tokens reserves KV: it needs CacheManager(kv=...)")
         kb, ids = self._ids(rid, cache_ids)
         t = self._now(now)
         if self._to_publish:
@@ -564,6 +618,19 @@ class CacheManager:
             return Refusal(
                 rid, f"{need} state slots needed, {self.pool.num_free} free and {avail} with evictions", need, avail
             )
+        kv = self.kv
+        if kv is not None:
+            kv_need = int(ids.size) - m.length + max_new_tokens
+            if kv.num_free < kv_need:  # KV pressure: the policy evicts, keeping the hit
+                self._evict_kv(kv_need - kv.num_free, t, node if m.length else None)
+            if kv.num_free < kv_need:
+                self._counters.refusals += 1
+                return Refusal(
+                    rid,
+                    f"{kv_need} KV indices needed, {kv.num_free} free after evicting the tree's unlocked KV",
+                    need,
+                    avail,
+                )
         # From here on the admission succeeds: every step below is within what was counted. Only
         # code outside the manager can still raise (the policy, the stream, a store or codec
         # outside its protocol); then everything taken is given back (AdmissionFailed).
@@ -571,6 +638,7 @@ class CacheManager:
         slots: list[SlotId] = []
         ready: Fence = COMPLETE
         locked: TreeNode | None = None
+        fresh: torch.Tensor | None = None
         try:
             if m.length:
                 self.cache.touch(node)
@@ -591,6 +659,11 @@ class CacheManager:
                 if got is not None:
                     fetched, m, ready = got
                     node = locked = m.node
+            if kv is not None:  # after the fetch: its hit imported KV of its own
+                n_kv = int(ids.size) - m.length + max_new_tokens
+                fresh = kv.alloc(n_kv)
+                if fresh is None:
+                    raise RuntimeError(f"the KV allocator refused {n_kv} indices that its num_free promised")
             is_img = ids >= IMAGE_ID_BASE
             starts = np.flatnonzero(is_img & ~np.concatenate([[False], is_img[:-1]]))
             digest = int.from_bytes(hashlib.blake2b(kb, digest_size=8).digest(), "little") or 1
@@ -616,6 +689,9 @@ class CacheManager:
                 device_synchronize(self.pool.device)
         except BaseException as e:
             self._undo_admission(rid, owner, slots, ready, locked)
+            if fresh is not None:
+                assert kv is not None
+                kv.free(fresh)
             if isinstance(e, Exception) and not isinstance(e, (RadixCacheError, SnapshotCorruption)):
                 raise AdmissionFailed(
                     f"admission of request {rid!r} failed in code the manager called ({type(e).__name__}: {e}); "
@@ -633,9 +709,10 @@ class CacheManager:
             tracks=tracks,
             lock=node,
             done=m.length,
-            kv_parts=[m.kv_indices],
+            kv_parts=[m.kv_indices] if fresh is None else [],
             kv_tail=[],
             committed=m.length,
+            kv_full=None if fresh is None else torch.cat([m.kv_indices, fresh]),
         )
         rec.last_write[live] = ready
         self._requests[rid] = rec
@@ -793,9 +870,12 @@ class CacheManager:
         return out
 
     def _plan(self, rec: _Request, start: int, end: int, depths: list[int], final: int, decode: bool) -> WindowPlan:
+        full = rec.kv_full
+        table = None if full is None else full[:end]
+        window = None if table is None else table[start:]
         if not depths and not final:  # the common decode step: nothing to capture
             rec.final = None
-            rec.plan = plan = WindowPlan(rec.rid, start, end, (), (), rec.live, decode, id(self))
+            rec.plan = plan = WindowPlan(rec.rid, start, end, (), (), rec.live, decode, id(self), window, table)
             return plan
         free = [s for s in rec.tracks if rec.pending is None or s != rec.pending[0].slot]
         caps = [Capture(d, s) for d, s in zip(depths, free, strict=False)]
@@ -809,10 +889,54 @@ class CacheManager:
                 caps.append(rec.final)
         last_use = self.pool.last_use
         plan = WindowPlan(
-            rec.rid, start, end, tuple(caps), tuple(last_use(c.slot) for c in caps), rec.live, decode, id(self)
+            rec.rid,
+            start,
+            end,
+            tuple(caps),
+            tuple(last_use(c.slot) for c in caps),
+            rec.live,
+            decode,
+            id(self),
+            window,
+            table,
         )
         rec.plan = plan
         return plan
+
+    def _reserve(self, wants: list[tuple[_Request, int]]) -> None:
+        """Grow each request's KV to cover ``[0, end)`` from the allocator, evicting the tree's
+        unlocked KV through the policy when it runs short. All or nothing.
+
+        :raises KVExhausted: not enough even with every unlocked KV token evicted (then nothing
+            was evicted or allocated)."""
+        kv = self.kv
+        assert kv is not None
+        grow = [(rec, end - int(rec.kv_full.numel())) for rec, end in wants if rec.kv_full is not None]
+        grow = [(rec, g) for rec, g in grow if g > 0]
+        if not grow:
+            return
+        n = sum(g for _, g in grow)
+        if kv.num_free < n:
+            if kv.num_free + self.cache.evictable_kv_tokens < n:
+                raise KVExhausted(
+                    f"{n} KV indices needed for request {grow[0][0].rid!r}'s window, {kv.num_free} free and "
+                    f"{self.cache.evictable_kv_tokens} evictable in the tree",
+                    needed=n,
+                    free=kv.num_free,
+                )
+            self._evict_kv(n - kv.num_free, self._now(None), None)
+        got = kv.alloc(n)
+        if got is None:
+            raise KVExhausted(
+                f"{n} KV indices needed, {kv.num_free} free after evicting the tree's unlocked KV",
+                needed=n,
+                free=kv.num_free,
+            )
+        i = 0
+        for rec, g in grow:
+            assert rec.kv_full is not None
+            rec.kv_full = torch.cat([rec.kv_full, got[i : i + g]])
+            i += g
 
     def _check_open(self, rec: _Request) -> None:
         plan = rec.plan
@@ -841,6 +965,8 @@ class CacheManager:
                 f"(committed {rec.done} of {n} prompt tokens)"
             )
         end = int(end)
+        if rec.kv_full is not None:
+            self._reserve([(rec, end)])
         depths = self._pick(
             rec, self.policy.captures(rec.info, rec.done, end, decode=False), rec.done, end, self.track_slots
         )
@@ -871,6 +997,8 @@ class CacheManager:
 
     def _plan_decode(self, rid: Hashable, new_ids: KeyLike) -> WindowPlan:
         rec, new = self._check_decode(rid, new_ids)
+        if rec.kv_full is not None:
+            self._reserve([(rec, rec.done + len(new))])
         return self._apply_decode(rec, new)
 
     def _check_decode(self, rid: Hashable, new_ids: KeyLike) -> tuple[_Request, list[int]]:
@@ -944,7 +1072,9 @@ class CacheManager:
             recs.append(rec)
         if len({id(r) for r in recs}) != len(recs):
             raise ValueError("a request appears twice in one decode batch")
-        # Validated: from here on nothing raises.
+        if self.kv is not None:
+            self._reserve([(r, r.done + 1) for r in recs])
+        # Validated (and the KV reserved): from here on nothing raises.
         page = self.cache.page_size
         quiet = not self.policy.decode_captures
         plans: dict[Hashable, WindowPlan] = {}
@@ -961,7 +1091,13 @@ class CacheManager:
                     plans[rec.rid] = plan
                 else:
                     plain.append(rec)
-        batch = DecodeBatchPlan(tuple(rids), plans, tuple(f for p in plans.values() for f in p.after), id(self))
+        after = tuple(f for p in plans.values() for f in p.after)
+        if self.kv is None:
+            batch = DecodeBatchPlan(tuple(rids), plans, after, id(self))
+        else:
+            tables = tuple(r.kv_full[: r.done + 1] for r in recs if r.kv_full is not None)
+            at = torch.tensor([int(t[-1]) for t in tables], dtype=torch.int64)
+            batch = DecodeBatchPlan(tuple(rids), plans, after, id(self), at, tables)
         for rec in plain:
             rec.plan = batch
         return batch
@@ -972,7 +1108,7 @@ class CacheManager:
         plan: WindowPlan,
         ready: Fence | None,
         *,
-        kv_indices: torch.Tensor | np.ndarray | Sequence[int],
+        kv_indices: torch.Tensor | np.ndarray | Sequence[int] | None = None,
         now: float | None = None,
     ) -> WindowResult:
         """Commit a planned window: the host's forward over it was submitted, ``ready`` is its fence.
@@ -985,10 +1121,12 @@ class CacheManager:
         evicting through the policy, is skipped (a lost hit, never a wrong one).
 
         :param ready: the window's forward fence (``None``: the host's work already completed).
+        :param kv_indices: the window's KV indices, one per token; given by a host that keeps its
+            own tables, never with a manager that owns the KV (its plan said where they are).
         :param now: seconds, for the policy (default: the manager's clock).
         :raises ProtocolError: ``plan`` is not this manager's open plan of a live request.
         :raises TypeError: ``ready`` not a fence. :raises ValueError: ``kv_indices`` not 1-D
-            integers, one per window token. Nothing changed.
+            integers, one per window token (or given, or missing, against ``kv=``). Nothing changed.
         """
         if not self._guard.acquire(False):
             raise _busy("commit")
@@ -1001,16 +1139,26 @@ class CacheManager:
         self,
         plan: WindowPlan,
         ready: Fence | None,
-        kv_indices: torch.Tensor | np.ndarray | Sequence[int],
+        kv_indices: torch.Tensor | np.ndarray | Sequence[int] | None,
         now: float | None,
     ) -> WindowResult:
         _check_fence(ready)
         rec = self._check_plan(plan)
+        self._check_kv_arg(kv_indices)
         t = None if now is None and not plan.captures else self._now(now)  # the clock only when a policy hears it
+        if kv_indices is None:  # the manager's own table holds the window's indices
+            return self._apply_commit(rec, plan, ready, None, None, t)
         n = plan.end - plan.start
         small = _small_kv(kv_indices, n)
         kv = _as_window_kv(kv_indices, n) if small is None else None
         return self._apply_commit(rec, plan, ready, small, kv, t)
+
+    def _check_kv_arg(self, kv_indices: object) -> None:
+        """:raises ValueError: KV indices given to a manager that owns the KV, or missing."""
+        if self.kv is not None and kv_indices is not None:
+            raise ValueError("this manager owns the KV (kv=): commit takes no kv_indices, the plan said where they are")
+        if self.kv is None and kv_indices is None:
+            raise ValueError("commit needs the window's kv_indices (or a manager built with kv=)")
 
     def _check_plan(self, plan: WindowPlan) -> _Request:
         """The request whose open plan ``plan`` is; change nothing."""
@@ -1034,12 +1182,11 @@ class CacheManager:
         kv: torch.Tensor | None,
         now: float | None,
     ) -> WindowResult:
-        """Commit a validated window. Nothing here raises."""
+        """Commit a validated window. Nothing here raises (but the allocator's ``free``)."""
         rec.plan = None
         if small is not None:
             rec.kv_tail += small
-        else:
-            assert kv is not None
+        elif kv is not None:
             if rec.kv_tail:
                 rec.kv_parts.append(torch.tensor(rec.kv_tail, dtype=torch.int64))
                 rec.kv_tail = []
@@ -1049,8 +1196,11 @@ class CacheManager:
             rec.last_write[rec.live] = ready
             for c in plan.captures:
                 rec.last_write[c.slot] = ready
+        full = rec.kv_full
         if not plan.captures:
-            return WindowResult((), rec.committed, False, _EMPTY_KV, COMPLETE)
+            return WindowResult(
+                (), rec.committed, False, _EMPTY_KV, COMPLETE, None if full is None else full[: rec.done]
+            )
         t = now
         assert t is not None, "the caller reads the clock for a window with captures"
         donated: list[int] = []
@@ -1064,16 +1214,20 @@ class CacheManager:
                 donated.append(c.depth)
         rec.final = None
         free = _EMPTY_KV if not freed else (freed[0] if len(freed) == 1 else torch.cat(freed))
-        return WindowResult(
-            tuple(donated), rec.committed, bool(donated), free, ready if ready is not None else COMPLETE
-        )
+        after = ready if ready is not None else COMPLETE
+        full = rec.kv_full
+        if full is None:
+            return WindowResult(tuple(donated), rec.committed, bool(donated), free, after)
+        if free.numel():
+            self._free_kv(free, after)
+        return WindowResult(tuple(donated), rec.committed, bool(donated), _EMPTY_KV, after, full[: rec.done])
 
     def commit_batch(
         self,
         batch: DecodeBatchPlan,
         ready: Fence | None,
         *,
-        kv_indices: torch.Tensor | np.ndarray | Sequence[int],
+        kv_indices: torch.Tensor | np.ndarray | Sequence[int] | None = None,
         now: float | None = None,
     ) -> DecodeBatchResult:
         """Commit a planned decode batch (one forward, fence ``ready``): ``kv_indices[i]`` is the
@@ -1081,8 +1235,11 @@ class CacheManager:
         are committed as :meth:`commit` does; the others only record their token. All or nothing:
         everything is validated before the first request is committed. O(batch).
 
+        With a manager that owns the KV, pass no ``kv_indices`` (the batch plan said where they are).
+
         :raises ProtocolError: not this manager's open batch. :raises TypeError: ``ready`` not a
-            fence. :raises ValueError: ``kv_indices`` not one integer per request. Nothing changed.
+            fence. :raises ValueError: ``kv_indices`` not one integer per request (or given, or
+            missing, against ``kv=``). Nothing changed.
         """
         if not self._guard.acquire(False):
             raise _busy("commit_batch")
@@ -1095,7 +1252,7 @@ class CacheManager:
         self,
         batch: DecodeBatchPlan,
         ready: Fence | None,
-        kv_indices: torch.Tensor | np.ndarray | Sequence[int],
+        kv_indices: torch.Tensor | np.ndarray | Sequence[int] | None,
         now: float | None,
     ) -> DecodeBatchResult:
         if type(batch) is not DecodeBatchPlan:
@@ -1103,6 +1260,7 @@ class CacheManager:
         if batch.manager_id != id(self):
             raise ProtocolError("decode batch was planned by another manager")
         _check_fence(ready)
+        self._check_kv_arg(kv_indices)
         get, plans = self._requests.get, batch.plans
         t = None if now is None and not any(p.captures for p in plans.values()) else self._now(now)
         recs: list[_Request] = []
@@ -1111,16 +1269,19 @@ class CacheManager:
             if rec is None or (rec.plan is not batch and rec.plan is not plans.get(rid, batch)):
                 raise ProtocolError(f"decode batch of request {rid!r} is not open (committed twice, or stale)")
             recs.append(rec)
-        ids = _as_window_kv(kv_indices, len(recs)).tolist()
+        ids: list[int | None] = [None] * len(recs)
+        if kv_indices is not None:
+            ids = _as_window_kv(kv_indices, len(recs)).tolist()
         # Validated: from here on nothing raises.
         results: dict[Hashable, WindowResult] = {}
         for rec, i in zip(recs, ids, strict=True):
             plan = plans.get(rec.rid)
             if plan is not None:
-                results[rec.rid] = self._apply_commit(rec, plan, ready, [i], None, t)
+                results[rec.rid] = self._apply_commit(rec, plan, ready, None if i is None else [i], None, t)
                 continue
             rec.plan = None
-            rec.kv_tail.append(i)
+            if i is not None:
+                rec.kv_tail.append(i)
             rec.done += 1
             if ready is not None:
                 rec.last_write[rec.live] = ready
@@ -1129,6 +1290,8 @@ class CacheManager:
         return DecodeBatchResult(results, free, ready if ready is not None else COMPLETE)
 
     def _table(self, rec: _Request) -> torch.Tensor:
+        if rec.kv_full is not None:
+            return rec.kv_full[: rec.done]
         parts = rec.kv_parts
         if rec.kv_tail:
             parts.append(torch.tensor(rec.kv_tail, dtype=torch.int64))
@@ -1189,7 +1352,10 @@ class CacheManager:
             self.cache.unlock(rec.lock)
             rec.lock = node
         rec.committed = max(rec.committed, depth)
-        rec.kv_parts = [self.cache.kv_indices(node), table[depth:]]
+        if rec.kv_full is not None:  # the tree's pages, then the request's own and its reservation
+            rec.kv_full = torch.cat([self.cache.kv_indices(node), rec.kv_full[depth:]])
+        else:
+            rec.kv_parts = [self.cache.kv_indices(node), table[depth:]]
         if res.snapshot_created:
             self.policy.donated(node, rec.info, reason, now)
         return node
@@ -1269,9 +1435,25 @@ class CacheManager:
             self.cache.lock(hold)  # released below: the hit is kept only for this eviction
         try:
             out = self._evict_snapshots(int(snapshots), t, "host") if snapshots else EvictResult(0, 0, 0)
-            kv, snaps, removed = out
-            while kv < kv_tokens:
-                r = self._evict_one(t, True)
+            more = self._evict_kv(kv_tokens - out.kv_tokens, t, None) if out.kv_tokens < kv_tokens else None
+        finally:
+            if hold is not None:
+                self.cache.unlock(hold)
+        if more is None:
+            return out
+        return EvictResult(
+            out.kv_tokens + more.kv_tokens, out.snapshots + more.snapshots, out.nodes_removed + more.nodes_removed
+        )
+
+    def _evict_kv(self, n: int, now: float, hold: TreeNode | None) -> EvictResult:
+        """Free at least ``n`` KV tokens through the policy (leaves), then the tree's LRU, keeping
+        ``hold`` (locked for the eviction)."""
+        if hold is not None:
+            self.cache.lock(hold)
+        kv = snaps = removed = 0
+        try:
+            while kv < n:
+                r = self._evict_one(now, True)
                 if r is None:
                     break
                 kv, snaps, removed = kv + r.kv_tokens, snaps + r.snapshots, removed + r.nodes_removed
@@ -1328,12 +1510,15 @@ class CacheManager:
                 node = self._donate(rec, target[0], target[1], target[2], DonationReason.FINISH, t, freed)
                 if node is not None:
                     donated = target[0]
-        table = self._table(rec)
-        freed.append(table[rec.committed :])
+        freed.append(self._own_kv(rec))
         free = freed[0] if len(freed) == 1 else torch.cat(freed)
         held = rec.committed
         after = ready if ready is not None else self._last_fence(rec)
-        return FinishResult(donated, self._release(rec, (ready,) if ready is not None else ()), held, free, after, node)
+        n_slots = self._release(rec, (ready,) if ready is not None else ())
+        if rec.kv_full is not None:
+            self._free_kv(free, after)
+            free = _EMPTY_KV
+        return FinishResult(donated, n_slots, held, free, after, node)
 
     @_exclusive
     def abort(self, rid: Hashable, ready: Fence | None = None) -> FinishResult:
@@ -1346,11 +1531,26 @@ class CacheManager:
         """
         rec = self._get(rid)
         _check_fence(ready)
-        table = self._table(rec)
         after = ready if ready is not None else self._last_fence(rec)
         held = rec.committed
-        free = table[held:]
-        return FinishResult(0, self._release(rec, (ready,) if ready is not None else ()), held, free, after)
+        free = self._own_kv(rec)
+        n_slots = self._release(rec, (ready,) if ready is not None else ())
+        if rec.kv_full is not None:
+            self._free_kv(free, after)
+            free = _EMPTY_KV
+        return FinishResult(0, n_slots, held, free, after)
+
+    def _own_kv(self, rec: _Request) -> torch.Tensor:
+        """The KV indices the request owns: its table beyond what the tree holds (with a manager
+        that owns the KV, its unused reservation too)."""
+        if rec.kv_full is not None:
+            return rec.kv_full[rec.committed :]
+        return self._table(rec)[rec.committed :]
+
+    def _free_kv(self, idx: torch.Tensor, after: Fence) -> None:
+        """Give ``idx`` back to the host's allocator (reused after ``after``)."""
+        assert self.kv is not None
+        self.kv.free(idx, after)
 
     @staticmethod
     def _last_fence(rec: _Request) -> Fence:
@@ -1396,6 +1596,7 @@ class CacheManager:
         if self.forensics is not None:
             self.forensics.check_invariants(snapshots, {n.id: n.host for n in nodes if n.host is not None})
         req_slots: set[int] = set()
+        req_kv: set[int] = set()
         for rid, rec in self._requests.items():
             slots = (rec.live, *rec.tracks)
             for s in slots:
@@ -1407,8 +1608,18 @@ class CacheManager:
             assert self.pool.slots_of(rec.owner) == frozenset(slots), f"request {rid!r} owns slots it does not track"
             assert rec.lock.snap_lock > 0, f"request {rid!r} lock node {rec.lock!r} is not locked"
             assert rec.lock.depth == 0 or rec.lock.parent is not None, f"request {rid!r} lock node was evicted"
-            kv_len = sum(int(p.numel()) for p in rec.kv_parts) + len(rec.kv_tail)
-            assert kv_len == rec.done, f"request {rid!r} KV table holds {kv_len} indices for {rec.done} tokens"
+            if rec.kv_full is not None:
+                assert self.kv is not None and not rec.kv_parts and not rec.kv_tail, f"request {rid!r}: two KV tables"
+                kv_len = int(rec.kv_full.numel())
+                assert kv_len >= rec.done, f"request {rid!r} KV table holds {kv_len} indices for {rec.done} tokens"
+                own = rec.kv_full[rec.committed :].tolist()
+                clash = req_kv.intersection(own)
+                assert not clash and len(set(own)) == len(own), f"request {rid!r} shares KV indices {sorted(clash)[:4]}"
+                req_kv.update(own)
+            else:
+                assert self.kv is None, f"request {rid!r} has no KV table of the manager's"
+                kv_len = sum(int(p.numel()) for p in rec.kv_parts) + len(rec.kv_tail)
+                assert kv_len == rec.done, f"request {rid!r} KV table holds {kv_len} indices for {rec.done} tokens"
             assert rec.committed <= rec.done, f"request {rid!r} committed {rec.committed} beyond {rec.done} tokens"
             assert rec.ids.size + len(rec.out) >= rec.done, f"request {rid!r} has fewer ids than tokens committed"
         tree_n = self.pool.num_owned_by(NodeOwner)

@@ -30,10 +30,11 @@ import torch
 
 from linear_state import LinearStatePool, RequestOwner
 
-from ..core.manager import Admission, CacheManager, WindowPlan, WindowResult
+from ..core.kv import KVFreeList
+from ..core.manager import Admission, CacheManager, WindowPlan
 from ..core.tree import HybridRadixCache
 from ..policies import HitDensity, Policy
-from ..testing.engine import EngineRequest, KVAllocator, ServingQueue, take_token
+from ..testing.engine import EngineRequest, ServingQueue, take_token
 from .bridge import HFStateBridge
 
 __all__ = ["ColdGeneration", "HFEngine", "KVStore", "cold_generation_hf", "generate_cold_hf"]
@@ -75,7 +76,6 @@ class _Running:
     req: EngineRequest
     adm: Admission
     cache: Any  # the request's transformers cache
-    kv: torch.Tensor  # KV indices of every id the request will feed
     done: int
     next_token: int | None = None
 
@@ -139,15 +139,16 @@ class HFEngine(ServingQueue):
         layout = self.bridge.layout
         self.device = torch.device("cpu")
         self.pool = LinearStatePool(layout, max_running * (1 + track_slots) + snapshot_slots)
-        self.kv = KVAllocator(kv_tokens)
+        self.kv = KVFreeList(kv_tokens)
         self.kv_store = KVStore(model, self.bridge, kv_tokens)
         host = LinearStatePool(layout, host_slots) if host_slots else None
-        self.cache = HybridRadixCache(self.pool, on_free_kv=self.kv.free, host_pool=host)
+        self.cache = HybridRadixCache(self.pool, host_pool=host)
         self.manager = CacheManager(
             self.cache,
             policy if policy is not None else HitDensity(block=track_align),
             track_slots=track_slots,
             host_tier="auto" if host_slots is None else None,
+            kv=self.kv,  # the manager keeps the KV tables and frees into self.kv
         )
         self.host_pool = self.cache.host_pool
         self.forensics = None
@@ -190,18 +191,9 @@ class HFEngine(ServingQueue):
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_running:
             req = self.waiting[0]
-            check = self.manager.can_admit(req.prompt)
-            if not check.admissible:
+            adm = self.manager.admit(req.rid, req.prompt, max_new_tokens=req.max_new_tokens)
+            if not isinstance(adm, Admission):
                 return
-            need = len(req.prompt) + req.max_new_tokens - check.cached_length
-            if self.kv.num_free < need:
-                self.manager.evict(kv_tokens=need - self.kv.num_free, keep=req.prompt)
-            if self.kv.num_free < need:
-                return
-            adm = self.manager.admit(req.rid, req.prompt)
-            assert isinstance(adm, Admission), adm
-            fresh = self.kv.alloc(len(req.prompt) + req.max_new_tokens - adm.cached_length)
-            assert fresh is not None
             self.waiting.popleft()
             cache = self.bridge.new_cache()
             if adm.cached_length:
@@ -210,14 +202,8 @@ class HFEngine(ServingQueue):
                 self.kv_store.load(cache, adm.kv_indices)
             req.cached_length = adm.cached_length
             req.t_admit = time.perf_counter()
-            self.running[req.rid] = _Running(req, adm, cache, torch.cat([adm.kv_indices, fresh]), adm.cached_length)
+            self.running[req.rid] = _Running(req, adm, cache, adm.cached_length)
             self._progress += 1
-
-    def _committed(self, r: _Running, plan: WindowPlan, res: WindowResult) -> None:
-        if res.spliced:
-            r.kv = torch.cat([self.manager.kv_indices(r.req.rid), r.kv[plan.end :]])
-        if res.free_kv.numel():
-            self.kv.free(res.free_kv)
 
     def _forward(self, r: _Running, plan: WindowPlan, ids: list[int]) -> torch.Tensor:
         """Forward ``ids`` (tokens ``[plan.start, plan.end)``), split at each capture, whose state
@@ -231,10 +217,10 @@ class HFEngine(ServingQueue):
             self.bridge.store(r.cache, self.pool, cap.slot, owner=owner, after=plan.after)
         if plan.end > pos:
             logits = _logits(self.model, r.cache, ids[pos - plan.start :])
-        assert logits is not None
-        self.kv_store.save(r.cache, plan.start, plan.end, r.kv[plan.start : plan.end])
+        assert logits is not None and plan.kv_indices is not None
+        self.kv_store.save(r.cache, plan.start, plan.end, plan.kv_indices)
         r.done = plan.end
-        self._committed(r, plan, self.manager.commit(plan, None, kv_indices=r.kv[plan.start : plan.end]))
+        self.manager.commit(plan, None)
         return logits
 
     def _prefill(self, r: _Running) -> torch.Tensor | None:
@@ -271,15 +257,14 @@ class HFEngine(ServingQueue):
         for rid, p in plan.plans.items():  # a decode window is one token: captures are after it
             for cap in p.captures:
                 self.bridge.store(by_rid[rid].cache, self.pool, cap.slot, owner=RequestOwner(rid), after=p.after)
-        for r in batch:
+        at = plan.kv_indices
+        assert at is not None
+        for i, r in enumerate(batch):
             r.next_token = None
-            self.kv_store.save(r.cache, r.done, r.done + 1, r.kv[r.done : r.done + 1])
-        res = self.manager.commit_batch(plan, None, kv_indices=torch.stack([r.kv[r.done] for r in batch]))
+            self.kv_store.save(r.cache, r.done, r.done + 1, at[i : i + 1])
+        self.manager.commit_batch(plan, None)
         for r in batch:
             r.done += 1
-            one = res.results.get(r.req.rid)
-            if one is not None:
-                self._committed(r, plan.plans[r.req.rid], one)
         logits: torch.Tensor = out.logits[:, -1].float()
         return logits
 
@@ -294,13 +279,11 @@ class HFEngine(ServingQueue):
     def _end(self, r: _Running, *, abort: bool) -> None:
         rid = r.req.rid
         if abort:
-            res = self.manager.abort(rid)
+            self.manager.abort(rid)
         else:
             # the live slot must hold the state the manager donates at finish: the cache's
             ready = self.bridge.store(r.cache, self.pool, r.adm.live_slot, owner=RequestOwner(rid))
-            res = self.manager.finish(rid, ready)
-        self.kv.free(res.free_kv)
-        self.kv.free(r.kv[r.done :])
+            self.manager.finish(rid, ready)
         r.req.aborted = abort
         r.req.done = True
         self._progress += 1 + r.done

@@ -30,7 +30,8 @@ import torch
 
 from linear_state import CudaStream, DeferredStream, Fence, ImmediateStream, LinearStatePool, RequestOwner, Stream
 
-from ..core.manager import Admission, CacheManager, WindowPlan, WindowResult
+from ..core.kv import KVFreeList
+from ..core.manager import Admission, CacheManager
 from ..core.multimodal import image_cache_ids
 from ..core.shared import SharedStore
 from ..core.tree import HybridRadixCache
@@ -42,7 +43,6 @@ from .model import HybridConfig, HybridModel, KVPool
 __all__ = [
     "EngineKVCodec",
     "EngineRequest",
-    "KVAllocator",
     "ReferenceEngine",
     "ServingQueue",
     "ColdJob",
@@ -79,42 +79,11 @@ class EngineRequest:
         return image_cache_ids(self.prompt, placeholder_id, self.images) if self.images else self.prompt
 
 
-class KVAllocator:
-    """KV indices of the attention pool: a free list. The tree's ``on_free_kv`` returns them here."""
-
-    def __init__(self, num_tokens: int) -> None:
-        self.capacity = num_tokens
-        self._free: deque[int] = deque(range(num_tokens))
-        self._is_free = bytearray(b"\x01") * num_tokens
-
-    @property
-    def num_free(self) -> int:
-        """Indices not allocated."""
-        return len(self._free)
-
-    def alloc(self, n: int) -> torch.Tensor | None:
-        """``n`` indices, or None (nothing taken) when fewer are free."""
-        if n > len(self._free):
-            return None
-        out = [self._free.popleft() for _ in range(n)]
-        for i in out:
-            self._is_free[i] = 0
-        return torch.tensor(out, dtype=torch.int64)
-
-    def free(self, idx: torch.Tensor) -> None:
-        """Return indices. :raises RuntimeError: an index freed twice (a KV ownership bug)."""
-        for i in idx.tolist():
-            if self._is_free[i]:
-                raise RuntimeError(f"KV index {i} freed twice")
-            self._is_free[i] = 1
-            self._free.append(i)
-
-
 class EngineKVCodec:
     """The reference engine's :class:`~radixcache.core.shared.KVCodec`: the K and V rows of every
     attention layer for each token, raw, in the model's dtype."""
 
-    def __init__(self, kv_pool: KVPool, kv: KVAllocator, forward: Stream, cfg: HybridConfig) -> None:
+    def __init__(self, kv_pool: KVPool, kv: KVFreeList, forward: Stream, cfg: HybridConfig) -> None:
         self.kv_pool, self.kv, self.forward = kv_pool, kv, forward
         k = kv_pool.k
         self._row = (k.shape[0], k.shape[2], k.shape[3])
@@ -160,7 +129,6 @@ class EngineKVCodec:
 class _Running:
     req: EngineRequest
     adm: Admission
-    kv: torch.Tensor  # KV indices for every id the request will feed (prompt + outputs)
     done: int  # tokens fed
     last: Fence | None = None
     next_token: int | None = None
@@ -292,12 +260,11 @@ class ReferenceEngine(ServingQueue):
         slots = max_running * (1 + track_slots) + snapshot_slots
         self.pool = make_pool(inject, cfg.state_layout(), slots, device=self.device)
         self.kv_pool = KVPool(cfg, kv_tokens, device=self.device)
-        self.kv = KVAllocator(kv_tokens)
+        self.kv = KVFreeList(kv_tokens)
         self.cache: HybridRadixCache = make_cache(
             inject,
             self.pool,
             page_size=page_size,
-            on_free_kv=self.kv.free,
             stream=self.copies,
             host_pool=(
                 LinearStatePool(cfg.state_layout(), host_slots, pin_memory=self.device.type == "cuda")
@@ -330,6 +297,7 @@ class ReferenceEngine(ServingQueue):
             forensics=self.forensics,
             shared=self.shared,
             host_tier="auto" if host_slots is None else None,
+            kv=self.kv,  # the manager keeps every request's KV table, and frees the tree's KV here
         )
         self.host_pool = self.cache.host_pool  # the manager's default tier when host_slots is None
         # (forensics step when it ran, request, slot) for every slot a forward wrote: ground truth
@@ -454,35 +422,23 @@ class ReferenceEngine(ServingQueue):
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_running:
             req = self.waiting[0]
-            ids, ns = self._ids[req.rid], req.namespace
-            check = self.manager.can_admit(ids, namespace=ns)
-            if not check.admissible:
+            # The manager reserves the request's KV (prompt and every token it may decode),
+            # evicting the tree's KV through its policy when the allocator runs short.
+            adm = self.manager.admit(
+                req.rid,
+                self._ids[req.rid],
+                namespace=req.namespace,
+                session=req.session,
+                max_new_tokens=req.max_new_tokens,
+            )
+            if not isinstance(adm, Admission):
                 return
-            need = len(req.prompt) + req.max_new_tokens - check.cached_length
-            if self.kv.num_free < need:  # KV pressure: the manager evicts through its policy,
-                # keeping the hit the dry run found (else `need` would grow under our feet)
-                self.manager.evict(kv_tokens=need - self.kv.num_free, keep=ids, namespace=ns)
-            if self.kv.num_free < need:
-                return
-            adm = self.manager.admit(req.rid, ids, namespace=ns, session=req.session)
-            assert isinstance(adm, Admission), adm  # the dry run said it would be admitted
-            fresh = self.kv.alloc(len(req.prompt) + req.max_new_tokens - adm.cached_length)
-            assert fresh is not None  # the eviction above kept the hit: need did not grow
             self.waiting.popleft()
             req.cached_length = adm.cached_length
             req.t_admit = time.perf_counter()
-            kv = torch.cat([adm.kv_indices, fresh])
-            self.running[req.rid] = _Running(req, adm, kv, adm.cached_length, adm.ready)
+            self.running[req.rid] = _Running(req, adm, adm.cached_length, adm.ready)
             self._progress += 1
             self._device_progress()
-
-    def _committed(self, r: _Running, plan: WindowPlan, res: WindowResult) -> None:
-        """After a window's commit: take the tree's pages, free the KV the tree made redundant."""
-        if res.spliced:
-            r.kv = torch.cat([self.manager.kv_indices(r.req.rid), r.kv[plan.end :]])
-        if res.free_kv.numel():
-            # Reused only by forwards submitted later on the one forward stream: after free_after.
-            self.kv.free(res.free_kv)
 
     # --------------------------------------------------------------- forward
     def _prefill_chunk(self, r: _Running) -> dict[str, torch.Tensor] | None:
@@ -494,7 +450,8 @@ class ReferenceEngine(ServingQueue):
         captures = [(c.depth, c.slot) for c in plan.captures]
         after = [f for f in [r.last, *plan.after] if f is not None]
         ids = torch.tensor(prompt[start:end])
-        kv_idx = r.kv[:end]
+        kv_idx = plan.kv_table  # what the window reads, its own tokens' indices last
+        assert kv_idx is not None, "the manager owns the KV (kv=)"
         out: dict[str, torch.Tensor] = {}
         model, pool, kvp, live = self.model, self.pool, self.kv_pool, r.adm.live_slot
         req = r.req
@@ -510,7 +467,7 @@ class ReferenceEngine(ServingQueue):
 
         r.last = self._forward(work, after, f"prefill {rid} [{start},{end})")
         r.done = end
-        self._committed(r, plan, self.manager.commit(plan, r.last, kv_indices=r.kv[start:end]))
+        self.manager.commit(plan, r.last)  # the tree's pages come in, duplicates go to self.kv
         self._device_progress()
         return out if end == len(prompt) else None
 
@@ -521,7 +478,8 @@ class ReferenceEngine(ServingQueue):
         ids = torch.tensor(tokens)
         positions = [r.done for r in batch]
         slots = torch.tensor([r.adm.live_slot for r in batch])
-        kv_idx = [r.kv[: r.done + 1] for r in batch]
+        kv_idx = plan.kv_tables
+        assert kv_idx is not None, "the manager owns the KV (kv=)"
         after = [r.last for r in batch if r.last is not None] + list(plan.after)
         # A decode window is one token: each planned capture is the state after it.
         copies = [(p.live_slot, c.slot, rid) for rid, p in plan.plans.items() for c in p.captures]
@@ -541,14 +499,11 @@ class ReferenceEngine(ServingQueue):
                 self._note_writes(rid, [track])
 
         fence = self._forward(work, after, f"decode x{len(batch)}")
-        res = self.manager.commit_batch(plan, fence, kv_indices=torch.stack([r.kv[r.done] for r in batch]))
+        self.manager.commit_batch(plan, fence)
         for r in batch:
             r.done += 1
             r.last = fence
             r.next_token = None
-            one = res.results.get(r.req.rid)
-            if one is not None:
-                self._committed(r, plan.plans[r.req.rid], one)
         return fence, out
 
     def _forward(self, work: Callable[[], None], after: Sequence[Fence], label: str) -> Fence:
@@ -579,9 +534,11 @@ class ReferenceEngine(ServingQueue):
 
     def _end(self, r: _Running, *, abort: bool) -> None:
         rid = r.req.rid
-        res = self.manager.abort(rid, r.last) if abort else self.manager.finish(rid, r.last)
-        self.kv.free(res.free_kv)  # reused only by forwards submitted later: after res.free_after
-        self.kv.free(r.kv[r.done :])  # reserved for tokens never fed: never handed to the manager
+        # The manager gives the request's KV back to self.kv (reused by forwards submitted later).
+        if abort:
+            self.manager.abort(rid, r.last)
+        else:
+            self.manager.finish(rid, r.last)
         r.req.aborted = abort
         r.req.done = True
         self._progress += 1 + r.done  # its tokens leave the running sum

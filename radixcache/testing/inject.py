@@ -196,8 +196,11 @@ class _UnlockBeforeRestoreManager(CacheManager):
         namespace: Hashable = None,
         session: Hashable | None = None,
         now: float | None = None,
+        max_new_tokens: int = 0,
     ) -> Admission | Refusal:
-        res = super().admit(rid, cache_ids, namespace=namespace, session=session, now=now)
+        res = super().admit(
+            rid, cache_ids, namespace=namespace, session=session, now=now, max_new_tokens=max_new_tokens
+        )
         if isinstance(res, Admission) and res.cached_length:
             rec = self._requests[rid]
             self.cache.unlock(rec.lock)  # BUG: the hit (and its KV) is unprotected from here on
@@ -320,7 +323,7 @@ class _ValidateLateManager(CacheManager):
         self,
         plan: WindowPlan,
         ready: Fence | None,
-        kv_indices: torch.Tensor | np.ndarray | Sequence[int],
+        kv_indices: torch.Tensor | np.ndarray | Sequence[int] | None,
         now: float | None,
     ) -> WindowResult:
         rec = self._requests.get(plan.rid) if type(plan) is WindowPlan else None
@@ -334,7 +337,7 @@ class _NegativeKVManager(CacheManager):
         self,
         plan: WindowPlan,
         ready: Fence | None,
-        kv_indices: torch.Tensor | np.ndarray | Sequence[int],
+        kv_indices: torch.Tensor | np.ndarray | Sequence[int] | None,
         now: float | None,
     ) -> WindowResult:
         kv = torch.as_tensor(kv_indices) if isinstance(kv_indices, (list, tuple, np.ndarray)) else kv_indices

@@ -1,0 +1,118 @@
+"""The host's KV allocator as the manager sees it, and a free list that implements it.
+
+A host that hands its allocator to :class:`~radixcache.core.manager.CacheManager` (``kv=``) stops
+keeping KV tables: the manager reserves a request's KV at admission (evicting the tree's KV
+through its policy when the allocator runs short), hands each window the indices to write and
+the table to read in its plan, splices the tree's pages in at each donation and gives back every
+index the request no longer needs. Every index leaves the tree and the requests by one channel:
+:meth:`KVAllocator.free`.
+
+An index is owned by exactly one of: the allocator (free), a request (reserved or committed
+beyond what the tree holds), the tree (a node's edge). The manager never frees an index twice
+and never keeps one it freed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from linear_state import COMPLETE, Fence
+
+__all__ = ["KVAllocator", "KVExhausted", "KVFreeList"]
+
+
+class KVExhausted(MemoryError):
+    """The host's KV allocator has too few free indices, even after evicting every unlocked KV
+    token of the tree. Nothing was allocated.
+
+    :ivar needed: indices asked for. :ivar free: free after the eviction.
+    """
+
+    def __init__(self, message: str, *, needed: int, free: int) -> None:
+        super().__init__(message)
+        self.needed = needed
+        self.free = free
+
+
+@runtime_checkable
+class KVAllocator(Protocol):
+    """What the manager needs of the host's KV pool (token-granular indices, ``int64``).
+
+    - ``num_free``: indices :meth:`alloc` can hand out now.
+    - ``alloc(n)``: ``n`` distinct free indices as a 1-D ``int64`` tensor, or ``None`` (nothing
+      taken) when fewer than ``n`` are free. Never blocks.
+    - ``free(indices, after)``: take indices back; they may be handed out again only to work
+      ordered after fence ``after`` (their last reader or writer). A host whose forwards run on
+      one stream in submission order may reuse them at once: every later forward is after it.
+    """
+
+    @property
+    def num_free(self) -> int: ...
+
+    def alloc(self, n: int) -> torch.Tensor | None: ...
+
+    def free(self, indices: torch.Tensor, after: Fence = COMPLETE) -> None: ...
+
+
+class KVFreeList:
+    """A FIFO free list of ``num_tokens`` KV indices that refuses a double free.
+
+    For a host whose forwards run on one stream in submission order: a freed index goes back at
+    once (``after`` is not waited; every forward submitted later is ordered after it). Indices are
+    handed out in the order they were freed, first ``0 .. num_tokens - 1``.
+
+    :raises ValueError: ``num_tokens`` not an int >= 0.
+    """
+
+    def __init__(self, num_tokens: int) -> None:
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+            raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        self.capacity = num_tokens
+        self._free: deque[int] = deque(range(num_tokens))
+        self._is_free = bytearray(b"\x01") * num_tokens
+
+    @property
+    def num_free(self) -> int:
+        """Indices not allocated. O(1)."""
+        return len(self._free)
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """``n`` indices, or None (nothing taken) when fewer are free. O(n).
+
+        :raises ValueError: ``n`` not an int >= 0.
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"alloc takes an int >= 0, got {n!r}")
+        if n > len(self._free):
+            return None
+        out = [self._free.popleft() for _ in range(n)]
+        for i in out:
+            self._is_free[i] = 0
+        return torch.tensor(out, dtype=torch.int64)
+
+    def free(self, indices: torch.Tensor, after: Fence = COMPLETE) -> None:
+        """Take ``indices`` back (reused by work submitted later on the one forward stream). O(n).
+
+        :raises ValueError: an index outside ``[0, capacity)``. :raises RuntimeError: an index
+            freed twice (a KV ownership bug), named. Either way nothing was taken back.
+        """
+        ids = indices.tolist()
+        seen: set[int] = set()
+        for i in ids:
+            if not 0 <= i < self.capacity:
+                raise ValueError(f"KV index {i} is outside [0, {self.capacity})")
+            if self._is_free[i] or i in seen:
+                raise RuntimeError(f"KV index {i} freed twice")
+            seen.add(i)
+        for i in ids:
+            self._is_free[i] = 1
+        self._free.extend(ids)
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` when the free list and the free flags disagree. O(capacity)."""
+        assert len(self._free) == sum(self._is_free), (len(self._free), sum(self._is_free))
+        assert len(set(self._free)) == len(self._free), "an index is on the free list twice"
+        assert all(self._is_free[i] for i in self._free), "a listed index is not marked free"

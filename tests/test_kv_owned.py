@@ -1,0 +1,245 @@
+"""A manager that owns the KV (``CacheManager(kv=...)``): admission reserves, plans say where to
+write and what to read, commit takes no indices, and every index returns by ``kv.free`` once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from linear_state import COMPLETE, Fence, ImmediateStream, LinearStatePool
+from radixcache import Admission, CacheManager, HybridRadixCache, Refusal
+from radixcache.core.kv import KVAllocator, KVExhausted, KVFreeList
+from radixcache.policies import FixedPoints
+from radixcache.testing.adapter import FUZZ_LAYOUT
+
+
+def make(kv_tokens: int = 256, slots: int = 16, page: int = 1) -> tuple[CacheManager, KVFreeList]:
+    kv = KVFreeList(kv_tokens)
+    pool = LinearStatePool(FUZZ_LAYOUT, slots)
+    cache = HybridRadixCache(pool, page_size=page, stream=ImmediateStream())
+    mgr = CacheManager(cache, FixedPoints(align=8), track_slots=2, kv=kv, host_tier=None)
+    return mgr, kv
+
+
+def conserved(mgr: CacheManager, kv: KVFreeList) -> None:
+    """free + the tree's + every request's own == capacity, and the structures agree."""
+    mgr.check_invariants()
+    kv.check_invariants()
+    owned = 0
+    for rid in list(mgr._requests):
+        rec = mgr._requests[rid]
+        assert rec.kv_full is not None
+        owned += int(rec.kv_full.numel()) - rec.committed
+    assert kv.num_free + mgr.cache.total_kv_tokens + owned == kv.capacity
+
+
+def serve(mgr: CacheManager, rid: str, ids: list[int], out: list[int], *, chunk: int = 16) -> Admission:
+    adm = mgr.admit(rid, ids, max_new_tokens=len(out))
+    assert isinstance(adm, Admission), adm
+    done = adm.cached_length
+    while done < len(ids):
+        plan = mgr.plan_prefill(rid, min(len(ids), done + chunk))
+        assert plan.kv_table is not None and plan.kv_indices is not None
+        assert torch.equal(plan.kv_table[plan.start :], plan.kv_indices)
+        assert len(plan.kv_table) == plan.end
+        res = mgr.commit(plan, None)
+        assert res.free_kv.numel() == 0 and res.kv_table is not None and len(res.kv_table) == plan.end
+        assert torch.equal(res.kv_table, mgr.kv_indices(rid))
+        done = plan.end
+    for tok in out:
+        plan = mgr.plan_decode(rid, [tok])
+        assert plan.kv_indices is not None and len(plan.kv_indices) == 1
+        mgr.commit(plan, None)
+    return adm
+
+
+def test_admission_reserves_prompt_and_decode_and_finish_gives_all_back() -> None:
+    mgr, kv = make()
+    prompt = list(range(1, 41))
+    adm = mgr.admit("a", prompt, max_new_tokens=5)
+    assert isinstance(adm, Admission) and adm.cached_length == 0
+    assert kv.num_free == 256 - 45, "prompt + max_new_tokens reserved at admission"
+    conserved(mgr, kv)
+    mgr.abort("a")
+    assert kv.num_free == 256
+    conserved(mgr, kv)
+    serve(mgr, "b", prompt, [7, 8, 9])
+    fin = mgr.finish("b")
+    assert fin.free_kv.numel() == 0, "the manager gave them to the allocator itself"
+    assert mgr.cache.total_kv_tokens > 0
+    conserved(mgr, kv)
+    assert mgr.num_requests == 0
+
+
+def test_a_hit_reads_the_trees_pages_and_writes_only_its_own() -> None:
+    mgr, kv = make()
+    prompt = list(range(1, 65))
+    serve(mgr, "a", prompt, [])
+    mgr.finish("a")
+    tree_kv = mgr.cache.kv_prefix(prompt[:40])
+    adm = mgr.admit("b", prompt[:40] + [99] * 8)
+    assert isinstance(adm, Admission) and adm.cached_length == 40
+    plan = mgr.plan_prefill("b", 48)
+    assert plan.kv_table is not None and plan.kv_indices is not None
+    assert torch.equal(plan.kv_table[:40], tree_kv), "attention reads the tree's pages for the hit"
+    assert not set(plan.kv_indices.tolist()) & set(mgr.cache.kv_prefix(prompt).tolist())
+    mgr.commit(plan, None)
+    conserved(mgr, kv)
+    mgr.finish("b")
+    conserved(mgr, kv)
+
+
+def test_donation_splices_and_frees_the_duplicates_to_the_allocator() -> None:
+    mgr, kv = make()
+    prompt = list(range(1, 33))
+    serve(mgr, "a", prompt, [])  # captures at 8, 16, ...: the tree takes its pages
+    mgr.finish("a")
+    freed: list[int] = []
+    real_free = kv.free
+
+    def spy(idx: torch.Tensor, after: Fence = COMPLETE) -> None:
+        freed.extend(idx.tolist())
+        real_free(idx)
+
+    kv.free = spy  # type: ignore[method-assign,assignment]
+    mgr.cache.on_free_kv = spy
+    # Two requests computing the same fresh prompt: the second one's donation meets the first's pages.
+    p2 = list(range(100, 132))
+    for rid in ("x", "y"):
+        assert isinstance(mgr.admit(rid, p2), Admission)
+    px = mgr.plan_prefill("x", 32)
+    py = mgr.plan_prefill("y", 32)
+    assert py.kv_indices is not None and px.kv_indices is not None
+    mgr.commit(px, None)
+    res = mgr.commit(py, None)
+    assert res.spliced and res.kv_table is not None
+    assert torch.equal(res.kv_table[: res.kv_held], mgr.cache.kv_prefix(p2[: res.kv_held]))
+    dup = set(py.kv_indices[: res.kv_held].tolist())
+    assert dup and dup <= set(freed), "y's own copies of the tree's tokens went back to the allocator"
+    conserved(mgr, kv)
+    mgr.finish("x")
+    mgr.finish("y")
+    conserved(mgr, kv)
+
+
+def test_kv_pressure_at_admission_evicts_through_the_policy_keeping_the_hit() -> None:
+    mgr, kv = make(kv_tokens=96)
+    a = list(range(1, 49))
+    serve(mgr, "a", a, [])
+    mgr.finish("a")
+    serve(mgr, "b", list(range(200, 232)), [])
+    mgr.finish("b")
+    assert kv.num_free < 40
+    adm = mgr.admit("c", a[:32] + list(range(500, 540)))
+    assert isinstance(adm, Admission) and adm.cached_length == 32, "the hit survived the eviction"
+    assert mgr.metrics().evictions["kv-pressure"] >= 1 or mgr.metrics().evicted_kv_tokens > 0
+    conserved(mgr, kv)
+    mgr.abort("c")
+    conserved(mgr, kv)
+
+
+def test_kv_refusal_when_locked_kv_cannot_make_room() -> None:
+    mgr, kv = make(kv_tokens=64)
+    assert isinstance(mgr.admit("a", list(range(1, 50))), Admission)
+    before = (kv.num_free, mgr.cache.total_kv_tokens, mgr.pool.num_free)
+    ref = mgr.admit("b", list(range(300, 330)))
+    assert isinstance(ref, Refusal) and "KV indices needed" in ref.reason and "30" in ref.reason
+    assert (kv.num_free, mgr.cache.total_kv_tokens, mgr.pool.num_free) == before
+    assert "b" not in mgr
+    conserved(mgr, kv)
+
+
+def test_decode_beyond_the_reservation_allocates_then_raises_kv_exhausted() -> None:
+    mgr, kv = make(kv_tokens=20)
+    serve(mgr, "a", list(range(1, 17)), [])
+    assert kv.num_free == 4
+    for t in range(4):
+        mgr.commit(mgr.plan_decode("a", [t]), None)
+    assert kv.num_free == 0
+    done = mgr._requests["a"].done
+    with pytest.raises(KVExhausted, match="1 KV indices needed") as e:
+        mgr.plan_decode("a", [5])
+    assert e.value.needed == 1 and e.value.free == 0
+    assert mgr._requests["a"].done == done and mgr._requests["a"].plan is None, "nothing changed"
+    conserved(mgr, kv)
+    mgr.finish("a")
+    conserved(mgr, kv)
+
+
+def test_decode_batch_plans_carry_each_requests_indices_and_table() -> None:
+    mgr, kv = make()
+    serve(mgr, "a", list(range(1, 20)), [])
+    serve(mgr, "b", list(range(50, 61)), [])
+    batch = mgr.plan_decode_batch(["a", "b"], [3, 4])
+    assert batch.kv_indices is not None and batch.kv_tables is not None
+    assert [len(t) for t in batch.kv_tables] == [20, 12]
+    assert batch.kv_indices.tolist() == [int(batch.kv_tables[0][-1]), int(batch.kv_tables[1][-1])]
+    res = mgr.commit_batch(batch, None)
+    assert res.free_kv.numel() == 0
+    assert torch.equal(mgr.kv_indices("a")[-1:], batch.kv_indices[:1])
+    conserved(mgr, kv)
+    for rid in ("a", "b"):
+        mgr.finish(rid)
+    conserved(mgr, kv)
+
+
+def test_commit_refuses_indices_against_kv_and_requires_them_without() -> None:
+    mgr, kv = make()
+    assert isinstance(mgr.admit("a", [1, 2, 3, 4]), Admission)
+    plan = mgr.plan_prefill("a", 4)
+    with pytest.raises(ValueError, match="owns the KV"):
+        mgr.commit(plan, None, kv_indices=[0, 1, 2, 3])
+    assert mgr._requests["a"].plan is plan and mgr._requests["a"].done == 0, "nothing changed"
+    mgr.commit(plan, None)
+    conserved(mgr, kv)
+    pool = LinearStatePool(FUZZ_LAYOUT, 8)
+    plain = CacheManager(HybridRadixCache(pool, stream=ImmediateStream()), host_tier=None)
+    assert isinstance(plain.admit("p", [1, 2, 3]), Admission)
+    p = plain.plan_prefill("p", 3)
+    with pytest.raises(ValueError, match="needs the window's kv_indices"):
+        plain.commit(p, None)
+    with pytest.raises(ValueError, match="needs CacheManager"):
+        plain.admit("q", [1, 2], max_new_tokens=3)
+    with pytest.raises(ValueError, match="max_new_tokens must be an int >= 0, got -1"):
+        mgr.admit("q", [1, 2], max_new_tokens=-1)
+    plain.check_invariants()
+
+
+def test_constructor_refuses_a_non_allocator_and_a_tree_freeing_elsewhere() -> None:
+    pool = LinearStatePool(FUZZ_LAYOUT, 8)
+    cache = HybridRadixCache(pool, on_free_kv=lambda idx: None)
+    with pytest.raises(TypeError, match="kv must be a KVAllocator"):
+        CacheManager(HybridRadixCache(LinearStatePool(FUZZ_LAYOUT, 8)), kv=object())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="frees its KV to another callback"):
+        CacheManager(cache, kv=KVFreeList(8), host_tier=None)
+    assert cache.client is None, "nothing was bound"
+    assert isinstance(KVFreeList(4), KVAllocator)
+
+
+def test_invariants_catch_a_kv_index_owned_by_two_requests() -> None:
+    mgr, _kv = make()
+    assert isinstance(mgr.admit("a", [1, 2, 3]), Admission)
+    assert isinstance(mgr.admit("b", [7, 8, 9]), Admission)
+    a, b = mgr._requests["a"], mgr._requests["b"]
+    assert a.kv_full is not None and b.kv_full is not None
+    b.kv_full = a.kv_full.clone()
+    with pytest.raises(AssertionError, match="shares KV indices"):
+        mgr.check_invariants()
+
+
+def test_free_list_contract() -> None:
+    kv = KVFreeList(4)
+    idx = kv.alloc(3)
+    assert idx is not None and idx.tolist() == [0, 1, 2] and kv.alloc(2) is None and kv.num_free == 1
+    with pytest.raises(ValueError, match="outside"):
+        kv.free(torch.tensor([4]))
+    with pytest.raises(RuntimeError, match="KV index 1 freed twice"):
+        kv.free(torch.tensor([1, 1]))
+    assert kv.num_free == 1, "a refused free took nothing back"
+    kv.free(idx[1:])
+    assert kv.alloc(3) is not None
+    with pytest.raises(ValueError, match="int >= 0"):
+        kv.alloc(-1)
+    with pytest.raises(ValueError, match="num_tokens"):
+        KVFreeList(-2)
+    kv.check_invariants()
