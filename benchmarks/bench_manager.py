@@ -10,6 +10,11 @@ is the reference hybrid model's batched decode over the same 64 requests. The tw
 alternating rounds (this machine is shared and noisy); the JSON gives the medians and their
 ratio (target: bookkeeping <= 1% of the forward).
 
+``write_checks``: what the always-on checks of ``CacheManager(write_checks=True)`` cost (issue 31,
+item 7): requests served whole (admit, one prefill window with four captures, commit, finish) by
+two managers side by side, checks on and off, alternating; the manager's call time only (the
+host's writes are not timed), per request and per donation, and the difference per donation.
+
     python benchmarks/bench_manager.py [--batch 64] [--rounds 30] [--quick]
 """
 
@@ -23,8 +28,67 @@ import time
 import torch
 
 from linear_state import LinearStatePool, RequestOwner
-from radixcache import CacheManager, HybridRadixCache
+from radixcache import CacheManager, HybridRadixCache, KVFreeList
+from radixcache.policies import FixedPoints
 from radixcache.testing.model import HybridConfig, HybridModel, KVPool
+
+
+def write_check_cost(layout: object, requests: int, rounds: int) -> dict[str, float]:
+    """Manager seconds per request with write checks on and off, alternating (see the docstring)."""
+    mgrs = {}
+    for on in (True, False):
+        pool = LinearStatePool(layout, 5 + 4 * requests + 8)  # type: ignore[arg-type]
+        mgrs[on] = CacheManager(
+            HybridRadixCache(pool),
+            FixedPoints(align=64),
+            track_slots=4,
+            kv=KVFreeList(1 << 20),
+            host_tier=None,
+            write_checks=on,
+        )
+    made = [0]
+
+    def serve(mgr: CacheManager) -> tuple[float, int]:
+        """``requests`` fresh prompts of 256 tokens; returns (manager seconds, donations)."""
+        spent, before = 0.0, sum(mgr.metrics().donations.values())
+        pool = mgr.pool
+        for _ in range(requests):
+            made[0] += 1
+            ids = [made[0] % 50000 + 1, *torch.randint(0, 50000, (255,)).tolist()]
+            t0 = time.perf_counter()
+            adm = mgr.admit(made[0], ids)
+            plan = mgr.plan_prefill(made[0], 256)
+            t1 = time.perf_counter()
+            for c in plan.captures:  # the host's forward: every planned state written (not timed)
+                pool.conv[:, c.slot].normal_()
+                pool.recurrent[:, c.slot].normal_()
+            pool.conv[:, adm.live_slot].normal_()  # type: ignore[union-attr]
+            t2 = time.perf_counter()
+            mgr.commit(plan, None)
+            mgr.finish(made[0])
+            spent += (t1 - t0) + (time.perf_counter() - t2)
+        mgr.evict(snapshots=mgr.cache.num_snapshots)  # the next round starts from an empty tree
+        return spent, sum(mgr.metrics().donations.values()) - before
+
+    serve(mgrs[True])
+    serve(mgrs[False])
+    on_s: list[float] = []
+    off_s: list[float] = []
+    donations = 0
+    for _ in range(rounds):
+        t, d = serve(mgrs[True])
+        on_s.append(t)
+        donations += d
+        off_s.append(serve(mgrs[False])[0])
+    per_don = donations / (rounds * requests)
+    t_on, t_off = statistics.median(on_s) / requests, statistics.median(off_s) / requests
+    return {
+        "donations_per_request": round(per_don, 2),
+        "on_us_per_request": round(1e6 * t_on, 2),
+        "off_us_per_request": round(1e6 * t_off, 2),
+        "cost_us_per_donation": round(1e6 * (t_on - t_off) / per_don, 2),
+        "ratio_on_off": round(t_on / t_off, 4),
+    }
 
 
 def main() -> None:
@@ -120,6 +184,7 @@ def main() -> None:
                 "single_calls_us_per_request": round(1e6 * b1 / batch, 3),
                 "single_calls_ratio": round(b1 / f, 5),
                 "ratios_per_round": [round(y / x, 5) for x, y in zip(fwd[::2], book, strict=True)],
+                "write_checks": write_check_cost(cfg.state_layout(), 4 if args.quick else 32, args.rounds),
             },
             indent=1,
         )

@@ -28,9 +28,25 @@ from .layout import StateLayout
 from .owners import NodeOwner, Owner, RequestOwner, SlotId
 from .stream import COMPLETE, Fence, ImmediateStream, Stream
 
-__all__ = ["HostedStatePool", "LinearStatePool", "SlotLender", "SlotWrite"]
+__all__ = ["PROBES_PER_ROW", "HostedStatePool", "LinearStatePool", "SlotLender", "SlotWrite"]
 
 _POOL_IDS = itertools.count(1)  # process-unique pool identities; 0 marks a slot id built by hand
+PROBES_PER_ROW = 4
+"""Probe elements per layer and state kind (:meth:`LinearStatePool.mark_unwritten`): spread over
+the row so that a writer covering part of a layer's state (its conv window alone, the first heads
+alone) leaves one behind."""
+_PROBE_COLS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _probe_cols(width: int, device: torch.device) -> torch.Tensor:
+    """The probe columns of a row of ``width`` elements: first, last and evenly between."""
+    key = (width, device)
+    cols = _PROBE_COLS.get(key)
+    if cols is None:
+        n = min(PROBES_PER_ROW, width)
+        picks = sorted({round(i * (width - 1) / max(n - 1, 1)) for i in range(n)})
+        cols = _PROBE_COLS[key] = torch.tensor(picks, dtype=torch.int64, device=device)
+    return cols
 
 
 class SlotWrite(NamedTuple):
@@ -491,6 +507,56 @@ class LinearStatePool:
         self._last_use[s].wait()
         # On the CPU a clone; from a device, one copy to host memory (a clone would stay there).
         return self._conv_rows[s].to("cpu", copy=True), self._rec_rows[s].to("cpu", copy=True)
+
+    def _probe_rows(self, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the probe elements' rows: each layer's conv and recurrent state, flattened."""
+        return self._conv_rows[s].flatten(1), self._rec_rows[s].flatten(1)
+
+    def mark_unwritten(
+        self, slot: int, *, owner: Owner | None = None, stream: Stream | None = None, after: Iterable[Fence] = ()
+    ) -> Fence:
+        """Write NaN into ``slot``'s probe elements (:data:`PROBES_PER_ROW` evenly spread elements
+        of each layer's conv and recurrent row), behind ``after``: a writer that then covers the
+        whole state leaves no mark (:meth:`unwritten`). Integer states are not marked. O(layers).
+
+        :raises SlotMisuse: the slot is not writable (see :meth:`check_writable`).
+        :raises TypeError: a bad slot, owner, stream or fence. Nothing was queued.
+        """
+        self.check_writable(slot, owner)
+        s = self._index(slot)
+        after, stream = _fences(after), _check_stream(stream)
+        rows = [(r, _probe_cols(r.shape[1], r.device)) for r in self._probe_rows(s) if r.dtype.is_floating_point]
+
+        def work() -> None:
+            for row, cols in rows:
+                row.index_fill_(1, cols, float("nan"))
+
+        return self._submit(work, (s,), stream, after, label=f"mark {s}")
+
+    def unwritten(self, slot: int) -> bool:
+        """Whether a probe element of ``slot`` still holds the NaN of :meth:`mark_unwritten`: some
+        layer's state was not written since. The pool's own pending work on the slot is waited
+        first; a host's kernels are seen only once their fences were waited. One small host
+        transfer. :raises IndexError: ``slot`` out of range.
+        """
+        s = self._index(slot)
+        self._last_use[s].wait()
+        for row in self._probe_rows(s):
+            if row.dtype.is_floating_point and bool(
+                row.index_select(1, _probe_cols(row.shape[1], row.device)).isnan().any()
+            ):
+                return True
+        return False
+
+    def probe(self, slot: int) -> torch.Tensor:
+        """``slot``'s probe elements (see :meth:`mark_unwritten`) as one float64 host tensor: equal
+        probes of two slots say little, different ones prove the states differ. The pool's own
+        pending work on the slot is waited first. :raises IndexError: ``slot`` out of range.
+        """
+        s = self._index(slot)
+        self._last_use[s].wait()
+        parts = [r.index_select(1, _probe_cols(r.shape[1], r.device)).reshape(-1) for r in self._probe_rows(s)]
+        return torch.cat([p.to("cpu", torch.float64) for p in parts])
 
     def fingerprint(self, slot: int) -> Fingerprint:
         """64-bit fingerprint of ``slot``'s contents as they are now.

@@ -24,6 +24,8 @@ from radixcache import CacheManager, ForeignObjectError, HybridRadixCache, Radix
 from radixcache.policies import FixedPoints
 from radixcache.testing.digest import state_digest
 
+from .tree_helpers import scribble
+
 LAYOUT = StateLayout(1, (2, 3), (2, 2), recurrent_dtype=torch.float64)
 R = RequestOwner("r")
 
@@ -42,6 +44,7 @@ def served(mgr: CacheManager, rid: object, ids: list[int]) -> None:
     adm = mgr.admit(rid, ids)
     assert adm.admitted
     plan = mgr.plan_prefill(rid, len(ids))
+    scribble(mgr.pool, plan)
     mgr.commit(plan, None, kv_indices=[next(_KV) for _ in ids])
     mgr.finish(rid)
 
@@ -197,6 +200,7 @@ def test_the_same_kv_argument_works_in_every_call() -> None:
         cache.insert([1, 2, 3, 4], make([0, 1, 2, 3]), state_slot=donor)
         assert mgr.admit("x", [9, 8, 7, 6, 5]).admitted
         plan = mgr.plan_prefill("x", 5)
+        scribble(pool, plan)
         res = mgr.commit(plan, COMPLETE, kv_indices=make([10, 11, 12, 13, 14]))
         assert res.kv_held == 4 and mgr.kv_indices("x").tolist() == [10, 11, 12, 13, 14]
         fin = mgr.finish("x")

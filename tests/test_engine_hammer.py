@@ -29,7 +29,10 @@ def test_every_injected_bug_is_caught(bug: str, capsys: pytest.CaptureFixture[st
     assert status != 0, out
     assert "RESULT: FAIL" in out
     wrong = int(out.split("wrong answers")[1].split()[0])
-    assert wrong >= 1, out
+    unwritten = int(out.split("snapshots donated unwritten (write checks)")[1].split()[0])
+    # A clone taken before its producer wrote the track slot copies the manager's NaN probes: the
+    # write checks name it (no-donate-fence); the ground truth names what was served wrong.
+    assert wrong >= 1 or (bug == "no-donate-fence" and unwritten >= 1), out
 
 
 def test_engine_serves_identical_prompts_with_a_hit_and_the_same_answer() -> None:

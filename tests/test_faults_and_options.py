@@ -33,6 +33,7 @@ from radixcache.testing.model import HybridConfig, HybridModel
 
 from .redis_server import RedisServer
 from .test_shared_tier import _NoKV
+from .tree_helpers import scribble
 
 LAYOUT = StateLayout(2, (4, 3), (2, 4, 4))
 
@@ -177,6 +178,7 @@ def test_a_failed_admission_after_a_hit_unlocks_the_hit() -> None:
     adm = mgr.admit("a", ids)
     assert isinstance(adm, Admission)
     plan = mgr.plan_prefill("a", 40)
+    scribble(pool, plan)
     mgr.commit(plan, None, kv_indices=torch.arange(40))
     mgr.finish("a")
     assert adm.cached_length == 0 and mgr.cache.num_snapshots > 0

@@ -29,6 +29,7 @@ from radixcache.policies import DonationReason, FixedPoints, Policy, RequestInfo
 from radixcache.testing.digest import state_digest
 
 from .host_sim import LAYOUT, Host
+from .tree_helpers import scribble
 
 RNG = np.random.default_rng(99)
 
@@ -280,6 +281,7 @@ def test_a_callback_re_entering_the_manager_is_refused() -> None:
     adm = mgr.admit("a", list(range(100)))
     assert adm.admitted
     plan = mgr.plan_prefill("a", 100)
+    scribble(pool, plan)
     mgr.commit(plan, None, kv_indices=torch.arange(100))
     mgr.finish("a")
     mgr.evict(kv_tokens=10**6)  # releases KV through the callback, which tries to re-enter

@@ -22,7 +22,7 @@ from radixcache.simulator import generate, host_tier_table, load_trace, report_m
 from radixcache.simulator.replay import PRESETS, replay
 from radixcache.testing.hammer import HammerConfig, format_report, run_hammer
 
-from .tree_helpers import LAYOUT, prefix_value, restored_value, state_for
+from .tree_helpers import LAYOUT, prefix_value, restored_value, scribble, state_for
 
 GIB = 1 << 30
 
@@ -199,9 +199,7 @@ def test_the_manager_serves_a_hit_from_the_host_tier_and_forensics_verifies_it()
     adm = mgr.admit("a", prompt)
     assert isinstance(adm, Admission)
     plan = mgr.plan_prefill("a", len(prompt))
-    for c in plan.captures:
-        pool.recurrent[:, c.slot].fill_(float(c.depth))
-    pool.recurrent[:, adm.live_slot].fill_(8.0)
+    scribble(pool, plan)  # each capture's state holds its depth, the live slot 8
     mgr.commit(plan, None, kv_indices=torch.arange(len(prompt)))
     mgr.finish("a", None)
     assert mgr.evict(snapshots=cache.num_snapshots).snapshots >= 1

@@ -9,8 +9,9 @@ import torch
 from linear_state import COMPLETE, Fence, ImmediateStream, LinearStatePool
 from radixcache import Admission, CacheManager, HybridRadixCache, Refusal
 from radixcache.core.kv import KVAllocator, KVExhausted, KVFreeList
+from radixcache.core.manager import WindowPlan
 from radixcache.policies import FixedPoints
-from radixcache.testing.adapter import FUZZ_LAYOUT
+from radixcache.testing.adapter import FUZZ_LAYOUT, advance
 
 
 def make(kv_tokens: int = 256, slots: int = 16, page: int = 1) -> tuple[CacheManager, KVFreeList]:
@@ -33,6 +34,18 @@ def conserved(mgr: CacheManager, kv: KVFreeList) -> None:
     assert kv.num_free + mgr.cache.total_kv_tokens + owned == kv.capacity
 
 
+def forward(mgr: CacheManager, plan: WindowPlan, ids: list[int]) -> None:
+    """The host's forward over ``ids[plan.start:plan.end]`` (the fuzz kit's exact recurrence):
+    writes the live slot, copies each capture's state into its slot."""
+    pool, live = mgr.pool, plan.live_slot
+    at = {c.depth: c.slot for c in plan.captures}
+    for pos in range(plan.start, plan.end):
+        advance(pool.conv[:, live], pool.recurrent[:, live], ids[pos])
+        if pos + 1 in at:
+            pool.conv[:, at[pos + 1]].copy_(pool.conv[:, live])
+            pool.recurrent[:, at[pos + 1]].copy_(pool.recurrent[:, live])
+
+
 def serve(mgr: CacheManager, rid: str, ids: list[int], out: list[int], *, chunk: int = 16) -> Admission:
     adm = mgr.admit(rid, ids, max_new_tokens=len(out))
     assert isinstance(adm, Admission), adm
@@ -42,13 +55,15 @@ def serve(mgr: CacheManager, rid: str, ids: list[int], out: list[int], *, chunk:
         assert plan.kv_table is not None and plan.kv_indices is not None
         assert torch.equal(plan.kv_table[plan.start :], plan.kv_indices)
         assert len(plan.kv_table) == plan.end
+        forward(mgr, plan, ids)
         res = mgr.commit(plan, None)
         assert res.free_kv.numel() == 0 and res.kv_table is not None and len(res.kv_table) == plan.end
         assert torch.equal(res.kv_table, mgr.kv_indices(rid))
         done = plan.end
-    for tok in out:
+    for i, tok in enumerate(out):
         plan = mgr.plan_decode(rid, [tok])
         assert plan.kv_indices is not None and len(plan.kv_indices) == 1
+        forward(mgr, plan, ids + out[: i + 1])
         mgr.commit(plan, None)
     return adm
 
@@ -80,6 +95,7 @@ def test_a_hit_reads_the_trees_pages_and_writes_only_its_own() -> None:
     adm = mgr.admit("b", prompt[:40] + [99] * 8)
     assert isinstance(adm, Admission) and adm.cached_length == 40
     plan = mgr.plan_prefill("b", 48)
+    forward(mgr, plan, prompt[:40] + [99] * 8)
     assert plan.kv_table is not None and plan.kv_indices is not None
     assert torch.equal(plan.kv_table[:40], tree_kv), "attention reads the tree's pages for the hit"
     assert not set(plan.kv_indices.tolist()) & set(mgr.cache.kv_prefix(prompt).tolist())
@@ -109,6 +125,8 @@ def test_donation_splices_and_frees_the_duplicates_to_the_allocator() -> None:
         assert isinstance(mgr.admit(rid, p2), Admission)
     px = mgr.plan_prefill("x", 32)
     py = mgr.plan_prefill("y", 32)
+    forward(mgr, px, p2)
+    forward(mgr, py, p2)
     assert py.kv_indices is not None and px.kv_indices is not None
     mgr.commit(px, None)
     res = mgr.commit(py, None)
@@ -154,7 +172,9 @@ def test_decode_beyond_the_reservation_allocates_then_raises_kv_exhausted() -> N
     serve(mgr, "a", list(range(1, 17)), [])
     assert kv.num_free == 4
     for t in range(4):
-        mgr.commit(mgr.plan_decode("a", [t]), None)
+        plan = mgr.plan_decode("a", [t])
+        forward(mgr, plan, list(range(1, 17)) + list(range(t + 1)))
+        mgr.commit(plan, None)
     assert kv.num_free == 0
     done = mgr._requests["a"].done
     with pytest.raises(KVExhausted, match="1 KV indices needed") as e:
@@ -174,6 +194,8 @@ def test_decode_batch_plans_carry_each_requests_indices_and_table() -> None:
     assert batch.kv_indices is not None and batch.kv_tables is not None
     assert [len(t) for t in batch.kv_tables] == [20, 12]
     assert batch.kv_indices.tolist() == [int(batch.kv_tables[0][-1]), int(batch.kv_tables[1][-1])]
+    for rid, p in batch.plans.items():
+        forward(mgr, p, [*range(1, 20), 3] if rid == "a" else [*range(50, 61), 4])
     res = mgr.commit_batch(batch, None)
     assert res.free_kv.numel() == 0
     assert torch.equal(mgr.kv_indices("a")[-1:], batch.kv_indices[:1])
@@ -190,6 +212,7 @@ def test_commit_refuses_indices_against_kv_and_requires_them_without() -> None:
     with pytest.raises(ValueError, match="owns the KV"):
         mgr.commit(plan, None, kv_indices=[0, 1, 2, 3])
     assert mgr._requests["a"].plan is plan and mgr._requests["a"].done == 0, "nothing changed"
+    forward(mgr, plan, [1, 2, 3, 4])
     mgr.commit(plan, None)
     conserved(mgr, kv)
     pool = LinearStatePool(FUZZ_LAYOUT, 8)

@@ -35,6 +35,7 @@ from radixcache.testing.engine import EngineRequest, ReferenceEngine, generate_c
 from radixcache.testing.model import HybridConfig, HybridModel
 
 from .redis_server import RedisServer
+from .tree_helpers import scribble
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -904,6 +905,7 @@ def test_namespaces_a_store_cannot_address_are_served_locally_only() -> None:
         adm = mgr.admit(rid, ids, namespace=ns)
         assert isinstance(adm, Admission)
         plan = mgr.plan_prefill(rid, len(ids))
+        scribble(mgr.pool, plan)
         mgr.commit(plan, None, kv_indices=torch.arange(len(ids)) + (0 if rid == "tuple" else 1000))
         mgr.finish(rid)
     mgr.publish_pending(wait=True)

@@ -40,3 +40,11 @@ def restored_value(cache: HybridRadixCache, node: object, owner: RequestOwner) -
     cache.pool.free(dst, owner)
     assert torch.all(rec == rec.flatten()[0])
     return float(rec.flatten()[0])
+
+
+def scribble(pool: LinearStatePool, plan: object) -> None:
+    """A stand-in forward for tests that do not model states: every slot ``plan`` (a
+    ``WindowPlan``) covers gets a value of its depth, so the manager's write checks see it written."""
+    for slot, depth in [(plan.live_slot, plan.end), *((c.slot, c.depth) for c in plan.captures)]:  # type: ignore[attr-defined]
+        pool.conv[:, slot].fill_(float(depth))
+        pool.recurrent[:, slot].fill_(float(depth))

@@ -20,6 +20,7 @@ from .manager import (
     DecodeBatchResult,
     FinishResult,
     Refusal,
+    UnwrittenSlotWarning,
     WindowPlan,
     WindowResult,
 )
@@ -64,6 +65,7 @@ __all__ = [
     "SharedTier",
     "TreeNode",
     "UnknownRequest",
+    "UnwrittenSlotWarning",
     "WindowPlan",
     "WindowResult",
     "auto_host_pool",

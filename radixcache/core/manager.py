@@ -34,6 +34,7 @@ import hashlib
 import math
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -64,6 +65,7 @@ from .shared import Fetched, Rejection, SharedTier
 from .tree import EvictResult, HybridRadixCache, MatchResult, TreeNode, auto_host_pool
 
 __all__ = [
+    "UnwrittenSlotWarning",
     "AdmissionCheck",
     "Admission",
     "CacheManager",
@@ -81,6 +83,13 @@ P = ParamSpec("P")
 R = TypeVar("R")
 _EMPTY_KV = torch.empty(0, dtype=torch.int64)
 _INT_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
+
+
+class UnwrittenSlotWarning(RuntimeWarning):
+    """The host committed a capture slot it never wrote, or finished a request whose live slot
+    still held the state it was admitted with: the snapshot taken from it is wrong. The manager
+    evicts it (``metrics().unwritten_snapshots``); the host's forward must write every planned
+    capture and store the final state into the live slot before ``finish``."""
 
 
 class Admission(NamedTuple):
@@ -280,6 +289,8 @@ class _Request:
     # With a manager that owns the KV: the request's KV table for [0, done), then its reserved
     # indices (kv_parts and kv_tail stay empty). The request owns kv_full[committed:].
     kv_full: torch.Tensor | None = None
+    hit: TreeNode | None = None  # the node whose snapshot was restored at admission (None: zeros)
+    unverified: list[TreeNode] = field(default_factory=list)  # donated from marked capture slots
 
 
 def _busy(name: str) -> ConcurrentUseError:
@@ -343,6 +354,13 @@ class CacheManager:
         reads, :meth:`commit` takes no indices, and every index the tree or a request lets go
         returns through ``kv.free`` (the tree's ``on_free_kv`` becomes ``kv.free``). ``None``
         (default): the host keeps its tables and frees what results hand back.
+    :param write_checks: catch two silent host mistakes without forensics (default on): each
+        planned capture slot gets NaN probe elements before the host's forward (ordered in
+        ``plan.after``), and a snapshot donated from a slot still carrying them, or from a live
+        slot whose probe elements still equal the state restored at admission, is evicted with an
+        :class:`UnwrittenSlotWarning` when its request ends (finish or abort, which wait the
+        host's fences anyway). Cost per capture: one small write; per request end: a read of a few
+        elements per layer for each snapshot it donated (benchmarks/bench_manager.py).
     :raises ValueError: bad options. :raises TypeError: a policy that is not a
         :class:`~radixcache.policies.Policy`, a shared tier that is not a ``SharedTier``.
         :raises RuntimeError: the policy (or the shared tier, or the tree) serves another manager.
@@ -363,6 +381,7 @@ class CacheManager:
         host_tier: Literal["auto"] | None = "auto",
         host_budget_bytes: int | None = None,
         kv: KVAllocator | None = None,
+        write_checks: bool = True,
     ) -> None:
         # Everything is checked before anything is bound, attached or allocated: a constructor
         # that raises leaves the cache, the policy and the shared tier as they were.
@@ -403,6 +422,8 @@ class CacheManager:
             raise TypeError(f"clock must be a callable returning seconds, got {clock!r}")
         if shared is not None and shared.layout is not None and shared.layout != cache.pool.layout:
             raise RuntimeError("this SharedTier serves another layout already (one tier per manager)")
+        if type(write_checks) is not bool:
+            raise ValueError(f"write_checks must be a bool, got {write_checks!r}")
         if kv is not None and not isinstance(kv, KVAllocator):
             raise TypeError(f"kv must be a KVAllocator (num_free, alloc, free), got {type(kv).__name__}")
         if kv is not None and cache.on_free_kv is not None and cache.on_free_kv != kv.free:
@@ -434,6 +455,7 @@ class CacheManager:
             cache.on_free_kv = kv.free  # one channel: every index the tree lets go
         cache.client = self
         self.kv = kv
+        self.write_checks = write_checks
         self.cache = cache
         self.pool = cache.pool
         self.policy = policy
@@ -713,6 +735,7 @@ class CacheManager:
             kv_tail=[],
             committed=m.length,
             kv_full=None if fresh is None else torch.cat([m.kv_indices, fresh]),
+            hit=node if m.length else None,
         )
         rec.last_write[live] = ready
         self._requests[rid] = rec
@@ -888,12 +911,17 @@ class CacheManager:
                 rec.final = Capture(final, slot)
                 caps.append(rec.final)
         last_use = self.pool.last_use
+        if self.write_checks:  # NaN probes the host's write must cover (checked when the request ends)
+            stream, mark = self.stream or self.cache.stream, self.pool.mark_unwritten
+            after = tuple(mark(c.slot, owner=rec.owner, stream=stream, after=(last_use(c.slot),)) for c in caps)
+        else:
+            after = tuple(last_use(c.slot) for c in caps)
         plan = WindowPlan(
             rec.rid,
             start,
             end,
             tuple(caps),
-            tuple(last_use(c.slot) for c in caps),
+            after,
             rec.live,
             decode,
             id(self),
@@ -1340,6 +1368,8 @@ class CacheManager:
         if res.released.numel():
             freed.append(res.released)
         if res.snapshot_created:
+            if self.write_checks and slot != rec.live:
+                rec.unverified.append(node)
             self._counters.donations[reason.value] += 1
             if self.forensics is not None:
                 self._record_donation(rec.rid, node, key)
@@ -1483,6 +1513,10 @@ class CacheManager:
         policy keeps final states and that length is page aligned, else the deepest page-aligned
         state captured while decoding is donated in its place. Returns the KV the host must free.
 
+        With ``write_checks`` (the default), every snapshot the request donated from a slot its host
+        never wrote is evicted here with an :class:`UnwrittenSlotWarning` (then the result reports
+        no final donation when it was the final state).
+
         :param ready: fence of the last forward that wrote the request's slots.
         :raises UnknownRequest: unknown rid. :raises ProtocolError: a window is open (commit or
             abort it). :raises TypeError: ``ready`` not a fence. Nothing changed.
@@ -1514,10 +1548,16 @@ class CacheManager:
         free = freed[0] if len(freed) == 1 else torch.cat(freed)
         held = rec.committed
         after = ready if ready is not None else self._last_fence(rec)
+        live_node = node if node is not None and target is not None and target[1] == rec.live else None
+        bad = self._unwritten(rec, live_node, ready)
         n_slots = self._release(rec, (ready,) if ready is not None else ())
         if rec.kv_full is not None:
             self._free_kv(free, after)
             free = _EMPTY_KV
+        if bad:
+            self._drop_unwritten(rid, bad)
+            if node is not None and any(b is node for b, _ in bad):
+                donated, node = 0, None
         return FinishResult(donated, n_slots, held, free, after, node)
 
     @_exclusive
@@ -1525,7 +1565,8 @@ class CacheManager:
         """Abort a request at any point of its lifecycle (an open window included): unlock, free
         every slot after its last writer (``ready``, and every fence the manager saw for it).
         Nothing is donated. Returns the KV the host must free (KV it allocated for a window it
-        never committed stays its own).
+        never committed stays its own). Snapshots donated from capture slots the host never wrote
+        are evicted, as at :meth:`finish`.
 
         :raises UnknownRequest: unknown rid. :raises TypeError: ``ready`` not a fence. Nothing changed.
         """
@@ -1534,11 +1575,63 @@ class CacheManager:
         after = ready if ready is not None else self._last_fence(rec)
         held = rec.committed
         free = self._own_kv(rec)
+        bad = self._unwritten(rec, None, ready)
         n_slots = self._release(rec, (ready,) if ready is not None else ())
         if rec.kv_full is not None:
             self._free_kv(free, after)
             free = _EMPTY_KV
+        if bad:
+            self._drop_unwritten(rid, bad)
         return FinishResult(0, n_slots, held, free, after)
+
+    def _unwritten(self, rec: _Request, live_node: TreeNode | None, ready: Fence | None) -> list[tuple[TreeNode, str]]:
+        """The snapshots ``rec`` donated from slots its host never wrote, with what gave each away
+        (``write_checks``; empty without). Waits the request's fences first, as its release does."""
+        if not self.write_checks or (live_node is None and not rec.unverified):
+            return []
+        for f in (ready, *rec.last_write.values()):
+            if f is not None:
+                f.wait()
+        bad: list[tuple[TreeNode, str]] = []
+        host = self.cache.host_pool
+        for n in rec.unverified:
+            if n.snapshot is not None and self.pool.unwritten(n.snapshot):
+                bad.append((n, "a capture slot still carrying the manager's NaN probes"))
+            elif n.snapshot is None and n.host is not None and host is not None and host.unwritten(n.host):
+                bad.append((n, "a capture slot still carrying the manager's NaN probes (demoted since)"))
+        if live_node is not None:
+            hit = rec.hit
+            ref: torch.Tensor | None = None
+            if hit is None:
+                ref = torch.zeros_like(self.pool.probe(rec.live))
+            elif hit.snapshot is not None:
+                ref = self.pool.probe(hit.snapshot)
+            elif hit.host is not None and host is not None:
+                ref = host.probe(hit.host)
+            # NOTE: equal probes after tokens were computed: the live slot still holds the state it
+            # was admitted with (a state that is a fixed point of its inputs would pass for one too,
+            # and lose a hit: never serve a wrong one).
+            if ref is not None and torch.equal(self.pool.probe(rec.live), ref):
+                bad.append((live_node, "a live slot still holding the state it was admitted with"))
+        return bad
+
+    def _drop_unwritten(self, rid: Hashable, bad: list[tuple[TreeNode, str]]) -> None:
+        """Evict the snapshots :meth:`_unwritten` found (those a hit locked stay, said so) and warn."""
+        for n, why in bad:
+            self._counters.unwritten_snapshots += 1
+            if self.cache.is_evictable(n):
+                self._counters.evicted_kv_tokens += self.cache.evict_snapshot(n, demote=False).kv_tokens
+                outcome = "evicted"
+            else:
+                outcome = "kept: another request holds it (its hit restored it already)"
+            warnings.warn(
+                UnwrittenSlotWarning(
+                    f"request {rid!r} donated the snapshot at depth {n.depth} from {why}: its host never wrote "
+                    f"that state (write every planned capture; store the final state into the live slot before "
+                    f"finish); {outcome}"
+                ),
+                stacklevel=4,  # the host's finish or abort,
+            )
 
     def _own_kv(self, rec: _Request) -> torch.Tensor:
         """The KV indices the request owns: its table beyond what the tree holds (with a manager

@@ -44,7 +44,10 @@ class ManagerMetrics:
     :ivar shared_foreign_hits: those whose blob another replica published;
     :ivar shared_published: blobs this manager published;
     :ivar shared_rejected: blobs refused at fetch (corrupt, another layout, a wrong fingerprint);
-    :ivar shared_errors: shared-store calls that failed (server down).
+    :ivar shared_errors: shared-store calls that failed (server down);
+    :ivar unwritten_snapshots: snapshots donated from a slot the host never wrote (a capture slot
+        still carrying the manager's mark, or a live slot still holding its admission state at
+        finish), found when their request ended and evicted (see ``CacheManager(write_checks=)``).
     """
 
     admissions: int
@@ -69,6 +72,7 @@ class ManagerMetrics:
     shared_published: int = 0
     shared_rejected: int = 0
     shared_errors: int = 0
+    unwritten_snapshots: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -105,6 +109,7 @@ class MetricsCounters:
     evicted_kv_tokens: int = 0
     restores: int = 0
     host_hits: int = 0
+    unwritten_snapshots: int = 0
 
     def snapshot(
         self,
@@ -135,6 +140,7 @@ class MetricsCounters:
             host_hits=self.host_hits,
             demotions=demotions,
             host_snapshots_held=host_snapshots_held,
+            unwritten_snapshots=self.unwritten_snapshots,
             **{f"shared_{k}": v for k, v in (shared or {}).items()},
         )
 
@@ -148,6 +154,7 @@ _COUNTERS = (
     "evicted_kv_tokens",
     "restores",
     "host_hits",
+    "unwritten_snapshots",
     "demotions",
     "shared_hits",
     "shared_foreign_hits",

@@ -22,6 +22,7 @@ import os
 import random
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -30,6 +31,7 @@ import torch
 
 from linear_state import DeviceUnavailable, check_device
 
+from ..core.manager import UnwrittenSlotWarning
 from ..core.shared import REDIS_URL_SCHEMES, RedisStore
 from ..policies import POLICIES, make_policy
 from . import guard
@@ -131,6 +133,9 @@ class HammerReport:
     shared_accepted_bad: int = 0
     # The hit-rate guard's comparison (radixcache.testing.guard.GuardResult.as_dict()); None: off.
     hit_guard: dict[str, object] | None = None
+    # Snapshots the manager's write checks found donated from slots never written (a capture the
+    # forward did not write, or a clone taken before it did): a failure, each a wrong snapshot.
+    unwritten_snapshots: int = 0
 
     @property
     def cached_fraction(self) -> float:
@@ -145,8 +150,8 @@ class HammerReport:
     @property
     def ok(self) -> bool:
         """Answers were compared with the cold run, and: no wrong answer, no cross-talk, no leak,
-        no corrupted shared blob kept, no drop of cached tokens beyond the hit-rate guard's
-        tolerance. False when nothing was checked (``ground_truth=False``)."""
+        no corrupted shared blob kept, no snapshot donated unwritten, no drop of cached tokens beyond
+        the hit-rate guard's tolerance. False when nothing was checked (``ground_truth=False``)."""
         return (
             self.checked
             and self.error is None
@@ -157,6 +162,7 @@ class HammerReport:
             and self.kv_leaked == 0
             and self.snapshot_corruptions == 0
             and self.shared_accepted_bad == 0
+            and self.unwritten_snapshots == 0
             and (self.hit_guard is None or self.hit_guard["status"] != "fail")
         )
 
@@ -512,6 +518,18 @@ def _hammer(
 ) -> HammerReport:
     work = _Workload(cfg, vocab)
     t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        # The manager's write checks warn per snapshot; the report counts them (a failure).
+        warnings.simplefilter("ignore", UnwrittenSlotWarning)
+        error, stuck, n_served, probes = _run_mix(cfg, engine, work, progress)
+    wall = time.perf_counter() - t0
+    return _report(cfg, engine, cold_many, work, wall, error, stuck, n_served, probes, bars)
+
+
+def _run_mix(
+    cfg: HammerConfig, engine: Any, work: _Workload, progress: Callable[[int], None] | None
+) -> tuple[str | None, int, int, list[EngineRequest]]:
+    """Serve the mix, then the TTFT probes; returns (error, stuck, requests served, probes)."""
     stuck = n_served = 0
     error: str | None = None
     probes: list[EngineRequest] = []
@@ -536,7 +554,21 @@ def _hammer(
             engine.forensics.verify_all()
     except Exception as e:  # any failure of the engine or the cache fails the run
         error = f"{type(e).__name__}: {e}"
-    wall = time.perf_counter() - t0
+    return error, stuck, n_served, probes
+
+
+def _report(
+    cfg: HammerConfig,
+    engine: Any,
+    cold_many: ColdMany,
+    work: _Workload,
+    wall: float,
+    error: str | None,
+    stuck: int,
+    n_served: int,
+    probes: list[EngineRequest],
+    bars: Bars | None,
+) -> HammerReport:
     # The mix's requests (not the probes); the watchdog's aborts are counted as stuck.
     served = [r for r in engine.finished[: n_served or len(engine.finished)] if not r.stalled]
     findings = engine.forensics.findings if engine.forensics is not None else []
@@ -622,6 +654,7 @@ def _hammer(
         shared_corrupted=0 if faults is None else len(faults.served_bad),
         shared_accepted_bad=0 if faults is None else faults.accepted_bad,
         hit_guard=hit_guard,
+        unwritten_snapshots=int(metrics.get("unwritten_snapshots", 0)),
         ttft_cold_ms=statistics.mean(cold) if cold else 0.0,
         ttft_hit_ms=statistics.mean(hit) if hit else 0.0,
         probe_ttft_cold_ms=1e3 * max(0.0, p_cold.t_first - p_cold.t_submit) if p_cold else 0.0,
@@ -734,6 +767,7 @@ def format_report(rep: HammerReport) -> str:
         ),
         ("shared blobs refused (forensics; each a miss)", str(rep.shared_rejections) if rep.forensics else "off"),
         ("KV indices leaked", str(rep.kv_leaked)),
+        ("snapshots donated unwritten (write checks)", str(rep.unwritten_snapshots)),
         (
             "hit-rate guard",
             "off" if rep.hit_guard is None else guard.GuardResult.from_dict(rep.hit_guard).describe(),
