@@ -159,6 +159,10 @@ class MisuseMachine(HostMachine):
             Misuse("manager: a clock that is not callable", lambda: CacheManager(cache, clock=_wrong(5))),
             Misuse("manager: a stream that is not one", lambda: CacheManager(cache, stream=_wrong("cuda"))),
             Misuse("manager: kv_bytes_per_token 0", lambda: CacheManager(cache, kv_bytes_per_token=0)),
+            Misuse("manager: kv that is not an allocator", lambda: CacheManager(cache, kv=_wrong([0, 1, 2]))),
+            Misuse("manager: write_checks not a bool", lambda: CacheManager(cache, write_checks=_wrong("yes"))),
+            Misuse("admit: max_new_tokens without kv=", lambda: mgr.admit(fresh, [1, 2], max_new_tokens=4)),
+            Misuse("admit: max_new_tokens negative", lambda: mgr.admit(fresh, [1, 2], max_new_tokens=_wrong(-1))),
             Misuse(
                 "can_admit: bad key", lambda: mgr.can_admit(_wrong(data.draw(st.sampled_from(bad_keys), label="key")))
             ),
