@@ -1549,15 +1549,9 @@ class CacheManager:
         held = rec.committed
         after = ready if ready is not None else self._last_fence(rec)
         live_node = node if node is not None and target is not None and target[1] == rec.live else None
-        bad = self._unwritten(rec, live_node, ready)
-        n_slots = self._release(rec, (ready,) if ready is not None else ())
-        if rec.kv_full is not None:
-            self._free_kv(free, after)
-            free = _EMPTY_KV
-        if bad:
-            self._drop_unwritten(rid, bad)
-            if node is not None and any(b is node for b, _ in bad):
-                donated, node = 0, None
+        n_slots, free, bad = self._end(rec, ready, after, free, live_node)
+        if node is not None and any(b is node for b, _ in bad):
+            donated, node = 0, None
         return FinishResult(donated, n_slots, held, free, after, node)
 
     @_exclusive
@@ -1574,15 +1568,23 @@ class CacheManager:
         _check_fence(ready)
         after = ready if ready is not None else self._last_fence(rec)
         held = rec.committed
-        free = self._own_kv(rec)
-        bad = self._unwritten(rec, None, ready)
+        n_slots, free, _ = self._end(rec, ready, after, self._own_kv(rec), None)
+        return FinishResult(0, n_slots, held, free, after)
+
+    def _end(
+        self, rec: _Request, ready: Fence | None, after: Fence, free: torch.Tensor, live_node: TreeNode | None
+    ) -> tuple[int, torch.Tensor, list[tuple[TreeNode, str]]]:
+        """The end of finish and abort: check the request's donations (write checks), release its
+        slots and lock, give its KV ``free`` to the allocator (with ``kv=``; then the host frees
+        nothing), evict what the checks found. Returns (slots freed, KV for the host, what was bad)."""
+        bad = self._unwritten(rec, live_node, ready)
         n_slots = self._release(rec, (ready,) if ready is not None else ())
         if rec.kv_full is not None:
             self._free_kv(free, after)
             free = _EMPTY_KV
         if bad:
-            self._drop_unwritten(rid, bad)
-        return FinishResult(0, n_slots, held, free, after)
+            self._drop_unwritten(rec.rid, bad)
+        return n_slots, free, bad
 
     def _unwritten(self, rec: _Request, live_node: TreeNode | None, ready: Fence | None) -> list[tuple[TreeNode, str]]:
         """The snapshots ``rec`` donated from slots its host never wrote, with what gave each away
@@ -1630,7 +1632,7 @@ class CacheManager:
                     f"that state (write every planned capture; store the final state into the live slot before "
                     f"finish); {outcome}"
                 ),
-                stacklevel=4,  # the host's finish or abort,
+                stacklevel=5,  # the host's finish or abort (through _end and the guard),
             )
 
     def _own_kv(self, rec: _Request) -> torch.Tensor:
