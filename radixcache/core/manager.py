@@ -1602,10 +1602,10 @@ class CacheManager:
             elif n.snapshot is None and n.host is not None and host is not None and host.unwritten(n.host):
                 bad.append((n, "a capture slot still carrying the manager's NaN probes (demoted since)"))
         if live_node is not None:
-            hit = rec.hit
+            hit, now = rec.hit, self.pool.probe(rec.live)
             ref: torch.Tensor | None = None
             if hit is None:
-                ref = torch.zeros_like(self.pool.probe(rec.live))
+                ref = torch.zeros_like(now)
             elif hit.snapshot is not None:
                 ref = self.pool.probe(hit.snapshot)
             elif hit.host is not None and host is not None:
@@ -1613,7 +1613,7 @@ class CacheManager:
             # NOTE: equal probes after tokens were computed: the live slot still holds the state it
             # was admitted with (a state that is a fixed point of its inputs would pass for one too,
             # and lose a hit: never serve a wrong one).
-            if ref is not None and torch.equal(self.pool.probe(rec.live), ref):
+            if ref is not None and torch.equal(now, ref):
                 bad.append((live_node, "a live slot still holding the state it was admitted with"))
         return bad
 
