@@ -51,15 +51,19 @@ def setup_sglang(page_size: int = 1) -> None:
 
 
 class StepClock:
-    """The policy's clock in the harness: a millisecond per reading, so runs are deterministic
-    (the backend's default, ``time.monotonic``, makes eviction choices depend on the machine)."""
+    """The policy's clock in the harness: a millisecond per scheduler step (:func:`run_stream`
+    ticks it), so runs are deterministic (the backend's default, ``time.monotonic``, makes eviction
+    choices depend on the machine) and do not depend on how often the cache reads the clock."""
 
     def __init__(self) -> None:
         self.t = 0.0
 
     def __call__(self) -> float:
-        self.t += 1e-3
         return self.t
+
+    def tick(self) -> None:
+        """One scheduler step: a millisecond."""
+        self.t += 1e-3
 
 
 @dataclass
@@ -363,7 +367,10 @@ def run_stream(
     i = 0
     running: list[Running] = []
     waiting: list[Running] = []
+    clock = getattr(env.cache, "clock", None)
     while i < len(reqs) or running or waiting:
+        if isinstance(clock, StepClock):
+            clock.tick()
         while (waiting or i < len(reqs)) and len(running) < concurrency:
             if waiting:
                 r = waiting.pop(0)
