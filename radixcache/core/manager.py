@@ -62,7 +62,7 @@ from .keys import IMAGE_ID_BASE, MAX_ID, KeyLike, key_bytes
 from .kv import KVAllocator, KVExhausted
 from .metrics import ManagerMetrics, MetricsCounters
 from .shared import Fetched, Rejection, SharedTier
-from .tree import EvictResult, HybridRadixCache, MatchResult, TreeNode, auto_host_pool
+from .tree import EvictResult, HybridRadixCache, InsertResult, MatchResult, TreeNode, auto_host_pool
 
 __all__ = [
     "UnwrittenSlotWarning",
@@ -686,12 +686,7 @@ class CacheManager:
                 fresh = kv.alloc(n_kv)
                 if fresh is None:
                     raise RuntimeError(f"the KV allocator refused {n_kv} indices that its num_free promised")
-            is_img = ids >= IMAGE_ID_BASE
-            starts = np.flatnonzero(is_img & ~np.concatenate([[False], is_img[:-1]]))
-            digest = int.from_bytes(hashlib.blake2b(kb, digest_size=8).digest(), "little") or 1
-            info = RequestInfo(
-                int(ids.size), m.length, m.token_length, session, t, digest, tuple(int(s) for s in starts)
-            )
+            info = _request_info(kb, ids, m.length, m.token_length, session, t)
             # The policy hears of the admission before the live slot is written: a policy that
             # raises then leaves the slot's contents as they were (nothing to take back).
             self.policy.admitted(info)
@@ -1504,6 +1499,225 @@ class CacheManager:
             raise RuntimeError("verify_all needs CacheManager(..., forensics=Forensics(...))")
         return self.forensics.verify_all()
 
+    # ------------------------------------------------ hosts that keep their own slots
+    # An engine whose scheduler allocates each request's state slot and KV itself (SGLang's, vLLM's)
+    # calls the cache at its own points: a match at admission, a checkpoint when a chunk or the
+    # request ends, lock references on the nodes it holds. These calls give it the tree through the
+    # manager, so the policy, the metrics, forensics and the shared tier hear of everything, and no
+    # host drives the tree or the policy itself.
+
+    @_exclusive
+    def lookup(self, cache_ids: KeyLike, *, namespace: Hashable = None, touch: bool = True) -> MatchResult:
+        """The deepest cached snapshot on the path of ``cache_ids`` (every id: cap them yourself),
+        as :meth:`HybridRadixCache.match`; an empty key gives ``namespace``'s root. ``touch``
+        refreshes the recency of what it returns. Locks nothing: :meth:`lock` the node before an
+        eviction could remove it. O(match).
+
+        :raises TypeError, ValueError: bad ids or an unhashable namespace. Nothing changed.
+        """
+        return self.cache.match(cache_ids, namespace=namespace, touch=touch)
+
+    @_exclusive
+    def lock(self, node: TreeNode) -> None:
+        """Hold ``node`` (one :meth:`lookup` or :meth:`checkpoint` returned): its snapshot and its
+        path's KV survive every eviction until :meth:`unlock`. Locks nest.
+
+        :raises ValueError: ``node`` was evicted or holds no snapshot. :raises ForeignObjectError:
+            another tree's node. Nothing changed.
+        """
+        self.cache.lock(node)
+
+    @_exclusive
+    def unlock(self, node: TreeNode) -> None:
+        """Undo one :meth:`lock` of ``node``.
+
+        :raises LockError: ``node`` is not locked. :raises ForeignObjectError: another tree's node.
+            Nothing changed.
+        """
+        self.cache.unlock(node)
+
+    @_exclusive
+    def make_room(self, *, keep: TreeNode | None = None, now: float | None = None) -> bool:
+        """Whether the pool has a free slot, evicting one snapshot through the policy first when it
+        has none; ``keep`` (a node about to be restored) is held during that eviction.
+
+        :raises ValueError, ForeignObjectError: ``keep`` cannot be locked. Nothing changed.
+        """
+        if self.pool.num_free == 0:
+            t = self._now(now)
+            if keep is not None:
+                self.cache.lock(keep)
+            try:
+                self._evict_snapshots(1, t, "host")
+            finally:
+                if keep is not None:
+                    self.cache.unlock(keep)
+        return self.pool.num_free > 0
+
+    def request_info(
+        self, cache_ids: KeyLike, hit: int, *, session: Hashable | None = None, now: float | None = None
+    ) -> RequestInfo:
+        """What the policy is told of a request of a host that keeps its own slots: the same
+        fields (and prompt digest) :meth:`admit` computes. Changes nothing.
+
+        :raises TypeError, ValueError: bad ids, a hit outside ``[0, len(ids)]``.
+        """
+        kb = key_bytes(cache_ids)
+        ids = np.frombuffer(kb, dtype=np.uint32).astype(np.int64)
+        if isinstance(hit, bool) or not isinstance(hit, (int, np.integer)) or not 0 <= hit <= ids.size:
+            raise ValueError(f"hit must be an int in [0, {ids.size}], got {hit!r}")
+        return _request_info(kb, ids, int(hit), int(hit), session, self._now(now))
+
+    @_exclusive
+    def admitted(self, info: RequestInfo) -> None:
+        """A host that keeps its own slots admitted a request (``info`` from
+        :meth:`request_info`): the policy hears of it and the metrics count it. Call it once per
+        request, before its :meth:`restore`.
+
+        :raises TypeError: not a ``RequestInfo``. Nothing changed.
+        """
+        if not isinstance(info, RequestInfo):
+            raise TypeError(f"info must be a RequestInfo (request_info builds one), got {type(info).__name__}")
+        self.policy.admitted(info)
+        self._counters.admissions += 1
+        self._counters.prompt_tokens += info.prompt_len
+
+    @_exclusive
+    def restore(
+        self,
+        node: TreeNode,
+        dst_slot: SlotId,
+        *,
+        dst_owner: RequestOwner,
+        info: RequestInfo,
+        now: float | None = None,
+    ) -> Fence:
+        """Serve a hit of a host that keeps its own slots: copy ``node``'s snapshot (device or host
+        tier) into ``dst_slot`` (owned by ``dst_owner``; lend the host's slot to the pool for the
+        call), ordered after the snapshot's fence; the policy hears of the hit (``info``'s request)
+        and forensics verifies the copy when on. Returns the fence the request's next forward waits.
+
+        :raises ValueError: ``node`` holds no snapshot. :raises TypeError: ``info`` not a
+            ``RequestInfo``. :raises linear_state.SlotMisuse: ``dst_slot`` not ``dst_owner``'s.
+            Nothing changed.
+        """
+        if not isinstance(info, RequestInfo):
+            raise TypeError(f"info must be a RequestInfo (request_info builds one), got {type(info).__name__}")
+        if node.snapshot is None and node.host is None:
+            raise ValueError(f"node {node.id} at depth {node.depth} holds no snapshot to restore")
+        t = self._now(now)
+        host_hit = node.snapshot is None
+        if self.forensics is not None:
+            self.forensics.before_restore(node.id, dst_owner.rid, dst_slot)
+        ready = self.cache.restore(node, dst_slot, stream=self.stream or self.cache.stream, dst_owner=dst_owner)
+        self.policy.touched(node, info, t)
+        c = self._counters
+        c.hits += 1
+        c.hit_tokens += node.depth
+        c.restores += 1
+        c.host_hits += host_hit
+        return ready
+
+    @_exclusive
+    def checkpoint(
+        self,
+        cache_ids: KeyLike,
+        kv_indices: torch.Tensor,
+        *,
+        state_slot: SlotId | None = None,
+        ready: Fence | None = None,
+        namespace: Hashable = None,
+        donor: Hashable = None,
+        reason: DonationReason = DonationReason.CAPTURE,
+        session: Hashable | None = None,
+        now: float | None = None,
+        release_duplicates: bool = False,
+    ) -> InsertResult:
+        """File a prefix a host that keeps its own slots computed: ``cache_ids`` with their KV, and,
+        with ``state_slot`` (the state after the page-cut key, owned by the caller; lend the host's
+        slot to the pool for the call), a clone of that state. With no free slot for the clone one
+        snapshot is evicted through the policy; when still none, the KV is filed without a snapshot
+        (counted as a donation skipped for want of a slot). A new snapshot is announced to the
+        policy (``reason``), recorded by forensics (``donor``) and queued for the shared tier.
+        Duplicates of KV the tree holds go to the tree's ``on_free_kv``, or, with
+        ``release_duplicates=False``, back to the caller in ``result.released``. O(key).
+
+        :raises TypeError, ValueError: bad ids, KV or slot (as :meth:`HybridRadixCache.insert`).
+            Nothing changed.
+        """
+        t = self._now(now)
+        if state_slot is not None and self.pool.num_free == 0:
+            self._evict_snapshots(1, t, "donation")
+            if self.pool.num_free == 0:
+                self._counters.donations_skipped["no-slot"] += 1
+                state_slot = None
+        res = self.cache.insert(
+            cache_ids,
+            kv_indices,
+            state_slot=state_slot,
+            ready=ready,
+            namespace=namespace,
+            release_duplicates=release_duplicates,
+        )
+        if state_slot is None:
+            return res
+        if not res.snapshot_created:
+            self._counters.donations_skipped["held"] += 1
+            return res
+        node = res.node
+        kb = key_bytes(cache_ids)
+        ids = np.frombuffer(kb, dtype=np.uint32).astype(np.int64)
+        key = ids[: node.depth]
+        self._counters.donations[reason.value] += 1
+        if self.forensics is not None:
+            self._record_donation(donor, node, key)
+        if self.shared is not None:
+            self._queue_publication(node, key, namespace, ready)
+        # the policy hears of the donor's key (its whole ids, the page-cut tail included)
+        self.policy.donated(node, _request_info(kb, ids, 0, 0, session, t), reason, t)
+        return res
+
+    def warm(
+        self,
+        cache_ids: KeyLike,
+        kv_indices: torch.Tensor,
+        *,
+        state_slot: SlotId,
+        ready: Fence | None = None,
+        namespace: Hashable = None,
+    ) -> InsertResult:
+        """Pre-cache a prefix the host computed at start-up (a system prompt): :meth:`checkpoint`
+        with the state in ``state_slot``, duplicates freed through the tree's ``on_free_kv`` (the
+        manager's ``kv.free`` with ``kv=``). The tree copies ``kv_indices``: reuse the buffer at
+        once. Call it while no request is admitted. Returns what the tree did; the KV beyond
+        ``result.length`` stays the caller's.
+
+        :raises RuntimeError: requests are admitted. :raises TypeError, ValueError: as
+            :meth:`checkpoint`. Nothing changed.
+        """
+        if self._requests:
+            raise RuntimeError(f"warm() runs before serving: {len(self._requests)} requests are admitted")
+        return self.checkpoint(
+            cache_ids,
+            kv_indices,
+            state_slot=state_slot,
+            ready=ready,
+            namespace=namespace,
+            donor="warm-up",
+            release_duplicates=True,
+        )
+
+    @_exclusive
+    def reset(self) -> None:
+        """Drop every cached prefix: snapshot slots back to the pool, KV to the tree's
+        ``on_free_kv``.
+
+        :raises RuntimeError: requests are admitted, or a node is locked. Nothing changed.
+        """
+        if self._requests:
+            raise RuntimeError(f"reset() with {len(self._requests)} requests admitted")
+        self.cache.reset()
+
     # --------------------------------------------------------- finish / abort
     @_exclusive
     def finish(self, rid: Hashable, ready: Fence | None = None, *, now: float | None = None) -> FinishResult:
@@ -1729,6 +1943,15 @@ class CacheManager:
         assert self.pool.num_free + tree_n + req_n == self.pool.capacity, (
             f"free {self.pool.num_free} + tree {tree_n} + requests {req_n} != capacity {self.pool.capacity}"
         )
+
+
+def _request_info(kb: bytes, ids: np.ndarray, hit: int, branch: int, session: Hashable | None, t: float) -> RequestInfo:
+    """What the policy hears of a request: its prompt's length, digest (of the canonical key
+    bytes, so one prompt has one digest whichever front door it came through) and image starts."""
+    is_img = ids >= IMAGE_ID_BASE
+    starts = np.flatnonzero(is_img & ~np.concatenate([[False], is_img[:-1]]))
+    digest = int.from_bytes(hashlib.blake2b(kb, digest_size=8).digest(), "little") or 1
+    return RequestInfo(int(ids.size), hit, branch, session, t, digest, tuple(int(s) for s in starts))
 
 
 def _check_fence(ready: object) -> None:

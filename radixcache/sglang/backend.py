@@ -26,7 +26,6 @@ several conv states per layer, hierarchical cache and disabled radix cache.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import time
 from array import array
@@ -56,7 +55,7 @@ from linear_state import HostedStatePool, RequestOwner, SlotId, StateLayout, Str
 
 from ..core.manager import CacheManager
 from ..core.tree import HybridRadixCache, TreeNode
-from ..policies.base import DonationReason, Policy, RequestInfo
+from ..policies.base import DonationReason, Policy
 
 __all__ = ["RadixcacheHybridCache", "SGLangSlots", "sglang_state_pool"]
 
@@ -268,7 +267,7 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
     # ------------------------------------------------------------------ SGLang's interface
     def reset(self) -> None:
         """Drop every cached prefix: snapshot slots and KV go back to SGLang's allocators."""
-        self.tree.reset()
+        self.manager.reset()
 
     def supports_mamba(self) -> bool:
         """True: this cache keeps linear-state snapshots."""
@@ -284,7 +283,8 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         req = params.req
         if req is not None and hasattr(req, "_compute_max_prefix_len"):
             ids = ids[: req._compute_max_prefix_len(int(full.size))]
-        m = self.tree.match(ids, namespace=ns) if not self.disable and ids.size else None
+        mgr = self.manager
+        m = mgr.lookup(ids, namespace=ns) if not self.disable and ids.size else None
         admission = bool(params.cow_mamba) and req is not None
         if admission:
             self.stats["admissions"] += 1
@@ -292,15 +292,14 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
                 self._admitted[req.rid] = None
                 if len(self._admitted) > _ADMITTED_MEMORY:
                     self._admitted.popitem(last=False)
-                self.policy.admitted(self._info(req, full, 0 if m is None else m.length))
+                mgr.admitted(mgr.request_info(full, 0 if m is None else m.length, session=_session(req)))
         if m is None or m.length == 0:
             return self._miss(ns)
         node = m.node
         if admission:
-            if not self._restore_into(req, node):
+            if not self._restore_into(req, node, full, m.length):
                 return self._miss(ns)
             self.stats["hit_tokens"] += m.length
-            self.policy.touched(node, self._info(req, full, m.length), self.clock())
         return MatchResult(m.length, node, node, node, cache_protected_len=m.length, full_kv_hit_length=m.length)
 
     def dfs_weight_order(self, node_handles: Sequence[Any]) -> list[int]:
@@ -320,23 +319,22 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
             order.extend(members[j] for j in sub)
         return order
 
-    def _restore_into(self, req: Any, node: TreeNode) -> bool:
-        """Copy ``node``'s snapshot into the request's slot (allocated if it has none)."""
+    def _restore_into(self, req: Any, node: TreeNode, full: np.ndarray, hit: int) -> bool:
+        """Copy ``node``'s snapshot into the request's slot (allocated if it has none); the policy
+        hears of the hit of ``full`` (the request's ids) at depth ``hit``."""
         kv = req.kv
+        mgr = self.manager
         if not kv.holds_mamba:
-            self.tree.lock(node)  # the hit must survive the eviction that makes room
-            try:
-                self._make_room()
-                got = self.req_to_token_pool.mamba_allocator.alloc(1)
-            finally:
-                self.tree.unlock(node)
+            mgr.make_room(keep=node)  # the hit survives the eviction that makes room
+            got = self.req_to_token_pool.mamba_allocator.alloc(1)
             if got is None:
                 return False
             kv.mamba_pool_idx = got.reshape(-1)[0]
         if node.snapshot is None:
             self.stats["host_restores"] += 1
+        info = mgr.request_info(full, hit, session=_session(req))
         with self._lent(int(kv.mamba_pool_idx), ("sglang", req.rid)) as (slot, owner):
-            self.tree.restore(node, slot, dst_owner=owner)
+            mgr.restore(node, slot, dst_owner=owner, info=info)
         kv.mamba_cow_src_index = None
         kv.mamba_needs_clear = False
         self.stats["restores"] += 1
@@ -368,17 +366,17 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         """Insert with ``slot`` lent for the clone and reclaimed after; no free slot for the
         clone even after evicting one through the policy: insert without a snapshot."""
         kv = kv.to(torch.int64).cpu()
-        if slot is not None and not self._make_room():
+        mgr = self.manager
+        if slot is not None and not mgr.make_room():
             self.stats["skipped_donations"] += 1
             slot = None
         if slot is None:
-            return self.tree.insert(ids, kv, namespace=ns, release_duplicates=False)
+            return mgr.checkpoint(ids, kv, namespace=ns)
+        reason = DonationReason.FINISH if req is not None and req.finished() else DonationReason.CAPTURE
         with self._lent(slot, rid) as (s, _):
-            res = self.tree.insert(ids, kv, state_slot=s, namespace=ns, release_duplicates=False)
+            res = mgr.checkpoint(ids, kv, state_slot=s, namespace=ns, donor=rid, reason=reason, session=_session(req))
         if res.snapshot_created:
             self.stats["donations"] += 1
-            reason = DonationReason.FINISH if req is not None and req.finished() else DonationReason.CAPTURE
-            self.policy.donated(res.node, self._info(req, ids, 0), reason, self.clock())
         return res
 
     def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
@@ -427,12 +425,12 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
 
     def inc_lock_ref(self, node: Any) -> IncLockRefResult:
         """Lock ``node`` (its snapshot and its path's KV)."""
-        self.tree.lock(node)
+        self.manager.lock(node)
         return IncLockRefResult(delta=0, node_id=node.id)
 
     def dec_lock_ref(self, node: Any, params: DecLockRefParams | None = None) -> DecLockRefResult:
         """Undo one :meth:`inc_lock_ref` of ``node``."""
-        self.tree.unlock(node)
+        self.manager.unlock(node)
         return DecLockRefResult(delta=0)
 
     def path_device_indices(self, node: Any) -> torch.Tensor:
@@ -441,7 +439,7 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
 
     def root_node_handle(self, extra_key: str | None = None) -> Any:
         """The root of ``extra_key``'s tree."""
-        return self.tree.match([], namespace=_namespace(extra_key, None)).node
+        return self.manager.lookup([], namespace=_namespace(extra_key, None), touch=False).node
 
     @property
     def root_node(self) -> Any:
@@ -498,15 +496,8 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
     # ------------------------------------------------------------------ helpers
     def _miss(self, ns: Hashable) -> MatchResult:
         """A match without a hit: the tree's root for ``ns`` in every node field."""
-        root = self.tree.match([], namespace=ns).node
+        root = self.manager.lookup([], namespace=ns, touch=False).node
         return MatchResult(0, root, root, root, cache_protected_len=0)
-
-    def _make_room(self) -> bool:
-        """Whether SGLang's pool has a free state slot, evicting one snapshot through the policy
-        first when it has none."""
-        if self.state_pool.num_free == 0:
-            self.manager.evict(snapshots=1)
-        return self.state_pool.num_free > 0
 
     @contextmanager
     def _lent(self, slot: int, rid: Hashable) -> Iterator[tuple[SlotId, RequestOwner]]:
@@ -522,7 +513,7 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
     def _free_kv(self, kv: torch.Tensor) -> None:
         self.token_to_kv_pool_allocator.free(kv.to(self.token_to_kv_pool_allocator.device))
 
-    def _info(self, req: Any, ids: np.ndarray, hit: int) -> RequestInfo:
-        session = getattr(req, "session_id", None) if req is not None else None
-        digest = int.from_bytes(hashlib.blake2b(ids.tobytes(), digest_size=8).digest(), "little") or 1
-        return RequestInfo(int(ids.size), hit, hit, session, self.clock(), digest)
+
+def _session(req: Any) -> Hashable | None:
+    """The conversation SGLang says ``req`` continues (its ``session_id``), if any."""
+    return getattr(req, "session_id", None) if req is not None else None

@@ -331,9 +331,9 @@ class ReferenceEngine(ServingQueue):
     def warm(self, prompts: Sequence[Sequence[int]], *, namespace: Hashable = None) -> int:
         """Pre-cache ``prompts`` (system prompts, in ``namespace``: the base model when ``None``, else
         that tenant's adapter) at start-up, as hosts do: each is computed cold in
-        a scratch slot and inserted straight into the tree (``cache.insert(ids, kv, state_slot=,
-        ready=)``, no request, no policy), its KV indices staged in one buffer that the engine
-        reuses for the next prompt at once. Call it while idle. Returns the tokens cached.
+        a scratch slot and handed to the manager (:meth:`CacheManager.warm`: no request; the policy
+        hears of the snapshot), its KV indices staged in one buffer that the engine reuses for the
+        next prompt at once. Call it while idle. Returns the tokens cached.
 
         :raises RuntimeError: requests are running or waiting."""
         if not self.idle:
@@ -370,7 +370,7 @@ class ReferenceEngine(ServingQueue):
                     model.prefill(ids, start, pool, slot, kvp, kv, embeds=x)
 
                 last = self._forward(work, [last], f"warm-up [{start}, {end})")
-            res = self.cache.insert(list(prompt[:n]), stage, state_slot=slot, ready=last, namespace=namespace)
+            res = self.manager.warm(list(prompt[:n]), stage, state_slot=slot, ready=last, namespace=namespace)
             cached += res.length - res.prefix_length
             self._device_progress()
         self.pool.free(slot, owner, after=[] if last is None else [last])

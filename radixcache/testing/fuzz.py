@@ -149,7 +149,7 @@ class HostMachine(RuleBasedStateMachine):
 
     @rule(key=token_keys(min_size=1, max_size=12))
     def direct_insert(self, key: list[int]) -> None:
-        """The host inserts a prefix it computed elsewhere straight into the tree (namespace
+        """The host files a prefix it computed elsewhere through the manager (checkpoint; namespace
         "direct", with the right state), handing the KV over in a buffer it rewrites at once."""
         alloc, free = getattr(self.host, "alloc_kv", None), getattr(self.host, "free_kv", None)
         mgr = self.host.manager
@@ -162,7 +162,7 @@ class HostMachine(RuleBasedStateMachine):
         pool.write(donor, conv.to(pool.conv.dtype), rec.to(pool.recurrent.dtype), owner=owner).wait()
         handed = alloc(len(key))
         buf = torch.tensor(handed, dtype=torch.int64)
-        res = mgr.cache.insert(key, buf, state_slot=donor, namespace="direct")
+        res = mgr.checkpoint(key, buf, state_slot=donor, namespace="direct", release_duplicates=True)
         buf.fill_(1 << 40)  # the host's next use of its buffer
         if res.length:
             kept = mgr.cache.kv_indices(res.node).tolist()

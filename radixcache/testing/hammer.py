@@ -727,7 +727,7 @@ def _leaks(engine: ReferenceEngine) -> tuple[int, int]:
     host_held = 0 if host is None else host.capacity - host.num_free
     slots = pool.capacity - pool.num_free - cache.num_snapshots + host_held - cache.num_host_snapshots
     kv = engine.kv.capacity - engine.kv.num_free - cache.total_kv_tokens
-    cache.reset()
+    engine.manager.reset()
     host_left = 0 if host is None else host.capacity - host.num_free
     slots = max(slots, pool.capacity - pool.num_free + host_left)
     kv = max(kv, engine.kv.capacity - engine.kv.num_free)

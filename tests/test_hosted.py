@@ -1,0 +1,210 @@
+"""The manager's calls for hosts that keep their own slots and KV (SGLang's scheduler, vLLM's):
+lookup, lock / unlock, make_room, request_info / admitted, restore, checkpoint, warm, reset. The
+policy, the metrics and the tree hear of each; bad calls change nothing."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+import torch
+
+from linear_state import LinearStatePool, RequestOwner, SlotId
+from radixcache import Admission, CacheManager, HybridRadixCache, LockError
+from radixcache.core.kv import KVFreeList
+from radixcache.policies import FixedPoints
+from radixcache.policies.base import DonationReason, RequestInfo
+from radixcache.testing.adapter import FUZZ_LAYOUT
+
+from .tree_helpers import prefix_value
+
+
+class Recording(FixedPoints):
+    """FixedPoints that remembers what it heard."""
+
+    def __init__(self) -> None:
+        super().__init__(align=8)
+        self.heard: list[tuple[str, object, object]] = []
+
+    def admitted(self, req: RequestInfo) -> None:
+        self.heard.append(("admitted", req, None))
+        super().admitted(req)
+
+    def touched(self, node, req, now):  # type: ignore[no-untyped-def]
+        self.heard.append(("touched", node, req))
+        super().touched(node, req, now)
+
+    def donated(self, node, req, reason, now):  # type: ignore[no-untyped-def]
+        self.heard.append(("donated", node, reason))
+        super().donated(node, req, reason, now)
+
+
+def make(slots: int = 8, kv: KVFreeList | None = None) -> tuple[CacheManager, Recording]:
+    pol = Recording()
+    cache = HybridRadixCache(LinearStatePool(FUZZ_LAYOUT, slots), page_size=1)
+    return CacheManager(cache, pol, host_tier=None, kv=kv, write_checks=False), pol
+
+
+def donor(mgr: CacheManager, ids: list[int], rid: str = "host") -> tuple[SlotId, RequestOwner]:
+    """A host slot holding the state after ``ids``."""
+    owner = RequestOwner(rid)
+    slot = mgr.pool.alloc(owner)
+    mgr.pool.conv[:, slot].fill_(prefix_value(ids))
+    mgr.pool.recurrent[:, slot].fill_(prefix_value(ids))
+    return slot, owner
+
+
+def file(mgr: CacheManager, ids: list[int], base: int = 0) -> object:
+    slot, owner = donor(mgr, ids)
+    res = mgr.checkpoint(ids, torch.arange(base, base + len(ids)), state_slot=slot, donor="h")
+    mgr.pool.free(slot, owner)
+    return res
+
+
+def test_checkpoint_files_a_snapshot_the_policy_and_metrics_hear_of() -> None:
+    mgr, pol = make()
+    res = file(mgr, [1, 2, 3, 4])
+    assert res.snapshot_created and res.node.depth == 4  # type: ignore[attr-defined]
+    assert [h[0] for h in pol.heard] == ["donated"] and pol.heard[0][2] is DonationReason.CAPTURE
+    assert mgr.metrics().donations["capture"] == 1
+    again = file(mgr, [1, 2, 3, 4], base=100)  # held already: the caller's KV comes back as duplicates
+    assert not again.snapshot_created and again.released.tolist() == [100, 101, 102, 103]  # type: ignore[attr-defined]
+    assert mgr.metrics().donations_skipped["held"] == 1
+    mgr.check_invariants()
+
+
+def test_lookup_restore_serve_the_exact_state_and_tell_the_policy() -> None:
+    mgr, pol = make()
+    file(mgr, [5, 6, 7])
+    assert mgr.lookup([], touch=False).node.depth == 0  # the root
+    m = mgr.lookup([5, 6, 7, 8])
+    assert m.length == 3
+    info = mgr.request_info([5, 6, 7, 8], m.length)
+    mgr.admitted(info)
+    mgr.lock(m.node)
+    owner = RequestOwner("r")
+    dst = mgr.pool.alloc(owner)
+    mgr.restore(m.node, dst, dst_owner=owner, info=info).wait()
+    assert float(mgr.pool.recurrent[:, dst].flatten()[0]) == prefix_value([5, 6, 7])
+    assert ("touched", m.node, info) in pol.heard
+    met = mgr.metrics()
+    assert (met.admissions, met.hits, met.hit_tokens, met.restores, met.prompt_tokens) == (1, 1, 3, 1, 4)
+    mgr.unlock(m.node)
+    mgr.pool.free(dst, owner)
+    mgr.check_invariants()
+
+
+def test_request_info_is_the_one_admit_gives_the_policy() -> None:
+    mgr, pol = make()
+    ids = [9, 8, 7, 6]
+    got = mgr.request_info(ids, 0, session="s")
+    adm = mgr.admit("a", ids, session="s")
+    seen = next(h[1] for h in pol.heard if h[0] == "admitted")
+    assert isinstance(seen, RequestInfo) and adm.admitted
+    assert (got.prompt_len, got.prompt_digest, got.session) == (seen.prompt_len, seen.prompt_digest, seen.session)
+    with pytest.raises(ValueError, match="hit must be an int in"):
+        mgr.request_info(ids, 5)
+    with pytest.raises(TypeError, match="RequestInfo"):
+        mgr.admitted("a")  # type: ignore[arg-type]
+    mgr.abort("a")
+
+
+def test_a_lock_protects_the_hit_from_eviction_and_unlock_is_checked() -> None:
+    mgr, _ = make()
+    node = file(mgr, [1, 2]).node  # type: ignore[attr-defined]
+    mgr.lock(node)
+    assert mgr.evict(snapshots=5, kv_tokens=5).snapshots == 0
+    assert mgr.lookup([1, 2, 3]).length == 2
+    mgr.unlock(node)
+    with pytest.raises(LockError):
+        mgr.unlock(node)
+    mgr.check_invariants()
+    assert mgr.evict(snapshots=1).snapshots == 1
+
+
+def test_make_room_evicts_through_the_policy_but_keeps_the_hit() -> None:
+    mgr, _ = make(slots=4)
+    a = file(mgr, [1, 2]).node  # type: ignore[attr-defined]
+    file(mgr, [3, 4])
+    file(mgr, [5, 6])
+    assert mgr.cache.num_snapshots == 3
+    held, owner = donor(mgr, [0])  # the host holds the last free slot
+    assert mgr.make_room(keep=a) and mgr.pool.num_free == 1
+    assert mgr.lookup([1, 2, 9]).length == 2 and a.snap_lock == 0  # kept, and the hold let go
+    assert mgr.cache.num_snapshots == 2
+    assert mgr.make_room()  # a free slot already: nothing evicted
+    assert mgr.cache.num_snapshots == 2 and mgr.metrics().evictions["host"] == 1
+    mgr.pool.free(held, owner)
+    mgr.check_invariants()
+
+
+def test_checkpoint_without_a_free_slot_evicts_then_files_kv_alone() -> None:
+    mgr, _ = make(slots=2)
+    keep = file(mgr, [1, 2]).node  # type: ignore[attr-defined]
+    mgr.lock(keep)
+    slot, owner = donor(mgr, [3, 4])  # the last free slot: none left for the clone
+    res = mgr.checkpoint([3, 4], torch.tensor([50, 51]), state_slot=slot)
+    assert not res.snapshot_created and mgr.metrics().donations_skipped["no-slot"] == 1
+    assert mgr.lookup([3, 4, 5]).length == 0  # the KV alone is no hit
+    mgr.pool.free(slot, owner)
+    mgr.unlock(keep)
+    mgr.check_invariants()
+
+
+def test_warm_frees_duplicates_to_the_allocator_and_refuses_while_serving() -> None:
+    kv = KVFreeList(64)
+    mgr, _ = make(kv=kv)
+    for _ in range(2):
+        got = kv.alloc(4)
+        assert got is not None
+        slot, owner = donor(mgr, [1, 2, 3, 4], "warm-up")
+        mgr.warm([1, 2, 3, 4], got, state_slot=slot)
+        mgr.pool.free(slot, owner)
+    assert kv.num_free + mgr.cache.total_kv_tokens == 64  # the second copy went back
+    adm = mgr.admit("r", [1, 2, 3, 4, 5])
+    assert isinstance(adm, Admission) and adm.cached_length == 4
+    before = (kv.num_free, mgr.cache.total_kv_tokens)
+    with pytest.raises(RuntimeError, match="1 requests are admitted"):
+        mgr.warm([7, 7], torch.tensor([0, 1]), state_slot=adm.live_slot)
+    with pytest.raises(RuntimeError, match="reset"):
+        mgr.reset()
+    assert (kv.num_free, mgr.cache.total_kv_tokens) == before
+    mgr.abort("r")
+    mgr.reset()
+    assert mgr.cache.num_snapshots == 0 and kv.num_free == 64
+    mgr.check_invariants()
+
+
+def test_restore_of_a_node_without_a_snapshot_is_refused() -> None:
+    mgr, _ = make()
+    root = mgr.lookup([], touch=False).node
+    owner = RequestOwner("r")
+    dst = mgr.pool.alloc(owner)
+    info = mgr.request_info([1], 0)
+    with pytest.raises(ValueError, match="holds no snapshot"):
+        mgr.restore(root, dst, dst_owner=owner, info=info)
+    with pytest.raises(TypeError, match="RequestInfo"):
+        mgr.restore(root, dst, dst_owner=owner, info=None)  # type: ignore[arg-type]
+    assert mgr.metrics().restores == 0
+    mgr.pool.free(dst, owner)
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+MUTATORS = re.compile(r"\b(?:cache|tree)\.(insert|evict|evict_snapshot|lock|unlock|restore|reset|touch)\(")
+# Modules that exercise the tree itself, not hosts: its stress loop, the misuse fuzzer's tree
+# entries (each checks the tree refuses a bad call) and the injected bugs (tree subclasses).
+TREE_TOOLS = {"radixcache/stress.py", "radixcache/testing/misuse.py", "radixcache/testing/inject.py"}
+
+
+def test_no_module_but_the_manager_drives_the_tree() -> None:
+    found = []
+    for path in sorted([*ROOT.joinpath("radixcache").rglob("*.py"), *ROOT.joinpath("examples").rglob("*.py")]):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel in TREE_TOOLS or rel in ("radixcache/core/manager.py", "radixcache/core/tree.py"):
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if MUTATORS.search(code) and not code.lstrip().startswith(("``", ":")):
+                found.append(f"{rel}:{i}: {line.strip()}")
+    assert not found, "the tree is driven outside the manager:\n" + "\n".join(found)
