@@ -21,8 +21,9 @@ from typing import Any
 
 import torch
 
-from radixcache.hf import HFEngine, tiny_model
+from radixcache.hf import tiny_model
 from radixcache.testing.engine import EngineRequest
+from radixcache.testing.hf_engine import HFEngine
 
 
 def serve(model: Any, cfg: Any, prompts: list[list[int]], new: int, batch: bool) -> tuple[float, list[Any]]:

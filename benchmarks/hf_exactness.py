@@ -28,9 +28,10 @@ from typing import Any
 
 import torch
 
-from radixcache.hf import HFEngine, HFStateBridge, cold_generation_hf, generate_cold_hf
+from radixcache.hf import HFStateBridge, cold_generation_hf, generate_cold_hf
 from radixcache.hf.families import TINY_CONFIGS, hit_tolerance, logit_gap, tiny_model
 from radixcache.testing.engine import EngineRequest
+from radixcache.testing.hf_engine import HFEngine
 
 
 def hf_drift(model: Any, bridge: HFStateBridge, rng: random.Random) -> float:

@@ -352,7 +352,8 @@ def test_a_cuda_device_on_a_machine_without_cuda_is_a_typed_error() -> None:
 
 @pytest.mark.parametrize("kw", [{"max_running": 0}, {"chunk": 0}, {"kv_tokens": -1}, {"host_slots": -2}])
 def test_hf_engine_counts_are_checked_before_anything_is_built(kw: dict[str, Any]) -> None:
-    from radixcache.hf import HFEngine, tiny_config
+    from radixcache.hf import tiny_config
+    from radixcache.testing.hf_engine import HFEngine
 
     name = next(iter(kw))
     with pytest.raises(ValueError, match=name):

@@ -15,9 +15,10 @@ pytest.importorskip("transformers")
 
 from linear_state import LinearStatePool, RequestOwner, SlotMisuse, StateLayout
 from linear_state.hf import CONV_ONLY, FAMILIES, INEXACT, UNSUPPORTED
-from radixcache.hf import HFEngine, HFStateBridge, PrecisionLoss, generate_cold_hf, tiny_config, tiny_model
+from radixcache.hf import HFStateBridge, PrecisionLoss, generate_cold_hf, tiny_config, tiny_model
 from radixcache.hf.families import INEXACT_CONFIGS, TINY_CONFIGS, hit_tolerance, logit_gap
 from radixcache.testing.engine import EngineRequest
+from radixcache.testing.hf_engine import HFEngine
 
 COVERED = sorted(TINY_CONFIGS)
 TOL = hit_tolerance()  # 1e-5 at tiny_model's realistic logit gap (docs/models.md)

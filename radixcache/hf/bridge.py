@@ -12,7 +12,7 @@ the linear states between that object and pool slots:
 
 Attention KV is not the bridge's: the host keeps its KV by index (the tree's ``kv_indices``) and
 appends a hit's prefix to the cache's attention layers itself (:meth:`HFStateBridge.attention_layers`
-names them; :class:`~radixcache.hf.engine.HFEngine` shows how).
+names them; :class:`~radixcache.hf.HFSequence` shows how).
 
 Layouts are :meth:`StateLayout.from_hf_config <linear_state.StateLayout.from_hf_config>`'s: each
 family's own shapes, transformers' ``kernel``-column conv windows, pool layer ``i`` = model layer
@@ -23,7 +23,7 @@ different lengths are stacked for one decode forward by :meth:`HFStateBridge.bat
 states stacked as they are; attention KV left-padded, with the attention mask and position ids
 that hide the padding) and split back by :meth:`HFStateBridge.unbatch`. Every covered family's
 batched decode equals its one-request decode within fp32 rounding (checked per family by the
-tests), so :class:`~radixcache.hf.engine.HFEngine` decodes its running requests in one forward.
+tests), so :class:`~radixcache.testing.hf_engine.HFEngine` decodes its running requests in one forward.
 
 Precision: :meth:`store` never narrows silently. A state wider than its slot's dtype (an fp32 conv
 state into a bf16 slot, say) raises :class:`PrecisionLoss` with ``on_narrowing="raise"`` (the

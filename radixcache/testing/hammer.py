@@ -76,7 +76,7 @@ class HammerConfig:
     replica: int = 0  # with replicas > 1: serve only the drawn requests whose index % replicas == replica
     replicas: int = 1
     # "reference" (the reference hybrid model) or "hf:FAMILY": a tiny seeded transformers model of
-    # that family (radixcache.hf.families) served by radixcache.hf.HFEngine: text only, base model
+    # that family (radixcache.hf.families) served by radixcache.testing.hf_engine.HFEngine: text only, base model
     model: str = "reference"
     # processes computing the ground truth (reference model on the CPU): None, one per core
     workers: int | None = None
@@ -429,7 +429,8 @@ def _hf_config(cfg: HammerConfig) -> HammerConfig:
 
 
 def _hf_engine(cfg: HammerConfig) -> tuple[Any, Callable[[list[int], int], tuple[list[int], torch.Tensor]], int]:
-    from ..hf import HFEngine, generate_cold_hf, tiny_model
+    from ..hf import generate_cold_hf, tiny_model
+    from .hf_engine import HFEngine
 
     config, model = tiny_model(cfg.model.removeprefix("hf:"), seed=cfg.seed)
     engine = HFEngine(

@@ -392,7 +392,8 @@ def _hf_catalogue() -> list[Misuse]:
     cfg = _hf_config()
     if cfg is None:
         return []
-    from ..hf import HFEngine, HFStateBridge
+    from ..hf import HFStateBridge
+    from .hf_engine import HFEngine
 
     other = StateLayout(1, (2, 3), (2, 2))
     return [

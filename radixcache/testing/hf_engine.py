@@ -1,4 +1,5 @@
-"""A host on a real transformers hybrid model: the manager's host protocol around ``model(...)``.
+"""A host engine on a real transformers hybrid model (the hammer's ``--model hf:FAMILY``): continuous
+batching of :class:`~radixcache.hf.HFSequence` s around ``model(...)``. Needs the ``hf`` extra.
 
 One transformers cache object per running request. Per step: one prefill window of every
 prefilling request (plan; forward split at each capture's depth, the bridge storing the state
@@ -22,69 +23,35 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from linear_state import LinearStatePool, RequestOwner
 
 from ..core.kv import KVFreeList
-from ..core.manager import Admission, CacheManager, WindowPlan
+from ..core.manager import Admission, CacheManager
 from ..core.tree import HybridRadixCache
+from ..hf.bridge import HFStateBridge
+from ..hf.sequence import HFSequence, KVStore
 from ..policies import HitDensity, Policy
-from ..testing.engine import EngineRequest, ServingQueue, take_token
-from .bridge import HFStateBridge
+from .engine import EngineRequest, ServingQueue, take_token
 
-__all__ = ["ColdGeneration", "HFEngine", "KVStore", "cold_generation_hf", "generate_cold_hf"]
-
-
-class KVStore:
-    """Attention K and V rows by KV index, one pair of ``[num_tokens, heads, head_dim]`` tensors per
-    attention layer of the model (shapes learnt from one probe forward)."""
-
-    def __init__(self, model: Any, bridge: HFStateBridge, num_tokens: int) -> None:
-        cache = bridge.new_cache()
-        with torch.no_grad():
-            model(input_ids=torch.ones(1, 1, dtype=torch.long), cache=cache, use_cache=True)
-        self.layers = bridge.attention_layers(cache)
-        self.k: dict[int, torch.Tensor] = {}
-        self.v: dict[int, torch.Tensor] = {}
-        for i in self.layers:
-            keys, values = cache.layers[i].keys, cache.layers[i].values
-            self.k[i] = torch.zeros(num_tokens, keys.shape[1], keys.shape[3], dtype=keys.dtype)
-            self.v[i] = torch.zeros(num_tokens, values.shape[1], values.shape[3], dtype=values.dtype)
-
-    def save(self, cache: Any, start: int, end: int, idx: torch.Tensor) -> None:
-        """Rows ``[start, end)`` of ``cache``'s attention layers into KV indices ``idx``."""
-        for i in self.layers:
-            layer = cache.layers[i]
-            self.k[i][idx] = layer.keys[0, :, start:end].transpose(0, 1)
-            self.v[i][idx] = layer.values[0, :, start:end].transpose(0, 1)
-
-    def load(self, cache: Any, idx: torch.Tensor) -> None:
-        """Append the KV of ``idx`` (a prefix, in order) to ``cache``'s attention layers."""
-        for i in self.layers:
-            k = self.k[i][idx].transpose(0, 1).unsqueeze(0)
-            v = self.v[i][idx].transpose(0, 1).unsqueeze(0)
-            cache.layers[i].update(k, v)
+__all__ = ["HFEngine"]
 
 
 @dataclass(eq=False)
 class _Running:
     req: EngineRequest
-    adm: Admission
-    cache: Any  # the request's transformers cache
-    done: int
+    seq: HFSequence
     next_token: int | None = None
 
-
-def _logits(model: Any, cache: Any, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        out = model(input_ids=torch.tensor([ids], dtype=torch.long), cache=cache, use_cache=True)
-    logits: torch.Tensor = out.logits[0, -1].float()
-    return logits
+    @property
+    def done(self) -> int:
+        """Tokens in the request's cache (the serving queue's progress reads it)."""
+        return self.seq.done
 
 
 class HFEngine(ServingQueue):
@@ -174,7 +141,7 @@ class HFEngine(ServingQueue):
     def step(self) -> None:
         """Prefill one window of each prefilling request, admit, decode one token of each decoding
         request, sample, finish what is done."""
-        for r in [r for r in self.running.values() if r.done < len(r.req.prompt)]:
+        for r in [r for r in self.running.values() if r.seq.done < len(r.req.prompt)]:
             logits = self._prefill(r)
             if logits is not None:
                 self._sample(r, logits)
@@ -195,54 +162,31 @@ class HFEngine(ServingQueue):
             if not isinstance(adm, Admission):
                 return
             self.waiting.popleft()
-            cache = self.bridge.new_cache()
-            if adm.cached_length:
-                adm.ready.wait()
-                self.bridge.load(self.pool, adm.live_slot, cache)
-                self.kv_store.load(cache, adm.kv_indices)
+            seq = HFSequence(self.manager, self.model, self.bridge, self.kv_store, adm, req.prompt)
             req.cached_length = adm.cached_length
             req.t_admit = time.perf_counter()
-            self.running[req.rid] = _Running(req, adm, cache, adm.cached_length)
+            self.running[req.rid] = _Running(req, seq)
             self._progress += 1
 
-    def _forward(self, r: _Running, plan: WindowPlan, ids: list[int]) -> torch.Tensor:
-        """Forward ``ids`` (tokens ``[plan.start, plan.end)``), split at each capture, whose state
-        the bridge stores into its slot; save the window's KV; commit."""
-        owner = RequestOwner(r.req.rid)
-        pos, logits = plan.start, None
-        for cap in plan.captures:
-            if cap.depth > pos:
-                logits = _logits(self.model, r.cache, ids[pos - plan.start : cap.depth - plan.start])
-                pos = cap.depth
-            self.bridge.store(r.cache, self.pool, cap.slot, owner=owner, after=plan.after)
-        if plan.end > pos:
-            logits = _logits(self.model, r.cache, ids[pos - plan.start :])
-        assert logits is not None and plan.kv_indices is not None
-        self.kv_store.save(r.cache, plan.start, plan.end, plan.kv_indices)
-        r.done = plan.end
-        self.manager.commit(plan, None)
-        return logits
-
     def _prefill(self, r: _Running) -> torch.Tensor | None:
-        prompt = r.req.prompt
-        start, end = r.done, min(len(prompt), r.done + self.chunk)
-        logits = self._forward(r, self.manager.plan_prefill(r.req.rid, end), list(prompt[start:end]))
-        return logits if end == len(prompt) else None
+        end = min(len(r.req.prompt), r.seq.done + self.chunk)
+        logits = r.seq.prefill(end)
+        return logits if end == len(r.req.prompt) else None
 
     def _decode(self, r: _Running) -> torch.Tensor:
         tok = r.next_token
         assert tok is not None
         r.next_token = None
         self.decode_forwards += 1
-        return self._forward(r, self.manager.plan_decode(r.req.rid, [tok]), [tok])
+        return r.seq.decode(tok)
 
     def _decode_batch(self, batch: list[_Running]) -> torch.Tensor:
         """One decode token of each request of ``batch`` in one forward; its logits, row by row."""
         tokens = [r.next_token for r in batch if r.next_token is not None]
         assert len(tokens) == len(batch), "a decoding request without its next token"
         plan = self.manager.plan_decode_batch([r.req.rid for r in batch], tokens)
-        caches = [r.cache for r in batch]
-        stacked = self.bridge.batch(caches, [r.done for r in batch])
+        caches = [r.seq.cache for r in batch]
+        stacked = self.bridge.batch(caches, [r.seq.done for r in batch])
         with torch.no_grad():
             out = self.model(
                 input_ids=torch.tensor(tokens, dtype=torch.long).unsqueeze(1),
@@ -256,15 +200,15 @@ class HFEngine(ServingQueue):
         by_rid = {r.req.rid: r for r in batch}
         for rid, p in plan.plans.items():  # a decode window is one token: captures are after it
             for cap in p.captures:
-                self.bridge.store(by_rid[rid].cache, self.pool, cap.slot, owner=RequestOwner(rid), after=p.after)
+                self.bridge.store(by_rid[rid].seq.cache, self.pool, cap.slot, owner=RequestOwner(rid), after=p.after)
         at = plan.kv_indices
         assert at is not None
         for i, r in enumerate(batch):
             r.next_token = None
-            self.kv_store.save(r.cache, r.done, r.done + 1, at[i : i + 1])
+            self.kv_store.save(r.seq.cache, r.seq.done, r.seq.done + 1, at[i : i + 1])
         self.manager.commit_batch(plan, None)
         for r in batch:
-            r.done += 1
+            r.seq.done += 1
         logits: torch.Tensor = out.logits[:, -1].float()
         return logits
 
@@ -279,56 +223,11 @@ class HFEngine(ServingQueue):
     def _end(self, r: _Running, *, abort: bool) -> None:
         rid = r.req.rid
         if abort:
-            self.manager.abort(rid)
+            r.seq.abort()
         else:
-            # the live slot must hold the state the manager donates at finish: the cache's
-            ready = self.bridge.store(r.cache, self.pool, r.adm.live_slot, owner=RequestOwner(rid))
-            self.manager.finish(rid, ready)
+            r.seq.finish()  # the live slot gets the cache's state, which the manager donates
         r.req.aborted = abort
         r.req.done = True
-        self._progress += 1 + r.done
+        self._progress += 1 + r.seq.done
         del self.running[rid]
         self.finished.append(r.req)
-
-
-class ColdGeneration(NamedTuple):
-    """A whole greedy generation from an empty cache (:func:`cold_generation_hf`).
-
-    :ivar tokens: the ``n`` greedy tokens.
-    :ivar logits: the logits each token was chosen from (``logits[k]`` before ``tokens[k]``), float32,
-        one ``[vocab]`` tensor per step: compare a served generation step by step against them.
-    """
-
-    tokens: list[int]
-    logits: list[torch.Tensor]
-
-
-def cold_generation_hf(model: Any, bridge: HFStateBridge, prompt: Sequence[int], n: int) -> ColdGeneration:
-    """The ground truth of a transformers host: ``prompt`` in one forward from an empty cache,
-    then ``n - 1`` single-token steps of transformers' own cache, greedy. Every step's logits
-    come back, so an integrator's test compares whole generations, not only the first token.
-
-    :raises ValueError: an empty prompt, or ``n`` below 1. O(prompt + n) forwards' work.
-    """
-    if not prompt:
-        raise ValueError("cold_generation_hf needs a non-empty prompt")
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be an int >= 1, got {n!r}")
-    cache = bridge.new_cache()
-    logits = _logits(model, cache, list(prompt))
-    tokens: list[int] = []
-    steps: list[torch.Tensor] = []
-    while True:
-        steps.append(logits.clone())
-        tokens.append(int(torch.argmax(logits)))
-        if len(tokens) == n:
-            return ColdGeneration(tokens, steps)
-        logits = _logits(model, cache, [tokens[-1]])
-
-
-def generate_cold_hf(model: Any, bridge: HFStateBridge, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
-    """Greedy ``n`` tokens of ``prompt`` from an empty cache, one forward for the prompt: the
-    ground truth. Returns the tokens and the first token's logits (:func:`cold_generation_hf`
-    returns every step's)."""
-    gen = cold_generation_hf(model, bridge, prompt, n)
-    return gen.tokens, gen.logits[0]
