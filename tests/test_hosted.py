@@ -13,8 +13,8 @@ import torch
 from linear_state import LinearStatePool, RequestOwner, SlotId
 from radixcache import Admission, CacheManager, HybridRadixCache, LockError
 from radixcache.core.kv import KVFreeList
+from radixcache.core.policy import DonationReason, RequestInfo
 from radixcache.policies import FixedPoints
-from radixcache.policies.base import DonationReason, RequestInfo
 from radixcache.testing.adapter import FUZZ_LAYOUT
 
 from .tree_helpers import prefix_value

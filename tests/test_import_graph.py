@@ -104,3 +104,35 @@ def test_no_module_imports_itself_through_others() -> None:
 def test_the_cycle_finder_finds_a_cycle() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def _room(module: str) -> str:
+    """A module's room: its subpackage of radixcache (``radixcache.core``), ``linear_state``, or
+    ``radixcache`` for the package's own top-level modules (the CLI, the stress loop)."""
+    parts = module.split(".")
+    if parts[0] == "linear_state":
+        return "linear_state"
+    if len(parts) > 2 or (len(parts) == 2 and (ROOT / parts[0] / parts[1]).is_dir()):
+        return ".".join(parts[:2])
+    return "radixcache"
+
+
+def _room_edges() -> dict[str, set[str]]:
+    known = _modules()
+    rooms: dict[str, set[str]] = {}
+    for m, p in known.items():
+        deps = rooms.setdefault(_room(m), set())
+        deps.update(_room(d) for d in _imports(m, p, known) if _room(d) != _room(m))
+    return rooms
+
+
+def test_the_rooms_import_downward_only() -> None:
+    """No circle between rooms (issue 31, item 4): the policy interface is core's, the policies
+    implement it; the transformers glue (hf) is below the testing kit that runs it."""
+    rooms = _room_edges()
+    assert "radixcache.core" in rooms["radixcache.policies"], "the graph is read (a known edge is seen)"
+    assert _cycles(rooms) == [], rooms
+    assert rooms["radixcache.core"] <= {"linear_state", "radixcache.forensics"}, rooms["radixcache.core"]
+    assert rooms["radixcache.policies"] <= {"linear_state", "radixcache.core"}, rooms["radixcache.policies"]
+    assert "radixcache.testing" not in rooms["radixcache.hf"], rooms["radixcache.hf"]
+    assert not any("radixcache" in deps for r, deps in rooms.items() if r != "radixcache"), "a room imports the root"

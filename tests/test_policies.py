@@ -429,8 +429,8 @@ def test_alpha_is_tuned_on_a_bootstrap_window() -> None:
 def _evict(pol: HitDensity, now: float) -> None:
     """Evict the policy's victim, as the manager does."""
     node = pol.victim(now)
-    assert node is not None, "the policy found no victim"
-    pol.cache.evict_snapshot(node)
+    assert node is not None and node.cache is not None, "the policy found no victim"
+    node.cache.evict_snapshot(node)
 
 
 def _req(session: str, ts: float, n: int = 64, digest: int = 0) -> RequestInfo:

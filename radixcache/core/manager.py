@@ -56,11 +56,11 @@ from linear_state import (
 from linear_state.owners import NodeOwner
 
 from ..forensics.recorder import Forensics, SnapshotCorruption
-from ..policies.base import DonationReason, Policy, RequestInfo
 from .errors import AdmissionFailed, ConcurrentUseError, ProtocolError, RadixCacheError, UnknownRequest
 from .keys import IMAGE_ID_BASE, MAX_ID, KeyLike, key_bytes
 from .kv import KVAllocator, KVExhausted
 from .metrics import ManagerMetrics, MetricsCounters
+from .policy import DonationReason, Policy, RequestInfo, default_policy
 from .shared import Fetched, Rejection, SharedTier
 from .tree import EvictResult, HybridRadixCache, InsertResult, MatchResult, TreeNode, auto_host_pool
 
@@ -441,9 +441,7 @@ class CacheManager:
         if host_tier == "auto" and cache.host_pool is None:
             host = auto_host_pool(cache.pool, host_budget_bytes)  # raises before anything is bound
         if policy is None:
-            from ..policies.hit_density import HitDensity
-
-            policy = HitDensity()
+            policy = default_policy()
         policy.bind(cache)
         if shared is not None:
             shared.bind(cache.pool.layout, client=self)
@@ -1645,6 +1643,26 @@ class CacheManager:
         :raises TypeError, ValueError: bad ids, KV or slot (as :meth:`HybridRadixCache.insert`).
             Nothing changed.
         """
+        return self._file(
+            cache_ids, kv_indices, state_slot, ready, namespace, donor, reason, session, now, release_duplicates, False
+        )
+
+    def _file(
+        self,
+        cache_ids: KeyLike,
+        kv_indices: torch.Tensor,
+        state_slot: SlotId | None,
+        ready: Fence | None,
+        namespace: Hashable,
+        donor: Hashable,
+        reason: DonationReason,
+        session: Hashable | None,
+        now: float | None,
+        release_duplicates: bool,
+        shared: bool,
+    ) -> InsertResult:
+        """:meth:`checkpoint`'s work; ``shared``: the host says the prefix is shared (a warm-up's
+        system prompt), so the policy hears of it as a branch point."""
         t = self._now(now)
         if state_slot is not None and self.pool.num_free == 0:
             self._evict_snapshots(1, t, "donation")
@@ -1673,10 +1691,13 @@ class CacheManager:
             self._record_donation(donor, node, key)
         if self.shared is not None:
             self._queue_publication(node, key, namespace, ready)
-        # the policy hears of the donor's key (its whole ids, the page-cut tail included)
-        self.policy.donated(node, _request_info(kb, ids, 0, 0, session, t), reason, t)
+        # the policy hears of the donor's key (its whole ids, the page-cut tail included); a
+        # shared prefix as a branch point: other sequences go on past it
+        branch = node.depth if shared else 0
+        self.policy.donated(node, _request_info(kb, ids, 0, branch, session, t), reason, t)
         return res
 
+    @_exclusive
     def warm(
         self,
         cache_ids: KeyLike,
@@ -1689,7 +1710,8 @@ class CacheManager:
         """Pre-cache a prefix the host computed at start-up (a system prompt): :meth:`checkpoint`
         with the state in ``state_slot``, duplicates freed through the tree's ``on_free_kv`` (the
         manager's ``kv.free`` with ``kv=``). The tree copies ``kv_indices``: reuse the buffer at
-        once. Call it while no request is admitted. Returns what the tree did; the KV beyond
+        once. The policy hears of the snapshot as a branch point (a prefix other sequences go on
+        past). Call it while no request is admitted. Returns what the tree did; the KV beyond
         ``result.length`` stays the caller's.
 
         :raises RuntimeError: requests are admitted. :raises TypeError, ValueError: as
@@ -1697,14 +1719,18 @@ class CacheManager:
         """
         if self._requests:
             raise RuntimeError(f"warm() runs before serving: {len(self._requests)} requests are admitted")
-        return self.checkpoint(
+        return self._file(
             cache_ids,
             kv_indices,
-            state_slot=state_slot,
-            ready=ready,
-            namespace=namespace,
-            donor="warm-up",
-            release_duplicates=True,
+            state_slot,
+            ready,
+            namespace,
+            "warm-up",
+            DonationReason.CAPTURE,
+            None,
+            None,
+            True,
+            True,
         )
 
     @_exclusive

@@ -4,8 +4,8 @@
 trace shape (docs/policies.md). The others are baselines, selectable by name.
 """
 
+from ..core.policy import DonationReason, Policy, RequestInfo, TreeView, set_default_policy
 from .align_last_block import AlignLastBlock
-from .base import DonationReason, Policy, RequestInfo
 from .fixed_points import FixedPoints
 from .flop_efficiency import ALPHA_GRID, FlopEfficiency
 from .hit_density import HitDensity
@@ -26,6 +26,7 @@ __all__ = [
     "RequestInfo",
     "SglangLike",
     "TrackAndFinish",
+    "TreeView",
     "VllmLike",
     "make_policy",
 ]
@@ -40,6 +41,7 @@ POLICIES: dict[str, type[Policy]] = {
     "vllm-like": VllmLike,
 }
 DEFAULT_POLICY = "hit-density"
+set_default_policy(POLICIES[DEFAULT_POLICY])  # what CacheManager builds when given no policy
 
 
 def make_policy(name: str) -> Policy:

@@ -3,7 +3,7 @@ LRU eviction (vLLM's mamba "align" mode)."""
 
 from __future__ import annotations
 
-from .base import Policy, RequestInfo
+from ..core.policy import Policy, RequestInfo
 
 __all__ = ["AlignLastBlock"]
 

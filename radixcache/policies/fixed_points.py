@@ -8,7 +8,7 @@ length, deepest first; the final state at finish.
 
 from __future__ import annotations
 
-from .base import Policy, RequestInfo
+from ..core.policy import Policy, RequestInfo
 
 __all__ = ["FixedPoints"]
 

@@ -44,8 +44,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..core.tree import HybridRadixCache, TreeNode
-from .base import DonationReason, Policy, RequestInfo
+from ..core.policy import DonationReason, Policy, RequestInfo, TreeView
+from ..core.tree import TreeNode
 
 __all__ = ["ALPHA_GRID", "FlopEfficiency"]
 
@@ -105,7 +105,7 @@ class FlopEfficiency(Policy):
         self._demotes: bool | None = None  # the tree's demotes when the rows' bytes were computed
         self._unseen = False  # the tree may have evicted a tracked snapshot the policy did not choose
 
-    def bind(self, cache: HybridRadixCache) -> None:
+    def bind(self, cache: TreeView) -> None:
         super().bind(cache)
         self._demotes = cache.demotes
 
@@ -130,7 +130,7 @@ class FlopEfficiency(Policy):
 
     def donated(self, node: TreeNode, req: RequestInfo, reason: DonationReason, now: float) -> None:
         self._put(node, now)
-        for d in HybridRadixCache.cost_dependents(node):  # a leaf no more, or a shorter cascade
+        for d in self.cache.cost_dependents(node):  # a leaf no more, or a shorter cascade
             self._reshape(d)
 
     def touched(self, node: TreeNode, req: RequestInfo, now: float) -> None:
@@ -145,7 +145,7 @@ class FlopEfficiency(Policy):
 
     def _put(self, node: TreeNode, last: float | None) -> None:
         """Track ``node`` (its last use ``last``; ``None``: unchanged) with its row as it is now."""
-        if not HybridRadixCache.holds_snapshot(node):
+        if not self.cache.holds_snapshot(node):
             self._drop(node.id)  # a hit served from the host tier: no device snapshot to rank
             return
         pos = self._pos.get(node.id)
@@ -173,7 +173,7 @@ class FlopEfficiency(Policy):
             self._moved = _widen(self._moved, r, e)
 
     def _reshape(self, node: TreeNode) -> None:
-        n = HybridRadixCache.cost_dependent(node)
+        n = self.cache.cost_dependent(node)
         if n is not None and n.id in self._pos and self._nodes[self._pos[n.id]] is n:
             self._put(n, None)
 
@@ -350,7 +350,7 @@ class FlopEfficiency(Policy):
 
     def _take(self, node: TreeNode) -> TreeNode:
         # The manager evicts it now: what that leaves is looked at before the next choice.
-        self._evicted = node if node.children else HybridRadixCache.cascade_stop(node)
+        self._evicted = node if node.children else self.cache.cascade_stop(node)
         self._drop(node.id)
         return node
 

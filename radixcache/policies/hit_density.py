@@ -83,8 +83,8 @@ from itertools import accumulate
 
 import numpy as np
 
-from ..core.tree import HybridRadixCache, TreeNode
-from .base import DonationReason, Policy, RequestInfo
+from ..core.policy import DonationReason, Policy, RequestInfo
+from ..core.tree import TreeNode
 
 __all__ = ["HitDensity"]
 
@@ -104,7 +104,7 @@ _LAST, _BORN, _HITS, _KIND, _GAIN, _KEEP, _DROP, _LEAF, _TURN = range(9)
 
 def _gone(node: TreeNode) -> bool:
     """The node left the tree or lost its snapshot (a cascade, a reset, the tree's own eviction)."""
-    return not HybridRadixCache.holds_snapshot(node)
+    return node.parent is None or node.snapshot is None
 
 
 @dataclass
@@ -377,7 +377,7 @@ class HitDensity(Policy):
     def _refresh(self, pos: int, e: _Entry) -> None:
         """Row ``pos`` from entry ``e`` and its path as they are now."""
         node = e.node
-        if HybridRadixCache.holds_snapshot(node):
+        if self.cache.holds_snapshot(node):
             drop = self.freed_bytes(node, demote=False)
             keep = self.freed_bytes(node, demote=True) if drop > self.snapshot_bytes else drop
         else:  # a hit served from the host tier: not a device snapshot to evict (yet)
@@ -410,7 +410,7 @@ class HitDensity(Policy):
         self._track(_Entry(node, kind, now, req.session, req.ts, users, born=now, turn=turn))
         if node.children:
             self._reanchor(node)  # a new snapshot above others: it may anchor them
-        for d in HybridRadixCache.cost_dependents(node):  # a leaf no more, or a shorter cascade
+        for d in self.cache.cost_dependents(node):  # a leaf no more, or a shorter cascade
             self._reshape(d)
         if not finish or req.session is None:
             return
@@ -419,7 +419,7 @@ class HitDensity(Policy):
         # sessions come back to where they were (tool-calling agents: parallel calls, dead ends;
         # re-sends), the ends of earlier prompts and what already served a hit are kept.
         revisits = self._revisited.rate >= self.min_rate
-        for anc in HybridRadixCache.snapshot_ancestors(node):
+        for anc in self.cache.snapshot_ancestors(node):
             e = self._entries.get(anc.id)
             mine = e is not None and e.session == req.session and e.ts < req.ts and len(e.users) <= 1
             if mine and not (revisits and e is not None and e.kind in (RESEND, HIT)):
@@ -446,7 +446,7 @@ class HitDensity(Policy):
         # The snapshots above it on the path that would serve the request if it went (its anchors:
         # another conversation's, or shared) were used too: a shared prefix that new
         # conversations reach rarely stays while the conversations below it live.
-        for anc in HybridRadixCache.snapshot_ancestors(node):
+        for anc in self.cache.snapshot_ancestors(node):
             a = self._entries.get(anc.id)
             if a is not None and anc.id not in self._superseded and (len(a.users) > 1 or a.session != req.session):
                 a.last, a.hits = max(a.last, now), a.hits + 1
@@ -481,14 +481,14 @@ class HitDensity(Policy):
     def _reshape(self, top: TreeNode) -> None:
         """Refresh the row of the snapshot whose freed bytes a change below ``top`` may have
         moved (:meth:`HybridRadixCache.cost_dependent`)."""
-        n = HybridRadixCache.cost_dependent(top)
+        n = self.cache.cost_dependent(top)
         e = None if n is None else self._entries.get(n.id)
         if e is not None and e.node is n:
             self._refresh(self._pos[n.id], e)
 
     def _anchor_depth(self, e: _Entry) -> int:
         """Depth of the nearest ancestor snapshot that would still serve a hit on ``e``'s path."""
-        for anc in HybridRadixCache.snapshot_ancestors(e.node):
+        for anc in self.cache.snapshot_ancestors(e.node):
             if anc.id not in self._superseded:
                 a = self._entries.get(anc.id)
                 if a is None or a.session is None or a.session != e.session or len(a.users) > 1:
@@ -583,7 +583,7 @@ class HitDensity(Policy):
             old = self._entries[nid].node
             if _gone(old):
                 dead.append(nid)
-            elif HybridRadixCache.is_evictable(old) and (old.is_leaf or not leaf):
+            elif self.cache.is_evictable(old) and (old.is_leaf or not leaf):
                 first = old
                 break
         for nid in dead:
@@ -719,7 +719,7 @@ class HitDensity(Policy):
             self._unseen = len(self._items) > self.exact_below  # the exact path reads no rows
             return None
         # The manager evicts it now: what that leaves is looked at before the next choice.
-        self._evicted = node if node.children else HybridRadixCache.cascade_stop(node)
+        self._evicted = node if node.children else self.cache.cascade_stop(node)
         e = self._entries[node.id]
         if e.kind in self._outcome and node.id not in self._superseded:
             self._outcome[e.kind].add(False)

@@ -4,7 +4,7 @@ prefill chunk (SGLang caches an unfinished request after each chunk) and the fin
 
 from __future__ import annotations
 
-from .base import Policy, RequestInfo
+from ..core.policy import Policy, RequestInfo
 
 __all__ = ["SglangLike"]
 

@@ -3,7 +3,7 @@ engine in shared/reference/004; SGLang's own placement is ``sglang-like``)."""
 
 from __future__ import annotations
 
-from .base import Policy, RequestInfo
+from ..core.policy import Policy, RequestInfo
 
 __all__ = ["TrackAndFinish"]
 

@@ -8,7 +8,7 @@ default here is 512."""
 
 from __future__ import annotations
 
-from .base import Policy, RequestInfo
+from ..core.policy import Policy, RequestInfo
 
 __all__ = ["VllmLike"]
 

@@ -54,8 +54,8 @@ from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
 from linear_state import HostedStatePool, RequestOwner, SlotId, StateLayout, Stream
 
 from ..core.manager import CacheManager
+from ..core.policy import DonationReason, Policy
 from ..core.tree import HybridRadixCache, TreeNode
-from ..policies.base import DonationReason, Policy
 
 __all__ = ["RadixcacheHybridCache", "SGLangSlots", "sglang_state_pool"]
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 from sortedcontainers import SortedList
 
+from ..core.policy import DonationReason, Policy, RequestInfo
 from ..core.tree import HybridRadixCache, TreeNode
-from ..policies.base import DonationReason, Policy, RequestInfo
 from .traces import TraceRecord
 
 __all__ = ["CeilingResult", "FutureKnowledge", "ceiling", "ceiling_hits"]

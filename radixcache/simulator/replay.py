@@ -21,9 +21,9 @@ import torch
 from linear_state import LinearStatePool, StateLayout
 
 from ..core.manager import Admission, CacheManager
+from ..core.policy import Policy
 from ..core.shared import MemoryStore, SharedTier
 from ..core.tree import HybridRadixCache
-from ..policies.base import Policy
 from .traces import TraceRecord
 
 __all__ = ["PRESETS", "ModelPreset", "ReplayResult", "replay"]

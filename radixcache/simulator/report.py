@@ -8,8 +8,8 @@ import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from ..core.policy import Policy
 from ..policies import DEFAULT_POLICY, POLICIES, FlopEfficiency, make_policy
-from ..policies.base import Policy
 from .future import FutureKnowledge, ceiling
 from .replay import PRESETS, replay
 from .traces import TraceRecord, generate, read_trace

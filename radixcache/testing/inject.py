@@ -98,10 +98,10 @@ from linear_state import (
 from ..core import shared as _shared
 from ..core.keys import KeyLike
 from ..core.manager import Admission, CacheManager, Refusal, WindowPlan, WindowResult, _Request
+from ..core.policy import DonationReason, RequestInfo
 from ..core.shared import DIGEST_BYTES, Fetched, SharedStore, SharedTier
 from ..core.tree import HybridRadixCache, InsertResult, MatchResult, TreeNode
 from ..policies import FixedPoints, HitDensity, Policy
-from ..policies.base import DonationReason, RequestInfo
 
 __all__ = [
     "BUGS",
