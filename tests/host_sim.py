@@ -187,7 +187,7 @@ class Host:
         while self.reqs[rid].done < len(self.reqs[rid].ids):
             self.extend(rid)
 
-    def finish(self, rid: Hashable) -> int:
+    def finish(self, rid: Hashable) -> int | None:
         r = self.reqs.pop(rid)
         assert r.done == len(r.ids)
         res = self.mgr.finish(rid, r.last)

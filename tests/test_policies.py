@@ -433,7 +433,7 @@ def _evict(pol: HitDensity, now: float) -> None:
     node.cache.evict_snapshot(node)
 
 
-def _req(session: str, ts: float, n: int = 64, digest: int = 0) -> RequestInfo:
+def _req(session: str, ts: float, n: int = 64, digest: int | None = None) -> RequestInfo:
     return RequestInfo(n, 0, 0, session, ts, digest)
 
 

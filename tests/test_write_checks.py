@@ -95,7 +95,7 @@ def test_a_live_slot_finished_unwritten_is_not_kept(hit: bool) -> None:
     mgr.commit(plan, None)
     with pytest.warns(UnwrittenSlotWarning, match="depth 40 from a live slot still holding the state it was admitted"):
         fin = mgr.finish("a")
-    assert fin.donated_depth == 0 and fin.node is None
+    assert fin.donated_depth is None and fin.node is None
     assert mgr.cache.match(PROMPT, touch=False).length == 39, "the written re-send capture stays, not the final state"
     assert mgr.metrics().unwritten_snapshots == 1
     mgr.check_invariants()

@@ -249,7 +249,7 @@ class WindowResult(NamedTuple):
 class FinishResult(NamedTuple):
     """What finish/abort did.
 
-    :ivar donated_depth: depth of the final state donated (0: none).
+    :ivar donated_depth: depth of the final state donated (``None``: none).
     :ivar slots_freed: state slots returned to the pool.
     :ivar kv_held: the tree holds the KV of ``[0, kv_held)``.
     :ivar free_kv: every KV index of the request the host must now free (its own beyond
@@ -259,7 +259,7 @@ class FinishResult(NamedTuple):
     :ivar node: the node holding the donated final state (None when nothing was donated).
     """
 
-    donated_depth: int
+    donated_depth: int | None
     slots_freed: int
     kv_held: int
     free_kv: torch.Tensor
@@ -1769,7 +1769,8 @@ class CacheManager:
             rec.last_write[rec.live] = ready
         n = rec.done
         freed: list[torch.Tensor] = []
-        donated, node = 0, None
+        donated: int | None = None
+        node: TreeNode | None = None
         if n > rec.committed:
             target: tuple[int, int, Fence | None] | None = None
             if n % self.cache.page_size == 0:
@@ -1791,7 +1792,7 @@ class CacheManager:
         live_node = node if node is not None and target is not None and target[1] == rec.live else None
         n_slots, free, bad = self._end(rec, ready, after, free, live_node)
         if node is not None and any(b is node for b, _ in bad):
-            donated, node = 0, None
+            donated, node = None, None
         return FinishResult(donated, n_slots, held, free, after, node)
 
     @_exclusive
@@ -1809,7 +1810,7 @@ class CacheManager:
         after = ready if ready is not None else self._last_fence(rec)
         held = rec.committed
         n_slots, free, _ = self._end(rec, ready, after, self._own_kv(rec), None)
-        return FinishResult(0, n_slots, held, free, after)
+        return FinishResult(None, n_slots, held, free, after)
 
     def _end(
         self, rec: _Request, ready: Fence | None, after: Fence, free: torch.Tensor, live_node: TreeNode | None
@@ -1976,7 +1977,7 @@ def _request_info(kb: bytes, ids: np.ndarray, hit: int, branch: int, session: Ha
     bytes, so one prompt has one digest whichever front door it came through) and image starts."""
     is_img = ids >= IMAGE_ID_BASE
     starts = np.flatnonzero(is_img & ~np.concatenate([[False], is_img[:-1]]))
-    digest = int.from_bytes(hashlib.blake2b(kb, digest_size=8).digest(), "little") or 1
+    digest = int.from_bytes(hashlib.blake2b(kb, digest_size=8).digest(), "little")
     return RequestInfo(int(ids.size), hit, branch, session, t, digest, tuple(int(s) for s in starts))
 
 

@@ -79,7 +79,8 @@ class RequestInfo:
     :ivar branch: depth to which the prompt agreed with the tree (where it leaves the tree);
     :ivar session: the conversation the host says the request belongs to (``None``: unknown);
     :ivar ts: arrival time in seconds (the manager's clock unless the host passes ``now``);
-    :ivar prompt_digest: a hash of the prompt's ids (equal digests: identical prompts);
+    :ivar prompt_digest: a hash of the prompt's ids (equal digests: identical prompts;
+        ``None``: unknown);
     :ivar image_starts: depths where image spans start in the prompt.
     """
 
@@ -88,7 +89,7 @@ class RequestInfo:
     branch: int
     session: Hashable | None
     ts: float
-    prompt_digest: int = 0
+    prompt_digest: int | None = None
     image_starts: tuple[int, ...] = ()
 
 

@@ -249,6 +249,9 @@ class EvictResult(NamedTuple):
     nodes_removed: int
 
 
+_ONE_SNAPSHOT = EvictResult(0, 1, 0)  # a snapshot demoted, or dropped from an inner node
+
+
 class HybridRadixCache:
     """A radix prefix cache for hybrid models: KV pages plus linear-state snapshots.
 
@@ -992,20 +995,20 @@ class HybridRadixCache:
             raise ValueError(f"node {node.id} holds no snapshot to evict")
         if node.snap_lock:
             raise LockError(f"node {node.id} is locked; its snapshot cannot be evicted")
-        return EvictResult(*self._evict_device_snapshot(node, demote=demote))
+        return self._evict_device_snapshot(node, demote=demote)
 
-    def _evict_device_snapshot(self, n: TreeNode, *, demote: bool) -> tuple[int, int, int]:
+    def _evict_device_snapshot(self, n: TreeNode, *, demote: bool) -> EvictResult:
         """Unlocked ``n``'s device snapshot goes: to the host tier (``demote``, when it has room),
         else dropped; a leaf then goes whole (its KV too, cascading), an inner node stays a
-        tombstone. Returns (KV tokens, snapshots, nodes) freed."""
+        tombstone. Returns what was freed."""
         if demote and self._demote(n):
-            return 0, 1, 0
+            return _ONE_SNAPSHOT
         if n.children:
             self._free_snapshot(n)
-            return 0, 1, 0
+            return _ONE_SNAPSHOT
         return self._remove_leaf(n)
 
-    def _remove_leaf(self, n: TreeNode) -> tuple[int, int, int]:
+    def _remove_leaf(self, n: TreeNode) -> EvictResult:
         """Remove unlocked leaf ``n`` and every parent it leaves as an unlocked tombstone leaf."""
         freed_kv = freed_snaps = removed = 0
         while True:
@@ -1032,7 +1035,7 @@ class HybridRadixCache:
                     self._kv_heap.push(parent.last_access, parent)
                 break
             n = parent  # a tombstone leaf: cannot serve a hit, goes too (it holds no lock: see lock())
-        return freed_kv, freed_snaps, removed
+        return EvictResult(freed_kv, freed_snaps, removed)
 
     def _free_snapshot(self, n: TreeNode) -> None:
         slot = n.snapshot

@@ -270,7 +270,7 @@ class HitDensity(Policy):
         self._events += 1
         if req.session is not None:
             self._see_session(req.session, req.ts, req.prompt_len)
-        if req.prompt_digest:
+        if req.prompt_digest is not None:
             seen = req.prompt_digest in self._digests
             self._repeated.add(seen)
             self._digests[req.prompt_digest] = None
