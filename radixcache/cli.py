@@ -178,6 +178,7 @@ def cmd_hammer(args: argparse.Namespace) -> int:
         logit_tol=args.logit_tol if args.logit_tol is not None else _default_logit_tol(args.model),
         shared_corrupt=args.shared_corrupt,
         hit_guard=not args.no_hit_guard,
+        clock=args.clock,
     )
     try:
         check_config(cfg)
@@ -395,6 +396,13 @@ def _parser() -> argparse.ArgumentParser:
         type=_fraction,
         default=0.05,
         help="with --shared-redis: the fraction of blobs handed out corrupted on purpose (each must be refused)",
+    )
+    hammer.add_argument(
+        "--clock",
+        choices=["steps", "wall"],
+        default="steps",
+        help="the policy's clock: a scheduler step counts 10 ms (default: the same figures on every machine), "
+        "or the machine's monotonic clock",
     )
     hammer.add_argument(
         "--no-hit-guard", action="store_true", help="do not compare cached tokens with the recorded figure"

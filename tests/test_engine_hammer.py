@@ -74,6 +74,7 @@ def test_unknown_inject_mode() -> None:
         ("logit_tol", float("nan"), "logit_tol must be a number >= 0, got nan"),
         ("policy", "lru", "hammer policy 'lru': known"),
         ("inject", "typo", "hammer inject 'typo': known"),
+        ("clock", "lunar", "hammer clock 'lunar': known"),
     ],
 )
 def test_a_hammer_config_out_of_range_is_refused_before_anything_runs(field: str, value: object, message: str) -> None:
@@ -304,6 +305,7 @@ def test_the_guard_key_leaves_out_what_does_not_shape_hits() -> None:
     base = guard_fields(HammerConfig())
     assert guard_fields(HammerConfig(inject="alias", forensics="x", workers=3, ground_truth=False)) == base
     assert guard_fields(HammerConfig(seed=1)) != base
+    assert guard_fields(HammerConfig(clock="wall")) != base  # the policy's clock shapes what it keeps
     with_redis = guard_fields(HammerConfig(shared_redis="redis://127.0.0.1:1/0"))
     assert with_redis == guard_fields(HammerConfig(shared_redis="redis://127.0.0.1:2/0"))
     assert with_redis["shared_redis"] is True and "shared_corrupt" not in base
@@ -314,3 +316,17 @@ def test_the_hammer_knows_the_bugs_it_injects() -> None:
         run_hammer(HammerConfig(requests=1, inject="hf-conv-shift"), model=MODEL)
     with pytest.raises(ValueError, match="shared_corrupt"):
         run_hammer(HammerConfig(requests=1, shared_corrupt=1.5), model=MODEL)
+
+
+def test_on_the_step_clock_two_runs_serve_the_same_figures() -> None:
+    """The hammer's default clock counts scheduler steps: the policy's choices, and so every
+    figure, are the same run after run (on the wall clock they move with the machine's pace)."""
+    cfg = HammerConfig(requests=60, concurrency=6, seed=3, ground_truth=False, hit_guard=False)
+    a, b = run_hammer(cfg, model=MODEL), run_hammer(cfg, model=MODEL)
+    assert (a.cached_tokens, a.hits, a.metrics) == (b.cached_tokens, b.hits, b.metrics)
+    with pytest.raises(ValueError, match="policy_clock must be one of"):
+        ReferenceEngine(MODEL, policy_clock="lunar")
+    engine = ReferenceEngine(MODEL, policy_clock="steps")
+    engine.step()
+    engine.step()
+    assert engine.manager.clock() == pytest.approx(2 * engine.STEP_SECONDS)

@@ -46,6 +46,7 @@ __all__ = [
     "ReferenceEngine",
     "ServingQueue",
     "ColdJob",
+    "check_policy_clock",
     "generate_cold",
     "generate_cold_many",
     "take_token",
@@ -143,6 +144,13 @@ class ServingQueue:
     running: dict[Hashable, Any]
     finished: list[EngineRequest]
     _progress: int  # requests admitted and ended so far (see ``progress``)
+    steps: int = 0  # scheduler steps run (each engine's ``step`` counts itself)
+    STEP_SECONDS = 0.01  # what a step counts on the step clock
+
+    def step_clock(self) -> float:
+        """Seconds on the engine's step clock, :data:`STEP_SECONDS` per scheduler step: the
+        policy's clock with ``policy_clock="steps"`` (the same figures on every machine)."""
+        return self.steps * self.STEP_SECONDS
 
     @property
     def idle(self) -> bool:
@@ -215,7 +223,10 @@ class ReferenceEngine(ServingQueue):
         next copy). The GPU's counterpart of the CPU's deferred streams. It must exceed the host's
         time to queue one forward and its commit (milliseconds of Python here): 0.5 ms exposed
         nothing on an H200.
-    :raises ValueError: ``forward_delay_us`` is negative, or positive for a model not on CUDA.
+    :param policy_clock: the policy's clock: ``"wall"`` (default, :func:`time.monotonic`) or
+        ``"steps"`` (:meth:`ServingQueue.step_clock`: runs give the same figures on every machine).
+    :raises ValueError: ``forward_delay_us`` is negative, or positive for a model not on CUDA; an
+        unknown ``policy_clock``.
     """
 
     def __init__(
@@ -240,7 +251,9 @@ class ReferenceEngine(ServingQueue):
         shared_store: SharedStore | None = None,
         publisher: str | None = None,
         shared_background: bool = False,
+        policy_clock: str = "wall",
     ) -> None:
+        check_policy_clock(policy_clock)
         if forward_delay_us < 0 or (forward_delay_us > 0 and model.device.type != "cuda"):
             raise ValueError(
                 f"forward_delay_us={forward_delay_us} needs a value >= 0, and > 0 only for a CUDA model "
@@ -298,6 +311,7 @@ class ReferenceEngine(ServingQueue):
             shared=self.shared,
             host_tier="auto" if host_slots is None else None,
             kv=self.kv,  # the manager keeps every request's KV table, and frees the tree's KV here
+            clock=self.step_clock if policy_clock == "steps" else time.monotonic,
         )
         self.host_pool = self.cache.host_pool  # the manager's default tier when host_slots is None
         # (forensics step when it ran, request, slot) for every slot a forward wrote: ground truth
@@ -395,6 +409,7 @@ class ReferenceEngine(ServingQueue):
     # ------------------------------------------------------------------ step
     def step(self) -> None:
         """One scheduler step (see the module docstring)."""
+        self.steps += 1
         prefilling = [r for r in self.running.values() if r.done < len(r.req.prompt)]
         decoding = [r for r in self.running.values() if r.next_token is not None]
         ends = [(r, box) for r in prefilling if (box := self._prefill_chunk(r)) is not None]
@@ -546,6 +561,15 @@ class ReferenceEngine(ServingQueue):
         del self._ids[rid]
         self.finished.append(r.req)
         self._device_progress()
+
+
+POLICY_CLOCKS = ("wall", "steps")
+
+
+def check_policy_clock(clock: object) -> None:
+    """:raises ValueError: ``clock`` is not one of :data:`POLICY_CLOCKS`."""
+    if clock not in POLICY_CLOCKS:
+        raise ValueError(f"policy_clock must be one of {POLICY_CLOCKS}, got {clock!r}")
 
 
 def take_token(req: EngineRequest, tok: int, logits: torch.Tensor) -> Literal["abort", "finish"] | None:

@@ -35,7 +35,7 @@ from ..core.manager import UnwrittenSlotWarning
 from ..core.shared import REDIS_URL_SCHEMES, RedisStore
 from ..policies import POLICIES, make_policy
 from . import guard
-from .engine import ColdJob, EngineRequest, ReferenceEngine, generate_cold_many
+from .engine import POLICY_CLOCKS, ColdJob, EngineRequest, ReferenceEngine, generate_cold_many
 from .faults import FaultyStore
 from .inject import HAMMER_BUGS, injected
 from .model import HybridConfig, HybridModel
@@ -86,6 +86,9 @@ class HammerConfig:
     # compare the tokens served from cache with the figure recorded for this configuration
     # (radixcache.testing.guard); a drop beyond its tolerance fails the run
     hit_guard: bool = True
+    # the policy's clock: "steps" (a scheduler step counts 10 ms: the same figures on every
+    # machine, run after run) or "wall" (time.monotonic: figures move with the machine's pace)
+    clock: str = "steps"
 
 
 @dataclass
@@ -371,6 +374,8 @@ def check_config(cfg: HammerConfig) -> None:
             raise ValueError(f"hammer {name} must be a number >= 0, got {v!r}")
     if cfg.policy not in POLICIES:
         raise ValueError(f"hammer policy {cfg.policy!r}: known {sorted(POLICIES)}")
+    if cfg.clock not in POLICY_CLOCKS:
+        raise ValueError(f"hammer clock {cfg.clock!r}: known {list(POLICY_CLOCKS)}")
     if cfg.inject is not None and cfg.inject not in HAMMER_BUGS:
         raise ValueError(f"hammer inject {cfg.inject!r}: known {list(HAMMER_BUGS)}")
     if not isinstance(cfg.device, str) or cfg.device.split(":")[0] not in ("cpu", "cuda"):
@@ -441,6 +446,7 @@ def _hf_engine(cfg: HammerConfig) -> tuple[Any, Callable[[list[int], int], tuple
         snapshot_slots=cfg.snapshot_slots,
         host_slots=cfg.host_slots,
         policy=None if cfg.policy == "hit-density" else make_policy(cfg.policy),
+        policy_clock=cfg.clock,
     )
     return engine, lambda prompt, n: generate_cold_hf(model, engine.bridge, prompt, n), int(config.vocab_size)
 
@@ -493,6 +499,7 @@ def _reference_engine(cfg: HammerConfig, model: HybridModel) -> ReferenceEngine:
             )
         ),
         publisher=f"replica-{cfg.replica}",
+        policy_clock=cfg.clock,
     )
 
 

@@ -37,7 +37,7 @@ from ..core.tree import HybridRadixCache
 from ..hf.bridge import HFStateBridge
 from ..hf.sequence import HFSequence, KVStore
 from ..policies import HitDensity, Policy
-from .engine import EngineRequest, ServingQueue, take_token
+from .engine import EngineRequest, ServingQueue, check_policy_clock, take_token
 
 __all__ = ["HFEngine"]
 
@@ -63,9 +63,11 @@ class HFEngine(ServingQueue):
     :param policy: the manager's policy (default ``HitDensity(block=track_align)``).
     :param host_slots: the tree's host tier in snapshots (``None``: the manager's default, 0: none).
     :param batch_decode: decode every decoding request in one forward (default), or one by one.
+    :param policy_clock: the policy's clock, ``"wall"`` or ``"steps"`` (as the reference engine's).
     :raises TypeError: ``batch_decode`` not a bool. :raises ValueError: a count below its least
         value (``max_running``, ``kv_tokens``, ``chunk``, ``track_slots``, ``track_align`` >= 1;
-        ``snapshot_slots``, ``host_slots`` >= 0). Both before anything is built.
+        ``snapshot_slots``, ``host_slots`` >= 0), an unknown ``policy_clock``. Both before anything
+        is built.
     """
 
     def __init__(
@@ -82,7 +84,9 @@ class HFEngine(ServingQueue):
         policy: Policy | None = None,
         host_slots: int | None = None,
         batch_decode: bool = True,
+        policy_clock: str = "wall",
     ) -> None:
+        check_policy_clock(policy_clock)
         if type(batch_decode) is not bool:
             raise TypeError(f"batch_decode must be a bool, got {batch_decode!r}")
         for name, v, lo in (
@@ -116,6 +120,7 @@ class HFEngine(ServingQueue):
             track_slots=track_slots,
             host_tier="auto" if host_slots is None else None,
             kv=self.kv,  # the manager keeps the KV tables and frees into self.kv
+            clock=self.step_clock if policy_clock == "steps" else time.monotonic,
         )
         self.host_pool = self.cache.host_pool
         self.forensics = None
@@ -141,6 +146,7 @@ class HFEngine(ServingQueue):
     def step(self) -> None:
         """Prefill one window of each prefilling request, admit, decode one token of each decoding
         request, sample, finish what is done."""
+        self.steps += 1
         for r in [r for r in self.running.values() if r.seq.done < len(r.req.prompt)]:
             logits = self._prefill(r)
             if logits is not None:
