@@ -144,7 +144,7 @@ def test_checkpoint_without_a_free_slot_evicts_then_files_kv_alone() -> None:
     keep = file(mgr, [1, 2]).node  # type: ignore[attr-defined]
     mgr.lock(keep)
     slot, owner = donor(mgr, [3, 4])  # the last free slot: none left for the clone
-    res = mgr.checkpoint([3, 4], torch.tensor([50, 51]), state_slot=slot)
+    res = mgr.checkpoint([3, 4], torch.tensor([50, 51]), state_slot=slot, ready=mgr.pool.last_use(slot))
     assert not res.snapshot_created and mgr.metrics().donations_skipped["no-slot"] == 1
     assert mgr.lookup([3, 4, 5]).length == 0  # the KV alone is no hit
     mgr.pool.free(slot, owner)
@@ -208,3 +208,21 @@ def test_no_module_but_the_manager_drives_the_tree() -> None:
             if MUTATORS.search(code) and not code.lstrip().startswith(("``", ":")):
                 found.append(f"{rel}:{i}: {line.strip()}")
     assert not found, "the tree is driven outside the manager:\n" + "\n".join(found)
+
+
+def test_bad_input_to_checkpoint_or_restore_changes_nothing() -> None:
+    mgr, pol = make(slots=2)
+    file(mgr, [1, 2])
+    slot, owner = donor(mgr, [3, 4])  # the pool is full: a good checkpoint would evict [1, 2]
+    heard = len(pol.heard)
+    with pytest.raises(TypeError):
+        mgr.checkpoint("34", torch.tensor([50, 51]), state_slot=slot)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        mgr.checkpoint([3, 4], torch.tensor([50]), state_slot=slot)  # KV of the wrong length
+    info = mgr.request_info([1, 2, 3], 2)
+    with pytest.raises(TypeError, match="TreeNode"):
+        mgr.restore("node", slot, dst_owner=owner, info=info)  # type: ignore[arg-type]
+    assert mgr.cache.num_snapshots == 1 and mgr.lookup([1, 2, 3], touch=False).length == 2
+    assert len(pol.heard) == heard and mgr.metrics().evictions["donation"] == 0
+    mgr.pool.free(slot, owner)
+    mgr.check_invariants()

@@ -56,7 +56,14 @@ from linear_state import (
 from linear_state.owners import NodeOwner
 
 from ..forensics.recorder import Forensics, SnapshotCorruption
-from .errors import AdmissionFailed, ConcurrentUseError, ProtocolError, RadixCacheError, UnknownRequest
+from .errors import (
+    AdmissionFailed,
+    ConcurrentUseError,
+    ForeignObjectError,
+    ProtocolError,
+    RadixCacheError,
+    UnknownRequest,
+)
 from .keys import IMAGE_ID_BASE, MAX_ID, KeyLike, key_bytes
 from .kv import KVAllocator, KVExhausted
 from .metrics import ManagerMetrics, MetricsCounters
@@ -1539,8 +1546,13 @@ class CacheManager:
         """Whether the pool has a free slot, evicting one snapshot through the policy first when it
         has none; ``keep`` (a node about to be restored) is held during that eviction.
 
-        :raises ValueError, ForeignObjectError: ``keep`` cannot be locked. Nothing changed.
+        :raises TypeError: ``keep`` not a ``TreeNode``. :raises ForeignObjectError: another tree's
+            node. :raises ValueError: ``keep`` cannot be locked. Nothing changed.
         """
+        if keep is not None and not isinstance(keep, TreeNode):
+            raise TypeError(f"keep must be a TreeNode (lookup returns one), got {type(keep).__name__}")
+        if keep is not None and keep.cache is not self.cache:
+            raise ForeignObjectError(f"keep is node {keep.id} of another tree")
         if self.pool.num_free == 0:
             t = self._now(now)
             if keep is not None:
@@ -1596,11 +1608,13 @@ class CacheManager:
         and forensics verifies the copy when on. Returns the fence the request's next forward waits.
 
         :raises ValueError: ``node`` holds no snapshot. :raises TypeError: ``info`` not a
-            ``RequestInfo``. :raises linear_state.SlotMisuse: ``dst_slot`` not ``dst_owner``'s.
-            Nothing changed.
+            ``RequestInfo``, ``node`` not a ``TreeNode``. :raises linear_state.SlotMisuse:
+            ``dst_slot`` not ``dst_owner``'s. Nothing changed.
         """
         if not isinstance(info, RequestInfo):
             raise TypeError(f"info must be a RequestInfo (request_info builds one), got {type(info).__name__}")
+        if not isinstance(node, TreeNode):
+            raise TypeError(f"node must be a TreeNode (lookup returns one), got {type(node).__name__}")
         if node.snapshot is None and node.host is None:
             raise ValueError(f"node {node.id} at depth {node.depth} holds no snapshot to restore")
         t = self._now(now)
@@ -1633,8 +1647,9 @@ class CacheManager:
     ) -> InsertResult:
         """File a prefix a host that keeps its own slots computed: ``cache_ids`` with their KV, and,
         with ``state_slot`` (the state after the page-cut key, owned by the caller; lend the host's
-        slot to the pool for the call), a clone of that state. With no free slot for the clone one
-        snapshot is evicted through the policy; when still none, the KV is filed without a snapshot
+        slot to the pool for the call), a clone of that state. When the clone needs a slot and none
+        is free, one snapshot is evicted through the policy (after every argument was checked);
+        when still none, the KV is filed without a snapshot
         (counted as a donation skipped for want of a slot). A new snapshot is announced to the
         policy (``reason``), recorded by forensics (``donor``) and queued for the shared tier.
         Duplicates of KV the tree holds go to the tree's ``on_free_kv``, or, with
@@ -1664,19 +1679,30 @@ class CacheManager:
         """:meth:`checkpoint`'s work; ``shared``: the host says the prefix is shared (a warm-up's
         system prompt), so the policy hears of it as a branch point."""
         t = self._now(now)
-        if state_slot is not None and self.pool.num_free == 0:
+        try:
+            res = self.cache.insert(
+                cache_ids,
+                kv_indices,
+                state_slot=state_slot,
+                ready=ready,
+                namespace=namespace,
+                release_duplicates=release_duplicates,
+            )
+        except PoolExhausted:
+            # Everything was validated and nothing changed: only the clone lacks a slot. One
+            # snapshot goes through the policy; with none evictable the KV is filed alone.
             self._evict_snapshots(1, t, "donation")
             if self.pool.num_free == 0:
                 self._counters.donations_skipped["no-slot"] += 1
-                state_slot = None
-        res = self.cache.insert(
-            cache_ids,
-            kv_indices,
-            state_slot=state_slot,
-            ready=ready,
-            namespace=namespace,
-            release_duplicates=release_duplicates,
-        )
+                state_slot = ready = None
+            res = self.cache.insert(
+                cache_ids,
+                kv_indices,
+                state_slot=state_slot,
+                ready=ready,
+                namespace=namespace,
+                release_duplicates=release_duplicates,
+            )
         if state_slot is None:
             return res
         if not res.snapshot_created:
