@@ -43,7 +43,7 @@ import torch
 from bench_tree import build_workload
 
 from linear_state import LinearStatePool, NodeOwner, RequestOwner, StateLayout
-from radixcache import HybridRadixCache
+from radixcache import HybridRadixCache, free_kv_to
 
 LAYOUT = StateLayout(3, (96, 3), (2, 32, 16), conv_dtype=torch.bfloat16, recurrent_dtype=torch.float32)
 
@@ -213,7 +213,7 @@ class _Side:
         self.donor = self.pool.alloc(RequestOwner("donor"))
         self.kvs = [torch.arange(i * len(s), (i + 1) * len(s)) for i, s in enumerate(seqs)]
         if kind == "ours":
-            self.tree: Any = HybridRadixCache(self.pool, on_free_kv=self.freed.append)
+            self.tree: Any = HybridRadixCache(self.pool, on_event=free_kv_to(self.freed.append))
         else:
             self.tree = Floor(self.pool, self.freed.append)
 

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from linear_state import LinearStatePool, RequestOwner, StateLayout
-from radixcache import HybridRadixCache
+from radixcache import HybridRadixCache, free_kv_to
 
 
 def build_workload(rng: np.random.Generator, groups: int, per_group: int, prefix: int, suffix: int) -> list[np.ndarray]:
@@ -42,7 +42,7 @@ def one_round(seqs: list[np.ndarray], rng: np.random.Generator, prefix: int, suf
     layout = StateLayout(2, (8, 3), (2, 4, 4))
     pool = LinearStatePool(layout, len(seqs) + 8)
     freed: list[torch.Tensor] = []
-    cache = HybridRadixCache(pool, page_size=1, on_free_kv=freed.append)
+    cache = HybridRadixCache(pool, page_size=1, on_event=free_kv_to(freed.append))
     donor = RequestOwner("donor")
     slot = pool.alloc(donor)
     gc.collect()
@@ -99,7 +99,7 @@ def one_round(seqs: list[np.ndarray], rng: np.random.Generator, prefix: int, suf
 def list_insert_us(seqs: list[np.ndarray]) -> float:
     """Median insert with the keys as Python lists (what hosts pass), into a fresh tree."""
     pool = LinearStatePool(StateLayout(2, (8, 3), (2, 4, 4)), len(seqs) + 8)
-    cache = HybridRadixCache(pool, page_size=1, on_free_kv=lambda kv: None)
+    cache = HybridRadixCache(pool, page_size=1, on_event=free_kv_to(lambda kv: None))
     slot = pool.alloc(RequestOwner("donor"))
     gc.collect()
     gc.disable()

@@ -16,6 +16,7 @@ import torch
 
 from linear_state import DeferredStream, LinearStatePool, RequestOwner, StateLayout
 
+from .core.events import free_kv_to
 from .core.tree import HybridRadixCache, TreeNode
 
 __all__ = ["StressReport", "tree_stress"]
@@ -58,7 +59,7 @@ def tree_stress(
             assert x not in released, f"KV index {x} released twice"
             released.add(x)
 
-    cache = HybridRadixCache(pool, page_size=page_size, on_free_kv=on_free, stream=copies)
+    cache = HybridRadixCache(pool, page_size=page_size, on_event=free_kv_to(on_free), stream=copies)
     donor, reader = RequestOwner("donor"), RequestOwner("reader")
     handed = 0
     locked: list[TreeNode] = []

@@ -10,7 +10,15 @@ import numpy as np
 import torch
 
 from linear_state import DeferredStream, Fence, LinearStatePool, StateLayout
-from radixcache import Admission, CacheManager, DecodeBatchResult, HybridRadixCache, WindowPlan, WindowResult
+from radixcache import (
+    Admission,
+    CacheManager,
+    DecodeBatchResult,
+    HybridRadixCache,
+    WindowPlan,
+    WindowResult,
+    free_kv_to,
+)
 from radixcache.policies import FixedPoints, Policy
 
 LAYOUT = StateLayout(1, (2, 3), (2, 2), recurrent_dtype=torch.float64)
@@ -62,7 +70,9 @@ class Host:
         self.pool = LinearStatePool(LAYOUT, self.slots)
         self.kv_free: set[int] = set()
         self.kv_next = 0
-        self.cache = HybridRadixCache(self.pool, page_size=self.page_size, on_free_kv=self.free_kv, stream=self.copies)
+        self.cache = HybridRadixCache(
+            self.pool, page_size=self.page_size, on_event=free_kv_to(self.free_kv), stream=self.copies
+        )
         self.mgr = CacheManager(
             self.cache,
             self.policy if self.policy is not None else FixedPoints(self.track_align),

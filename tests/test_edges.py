@@ -168,7 +168,7 @@ def test_node_ids_keep_growing_across_reset() -> None:
         ({"page_size": 1.5}, TypeError, "page_size must be an int"),
         ({"page_size": True}, TypeError, "page_size must be an int"),
         ({"page_size": 0}, ValueError, "positive"),
-        ({"on_free_kv": 5}, TypeError, "callable"),
+        ({"on_event": 5}, TypeError, "callable"),
         ({"stream": "cuda"}, TypeError, "Stream"),
     ],
 )

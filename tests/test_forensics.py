@@ -16,8 +16,7 @@ from .host_sim import Host, cold_state
 def forensic_host(tmp_path: Path, mode: str = "raise", **kw: object) -> Host:
     h = Host(**kw)  # type: ignore[arg-type]
     fx = Forensics(h.pool, ledger=Ledger(tmp_path / "ledger.jsonl"), mode=mode)  # type: ignore[arg-type]
-    h.mgr.forensics = fx
-    h.cache.on_free_snapshot = lambda n: fx.snapshot_freed(n.id, int(n.snapshot or 0))
+    h.mgr.forensics = fx  # the manager hands the tree's events to whatever forensics it has now
     return h
 
 

@@ -24,6 +24,7 @@ from radixcache import (
     Refusal,
     TreeNode,
     UnknownRequest,
+    free_kv_to,
 )
 from radixcache.policies import DonationReason, FixedPoints, Policy, RequestInfo
 from radixcache.testing.digest import state_digest
@@ -276,7 +277,7 @@ def test_a_callback_re_entering_the_manager_is_refused() -> None:
         except ConcurrentUseError as exc:
             seen.append(exc)
 
-    mgr = CacheManager(HybridRadixCache(pool, on_free_kv=on_free_kv), FixedPoints(64))
+    mgr = CacheManager(HybridRadixCache(pool, on_event=free_kv_to(on_free_kv)), FixedPoints(64))
     holder.append(mgr)
     adm = mgr.admit("a", list(range(100)))
     assert adm.admitted

@@ -15,7 +15,7 @@ from linear_state import (
     SlotMisuse,
     StateLayout,
 )
-from radixcache import Admission, CacheManager, EvictResult, HybridRadixCache
+from radixcache import Admission, CacheManager, EvictResult, HybridRadixCache, free_kv_to
 from radixcache.forensics import Forensics
 from radixcache.policies import FixedPoints, HitDensity
 from radixcache.simulator import generate, host_tier_table, load_trace, report_markdown, run_grid
@@ -33,7 +33,9 @@ def tiered(
     freed: list[int] = []
     pool = LinearStatePool(LAYOUT, slots)
     hp = LinearStatePool(LAYOUT, host)
-    cache = HybridRadixCache(pool, on_free_kv=lambda t: freed.extend(int(x) for x in t), stream=stream, host_pool=hp)
+    cache = HybridRadixCache(
+        pool, on_event=free_kv_to(lambda t: freed.extend(int(x) for x in t)), stream=stream, host_pool=hp
+    )
     return cache, hp, freed
 
 

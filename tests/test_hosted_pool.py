@@ -15,7 +15,7 @@ from linear_state import (
     SlotMisuse,
     StateLayout,
 )
-from radixcache import HybridRadixCache
+from radixcache import HybridRadixCache, free_kv_to
 
 LAYOUT = StateLayout(2, (3, 2), (2, 2))
 S = 6  # slot 0 reserved, as an engine's dummy slot
@@ -190,7 +190,7 @@ def test_invariants_name_an_owned_reserved_slot_and_a_lying_lender() -> None:
 def test_a_tree_on_a_hosted_pool_donates_restores_and_evicts_through_the_host() -> None:
     pool, lender = make()
     freed: list[int] = []
-    tree = HybridRadixCache(pool, on_free_kv=lambda kv: freed.extend(kv.tolist()))
+    tree = HybridRadixCache(pool, on_event=free_kv_to(lambda kv: freed.extend(kv.tolist())))
     h = lender.take(1)[0]  # type: ignore[index]
     pool.conv[:, h].fill_(3.0)
     donor = pool.lend(h, A)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from linear_state import COMPLETE, Fence, ImmediateStream, LinearStatePool
-from radixcache import Admission, CacheManager, HybridRadixCache, Refusal
+from radixcache import Admission, CacheManager, HybridRadixCache, Refusal, free_kv_to
 from radixcache.core.kv import KVAllocator, KVExhausted, KVFreeList
 from radixcache.core.manager import WindowPlan
 from radixcache.policies import FixedPoints
@@ -118,7 +118,6 @@ def test_donation_splices_and_frees_the_duplicates_to_the_allocator() -> None:
         real_free(idx)
 
     kv.free = spy  # type: ignore[method-assign,assignment]
-    mgr.cache.on_free_kv = spy
     # Two requests computing the same fresh prompt: the second one's donation meets the first's pages.
     p2 = list(range(100, 132))
     for rid in ("x", "y"):
@@ -230,10 +229,10 @@ def test_commit_refuses_indices_against_kv_and_requires_them_without() -> None:
 
 def test_constructor_refuses_a_non_allocator_and_a_tree_freeing_elsewhere() -> None:
     pool = LinearStatePool(FUZZ_LAYOUT, 8)
-    cache = HybridRadixCache(pool, on_free_kv=lambda idx: None)
+    cache = HybridRadixCache(pool, on_event=free_kv_to(lambda idx: None))
     with pytest.raises(TypeError, match="kv must be a KVAllocator"):
         CacheManager(HybridRadixCache(LinearStatePool(FUZZ_LAYOUT, 8)), kv=object())  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="frees its KV to another callback"):
+    with pytest.raises(ValueError, match="has a listener already"):
         CacheManager(cache, kv=KVFreeList(8), host_tier=None)
     assert cache.client is None, "nothing was bound"
     assert isinstance(KVFreeList(4), KVAllocator)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from linear_state import DeferredStream, Fence, LinearStatePool, RequestOwner
-from radixcache import HybridRadixCache, TreeNode
+from radixcache import HybridRadixCache, TreeNode, free_kv_to
 
 from .tree_helpers import LAYOUT, prefix_value
 
@@ -74,7 +74,7 @@ class TreeMachine(RuleBasedStateMachine):
         self.cache = HybridRadixCache(
             self.pool,
             page_size=self.page_size,
-            on_free_kv=lambda t: self.freed.extend(t.tolist()),
+            on_event=free_kv_to(lambda t: self.freed.extend(t.tolist())),
             stream=self.copies,
             host_pool=self.host,
         )

@@ -5,7 +5,7 @@ from collections.abc import Sequence
 import torch
 
 from linear_state import LinearStatePool, RequestOwner, SlotId, StateLayout
-from radixcache import HybridRadixCache
+from radixcache import HybridRadixCache, free_kv_to
 
 LAYOUT = StateLayout(2, (3, 3), (2, 2, 2))
 
@@ -21,7 +21,7 @@ def prefix_value(tokens: Sequence[int]) -> float:
 def make_cache(slots: int = 32, page_size: int = 1) -> tuple[HybridRadixCache, list[int]]:
     freed: list[int] = []
     pool = LinearStatePool(LAYOUT, slots)
-    cache = HybridRadixCache(pool, page_size=page_size, on_free_kv=lambda t: freed.extend(int(x) for x in t))
+    cache = HybridRadixCache(pool, page_size=page_size, on_event=free_kv_to(lambda t: freed.extend(int(x) for x in t)))
     return cache, freed
 
 

@@ -8,6 +8,7 @@ from .errors import (
     RadixCacheError,
     UnknownRequest,
 )
+from .events import TreeEvent, TreeEventKind, TreeListener, free_kv_to
 from .keys import IMAGE_ID_BASE, MAX_ID, KeyLike, key_bytes
 from .kv import KVAllocator, KVExhausted, KVFreeList
 from .lazy_heap import LazyHeap
@@ -63,12 +64,16 @@ __all__ = [
     "SharedStore",
     "SharedStoreError",
     "SharedTier",
+    "TreeEvent",
+    "TreeEventKind",
+    "TreeListener",
     "TreeNode",
     "UnknownRequest",
     "UnwrittenSlotWarning",
     "WindowPlan",
     "WindowResult",
     "auto_host_pool",
+    "free_kv_to",
     "image_cache_ids",
     "image_runs",
     "key_bytes",

@@ -64,6 +64,7 @@ from .errors import (
     RadixCacheError,
     UnknownRequest,
 )
+from .events import TreeEvent, TreeEventKind
 from .keys import IMAGE_ID_BASE, MAX_ID, KeyLike, key_bytes
 from .kv import KVAllocator, KVExhausted
 from .metrics import ManagerMetrics, MetricsCounters
@@ -359,7 +360,7 @@ class CacheManager:
         :meth:`admit` reserves the request's KV (evicting the tree's through the policy when the
         allocator runs short), each plan carries the indices its window writes and the table it
         reads, :meth:`commit` takes no indices, and every index the tree or a request lets go
-        returns through ``kv.free`` (the tree's ``on_free_kv`` becomes ``kv.free``). ``None``
+        returns through ``kv.free`` (the tree's ``KV_FREED`` events go there, not on to its listener). ``None``
         (default): the host keeps its tables and frees what results hand back.
     :param write_checks: catch two silent host mistakes without forensics (default on): each
         planned capture slot gets NaN probe elements before the host's forward (ordered in
@@ -433,10 +434,10 @@ class CacheManager:
             raise ValueError(f"write_checks must be a bool, got {write_checks!r}")
         if kv is not None and not isinstance(kv, KVAllocator):
             raise TypeError(f"kv must be a KVAllocator (num_free, alloc, free), got {type(kv).__name__}")
-        if kv is not None and cache.on_free_kv is not None and cache.on_free_kv != kv.free:
+        if kv is not None and cache.on_event is not None:
             raise ValueError(
-                "the tree frees its KV to another callback (on_free_kv); with kv= the manager routes it to "
-                "kv.free: build the tree without on_free_kv, or with on_free_kv=kv.free"
+                "the tree has a listener already (on_event); with kv= the manager frees the tree's KV into "
+                "kv.free: build the tree without on_event"
             )
         # Last of the checks: a bad option is reported as itself even on a served tree.
         if cache.client is not None:
@@ -456,8 +457,8 @@ class CacheManager:
             cache.attach_host_pool(host)
         if kv_bytes_per_token is not None:
             policy.costs(cache.pool.layout.slot_bytes, kv_bytes_per_token)
-        if kv is not None:
-            cache.on_free_kv = kv.free  # one channel: every index the tree lets go
+        # The tree's one channel: every KV index, snapshot and node it lets go comes here first.
+        self._host_listener = cache.listen(self._tree_event)
         cache.client = self
         self.kv = kv
         self.write_checks = write_checks
@@ -469,11 +470,6 @@ class CacheManager:
         self.stream = stream
         self.forensics = forensics
         self.clock = clock
-        if forensics is not None:
-            cache.on_free_snapshot = lambda n: forensics.snapshot_freed(n.id, int(n.snapshot or 0))
-            if cache.host_pool is not None:
-                host_pool = cache.host_pool
-                cache.on_demote = lambda n: forensics.snapshot_demoted(n.id, host_pool, int(n.host or 0))
         self.shared = shared
         if shared is not None:
             shared.on_reject = self._shared_rejected
@@ -802,9 +798,8 @@ class CacheManager:
             return None
         bad = _bad_imported_kv(kv, d)
         if bad is not None:  # the host's code broke its contract: a miss, its indices back to it
-            free = self.cache.on_free_kv
-            if free is not None and _bad_imported_kv(kv, int(getattr(kv, "shape", (0,))[0])) is None:
-                free(kv.to(torch.int64))  # 1-D non-negative integers of the wrong count: the host's
+            if _bad_imported_kv(kv, int(getattr(kv, "shape", (0,))[0])) is None:
+                self._give_back_kv(kv.to(torch.int64), m.node)  # 1-D non-negative integers of the wrong count
             shared.codec_failed("import_kv", ValueError(bad))
             return None
         stage, sslot, _ = shared.staging
@@ -1442,9 +1437,9 @@ class CacheManager:
     ) -> EvictResult:
         """Free at least ``snapshots`` snapshots and ``kv_tokens`` KV tokens, in the policy's order
         (or as many as are evictable). Call it when the host's KV allocator runs short (the KV goes
-        to the tree's ``on_free_kv``; reuse it for work ordered after this call) or to hold a byte
-        budget. Locked snapshots and their paths are never touched. O(log n) per snapshot for heap
-        policies.
+        to the host's allocator as the tree's ``KV_FREED`` events; reuse it for work ordered
+        after this call) or to hold a byte budget. Locked snapshots and their paths are never
+        touched. O(log n) per snapshot for heap policies.
 
         :param keep: the ids of a request about to be admitted: the hit :meth:`can_admit` reports
             for them (in ``namespace``) is protected during this eviction, so the dry run's
@@ -1652,7 +1647,7 @@ class CacheManager:
         when still none, the KV is filed without a snapshot
         (counted as a donation skipped for want of a slot). A new snapshot is announced to the
         policy (``reason``), recorded by forensics (``donor``) and queued for the shared tier.
-        Duplicates of KV the tree holds go to the tree's ``on_free_kv``, or, with
+        Duplicates of KV the tree holds go back as ``KV_FREED`` events (see ``kv=``), or, with
         ``release_duplicates=False``, back to the caller in ``result.released``. O(key).
 
         :raises TypeError, ValueError: bad ids, KV or slot (as :meth:`HybridRadixCache.insert`).
@@ -1734,7 +1729,7 @@ class CacheManager:
         namespace: Hashable = None,
     ) -> InsertResult:
         """Pre-cache a prefix the host computed at start-up (a system prompt): :meth:`checkpoint`
-        with the state in ``state_slot``, duplicates freed through the tree's ``on_free_kv`` (the
+        with the state in ``state_slot``, duplicates freed as the tree's ``KV_FREED`` events (the
         manager's ``kv.free`` with ``kv=``). The tree copies ``kv_indices``: reuse the buffer at
         once. The policy hears of the snapshot as a branch point (a prefix other sequences go on
         past). Call it while no request is admitted. Returns what the tree did; the KV beyond
@@ -1761,8 +1756,8 @@ class CacheManager:
 
     @_exclusive
     def reset(self) -> None:
-        """Drop every cached prefix: snapshot slots back to the pool, KV to the tree's
-        ``on_free_kv``.
+        """Drop every cached prefix: snapshot slots back to the pool, KV to the host's allocator
+        (``kv.free``, else the tree's ``KV_FREED`` events).
 
         :raises RuntimeError: requests are admitted, or a node is locked. Nothing changed.
         """
@@ -1908,6 +1903,32 @@ class CacheManager:
         if rec.kv_full is not None:
             return rec.kv_full[rec.committed :]
         return self._table(rec)[rec.committed :]
+
+    def _tree_event(self, event: TreeEvent) -> None:
+        """The tree's listener: freed KV to the host's allocator (``kv.free`` when the manager owns
+        the KV, else the listener the tree was built with), dropped and demoted snapshots to
+        forensics, then every event on to the tree's own listener."""
+        kind = event.kind
+        if kind is TreeEventKind.KV_FREED and self.kv is not None:
+            assert event.kv is not None
+            self.kv.free(event.kv)
+            return
+        fx = self.forensics
+        if fx is not None:
+            if kind is TreeEventKind.SNAPSHOT_FREED:
+                fx.snapshot_freed(event.node.id, int(event.slot or 0))
+            elif kind is TreeEventKind.DEMOTED:
+                assert self.cache.host_pool is not None and event.slot is not None
+                fx.snapshot_demoted(event.node.id, self.cache.host_pool, event.slot)
+        if self._host_listener is not None:
+            self._host_listener(event)
+
+    def _give_back_kv(self, idx: torch.Tensor, node: TreeNode) -> None:
+        """Hand KV indices the host gave but the tree did not take back through the KV channel."""
+        if self.kv is not None:
+            self.kv.free(idx)
+        elif self._host_listener is not None:
+            self._host_listener(TreeEvent(TreeEventKind.KV_FREED, node, idx))
 
     def _free_kv(self, idx: torch.Tensor, after: Fence) -> None:
         """Give ``idx`` back to the host's allocator (reused after ``after``)."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Hashable, Iterator
 from typing import Literal, NamedTuple
 
 import numpy as np
@@ -40,6 +40,7 @@ from linear_state import (
 )
 
 from .errors import ForeignObjectError, LockError
+from .events import TreeEvent, TreeEventKind, TreeListener
 from .keys import TOKEN_BYTES, KeyLike, key_bytes
 from .lazy_heap import LazyHeap
 
@@ -222,7 +223,7 @@ class InsertResult(NamedTuple):
     """What ``insert`` did.
 
     :ivar prefix_length: tokens of the (page-cut) key that were already cached. The caller's KV
-        indices for them that differ from the tree's are duplicates: released through ``on_free_kv``.
+        indices for them that differ from the tree's are duplicates: released as a ``KV_FREED`` event.
     :ivar length: tokens of the key the tree now holds KV for: the cut key when a snapshot was
         given, else ``prefix_length`` (the caller keeps the KV of the tail).
     :ivar node: with a snapshot, the node ending at ``length`` (holding it); without, the deepest
@@ -230,7 +231,8 @@ class InsertResult(NamedTuple):
     :ivar snapshot_created: a clone was taken (False when the node already held a snapshot).
     :ivar duplicates: how many caller KV indices were released as duplicates.
     :ivar released: those duplicates, when the caller asked for them back
-        (``release_duplicates=False``); empty otherwise (they went to ``on_free_kv``).
+        (``release_duplicates=False``): still the caller's; empty otherwise (they were released as
+        a ``KV_FREED`` event).
     """
 
     prefix_length: int
@@ -258,8 +260,12 @@ class HybridRadixCache:
     :param pool: where snapshot slots live; the tree owns its slots as ``NodeOwner(node.id)``.
         The pool should serve one tree (``check_invariants`` counts its node-owned slots).
     :param page_size: tokens per KV page; keys are cut down to whole pages.
-    :param on_free_kv: receives KV indices the tree releases: evicted edges, and duplicates of KV
-        it already held (see :meth:`insert`). ``None``: the host does not track KV.
+    :param on_event: the tree's listener (see :mod:`radixcache.core.events`): every KV index,
+        snapshot and node the tree lets go is reported to it as a :class:`TreeEvent`, in order,
+        from the call that did it. KV freed (evicted edges, duplicates of KV it already held) comes
+        only this way: ``on_event=free_kv_to(allocator.free)`` hands it to a host's allocator.
+        ``None``: nobody listens (the host does not track KV). A :class:`~radixcache.CacheManager`
+        listens first and passes every event on to this one.
     :param stream: stream for snapshot clones, restores, demotions (default: the pool's).
     :param host_pool: the host tier: a CPU pool of the same layout (pinned when ``pool`` is on
         CUDA). A snapshot evicted for lack of device slots is demoted into it (its node keeps its KV
@@ -282,7 +288,7 @@ class HybridRadixCache:
         pool: LinearStatePool,
         *,
         page_size: int = 1,
-        on_free_kv: Callable[[torch.Tensor], None] | None = None,
+        on_event: TreeListener | None = None,
         stream: Stream | None = None,
         host_pool: LinearStatePool | Literal["auto"] | None = None,
         host_budget_bytes: int | None = None,
@@ -307,8 +313,8 @@ class HybridRadixCache:
             raise TypeError(f"page_size must be an int, got {page_size!r}")
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
-        if on_free_kv is not None and not callable(on_free_kv):
-            raise TypeError(f"on_free_kv must be callable, got {type(on_free_kv).__name__}")
+        if on_event is not None and not callable(on_event):
+            raise TypeError(f"on_event must be callable, got {type(on_event).__name__}")
         if stream is not None and not isinstance(stream, Stream):
             raise TypeError(f"stream must be a linear_state Stream, got {type(stream).__name__}")
         page_size = int(page_size)
@@ -317,16 +323,28 @@ class HybridRadixCache:
         self.pool = pool
         self.host_pool = host_pool
         self.page_size = page_size
-        self.on_free_kv = on_free_kv
+        self._on_event = on_event
         self.stream = stream
-        # Called with a node just before its state is dropped, from either tier (forensics).
-        self.on_free_snapshot: Callable[[TreeNode], None] | None = None
-        # Called with a node once its snapshot was demoted to the host tier (``node.host`` set).
-        self.on_demote: Callable[[TreeNode], None] | None = None
         # The CacheManager serving this tree (set by it): one manager per tree.
         self.client: object | None = None
         self._page_bytes = page_size * TOKEN_BYTES
         self.reset_state()
+
+    @property
+    def on_event(self) -> TreeListener | None:
+        """The tree's listener (see ``on_event=``); change it with :meth:`listen`."""
+        return self._on_event
+
+    def listen(self, listener: TreeListener | None) -> TreeListener | None:
+        """Make ``listener`` the tree's one listener; returns the one it replaces (a listener that
+        takes over passes events on to it). ``None``: nobody listens.
+
+        :raises TypeError: ``listener`` is not callable. Nothing changed.
+        """
+        if listener is not None and not callable(listener):
+            raise TypeError(f"listener must be callable, got {type(listener).__name__}")
+        previous, self._on_event = self._on_event, listener
+        return previous
 
     def attach_host_pool(self, host_pool: LinearStatePool) -> None:
         """Give a tree built without a host tier its host pool (what ``host_pool=`` does at
@@ -687,8 +705,8 @@ class HybridRadixCache:
         KV ownership: the tree takes the caller's indices for the tokens it stores new (it keeps a
         copy: the caller may reuse its index tensor afterwards). For the
         ``prefix_length`` tokens already cached, any caller index that differs from the tree's is
-        a duplicate and is released through ``on_free_kv`` (or, with ``release_duplicates=False``,
-        handed back in ``result.released`` for the caller to free); use :meth:`kv_indices` of
+        a duplicate and is released as a ``KV_FREED`` event (or, with ``release_duplicates=False``,
+        handed back in ``result.released``: the caller keeps it); use :meth:`kv_indices` of
         ``result.node`` to get the tree's indices.
 
         O(nodes on the path + key length / page size) plus one clone.
@@ -731,7 +749,7 @@ class HybridRadixCache:
             # No snapshot to attach: a new leaf could never serve a hit, a split would add nothing.
             dups = self._duplicates(kv, kvn, path, split_child, split_at)
             self._touch(path)
-            return InsertResult(prefix_len, prefix_len, node, False, *self._hand_out(dups, release_duplicates))
+            return InsertResult(prefix_len, prefix_len, node, False, *self._hand_out(dups, release_duplicates, node))
         grows = pos < end  # a new leaf is needed
         # The target node's id, known before anything changes: new nodes are numbered in order
         # (the split's upper node first, then the new leaf).
@@ -777,20 +795,22 @@ class HybridRadixCache:
             if node.snap_lock:
                 self._protected_snapshots += 1
         self._touch(path)
-        return InsertResult(prefix_len, node.depth, node, clone is not None, *self._hand_out(dups, release_duplicates))
+        return InsertResult(
+            prefix_len, node.depth, node, clone is not None, *self._hand_out(dups, release_duplicates, node)
+        )
 
     def _take_snapshot(self, state_slot: int, owner: NodeOwner, ready: Fence | None) -> SlotWrite:
         """Copy-on-donate: a private clone of ``state_slot`` for ``owner``, ordered after ``ready``."""
         return self.pool.clone(state_slot, owner, stream=self.stream, after=() if ready is None else (ready,))
 
-    def _hand_out(self, dups: torch.Tensor | None, release: bool) -> tuple[int, torch.Tensor]:
-        """Release duplicates through ``on_free_kv`` (``release``) or hand them back."""
+    def _hand_out(self, dups: torch.Tensor | None, release: bool, node: TreeNode) -> tuple[int, torch.Tensor]:
+        """Release duplicates as a ``KV_FREED`` event (``release``) or hand them back."""
         if dups is None:
             return 0, _EMPTY_KV
         if not release:
             return int(dups.numel()), dups
-        if self.on_free_kv is not None:
-            self.on_free_kv(dups)
+        if self._on_event is not None:
+            self._on_event(TreeEvent(TreeEventKind.KV_FREED, node, dups))
         return int(dups.numel()), _EMPTY_KV
 
     def _duplicates(
@@ -947,8 +967,9 @@ class HybridRadixCache:
         KV comes from unlocked leaves; a parent left as a tombstone leaf goes too (cascade).
         Snapshots come from any unlocked node: with a host tier the snapshot is demoted there (the
         node keeps its KV and serves hits from host memory); without one, or when it is full of
-        locked copies, a leaf goes whole (its KV too) and an inner node stays as a tombstone. Freed
-        KV goes to ``on_free_kv``; snapshot slots go back to the pool after their clone fence.
+        locked copies, a leaf goes whole (its KV too) and an inner node stays as a tombstone. What
+        goes is reported to the listener as events (KV as ``KV_FREED``); snapshot slots go back to
+        the pool after their clone fence.
         O(log n) amortised per evicted node; never scans the tree.
 
         :raises ValueError: a negative amount. :raises TypeError: an amount that is not an int.
@@ -1026,8 +1047,9 @@ class HybridRadixCache:
             self._num_nodes -= 1
             freed_kv += k
             removed += 1
-            if self.on_free_kv is not None:
-                self.on_free_kv(n.value)
+            if self._on_event is not None:
+                self._on_event(TreeEvent(TreeEventKind.KV_FREED, n, n.value))
+                self._on_event(TreeEvent(TreeEventKind.NODE_REMOVED, n))
             if parent.depth == 0 or parent.children:
                 break
             if parent.snapshot is not None or parent.host is not None:  # a leaf again, with a state
@@ -1040,8 +1062,8 @@ class HybridRadixCache:
     def _free_snapshot(self, n: TreeNode) -> None:
         slot = n.snapshot
         assert slot is not None
-        if self.on_free_snapshot is not None:
-            self.on_free_snapshot(n)
+        if self._on_event is not None:
+            self._on_event(TreeEvent(TreeEventKind.SNAPSHOT_FREED, n, tier="device", slot=int(slot)))
         owner = n.owner
         assert owner is not None, f"{n!r} holds a snapshot but has no owner"
         self.pool.free(slot, owner, after=(n.snapshot_fence,))
@@ -1086,16 +1108,16 @@ class HybridRadixCache:
         self._num_host += 1
         self._demotions += 1
         self._host_heap.push(n.last_access, n)
-        if self.on_demote is not None:
-            self.on_demote(n)
+        if self._on_event is not None:
+            self._on_event(TreeEvent(TreeEventKind.DEMOTED, n, slot=int(hs)))
         return True
 
     def _drop_host(self, n: TreeNode, *, remove: bool) -> None:
         """Free ``n``'s host copy; with ``remove``, a leaf left without any state goes too."""
         hs = n.host
         assert hs is not None and self.host_pool is not None
-        if self.on_free_snapshot is not None:
-            self.on_free_snapshot(n)
+        if self._on_event is not None:
+            self._on_event(TreeEvent(TreeEventKind.SNAPSHOT_FREED, n, tier="host", slot=int(hs)))
         if n.snap_lock:
             self._protected_host -= 1
         self.host_pool.free(hs, self._owner_of(n), after=(n.host_fence,))
@@ -1137,7 +1159,8 @@ class HybridRadixCache:
 
     # ------------------------------------------------------------------ reset
     def reset(self) -> None:
-        """Drop every node: KV to ``on_free_kv``, snapshot slots back to the pool.
+        """Drop every node: its KV reported as ``KV_FREED`` (with ``NODE_REMOVED``), snapshot slots
+        back to the pool (``SNAPSHOT_FREED``).
 
         :raises LockError: some node is locked (a request still uses the tree; a ``RuntimeError``);
             nothing changed.
@@ -1160,8 +1183,9 @@ class HybridRadixCache:
                     self._free_snapshot(n)
                 if n.host is not None:
                     self._drop_host(n, remove=False)
-                if self.on_free_kv is not None:
-                    self.on_free_kv(n.value)
+                if self._on_event is not None:
+                    self._on_event(TreeEvent(TreeEventKind.KV_FREED, n, n.value))
+                    self._on_event(TreeEvent(TreeEventKind.NODE_REMOVED, n))
                 n.parent = None
         self.reset_state()
 

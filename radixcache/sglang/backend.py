@@ -53,6 +53,7 @@ from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
 
 from linear_state import HostedStatePool, RequestOwner, SlotId, StateLayout, Stream
 
+from ..core.events import free_kv_to
 from ..core.manager import CacheManager
 from ..core.policy import DonationReason, Policy
 from ..core.tree import HybridRadixCache, TreeNode
@@ -206,7 +207,7 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         self.disable = bool(params.disable)
         self.clock = clock
         self.state_pool = sglang_state_pool(self.req_to_token_pool, stream=stream)
-        self.tree = HybridRadixCache(self.state_pool, page_size=self.page_size, on_free_kv=self._free_kv)
+        self.tree = HybridRadixCache(self.state_pool, page_size=self.page_size, on_event=free_kv_to(self._free_kv))
         # The manager serves eviction through the policy; SGLang's scheduler drives the requests.
         if host_budget_bytes is None:
             self.manager = CacheManager(self.tree, policy, host_tier=None, clock=clock)

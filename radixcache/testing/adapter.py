@@ -23,6 +23,7 @@ import torch
 
 from linear_state import DeferredStream, Fence, LinearStatePool, StateLayout
 
+from ..core.events import free_kv_to
 from ..core.keys import IMAGE_ID_BASE
 from ..core.manager import Admission, CacheManager, WindowPlan
 from ..core.multimodal import image_cache_ids, image_runs
@@ -190,7 +191,7 @@ class ManagerAdapter:
     commit, as hosts that stage their page table do: a cache that kept a view of it would see
     its indices change (:meth:`check_kv` finds them).
 
-    :param manager: a manager whose tree's ``on_free_kv`` is :meth:`free_kv` (see :meth:`build`).
+    :param manager: a manager whose tree's freed KV reaches :meth:`free_kv` (see :meth:`build`).
     """
 
     def __init__(
@@ -287,7 +288,7 @@ class ManagerAdapter:
             page_size=page_size,
             track_align=track_align,
             track_slots=track_slots,
-            on_free_kv=lambda t: holder[0].free_kv(t),
+            on_event=free_kv_to(lambda t: holder[0].free_kv(t)),
             stream=copies,
             host_slots=host_slots,
             shared=tier,
@@ -303,7 +304,7 @@ class ManagerAdapter:
 
     # KV ------------------------------------------------------------------
     def free_kv(self, idx: torch.Tensor | list[int]) -> None:
-        """Free KV indices (the tree's ``on_free_kv``, and what commit, finish and abort hand
+        """Free KV indices (the tree's ``KV_FREED`` events, and what commit, finish and abort hand
         back): never an index freed twice, never one a live request's table still holds."""
         live = {i for r in self.reqs.values() for i in r.kv}
         for i in idx.tolist() if isinstance(idx, torch.Tensor) else idx:

@@ -67,7 +67,7 @@ validates-after-mutating   commit counts the window's tokens before it checks th
 accepts-foreign-node       the tree takes any node, whichever cache made it: a foreign node is
                            locked, unlocked, evicted or restored from this cache's pool.
 accepts-negative-kv        commit takes negative KV indices: the tree would hand them back to
-                           the host's allocator through ``on_free_kv``.
+                           the host's allocator through ``KV_FREED`` events.
 keeps-failed-admission     an admission that fails in code the manager called (its policy)
                            raises but keeps its slots and its lock.
 =========================  ====================================================================
@@ -76,7 +76,7 @@ keeps-failed-admission     an admission that fails in code the manager called (i
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -96,6 +96,7 @@ from linear_state import (
 )
 
 from ..core import shared as _shared
+from ..core.events import TreeEvent, TreeEventKind, TreeListener
 from ..core.keys import KeyLike
 from ..core.manager import Admission, CacheManager, Refusal, WindowPlan, WindowResult, _Request
 from ..core.policy import DonationReason, RequestInfo
@@ -150,8 +151,8 @@ class _AliasTree(HybridRadixCache):
 
     def _free_snapshot(self, n: TreeNode) -> None:
         # The aliased slot belongs to the donor (or its next owner): dropping it is all we can do.
-        if self.on_free_snapshot is not None:
-            self.on_free_snapshot(n)
+        if self.on_event is not None:
+            self.on_event(TreeEvent(TreeEventKind.SNAPSHOT_FREED, n, tier="device", slot=n.snapshot))
         n.snapshot = None
         n.snapshot_fence = COMPLETE
         self._num_snapshots -= 1
@@ -566,7 +567,7 @@ def make_cache(
     pool: LinearStatePool,
     *,
     page_size: int = 1,
-    on_free_kv: Callable[[torch.Tensor], None] | None = None,
+    on_event: TreeListener | None = None,
     stream: Stream | None = None,
     host_pool: LinearStatePool | Literal["auto"] | None = None,
 ) -> HybridRadixCache:
@@ -578,7 +579,7 @@ def make_cache(
     """
     _check_bug(inject)
     cls = _TREES.get(inject or "", HybridRadixCache)
-    return cls(pool, page_size=page_size, on_free_kv=on_free_kv, stream=stream, host_pool=host_pool)
+    return cls(pool, page_size=page_size, on_event=on_event, stream=stream, host_pool=host_pool)
 
 
 def make_manager(inject: str | None, cache: HybridRadixCache, policy: Policy | None, **options: object) -> CacheManager:
@@ -598,7 +599,7 @@ def make_fuzz_stack(
     page_size: int = 1,
     track_align: int = 4,
     track_slots: int = 2,
-    on_free_kv: Callable[[torch.Tensor], None] | None = None,
+    on_event: TreeListener | None = None,
     stream: Stream | None = None,
     policy: Policy | None = None,
     host_slots: int = 0,
@@ -613,7 +614,7 @@ def make_fuzz_stack(
     """
     pool = make_pool(inject, layout, slots)
     host = LinearStatePool(layout, host_slots) if host_slots else None
-    tree = make_cache(inject, pool, page_size=page_size, on_free_kv=on_free_kv, stream=stream, host_pool=host)
+    tree = make_cache(inject, pool, page_size=page_size, on_event=on_event, stream=stream, host_pool=host)
     return make_manager(
         inject,
         tree,
