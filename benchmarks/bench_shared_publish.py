@@ -3,7 +3,7 @@ writer, on a real redis-server.
 
 Per mode, ``--blobs`` snapshots of a replay preset's layout (the state of ``--preset``, plus the KV
 of ``--tokens`` tokens at the preset's bytes per token, as a host's codec would export it) are
-published under distinct keys through :class:`~radixcache.core.shared.SharedTier`; each
+published under distinct keys through :class:`~radixcache.tiers.shared.SharedTier`; each
 ``publish()`` call is timed on the calling thread (read-back, fingerprint, encoding, and, inline,
 the upload), then the tier is flushed and every blob is checked to be in the store. Modes alternate
 ``--reps`` times, each on a fresh key space; medians over reps. Prints one JSON object.
@@ -29,8 +29,9 @@ import numpy as np
 import torch
 
 from linear_state import LinearStatePool, RequestOwner, StateLayout
-from radixcache.core.shared import RedisStore, SharedTier
 from radixcache.simulator.replay import PRESETS
+from radixcache.tiers.shared import SharedTier
+from radixcache.tiers.store import RedisStore
 
 
 class _BytesKV:

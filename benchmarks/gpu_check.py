@@ -52,10 +52,10 @@ from linear_state import (
     cuda_fence_check,
 )
 from radixcache import HybridRadixCache
-from radixcache.core.shared import MemoryStore
 from radixcache.testing.engine import EngineRequest, ReferenceEngine, generate_cold
 from radixcache.testing.hammer import HammerConfig, run_hammer
 from radixcache.testing.model import HybridConfig, HybridModel
+from radixcache.tiers.store import MemoryStore
 
 
 def device_info() -> dict[str, Any]:

@@ -4,23 +4,17 @@ The tree's nodes own private clones of linear-state snapshots from a
 :class:`linear_state.LinearStatePool`; donation and restore are ordered by fences; a host
 scheduler plugs in through :class:`CacheManager`, whose policy places captures and picks victims.
 
-Subpackages: ``core`` (keys, tree, manager, multimodal ids), ``forensics`` (ledger, recorder,
-report), ``policies``, ``simulator`` (traces, replay, report) and ``testing`` (reference engine,
-hammer, fuzzing kit).
+Subpackages: ``core`` (keys, tree and its events, policy interface, multimodal ids),
+``manager`` (the front door a host calls), ``tiers`` (host tier size, shared stores, blob format,
+shared tier), ``forensics`` (ledger, recorder, report), ``policies``, ``simulator`` (traces,
+replay, report) and ``testing`` (reference engine, hammer, fuzzing kit).
 """
 
 from .core import (
     IMAGE_ID_BASE,
     MAX_ID,
-    Admission,
-    AdmissionCheck,
-    CacheManager,
-    Capture,
     ConcurrentUseError,
-    DecodeBatchPlan,
-    DecodeBatchResult,
     EvictResult,
-    FinishResult,
     ForeignObjectError,
     HybridRadixCache,
     InsertResult,
@@ -29,32 +23,43 @@ from .core import (
     KVExhausted,
     KVFreeList,
     LockError,
-    ManagerMetrics,
     MatchResult,
-    MemoryStore,
     MMWindow,
     ProtocolError,
     RadixCacheError,
-    RedisStore,
-    Refusal,
-    SharedTier,
     TreeEvent,
     TreeEventKind,
     TreeNode,
     UnknownRequest,
-    UnwrittenSlotWarning,
-    WindowPlan,
-    WindowResult,
-    auto_host_pool,
     free_kv_to,
     image_cache_ids,
     image_runs,
     key_bytes,
     mm_window,
-    register_prometheus,
 )
 from .forensics import Forensics, Ledger, SnapshotCorruption, read_ledger
+from .manager import (
+    Admission,
+    AdmissionCheck,
+    CacheManager,
+    Capture,
+    DecodeBatchPlan,
+    DecodeBatchResult,
+    FinishResult,
+    ManagerMetrics,
+    Refusal,
+    UnwrittenSlotWarning,
+    WindowPlan,
+    WindowResult,
+    register_prometheus,
+)
 from .policies import POLICIES, HitDensity, Policy, make_policy
+from .tiers import (
+    MemoryStore,
+    RedisStore,
+    SharedTier,
+    auto_host_pool,
+)
 
 __all__ = [
     "IMAGE_ID_BASE",

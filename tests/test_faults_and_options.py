@@ -24,12 +24,13 @@ from linear_state import (
 from radixcache import Admission, CacheManager, HybridRadixCache
 from radixcache.cli import main
 from radixcache.core.errors import AdmissionFailed
-from radixcache.core.shared import MemoryStore, RedisStore, SharedStoreError, SharedTier
-from radixcache.core.tree import auto_host_pool
 from radixcache.policies import HitDensity
 from radixcache.testing.digest import state_digest
 from radixcache.testing.engine import EngineRequest, ReferenceEngine, generate_cold
 from radixcache.testing.model import HybridConfig, HybridModel
+from radixcache.tiers.host import auto_host_pool
+from radixcache.tiers.shared import SharedTier
+from radixcache.tiers.store import MemoryStore, RedisStore, SharedStoreError
 
 from .redis_server import RedisServer
 from .test_shared_tier import _NoKV

@@ -127,12 +127,18 @@ def _room_edges() -> dict[str, set[str]]:
 
 
 def test_the_rooms_import_downward_only() -> None:
-    """No circle between rooms (issue 31, item 4): the policy interface is core's, the policies
-    implement it; the transformers glue (hf) is below the testing kit that runs it."""
+    """No circle between rooms (issue 31, items 3 and 4), in layers: linear_state; core (keys, tree,
+    events, the policy interface) and forensics; the policies and the tiers on core; the manager
+    on those; the hosts (SGLang backend, transformers glue, simulator, testing kit) on top, the
+    transformers glue (hf) below the testing kit that runs it."""
     rooms = _room_edges()
     assert "radixcache.core" in rooms["radixcache.policies"], "the graph is read (a known edge is seen)"
     assert _cycles(rooms) == [], rooms
-    assert rooms["radixcache.core"] <= {"linear_state", "radixcache.forensics"}, rooms["radixcache.core"]
+    assert rooms["radixcache.core"] <= {"linear_state"}, rooms["radixcache.core"]
+    assert rooms["radixcache.forensics"] <= {"linear_state"}, rooms["radixcache.forensics"]
     assert rooms["radixcache.policies"] <= {"linear_state", "radixcache.core"}, rooms["radixcache.policies"]
+    assert rooms["radixcache.tiers"] <= {"linear_state", "radixcache.core"}, rooms["radixcache.tiers"]
+    below_hosts = {"linear_state", "radixcache.core", "radixcache.tiers", "radixcache.forensics"}
+    assert rooms["radixcache.manager"] <= below_hosts, rooms["radixcache.manager"]
     assert "radixcache.testing" not in rooms["radixcache.hf"], rooms["radixcache.hf"]
     assert not any("radixcache" in deps for r, deps in rooms.items() if r != "radixcache"), "a room imports the root"

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from radixcache.core.shared import MemoryStore, SharedStoreError
 from radixcache.testing import guard
 from radixcache.testing.adapter import ManagerAdapter
 from radixcache.testing.faults import FaultyStore
 from radixcache.testing.fuzz import make_machine, run_fuzz, run_machine
 from radixcache.testing.inject import FUZZ_BUGS, HAMMER_BUGS, HAMMER_ONLY_BUGS
+from radixcache.tiers.store import MemoryStore, SharedStoreError
 
 
 def test_the_default_adapter_runs_what_a_host_runs() -> None:

@@ -9,7 +9,7 @@ import torch
 from linear_state import COMPLETE, Fence, ImmediateStream, LinearStatePool
 from radixcache import Admission, CacheManager, HybridRadixCache, Refusal, free_kv_to
 from radixcache.core.kv import KVAllocator, KVExhausted, KVFreeList
-from radixcache.core.manager import WindowPlan
+from radixcache.manager.cache_manager import WindowPlan
 from radixcache.policies import FixedPoints
 from radixcache.testing.adapter import FUZZ_LAYOUT, advance
 

@@ -21,18 +21,12 @@ import torch
 
 from linear_state import LinearStatePool, RequestOwner, StateLayout
 from radixcache import Admission, CacheManager, HybridRadixCache
-from radixcache.core.shared import (
-    BLOB_MAGIC,
-    MemoryStore,
-    RedisStore,
-    SharedStore,
-    SharedStoreError,
-    SharedTier,
-    encode_blob,
-)
-from radixcache.core.tree import HOST_TIER_FACTOR, auto_host_pool
 from radixcache.testing.engine import EngineRequest, ReferenceEngine, generate_cold
 from radixcache.testing.model import HybridConfig, HybridModel
+from radixcache.tiers.blob import BLOB_MAGIC, encode_blob
+from radixcache.tiers.host import HOST_TIER_FACTOR, auto_host_pool
+from radixcache.tiers.shared import SharedTier
+from radixcache.tiers.store import MemoryStore, RedisStore, SharedStore, SharedStoreError
 
 from .redis_server import RedisServer
 from .tree_helpers import scribble
@@ -322,7 +316,7 @@ def test_without_the_digest_check_a_corrupted_kv_region_would_serve_a_wrong_answ
     prompts = _prompts(1)
     _publish(a, prompts)
     _corrupt(store, lambda blob: _flip_kv_range(blob))
-    import radixcache.core.shared as shared_mod
+    import radixcache.tiers.shared as shared_mod
 
     class _Blind:
         @staticmethod
@@ -638,20 +632,18 @@ def test_the_host_tier_is_on_by_default_with_a_byte_budget() -> None:
     assert CacheManager(tree(), host_budget_bytes=layout.slot_bytes - 1).cache.host_pool is None
     own = LinearStatePool(layout, 2)
     assert CacheManager(HybridRadixCache(LinearStatePool(layout, 10), host_pool=own)).cache.host_pool is own
-    auto = HybridRadixCache(LinearStatePool(layout, 10), host_pool="auto", host_budget_bytes=layout.slot_bytes)
-    assert auto.host_pool is not None and auto.host_pool.capacity == 1
+    one = auto_host_pool(LinearStatePool(layout, 10), layout.slot_bytes)
+    assert one is not None and one.capacity == 1 and HybridRadixCache(LinearStatePool(layout, 10), host_pool=one)
     assert auto_host_pool(LinearStatePool(layout, 10), 0) is None
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="host_budget_bytes"):
             CacheManager(tree(), host_budget_bytes=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="host_tier"):
         CacheManager(tree(), host_tier="on")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="host_budget_bytes"):
-        HybridRadixCache(LinearStatePool(layout, 10), host_budget_bytes=-1)
-    with pytest.raises(ValueError, match="host_pool='auto'"):
-        HybridRadixCache(LinearStatePool(layout, 10), host_pool=None, host_budget_bytes=100)
-    with pytest.raises(TypeError, match="'auto'"):
-        HybridRadixCache(LinearStatePool(layout, 10), host_pool="on")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="host budget must be >= 0"):
+        auto_host_pool(LinearStatePool(layout, 10), -1)
+    with pytest.raises(TypeError, match="host_pool must be a LinearStatePool or None"):
+        HybridRadixCache(LinearStatePool(layout, 10), host_pool="auto")  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="already"):
         mgr.cache.attach_host_pool(LinearStatePool(layout, 2))
     mgr.check_invariants()
@@ -998,7 +990,7 @@ def test_check_invariants_covers_the_shared_tier(model: HybridModel, kind: str) 
 
 
 def test_blob_digest_refuses_arguments_of_the_wrong_type() -> None:
-    from radixcache.core.shared import blob_digest
+    from radixcache.tiers.blob import blob_digest
 
     assert blob_digest("k", b"x") != blob_digest("k", b"x", b"secret") != blob_digest("k2", b"x", b"secret")
     with pytest.raises(TypeError, match="store key"):

@@ -1,4 +1,6 @@
-"""The core: cache keys, the radix tree, the manager a host scheduler calls, multimodal ids."""
+"""The core: cache keys, the radix tree and its events, the KV allocator protocol, the policy
+interface, multimodal ids. It imports only linear_state; the manager (radixcache.manager), the
+policies and the tiers build on it."""
 
 from .errors import (
     ConcurrentUseError,
@@ -12,71 +14,35 @@ from .events import TreeEvent, TreeEventKind, TreeListener, free_kv_to
 from .keys import IMAGE_ID_BASE, MAX_ID, KeyLike, key_bytes
 from .kv import KVAllocator, KVExhausted, KVFreeList
 from .lazy_heap import LazyHeap
-from .manager import (
-    Admission,
-    AdmissionCheck,
-    CacheManager,
-    Capture,
-    DecodeBatchPlan,
-    DecodeBatchResult,
-    FinishResult,
-    Refusal,
-    UnwrittenSlotWarning,
-    WindowPlan,
-    WindowResult,
-)
-from .metrics import ManagerMetrics, register_prometheus
 from .multimodal import MMWindow, image_cache_ids, image_runs, mm_window
-from .shared import KVCodec, MemoryStore, RedisStore, SharedStore, SharedStoreError, SharedTier
-from .tree import HOST_TIER_FACTOR, EvictResult, HybridRadixCache, InsertResult, MatchResult, TreeNode, auto_host_pool
+from .tree import EvictResult, HybridRadixCache, InsertResult, MatchResult, TreeNode
 
 __all__ = [
-    "HOST_TIER_FACTOR",
     "IMAGE_ID_BASE",
     "MAX_ID",
-    "Admission",
-    "AdmissionCheck",
-    "CacheManager",
-    "Capture",
-    "DecodeBatchPlan",
-    "DecodeBatchResult",
     "ConcurrentUseError",
     "EvictResult",
-    "FinishResult",
     "ForeignObjectError",
     "HybridRadixCache",
     "InsertResult",
     "KVAllocator",
-    "KVCodec",
     "KVExhausted",
     "KVFreeList",
     "KeyLike",
     "LockError",
     "LazyHeap",
     "MMWindow",
-    "ManagerMetrics",
     "MatchResult",
-    "MemoryStore",
     "ProtocolError",
     "RadixCacheError",
-    "RedisStore",
-    "Refusal",
-    "SharedStore",
-    "SharedStoreError",
-    "SharedTier",
     "TreeEvent",
     "TreeEventKind",
     "TreeListener",
     "TreeNode",
     "UnknownRequest",
-    "UnwrittenSlotWarning",
-    "WindowPlan",
-    "WindowResult",
-    "auto_host_pool",
     "free_kv_to",
     "image_cache_ids",
     "image_runs",
     "key_bytes",
     "mm_window",
-    "register_prometheus",
 ]

@@ -1,6 +1,6 @@
 """The host's KV allocator as the manager sees it, and a free list that implements it.
 
-A host that hands its allocator to :class:`~radixcache.core.manager.CacheManager` (``kv=``) stops
+A host that hands its allocator to :class:`~radixcache.manager.cache_manager.CacheManager` (``kv=``) stops
 keeping KV tables: the manager reserves a request's KV at admission (evicting the tree's KV
 through its policy when the allocator runs short), hands each window the indices to write and
 the table to read in its plan, splices the tree's pages in at each donation and gives back every

@@ -243,7 +243,7 @@ class Forensics:
         self, reason: str, key: str, depth: int, publisher: str, expected: int = 0, found: int = 0
     ) -> None:
         """The shared tier refused a blob (``reason``: format, layout, length, fingerprint; see
-        :class:`~radixcache.core.shared.Rejection`). Recorded as a finding of kind
+        :class:`~radixcache.tiers.shared.Rejection`). Recorded as a finding of kind
         ``shared-<reason>`` (its ``key`` the store key, its donor and suspect the publisher the blob
         names) in either mode: the refusal already made it a miss, so serving goes on."""
         self.step += 1

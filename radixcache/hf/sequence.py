@@ -29,7 +29,7 @@ import torch
 
 from linear_state import RequestOwner
 
-from ..core.manager import Admission, CacheManager, FinishResult, WindowPlan
+from ..manager.cache_manager import Admission, CacheManager, FinishResult, WindowPlan
 from .bridge import HFStateBridge
 
 __all__ = ["HFSequence", "KVStore", "forward_logits"]

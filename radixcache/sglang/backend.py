@@ -54,9 +54,9 @@ from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
 from linear_state import HostedStatePool, RequestOwner, SlotId, StateLayout, Stream
 
 from ..core.events import free_kv_to
-from ..core.manager import CacheManager
 from ..core.policy import DonationReason, Policy
 from ..core.tree import HybridRadixCache, TreeNode
+from ..manager.cache_manager import CacheManager
 
 __all__ = ["RadixcacheHybridCache", "SGLangSlots", "sglang_state_pool"]
 

@@ -20,10 +20,11 @@ import torch
 
 from linear_state import LinearStatePool, StateLayout
 
-from ..core.manager import Admission, CacheManager
 from ..core.policy import Policy
-from ..core.shared import MemoryStore, SharedTier
 from ..core.tree import HybridRadixCache
+from ..manager.cache_manager import Admission, CacheManager
+from ..tiers.shared import SharedTier
+from ..tiers.store import MemoryStore
 from .traces import TraceRecord
 
 __all__ = ["PRESETS", "ModelPreset", "ReplayResult", "replay"]

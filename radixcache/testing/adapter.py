@@ -25,9 +25,9 @@ from linear_state import DeferredStream, Fence, LinearStatePool, StateLayout
 
 from ..core.events import free_kv_to
 from ..core.keys import IMAGE_ID_BASE
-from ..core.manager import Admission, CacheManager, WindowPlan
 from ..core.multimodal import image_cache_ids, image_runs
-from ..core.shared import SharedStore
+from ..manager.cache_manager import Admission, CacheManager, WindowPlan
+from ..tiers.store import SharedStore
 
 __all__ = [
     "AdapterKV",
@@ -164,7 +164,7 @@ class _Req:
 
 
 class AdapterKV:
-    """The :class:`~radixcache.core.shared.KVCodec` of :class:`ManagerAdapter`: its KV has no
+    """The :class:`~radixcache.tiers.shared.KVCodec` of :class:`ManagerAdapter`: its KV has no
     contents (the ground truth is the state), so a prefix's KV travels as 8 bytes a token and is
     imported as fresh indices of the adapter's allocator."""
 
@@ -242,7 +242,7 @@ class ManagerAdapter:
         host holds by asking the manager to evict before it allocates (:meth:`alloc_kv`), and a
         shared tier over a :class:`~radixcache.testing.faults.FaultyStore` (``shared="faulty"``:
         in memory, corrupting, dropping, delaying and misplacing blobs, seeded by ``seed``; a
-        store of your own, a real Redis through :class:`~radixcache.core.shared.RedisStore` say,
+        store of your own, a real Redis through :class:`~radixcache.tiers.shared.RedisStore` say,
         is used as given (wrap one that outlives the adapter in a ``FaultyStore`` with a ``prefix``
         of its own); None: no shared tier). Its KV codec, :class:`AdapterKV` behind a
         :class:`~radixcache.testing.faults.FaultyCodec`, misbehaves on ``codec_faults`` of its calls.

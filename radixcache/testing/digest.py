@@ -24,8 +24,8 @@ import torch
 from linear_state import Fence, NodeOwner
 
 from ..core.lazy_heap import LazyHeap
-from ..core.manager import CacheManager
 from ..core.tree import HybridRadixCache, TreeNode
+from ..manager.cache_manager import CacheManager
 
 __all__ = ["canonical", "state_digest"]
 

@@ -31,12 +31,12 @@ import torch
 from linear_state import CudaStream, DeferredStream, Fence, ImmediateStream, LinearStatePool, RequestOwner, Stream
 
 from ..core.kv import KVFreeList
-from ..core.manager import Admission, CacheManager
 from ..core.multimodal import image_cache_ids
-from ..core.shared import SharedStore
 from ..core.tree import HybridRadixCache
 from ..forensics import Forensics, Ledger
+from ..manager.cache_manager import Admission, CacheManager
 from ..policies import Policy
+from ..tiers.store import SharedStore
 from .inject import make_cache, make_hit_density, make_manager, make_pool, make_shared_tier
 from .model import HybridConfig, HybridModel, KVPool
 
@@ -81,7 +81,7 @@ class EngineRequest:
 
 
 class EngineKVCodec:
-    """The reference engine's :class:`~radixcache.core.shared.KVCodec`: the K and V rows of every
+    """The reference engine's :class:`~radixcache.tiers.shared.KVCodec`: the K and V rows of every
     attention layer for each token, raw, in the model's dtype."""
 
     def __init__(self, kv_pool: KVPool, kv: KVFreeList, forward: Stream, cfg: HybridConfig) -> None:
@@ -213,7 +213,7 @@ class ReferenceEngine(ServingQueue):
         (``host_tier="auto"``, :data:`~radixcache.core.tree.HOST_TIER_FACTOR` times the device pool).
     :param shared_store: a shared tier's store: snapshots (with their KV, through
         :class:`EngineKVCodec`) are published to it and fetched from it (see
-        :mod:`radixcache.core.shared`); ``None``: no shared tier.
+        :mod:`radixcache.tiers.shared`); ``None``: no shared tier.
     :param publisher: this engine's name in the blobs it publishes (a replica's name).
     :param shared_background: the shared tier uploads from its own writer thread
         (``SharedTier(background=True)``).

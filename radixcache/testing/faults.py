@@ -2,12 +2,12 @@
 manager's shared tier so that every fault a real store or a host's codec can commit keeps costing
 a hit, never an answer and never a half-made admission.
 
-:class:`FaultyStore` wraps a store (an in-memory :class:`~radixcache.core.shared.MemoryStore` by
-default, or a real Redis through :class:`~radixcache.core.shared.RedisStore`) and corrupts a byte
+:class:`FaultyStore` wraps a store (an in-memory :class:`~radixcache.tiers.shared.MemoryStore` by
+default, or a real Redis through :class:`~radixcache.tiers.shared.RedisStore`) and corrupts a byte
 of a blob it hands out, drops blobs (a fetch finds nothing: evicted by the server), delays
 publications (a put lands only some calls later, after its depth is already listed), misplaces
 them (a put also lands under another key already there: another prompt's address), raises
-:class:`~radixcache.core.shared.SharedStoreError` (the server is down) or an exception outside the
+:class:`~radixcache.tiers.shared.SharedStoreError` (the server is down) or an exception outside the
 protocol (a client library's bug). :class:`FaultyCodec` wraps a host's codec and raises, or
 answers ``import_kv`` out of contract (too few indices, floats, a 2-D tensor). Each fault is
 counted, and every bad blob handed out is remembered until the tier deletes it (what it does with
@@ -27,7 +27,8 @@ import torch
 
 from linear_state import Fence
 
-from ..core.shared import KVCodec, MemoryStore, SharedStore, SharedStoreError
+from ..tiers.shared import KVCodec
+from ..tiers.store import MemoryStore, SharedStore, SharedStoreError
 
 __all__ = ["FUZZ_STORE_FAULTS", "FaultRates", "FaultyCodec", "FaultyStore", "StoreFaults"]
 
@@ -76,8 +77,8 @@ class StoreFaults:
 
 
 class FaultyStore:
-    """A :class:`~radixcache.core.shared.SharedStore` over ``inner`` (a fresh
-    :class:`~radixcache.core.shared.MemoryStore` by default) that misbehaves with the given
+    """A :class:`~radixcache.tiers.shared.SharedStore` over ``inner`` (a fresh
+    :class:`~radixcache.tiers.shared.MemoryStore` by default) that misbehaves with the given
     probabilities. Each decision is a hash of ``seed``, the fault, the key (or index) and how many
     times that fault was decided for it: the same calls meet the same faults, whatever ran
     before (a fuzzer's shrunk program replays exactly), and stores with the same seed still fault
@@ -125,7 +126,7 @@ class FaultyStore:
 
     @property
     def blobs(self) -> dict[str, bytes]:
-        """The inner store's blobs, when it is a :class:`~radixcache.core.shared.MemoryStore`.
+        """The inner store's blobs, when it is a :class:`~radixcache.tiers.shared.MemoryStore`.
 
         :raises AttributeError: another kind of inner store."""
         if not isinstance(self.inner, MemoryStore) or self.prefix:
@@ -171,7 +172,7 @@ class FaultyStore:
         return stored
 
     def get(self, key: str) -> bytes | None:
-        """See :class:`~radixcache.core.shared.SharedStore`; may drop or corrupt the blob."""
+        """See :class:`~radixcache.tiers.shared.SharedStore`; may drop or corrupt the blob."""
         self._tick("get", key)
         blob = self.inner.get(self.prefix + key)
         if blob is None:
@@ -192,7 +193,7 @@ class FaultyStore:
         return blob
 
     def put(self, key: str, blob: bytes) -> bool:
-        """See :class:`~radixcache.core.shared.SharedStore`; may land later, or also overwrite
+        """See :class:`~radixcache.tiers.shared.SharedStore`; may land later, or also overwrite
         another key."""
         self._tick("put", key)
         if self._roll("delay", key):
@@ -202,7 +203,7 @@ class FaultyStore:
         return self._land(key, blob)
 
     def delete(self, key: str) -> None:
-        """See :class:`~radixcache.core.shared.SharedStore`."""
+        """See :class:`~radixcache.tiers.shared.SharedStore`."""
         self._tick("delete", key)
         self.inner.delete(self.prefix + key)
         self._moved.discard(key)
@@ -212,23 +213,23 @@ class FaultyStore:
             self.faults.rejected_bad += 1
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
-        """See :class:`~radixcache.core.shared.SharedStore`."""
+        """See :class:`~radixcache.tiers.shared.SharedStore`."""
         self._tick("exists", ",".join(keys))
         return self.inner.exists([self.prefix + k for k in keys])
 
     def add_depth(self, index: str, depth: int) -> None:
-        """See :class:`~radixcache.core.shared.SharedStore`."""
+        """See :class:`~radixcache.tiers.shared.SharedStore`."""
         self._tick("add_depth", f"{index} {depth}")
         self.inner.add_depth(self.prefix + index, depth)
 
     def depths(self, index: str, lo: int, hi: int) -> list[int]:
-        """See :class:`~radixcache.core.shared.SharedStore`."""
+        """See :class:`~radixcache.tiers.shared.SharedStore`."""
         self._tick("depths", f"{index} {lo} {hi}")
         return self.inner.depths(self.prefix + index, lo, hi)
 
 
 class FaultyCodec:
-    """A host's :class:`~radixcache.core.shared.KVCodec` that, with probability ``p`` per call,
+    """A host's :class:`~radixcache.tiers.shared.KVCodec` that, with probability ``p`` per call,
     raises (export or import) or answers ``import_kv`` out of contract: fewer indices than asked
     (allocated by the inner codec; the one left out goes back through ``free``, the rest the
     manager must hand back), float or 2-D indices (none taken).

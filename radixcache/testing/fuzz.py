@@ -249,7 +249,7 @@ def run_fuzz(
     ``factory``.
     ``shrink=False`` reports the first failing program as found (faster; longer to read).
     """
-    from ..core.shared import RedisStore
+    from ..tiers.store import RedisStore
     from .faults import FUZZ_STORE_FAULTS, FaultyStore
 
     store = RedisStore(shared_redis, ttl_s=3600) if shared and shared_redis is not None else None

@@ -31,9 +31,9 @@ import torch
 
 from linear_state import DeviceUnavailable, check_device
 
-from ..core.manager import UnwrittenSlotWarning
-from ..core.shared import REDIS_URL_SCHEMES, RedisStore
+from ..manager.cache_manager import UnwrittenSlotWarning
 from ..policies import POLICIES, make_policy
+from ..tiers.store import REDIS_URL_SCHEMES, RedisStore
 from . import guard
 from .engine import POLICY_CLOCKS, ColdJob, EngineRequest, ReferenceEngine, generate_cold_many
 from .faults import FaultyStore

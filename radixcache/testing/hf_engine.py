@@ -32,10 +32,10 @@ import torch
 from linear_state import LinearStatePool, RequestOwner
 
 from ..core.kv import KVFreeList
-from ..core.manager import Admission, CacheManager
 from ..core.tree import HybridRadixCache
 from ..hf.bridge import HFStateBridge
 from ..hf.sequence import HFSequence, KVStore
+from ..manager.cache_manager import Admission, CacheManager
 from ..policies import HitDensity, Policy
 from .engine import EngineRequest, ServingQueue, check_policy_clock, take_token
 

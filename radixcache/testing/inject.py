@@ -77,7 +77,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Hashable, Iterable, Iterator, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
@@ -95,14 +95,15 @@ from linear_state import (
     Stream,
 )
 
-from ..core import shared as _shared
 from ..core.events import TreeEvent, TreeEventKind, TreeListener
 from ..core.keys import KeyLike
-from ..core.manager import Admission, CacheManager, Refusal, WindowPlan, WindowResult, _Request
 from ..core.policy import DonationReason, RequestInfo
-from ..core.shared import DIGEST_BYTES, Fetched, SharedStore, SharedTier
 from ..core.tree import HybridRadixCache, InsertResult, MatchResult, TreeNode
+from ..manager.cache_manager import Admission, CacheManager, Refusal, WindowPlan, WindowResult, _Request
 from ..policies import FixedPoints, HitDensity, Policy
+from ..tiers.blob import DIGEST_BYTES, bytes_tensor, parse_blob
+from ..tiers.shared import Fetched, SharedTier
+from ..tiers.store import SharedStore
 
 __all__ = [
     "BUGS",
@@ -425,7 +426,7 @@ class _LRUEvictsLockedTree(HybridRadixCache):
 
 class _TrustingTier(SharedTier):
     def _verify(self, blob: bytes, key: str, depth: int) -> Fetched | None:
-        parsed = _shared._parse(blob)
+        parsed = parse_blob(blob)
         layout = self.layout
         if parsed is None or layout is None:
             return super()._verify(blob, key, depth)
@@ -440,8 +441,8 @@ class _TrustingTier(SharedTier):
             return super()._verify(blob, key, depth)
         # BUG: the sizes match, so the blob is taken: its digest and its state's fingerprint unchecked
         conv_n = layout.num_layers * layout.conv_bytes_per_layer
-        conv = _shared._tensor(body[:conv_n], layout.conv_dtype, (layout.num_layers, *layout.conv_shape))
-        rec = _shared._tensor(
+        conv = bytes_tensor(body[:conv_n], layout.conv_dtype, (layout.num_layers, *layout.conv_shape))
+        rec = bytes_tensor(
             body[conv_n : layout.slot_bytes], layout.recurrent_dtype, (layout.num_layers, *layout.recurrent_shape)
         )
         stage, s, owner = self.staging
@@ -535,7 +536,7 @@ def _check_bug(inject: str | None) -> None:
 
 
 def make_shared_tier(inject: str | None, store: SharedStore, **options: Any) -> SharedTier:
-    """A correct :class:`~radixcache.core.shared.SharedTier` over ``store``, or the tier of bug
+    """A correct :class:`~radixcache.tiers.shared.SharedTier` over ``store``, or the tier of bug
     ``inject`` when the bug lives in the tier. ``options`` are the tier's keyword arguments.
 
     :raises ValueError: unknown bug name (and whatever the tier's constructor raises)."""
@@ -569,7 +570,7 @@ def make_cache(
     page_size: int = 1,
     on_event: TreeListener | None = None,
     stream: Stream | None = None,
-    host_pool: LinearStatePool | Literal["auto"] | None = None,
+    host_pool: LinearStatePool | None = None,
 ) -> HybridRadixCache:
     """A correct :class:`HybridRadixCache` (with the host tier ``host_pool``, if any), or the tree
     of bug ``inject`` when the bug lives in the tree (a bug that lives elsewhere gets a correct

@@ -33,9 +33,10 @@ from hypothesis.stateful import precondition, rule
 from linear_state import COMPLETE, LinearStatePool, NodeOwner, PoolError, RequestOwner, StateLayout
 
 from ..core.errors import RadixCacheError
-from ..core.manager import CacheManager, WindowPlan
-from ..core.shared import MemoryStore, RedisStore, SharedTier
 from ..core.tree import HybridRadixCache, TreeNode
+from ..manager.cache_manager import CacheManager, WindowPlan
+from ..tiers.shared import SharedTier
+from ..tiers.store import MemoryStore, RedisStore
 from .adapter import FUZZ_LAYOUT, ManagerAdapter
 from .digest import state_digest
 from .faults import FaultyStore

@@ -51,222 +51,32 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
-import math
-import struct
 import threading
 import time
 import warnings
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from linear_state import Fence, LinearStatePool, RequestOwner, StateLayout
 
-from .errors import RadixCacheError
-from .keys import MAX_ID
+from ..core.keys import MAX_ID
+from .blob import DIGEST_BYTES, blob_digest, bytes_tensor, encode_blob, parse_blob, tensor_bytes
+from .store import SharedStore, SharedStoreError, finite_seconds
 
 __all__ = [
-    "BLOB_MAGIC",
-    "DIGEST_BYTES",
-    "REDIS_URL_SCHEMES",
     "Fetched",
     "KVCodec",
-    "MemoryStore",
     "Rejection",
-    "RedisStore",
     "SharedStats",
-    "SharedStore",
-    "SharedStoreError",
     "SharedTier",
-    "blob_digest",
-    "encode_blob",
 ]
 
-REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://")
-"""The URLs :class:`RedisStore` takes (redis-py's ``from_url``)."""
-BLOB_MAGIC = b"RCSHARE2"  # 2: a trailing digest over the address and every byte before it
-DIGEST_BYTES = 32
-_PERSON = b"radixcache-blob"  # blake2b personalisation: these digests mean nothing elsewhere
 _DONE_CAP = 65536  # keys published or fetched here, remembered (oldest forgotten first)
-_LEN = struct.Struct("<I")
-
-
-class SharedStoreError(RadixCacheError, ConnectionError):
-    """The shared store could not be reached or answered out of protocol."""
-
-
-@runtime_checkable
-class SharedStore(Protocol):
-    """What the shared tier needs of a store (keys and index names are ASCII strings).
-
-    Every method raises :class:`SharedStoreError` when the store cannot be reached.
-    """
-
-    def get(self, key: str) -> bytes | None:
-        """The blob under ``key``, or None."""
-        ...
-
-    def put(self, key: str, blob: bytes) -> bool:
-        """Store ``blob`` under ``key`` unless a blob is there already; True when it was stored."""
-        ...
-
-    def delete(self, key: str) -> None:
-        """Remove ``key`` (nothing when absent)."""
-        ...
-
-    def exists(self, keys: Sequence[str]) -> list[bool]:
-        """For each key, whether a blob is stored under it (one round trip)."""
-        ...
-
-    def add_depth(self, index: str, depth: int) -> None:
-        """Record that a blob of ``depth`` tokens was published under ``index``."""
-        ...
-
-    def depths(self, index: str, lo: int, hi: int) -> list[int]:
-        """Depths recorded under ``index`` in ``(lo, hi]``, ascending."""
-        ...
-
-
-class MemoryStore:
-    """A :class:`SharedStore` in this process's memory (tests, a single process). Not thread-safe."""
-
-    def __init__(self) -> None:
-        self.blobs: dict[str, bytes] = {}
-        self.indexes: dict[str, set[int]] = {}
-
-    def get(self, key: str) -> bytes | None:
-        """See :class:`SharedStore`."""
-        return self.blobs.get(key)
-
-    def put(self, key: str, blob: bytes) -> bool:
-        """See :class:`SharedStore`."""
-        if key in self.blobs:
-            return False
-        self.blobs[key] = bytes(blob)
-        return True
-
-    def delete(self, key: str) -> None:
-        """See :class:`SharedStore`."""
-        self.blobs.pop(key, None)
-
-    def exists(self, keys: Sequence[str]) -> list[bool]:
-        """See :class:`SharedStore`."""
-        return [k in self.blobs for k in keys]
-
-    def add_depth(self, index: str, depth: int) -> None:
-        """See :class:`SharedStore`."""
-        self.indexes.setdefault(index, set()).add(int(depth))
-
-    def depths(self, index: str, lo: int, hi: int) -> list[int]:
-        """See :class:`SharedStore`."""
-        return sorted(d for d in self.indexes.get(index, ()) if lo < d <= hi)
-
-
-class RedisStore:
-    """A :class:`SharedStore` on a Redis server (needs the ``redis`` extra).
-
-    Blobs are plain string values written with ``SET NX``; each index is a sorted set of depths.
-    The client reconnects by itself once the server is back.
-
-    :param url: e.g. ``redis://127.0.0.1:6379/0``.
-    :param timeout_s: socket connect and read timeout: a dead server costs at most this per call.
-    :param ttl_s: expire blobs after this many seconds, at least 0.001 (Redis counts whole
-        milliseconds; ``None``: keep them; bound the server's memory with its own ``maxmemory``
-        and an eviction policy instead).
-    :raises ValueError: a URL that is not a Redis URL, a ``timeout_s`` that is not a finite number
-        above 0, a ``ttl_s`` below a millisecond or not finite.
-    :raises ImportError: the ``redis`` package is not installed.
-    """
-
-    def __init__(self, url: str, *, timeout_s: float = 0.5, ttl_s: float | None = None) -> None:
-        if not isinstance(url, str) or not url.startswith(REDIS_URL_SCHEMES):
-            raise ValueError(f"url must be a redis://, rediss:// or unix:// URL string, got {url!r}")
-        if not (_finite(timeout_s) and timeout_s > 0):
-            raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
-        if ttl_s is not None and not (_finite(ttl_s) and ttl_s >= 0.001):
-            # Redis expires in whole milliseconds: below one a SET with PX fails, and a replica
-            # whose every publication fails would never publish at all.
-            raise ValueError(f"ttl_s must be None or a finite number of seconds >= 0.001, got {ttl_s!r}")
-        try:
-            import redis
-        except ImportError as e:  # pragma: no cover - depends on the environment
-            raise ImportError("RedisStore needs the redis client: pip install 'radixcache[redis]'") from e
-        self.url = url
-        self.ttl_s = ttl_s
-        self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
-        self._refused: type[BaseException] = redis.ResponseError
-        self._r = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
-        # One server-side loop answers a probe's existence checks: 1,024 keys in 1.6 ms against
-        # 4.7 ms for a pipeline of EXISTS (redis-py builds each command in Python). A server that
-        # refuses scripts (or a cluster's cross-slot rule) falls back to the pipeline for good.
-        self._exists_script: Callable[..., object] | None = self._r.register_script(
-            "local r = {} for i, k in ipairs(KEYS) do r[i] = redis.call('EXISTS', k) end return r"
-        )
-
-    def close(self) -> None:
-        """Close the client's connections (idempotent; a later call reconnects)."""
-        self._r.close()
-
-    def _call(self, what: str, fn: Callable[[], object]) -> object:
-        try:
-            return fn()
-        except self._errors as e:
-            raise SharedStoreError(f"redis at {self.url}: {what} failed: {e}") from e
-
-    def get(self, key: str) -> bytes | None:
-        """See :class:`SharedStore`."""
-        out = self._call("GET", lambda: self._r.get(key))
-        assert out is None or isinstance(out, bytes)
-        return out
-
-    def put(self, key: str, blob: bytes) -> bool:
-        """See :class:`SharedStore`."""
-        px = None if self.ttl_s is None else int(self.ttl_s * 1000)
-        return bool(self._call("SET", lambda: self._r.set(key, blob, nx=True, px=px)))
-
-    def delete(self, key: str) -> None:
-        """See :class:`SharedStore`."""
-        self._call("DEL", lambda: self._r.delete(key))
-
-    def exists(self, keys: Sequence[str]) -> list[bool]:
-        """See :class:`SharedStore`."""
-        if not keys:
-            return []
-
-        def run() -> list[object]:
-            if self._exists_script is not None:
-                try:
-                    out = self._exists_script(keys=list(keys))
-                    assert isinstance(out, list)
-                    return out
-                except self._refused:  # scripting off here: a per-key pipeline from now on
-                    self._exists_script = None
-            pipe = self._r.pipeline(transaction=False)
-            for k in keys:
-                pipe.exists(k)
-            return list(pipe.execute())
-
-        out = self._call("EXISTS", run)
-        assert isinstance(out, list)
-        return [bool(x) for x in out]
-
-    def add_depth(self, index: str, depth: int) -> None:
-        """See :class:`SharedStore`."""
-        self._call("ZADD", lambda: self._r.zadd(index, {str(int(depth)): int(depth)}))
-
-    def depths(self, index: str, lo: int, hi: int) -> list[int]:
-        """See :class:`SharedStore`."""
-        out = self._call("ZRANGEBYSCORE", lambda: self._r.zrangebyscore(index, f"({int(lo)}", int(hi)))
-        assert isinstance(out, list)
-        try:
-            return [int(x) for x in out]
-        except (TypeError, ValueError) as e:  # somebody else wrote this index: the store is out of protocol
-            raise SharedStoreError(f"redis at {self.url}: depth index {index!r} holds a non-integer member: {e}") from e
 
 
 class KVCodec(Protocol):
@@ -359,54 +169,6 @@ class Fetched:
     fingerprint: int
 
 
-def blob_digest(key: str, signed: bytes, secret: bytes | None = None) -> bytes:
-    """The digest a blob ends with: blake2b (32 bytes, keyed with ``secret`` when given) over the
-    store ``key`` the blob is published under and ``signed``, every byte of the blob before the
-    digest (magic, header length, header, state, KV). O(len(signed)).
-
-    :raises TypeError: ``key`` not a string, ``signed`` or ``secret`` not bytes.
-    :raises ValueError: a ``secret`` longer than 64 bytes."""
-    if not isinstance(key, str):
-        raise TypeError(f"key must be the store key (a string), got {type(key).__name__}")
-    if not isinstance(signed, (bytes, bytearray)) or not isinstance(secret, (bytes, bytearray, type(None))):
-        raise TypeError(f"signed and secret must be bytes, got {type(signed).__name__} and {type(secret).__name__}")
-    if secret is not None and len(secret) > 64:
-        raise ValueError(f"secret must hold at most 64 bytes (blake2b's key), got {len(secret)}")
-    h = hashlib.blake2b(digest_size=DIGEST_BYTES, key=secret or b"", person=_PERSON)
-    h.update(key.encode() + b"\0")
-    h.update(signed)
-    return h.digest()
-
-
-def encode_blob(header: dict[str, object], state: bytes, kv: bytes, *, key: str, secret: bytes | None = None) -> bytes:
-    """A blob: magic, header length, JSON header (which must give ``state_bytes`` and
-    ``kv_bytes``), the state's raw bytes (conv rows, then recurrent rows), the KV bytes, then
-    :func:`blob_digest` of all that under ``key`` (keyed with ``secret``): a blob verifies only
-    under the key it was encoded for."""
-    h = json.dumps(header, sort_keys=True).encode()
-    signed = BLOB_MAGIC + _LEN.pack(len(h)) + h + state + kv
-    return signed + blob_digest(key, signed, secret)
-
-
-def _parse(blob: bytes) -> tuple[dict[str, object], bytes] | None:
-    """Header and body (state, KV and digest) of a blob, or None when it is not one (or was cut
-    inside its header)."""
-    n = len(BLOB_MAGIC)
-    if len(blob) < n + _LEN.size or blob[:n] != BLOB_MAGIC:
-        return None
-    (hl,) = _LEN.unpack_from(blob, n)
-    start = n + _LEN.size
-    if len(blob) < start + hl:
-        return None
-    try:
-        header = json.loads(blob[start : start + hl])
-    except (ValueError, UnicodeDecodeError):
-        return None
-    if not isinstance(header, dict):
-        return None
-    return header, blob[start + hl :]
-
-
 def _check_ids(ids: object) -> None:
     """Cache ids as the tier takes them: a 1-D integer numpy array."""
     if not isinstance(ids, np.ndarray) or ids.dtype.kind not in "iu":
@@ -417,11 +179,6 @@ def _check_ids(ids: object) -> None:
     if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= MAX_ID):
         bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
         raise ValueError(f"cache id {bad} is outside [0, 2**31)")
-
-
-def _finite(v: object) -> bool:
-    """Whether ``v`` is a finite real number of seconds (an int or float, not a bool)."""
-    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
 
 
 def _check_timeout(timeout_s: float | None) -> None:
@@ -497,7 +254,7 @@ class SharedTier:
         for name, v in (("max_probes", max_probes), ("max_pending", max_pending)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-        if not (_finite(retry_s) and retry_s >= 0):
+        if not (finite_seconds(retry_s) and retry_s >= 0):
             raise ValueError(f"retry_s must be a finite number of seconds >= 0, got {retry_s!r}")
         if not callable(clock):
             raise TypeError(f"clock must be a callable returning seconds, got {clock!r}")
@@ -728,7 +485,7 @@ class SharedTier:
         """Encode one publication and upload it, recording its depth (the caller's thread or the
         writer's): whether the store answered, and whether the blob was stored (not there
         already)."""
-        state = _raw(job.conv) + _raw(job.rec)
+        state = tensor_bytes(job.conv) + tensor_bytes(job.rec)
         header = {
             "identity": self._identity,
             "depth": job.depth,
@@ -844,7 +601,7 @@ class SharedTier:
             self.on_reject(Rejection(reason, key, depth, publisher, **kw))  # type: ignore[arg-type]
 
     def _verify(self, blob: bytes, key: str, depth: int) -> Fetched | None:
-        parsed = _parse(blob)
+        parsed = parse_blob(blob)
         if parsed is None:
             self._reject("format", key, depth, "?", detail=f"{len(blob)} bytes, not a whole blob header")
             return None
@@ -884,8 +641,8 @@ class SharedTier:
             )
             return None
         conv_n = layout.num_layers * layout.conv_bytes_per_layer
-        conv = _tensor(body[:conv_n], layout.conv_dtype, (layout.num_layers, *layout.conv_shape))
-        rec = _tensor(
+        conv = bytes_tensor(body[:conv_n], layout.conv_dtype, (layout.num_layers, *layout.conv_shape))
+        rec = bytes_tensor(
             body[conv_n : layout.slot_bytes], layout.recurrent_dtype, (layout.num_layers, *layout.recurrent_shape)
         )
         stage, s = self._stage, self._stage_slot
@@ -1034,16 +791,3 @@ class _Writer:
                 f"writer queue holds {self._queued_bytes} bytes, cap {self.tier.max_queued_bytes}"
             )
             assert self._stage.owner_of(self._slot) == self._owner, "the writer's staging slot changed owner"
-
-
-def _raw(t: torch.Tensor) -> bytes:
-    """A CPU tensor's raw bytes (any dtype, bf16 included)."""
-    flat = t.contiguous().reshape(-1)
-    return flat.view(torch.uint8).numpy().tobytes()
-
-
-def _tensor(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """Raw bytes as a tensor of ``dtype`` and ``shape`` (a copy: the blob may go)."""
-    if not data:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)

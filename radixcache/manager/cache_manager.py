@@ -55,8 +55,7 @@ from linear_state import (
 )
 from linear_state.owners import NodeOwner
 
-from ..forensics.recorder import Forensics, SnapshotCorruption
-from .errors import (
+from ..core.errors import (
     AdmissionFailed,
     ConcurrentUseError,
     ForeignObjectError,
@@ -64,13 +63,15 @@ from .errors import (
     RadixCacheError,
     UnknownRequest,
 )
-from .events import TreeEvent, TreeEventKind
-from .keys import IMAGE_ID_BASE, MAX_ID, KeyLike, key_bytes
-from .kv import KVAllocator, KVExhausted
+from ..core.events import TreeEvent, TreeEventKind
+from ..core.keys import IMAGE_ID_BASE, MAX_ID, KeyLike, key_bytes
+from ..core.kv import KVAllocator, KVExhausted
+from ..core.policy import DonationReason, Policy, RequestInfo, default_policy
+from ..core.tree import EvictResult, HybridRadixCache, InsertResult, MatchResult, TreeNode
+from ..forensics.recorder import Forensics, SnapshotCorruption
+from ..tiers.host import auto_host_pool
+from ..tiers.shared import Fetched, Rejection, SharedTier
 from .metrics import ManagerMetrics, MetricsCounters
-from .policy import DonationReason, Policy, RequestInfo, default_policy
-from .shared import Fetched, Rejection, SharedTier
-from .tree import EvictResult, HybridRadixCache, InsertResult, MatchResult, TreeNode, auto_host_pool
 
 __all__ = [
     "UnwrittenSlotWarning",
@@ -344,7 +345,7 @@ class CacheManager:
         (the pool's slot bytes) against KV in bytes.
     :param clock: seconds for the policy's notion of time when a call passes no ``now``
         (default :func:`time.monotonic`).
-    :param shared: the shared tier (:class:`~radixcache.core.shared.SharedTier`): every snapshot
+    :param shared: the shared tier (:class:`~radixcache.tiers.shared.SharedTier`): every snapshot
         the tree takes is published once its fences completed (at a later call of the manager, or
         :meth:`publish_pending`), and an admission whose local match is shorter than the request
         fetches the deepest verified published prefix into its live slot and the tree. ``None``

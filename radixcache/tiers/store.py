@@ -1,0 +1,199 @@
+"""Stores the shared tier talks to: the :class:`SharedStore` protocol, :class:`RedisStore` (a real
+server, the ``redis`` extra) and :class:`MemoryStore` (one process, tests).
+
+A store keeps opaque blobs under string keys, and per index a set of published depths; it knows
+nothing of blobs' contents (the format is :mod:`radixcache.tiers.blob`'s, the verification the
+tier's). A store that cannot be reached raises :class:`SharedStoreError`. Another backend (a disk
+directory, an object store) is one new module implementing :class:`SharedStore`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Protocol, runtime_checkable
+
+from ..core.errors import RadixCacheError
+
+__all__ = ["REDIS_URL_SCHEMES", "MemoryStore", "RedisStore", "SharedStore", "SharedStoreError", "finite_seconds"]
+
+REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://")
+"""The URLs :class:`RedisStore` takes (redis-py's ``from_url``)."""
+
+
+def finite_seconds(v: object) -> bool:
+    """Whether ``v`` is a finite real number of seconds (an int or float, not a bool)."""
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+
+
+class SharedStoreError(RadixCacheError, ConnectionError):
+    """The shared store could not be reached or answered out of protocol."""
+
+
+@runtime_checkable
+class SharedStore(Protocol):
+    """What the shared tier needs of a store (keys and index names are ASCII strings).
+
+    Every method raises :class:`SharedStoreError` when the store cannot be reached.
+    """
+
+    def get(self, key: str) -> bytes | None:
+        """The blob under ``key``, or None."""
+        ...
+
+    def put(self, key: str, blob: bytes) -> bool:
+        """Store ``blob`` under ``key`` unless a blob is there already; True when it was stored."""
+        ...
+
+    def delete(self, key: str) -> None:
+        """Remove ``key`` (nothing when absent)."""
+        ...
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        """For each key, whether a blob is stored under it (one round trip)."""
+        ...
+
+    def add_depth(self, index: str, depth: int) -> None:
+        """Record that a blob of ``depth`` tokens was published under ``index``."""
+        ...
+
+    def depths(self, index: str, lo: int, hi: int) -> list[int]:
+        """Depths recorded under ``index`` in ``(lo, hi]``, ascending."""
+        ...
+
+
+class MemoryStore:
+    """A :class:`SharedStore` in this process's memory (tests, a single process). Not thread-safe."""
+
+    def __init__(self) -> None:
+        self.blobs: dict[str, bytes] = {}
+        self.indexes: dict[str, set[int]] = {}
+
+    def get(self, key: str) -> bytes | None:
+        """See :class:`SharedStore`."""
+        return self.blobs.get(key)
+
+    def put(self, key: str, blob: bytes) -> bool:
+        """See :class:`SharedStore`."""
+        if key in self.blobs:
+            return False
+        self.blobs[key] = bytes(blob)
+        return True
+
+    def delete(self, key: str) -> None:
+        """See :class:`SharedStore`."""
+        self.blobs.pop(key, None)
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        """See :class:`SharedStore`."""
+        return [k in self.blobs for k in keys]
+
+    def add_depth(self, index: str, depth: int) -> None:
+        """See :class:`SharedStore`."""
+        self.indexes.setdefault(index, set()).add(int(depth))
+
+    def depths(self, index: str, lo: int, hi: int) -> list[int]:
+        """See :class:`SharedStore`."""
+        return sorted(d for d in self.indexes.get(index, ()) if lo < d <= hi)
+
+
+class RedisStore:
+    """A :class:`SharedStore` on a Redis server (needs the ``redis`` extra).
+
+    Blobs are plain string values written with ``SET NX``; each index is a sorted set of depths.
+    The client reconnects by itself once the server is back.
+
+    :param url: e.g. ``redis://127.0.0.1:6379/0``.
+    :param timeout_s: socket connect and read timeout: a dead server costs at most this per call.
+    :param ttl_s: expire blobs after this many seconds, at least 0.001 (Redis counts whole
+        milliseconds; ``None``: keep them; bound the server's memory with its own ``maxmemory``
+        and an eviction policy instead).
+    :raises ValueError: a URL that is not a Redis URL, a ``timeout_s`` that is not a finite number
+        above 0, a ``ttl_s`` below a millisecond or not finite.
+    :raises ImportError: the ``redis`` package is not installed.
+    """
+
+    def __init__(self, url: str, *, timeout_s: float = 0.5, ttl_s: float | None = None) -> None:
+        if not isinstance(url, str) or not url.startswith(REDIS_URL_SCHEMES):
+            raise ValueError(f"url must be a redis://, rediss:// or unix:// URL string, got {url!r}")
+        if not (finite_seconds(timeout_s) and timeout_s > 0):
+            raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
+        if ttl_s is not None and not (finite_seconds(ttl_s) and ttl_s >= 0.001):
+            # Redis expires in whole milliseconds: below one a SET with PX fails, and a replica
+            # whose every publication fails would never publish at all.
+            raise ValueError(f"ttl_s must be None or a finite number of seconds >= 0.001, got {ttl_s!r}")
+        try:
+            import redis
+        except ImportError as e:  # pragma: no cover - depends on the environment
+            raise ImportError("RedisStore needs the redis client: pip install 'radixcache[redis]'") from e
+        self.url = url
+        self.ttl_s = ttl_s
+        self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
+        self._refused: type[BaseException] = redis.ResponseError
+        self._r = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        # One server-side loop answers a probe's existence checks: 1,024 keys in 1.6 ms against
+        # 4.7 ms for a pipeline of EXISTS (redis-py builds each command in Python). A server that
+        # refuses scripts (or a cluster's cross-slot rule) falls back to the pipeline for good.
+        self._exists_script: Callable[..., object] | None = self._r.register_script(
+            "local r = {} for i, k in ipairs(KEYS) do r[i] = redis.call('EXISTS', k) end return r"
+        )
+
+    def close(self) -> None:
+        """Close the client's connections (idempotent; a later call reconnects)."""
+        self._r.close()
+
+    def _call(self, what: str, fn: Callable[[], object]) -> object:
+        try:
+            return fn()
+        except self._errors as e:
+            raise SharedStoreError(f"redis at {self.url}: {what} failed: {e}") from e
+
+    def get(self, key: str) -> bytes | None:
+        """See :class:`SharedStore`."""
+        out = self._call("GET", lambda: self._r.get(key))
+        assert out is None or isinstance(out, bytes)
+        return out
+
+    def put(self, key: str, blob: bytes) -> bool:
+        """See :class:`SharedStore`."""
+        px = None if self.ttl_s is None else int(self.ttl_s * 1000)
+        return bool(self._call("SET", lambda: self._r.set(key, blob, nx=True, px=px)))
+
+    def delete(self, key: str) -> None:
+        """See :class:`SharedStore`."""
+        self._call("DEL", lambda: self._r.delete(key))
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        """See :class:`SharedStore`."""
+        if not keys:
+            return []
+
+        def run() -> list[object]:
+            if self._exists_script is not None:
+                try:
+                    out = self._exists_script(keys=list(keys))
+                    assert isinstance(out, list)
+                    return out
+                except self._refused:  # scripting off here: a per-key pipeline from now on
+                    self._exists_script = None
+            pipe = self._r.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(k)
+            return list(pipe.execute())
+
+        out = self._call("EXISTS", run)
+        assert isinstance(out, list)
+        return [bool(x) for x in out]
+
+    def add_depth(self, index: str, depth: int) -> None:
+        """See :class:`SharedStore`."""
+        self._call("ZADD", lambda: self._r.zadd(index, {str(int(depth)): int(depth)}))
+
+    def depths(self, index: str, lo: int, hi: int) -> list[int]:
+        """See :class:`SharedStore`."""
+        out = self._call("ZRANGEBYSCORE", lambda: self._r.zrangebyscore(index, f"({int(lo)}", int(hi)))
+        assert isinstance(out, list)
+        try:
+            return [int(x) for x in out]
+        except (TypeError, ValueError) as e:  # somebody else wrote this index: the store is out of protocol
+            raise SharedStoreError(f"redis at {self.url}: depth index {index!r} holds a non-integer member: {e}") from e
