@@ -107,6 +107,9 @@ def test_the_manager_listens_first_and_passes_every_event_on() -> None:
     mgr.evict(kv_tokens=4)
     assert [e.kind for e in seen] == [K.SNAPSHOT_FREED, K.KV_FREED, K.NODE_REMOVED]
     mgr.check_invariants()
+    cache.listen(seen.append)  # a host re-wiring the tree behind the manager's back
+    with pytest.raises(AssertionError, match="no longer reach this manager"):
+        mgr.check_invariants()
 
 
 def test_with_kv_the_manager_frees_the_trees_kv_into_the_allocator() -> None:

@@ -1963,9 +1963,11 @@ class CacheManager:
         and locked; KV tables as long as the committed tokens; the tree's, the pool's, the
         policy's and (when on) the forensics' and the shared tier's own invariants, and the
         publications queued for the shared tier (at most ``max_pending``, each a node of this
-        tree with the key of its depth).
+        tree with the key of its depth); the manager still the tree's client and its listener.
         """
         self.cache.check_invariants()
+        assert self.cache.client is self, "the tree is served by another client"
+        assert self.cache.on_event == self._tree_event, "the tree's events no longer reach this manager"
         self.policy.check_invariants()
         if self.shared is not None:
             self.shared.check_invariants()
