@@ -1,6 +1,6 @@
 import importlib.util
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
@@ -9,6 +9,7 @@ import torch
 from linear_state import LinearStatePool, RequestOwner, StateLayout
 from radixcache import HybridRadixCache
 from radixcache.cli import main
+from radixcache.core.events import TreeEvent
 from radixcache.core.tree import TreeNode
 from radixcache.policies import (
     ALPHA_GRID,
@@ -47,6 +48,8 @@ from radixcache.simulator import (
     tune_alpha,
     write_trace,
 )
+
+P = TypeVar("P", bound=Policy)
 
 FINISH, CAPTURE = DonationReason.FINISH, DonationReason.CAPTURE
 ROOT = Path(__file__).resolve().parent.parent
@@ -254,12 +257,19 @@ class _Tree:
 
     def __init__(self) -> None:
         self.pool = LinearStatePool(StateLayout(1, (1, 1), (1,)), 64)
-        self.cache = HybridRadixCache(self.pool)
+        self.listeners: list[Policy] = []
+        # As a manager would: every policy bound here hears what the tree does.
+        self.cache = HybridRadixCache(self.pool, on_event=self.hear)
         self.slot = self.pool.alloc(RequestOwner("donor"))
         self.rng = np.random.default_rng(0)
 
-    def policy(self, pol: HitDensity) -> HitDensity:
+    def hear(self, event: TreeEvent) -> None:
+        for p in self.listeners:
+            p.tree_event(event)
+
+    def policy(self, pol: P) -> P:
         pol.bind(self.cache)
+        self.listeners.append(pol)
         return pol
 
     def add(self, key: np.ndarray) -> TreeNode:
@@ -279,7 +289,7 @@ def test_flop_efficiency_weighs_normalised_flops_per_byte_against_normalised_rec
     t.add(np.concatenate([deep_key, t.fresh(64)]))  # `deep` now has one child: it frees no KV
     shallow = t.add(t.fresh(600))  # 600 deep, a leaf of 600 tokens of its own KV
     pol = FlopEfficiency(alpha=2.0)
-    pol.bind(t.cache)
+    t.policy(pol)
     pol.costs(1000, 10)
     pol.flops(lambda n: n * 0.001)
     pol.donated(deep, _req("a", 0.0), CAPTURE, 0.0)  # the oldest
@@ -289,7 +299,7 @@ def test_flop_efficiency_weighs_normalised_flops_per_byte_against_normalised_rec
     # normalised: deep 0 (recency) + 2 * 1 (efficiency) = 2; shallow 1 + 2 * 0 = 1
     assert pol.victim(20.0) is shallow
     lru = FlopEfficiency(alpha=0.0)
-    lru.bind(t.cache)
+    t.policy(lru)
     lru.costs(1000, 10)
     for n, ts in ((deep, 0.0), (shallow, 10.0)):
         lru.donated(n, _req("x", ts), CAPTURE, ts)
@@ -301,7 +311,7 @@ def test_flop_efficiency_weighs_normalised_flops_per_byte_against_normalised_rec
     t.add(np.concatenate([deep_key, t.fresh(8)]))
     assert len(deep.children) == 2
     only = FlopEfficiency(alpha=0.0)
-    only.bind(t.cache)
+    t.policy(only)
     only.donated(deep, _req("f", 0.0), CAPTURE, 0.0)
     assert only.victim(1.0) is None
     with pytest.raises(ValueError, match="alpha must be >= 0"):
@@ -529,6 +539,30 @@ def _refuses(pol: Policy, match: str) -> None:
         pol.check_invariants()
 
 
+def test_ours_reanchors_the_rows_below_an_anchor_the_tree_let_go() -> None:
+    """A shared anchor's snapshot goes without the policy choosing it (a direct eviction): the
+    snapshots below it are valued from the root again, in their rows too, by the next choice."""
+    t = _Tree()
+    pol = t.policy(HitDensity(exact_below=0))
+    pol.costs(snapshot_bytes=1000, kv_bytes_per_token=1)
+    shared = t.fresh()
+    anchor = t.add(shared)
+    pol.donated(anchor, _req("sys", 0.0), CAPTURE, 0.0)
+    pol.touched(anchor, _req("x", 1.0), 1.0)  # used by two sessions: an anchor for everyone
+    below = [t.add(np.concatenate([shared, t.fresh()])) for _ in range(2)]
+    for i, n in enumerate(below):
+        pol.donated(n, _req(f"y{i}", 2.0 + i, 128), CAPTURE, 2.0 + i)
+    kept = below[1]
+    gain = float(pol._t.rows[pol._t.pos[kept.id], 4])
+    t.cache.evict_snapshot(anchor, demote=False)  # an inner node: it stays, a tombstone
+    assert anchor.id not in pol._t.pos and pol._anchor_depth(pol._entries[kept.id]) == 0
+    t.cache.lock(kept)
+    assert pol.victim(5.0) is below[0]
+    t.cache.unlock(kept)
+    now = float(pol._t.rows[pol._t.pos[kept.id], 4])
+    assert now == pol._gain(pol._entries[kept.id]) and now > gain, "its row still counts the anchor"
+
+
 def test_policy_check_invariants_detect_corruption() -> None:
     t = _Tree()
     pol = t.policy(HitDensity())
@@ -538,9 +572,9 @@ def test_policy_check_invariants_detect_corruption() -> None:
     pol.admitted(_req("a", 0.0))
     pol.admitted(_req("a", 5.0))
     pol.check_invariants()
-    pol._pos[nodes[0].id] = 2  # a position that points at another node
+    pol._t.pos[nodes[0].id] = 2  # a position that points at another node
     _refuses(pol, "position says 2")
-    pol._pos[nodes[0].id] = 0
+    pol._t.pos[nodes[0].id] = 0
     pol._superseded[999] = None
     _refuses(pol, "superseded but not tracked")
     del pol._superseded[999]
@@ -590,7 +624,7 @@ class _Scored(HitDensity):
 
     def estimates(self, rows: np.ndarray, now: float, *, leaf: bool = False) -> np.ndarray:
         self.draws += 1
-        return np.array([self.estimate[self._items[i]] for i in rows.tolist()])
+        return np.array([self.estimate[self._t.nodes[i].id] for i in rows.tolist()])
 
 
 def _scored(
@@ -686,7 +720,7 @@ def test_ours_estimates_are_its_densities_while_paths_stand_still() -> None:
         nodes.append(n)
     for i, n in enumerate(nodes[::3]):
         pol.touched(n, _req(f"h{i}", 20.0 + i), 20.0 + i)
-    rows = np.array([pol._pos[n.id] for n in nodes])
+    rows = np.array([pol._t.pos[n.id] for n in nodes])
     for now in (30.0, 50.0, 90.0):
         for leaf in (False, True):
             est = pol.estimates(rows, now, leaf=leaf)
@@ -886,10 +920,10 @@ def test_ours_never_supersedes_a_branch_point() -> None:
     assert branch.id not in pol._superseded and pol.density(branch, 6.0) > 0
 
 
-def test_ours_refreshes_every_row_after_the_tree_evicted_by_its_own_lru() -> None:
-    """After ``victim`` answers None the manager lets the tree evict by its own LRU, which the policy
-    does not see: an untracked parent's snapshot goes and the leaf below now cascades through it.
-    The next choice starts from rows that agree with the tree again."""
+def test_ours_hears_the_tree_evict_by_its_own_lru_and_refreshes_what_it_moved() -> None:
+    """After ``victim`` answers None the manager lets the tree evict by its own LRU: an untracked
+    parent's snapshot goes and the leaf below now cascades through it. The policy hears it as an
+    event (no sweep of every row): the next choice starts from rows that agree with the tree."""
     t = _Tree()
     pol = t.policy(HitDensity(exact_below=0, sample=4, batch=1))
     pol.costs(snapshot_bytes=100, kv_bytes_per_token=1)
@@ -901,7 +935,7 @@ def test_ours_refreshes_every_row_after_the_tree_evicted_by_its_own_lru() -> Non
         pol.donated(n, _req(f"s{i}", float(i)), CAPTURE, float(i))
     for ts in (2.0, 3.0, 4.0):  # the child is used often: the other one is the one to go
         pol.touched(child, _req(f"h{ts}", ts), ts)
-    before = pol._rows[pol._pos[child.id], 6]  # its bytes when dropped: its own 64 tokens
+    before = pol._t.rows[pol._t.pos[child.id], 6]  # its bytes when dropped: its own 64 tokens
     for n in (child, other):
         t.cache.lock(n)
     assert pol.victim(5.0) is None
@@ -911,9 +945,8 @@ def test_ours_refreshes_every_row_after_the_tree_evicted_by_its_own_lru() -> Non
         t.cache.unlock(n)
     assert pol.freed_bytes(child, demote=False) > before, "the child's cascade now takes the parent's KV"
     assert pol.victim(6.0) is other
-    for nid in pol._items:
-        n = pol._entries[nid].node
-        assert pol._rows[pol._pos[nid], 6] == pol.freed_bytes(n, demote=False), n
+    for i, n in enumerate(pol._t.nodes):
+        assert pol._t.rows[i, 6] == pol.freed_bytes(n, demote=False), n
 
 
 def test_row_bookkeeping_invariants_detect_corruption() -> None:
@@ -921,7 +954,7 @@ def test_row_bookkeeping_invariants_detect_corruption() -> None:
     a row out of step with its entry."""
     t = _Tree()
     fe = FlopEfficiency(queue=2)
-    fe.bind(t.cache)
+    t.policy(fe)
     hd = t.policy(HitDensity())
     nodes = [t.add(t.fresh()) for _ in range(3)]
     for i, n in enumerate(nodes):
@@ -929,15 +962,15 @@ def test_row_bookkeeping_invariants_detect_corruption() -> None:
         hd.donated(n, _req(f"s{i}", float(i)), CAPTURE, float(i))
     fe.check_invariants()
     hd.check_invariants()
-    fe._pos[nodes[0].id] = 1
+    fe._t.pos[nodes[0].id] = 1
     _refuses(fe, "position says 1")
-    fe._pos[nodes[0].id] = 0
-    fe._cand[5] = True
-    _refuses(fe, "past the tracked rows")
-    fe._cand[5] = False
+    fe._t.pos[nodes[0].id] = 0
+    fe._t.rows[5, 2] = 1.0  # a candidate flag past the tracked rows
+    _refuses(fe, "past the tracked ones")
+    fe._t.rows[5, 2] = 0.0
     fe._changed.add(999)
     _refuses(fe, "changed but not tracked")
-    hd._rows[0, 0] += 1.0  # the last use its row says
+    hd._t.rows[0, 0] += 1.0  # the last use its row says
     _refuses(hd, "out of step")
 
 
@@ -991,7 +1024,7 @@ def test_ours_evicts_the_final_state_of_a_session_where_sessions_end() -> None:
     pol.donated(second, _req("y", now), FINISH, now)
     assert pol.continuation(3) == pytest.approx(0.0) and pol.continuation(2) == pytest.approx(1.0)
     assert pol.density(third, now + 5.0) == 0.0 < pol.density(second, now + 5.0)
-    est = pol.estimates(np.array([pol._pos[third.id], pol._pos[second.id]]), now + 5.0)
+    est = pol.estimates(np.array([pol._t.pos[third.id], pol._t.pos[second.id]]), now + 5.0)
     assert est[0] == 0.0 < est[1], "the batched estimate reads the request count from the row"
     _evict(pol, now + 5.0)
     assert third.snapshot is None and second.snapshot is not None

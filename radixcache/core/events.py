@@ -48,6 +48,8 @@ class TreeEvent(NamedTuple):
     :ivar kv: the freed KV indices (``KV_FREED`` only), 1-D int64.
     :ivar tier: ``"device"`` or ``"host"`` (``SNAPSHOT_FREED`` only).
     :ivar slot: the slot freed (``SNAPSHOT_FREED``) or the host slot taken (``DEMOTED``).
+    :ivar parent: the node a removed one hung from (``NODE_REMOVED`` only): where an eviction's
+        cascade goes on or stops, so a listener that keeps costs knows whose changed.
     """
 
     kind: TreeEventKind
@@ -55,6 +57,7 @@ class TreeEvent(NamedTuple):
     kv: torch.Tensor | None = None
     tier: str | None = None
     slot: int | None = None
+    parent: TreeNode | None = None
 
 
 #: The tree's listener: called once per event, in order, from the call that acted.

@@ -20,6 +20,7 @@ from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
+from .events import TreeEvent
 from .tree import EvictResult, TreeNode
 
 __all__ = ["DonationReason", "Policy", "RequestInfo", "TreeView", "default_policy", "set_default_policy"]
@@ -49,6 +50,10 @@ class TreeView(Protocol):
 
     def snapshot_ancestors(self, node: TreeNode) -> Iterator[TreeNode]:
         """The ancestors of ``node`` holding a snapshot, nearest first."""
+        ...
+
+    def snapshots_below(self, node: TreeNode, *, through: Callable[[TreeNode], bool]) -> Iterator[TreeNode]:
+        """The device snapshots below ``node``, each branch down to its first one ``through`` stops."""
         ...
 
     def cascade_stop(self, node: TreeNode) -> TreeNode:
@@ -99,7 +104,8 @@ class Policy(ABC):
     Call order for a request: :meth:`admitted` first, :meth:`touched` when it hit, then
     :meth:`captures` once per scheduled window (prefill chunk or decode window), :meth:`donated`
     for each snapshot the tree took, and :meth:`donate_finish` at finish. :meth:`victim` is asked
-    whenever the manager must free a snapshot (for slots, for KV, or for a byte budget).
+    whenever the manager must free a snapshot (for slots, for KV, or for a byte budget), and
+    :meth:`tree_event` hears everything the tree let go or moved.
     """
 
     name: str = "policy"
@@ -167,6 +173,13 @@ class Policy(ABC):
 
     def touched(self, node: TreeNode, req: RequestInfo, now: float) -> None:  # noqa: B027
         """``node`` served a hit for ``req``."""
+
+    def tree_event(self, event: TreeEvent) -> None:  # noqa: B027
+        """The tree did ``event`` (:mod:`radixcache.core.events`): the manager hands the policy every
+        one, in order, while the tree's call runs, those of the policy's own victims included. A
+        policy that keeps numbers per snapshot learns here what went without its choosing (the
+        tree's least recently used after a ``None``, a manager's direct eviction, ``reset``). It must
+        not call into the tree from here: note, and act at the next hook."""
 
     def victim(self, now: float, *, kv: bool = False) -> TreeNode | None:
         """The snapshot to evict next: an evictable node (see

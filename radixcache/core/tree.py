@@ -20,7 +20,7 @@ Fields of :class:`TreeNode` are changed only by :class:`HybridRadixCache`.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from typing import NamedTuple
 
 import numpy as np
@@ -475,6 +475,20 @@ class HybridRadixCache:
             if anc.snapshot is not None:
                 yield anc
             anc = anc.parent
+
+    @staticmethod
+    def snapshots_below(node: TreeNode, *, through: Callable[[TreeNode], bool]) -> Iterator[TreeNode]:
+        """The nodes below ``node`` that hold a device snapshot, depth first, each branch down to
+        its first such node for which ``through`` is False (the walk does not go below that one).
+        The caller may read and note between steps, not change the tree. O(nodes visited)."""
+        stack = list(node.children.values())
+        while stack:
+            n = stack.pop()
+            if n.snapshot is not None:
+                yield n
+                if not through(n):
+                    continue
+            stack.extend(n.children.values())
 
     @property
     def demotes(self) -> bool:
@@ -991,7 +1005,7 @@ class HybridRadixCache:
             removed += 1
             if self._on_event is not None:
                 self._on_event(TreeEvent(TreeEventKind.KV_FREED, n, n.value))
-                self._on_event(TreeEvent(TreeEventKind.NODE_REMOVED, n))
+                self._on_event(TreeEvent(TreeEventKind.NODE_REMOVED, n, parent=parent))
             if parent.depth == 0 or parent.children:
                 break
             if parent.snapshot is not None or parent.host is not None:  # a leaf again, with a state
@@ -1127,7 +1141,7 @@ class HybridRadixCache:
                     self._drop_host(n, remove=False)
                 if self._on_event is not None:
                     self._on_event(TreeEvent(TreeEventKind.KV_FREED, n, n.value))
-                    self._on_event(TreeEvent(TreeEventKind.NODE_REMOVED, n))
+                    self._on_event(TreeEvent(TreeEventKind.NODE_REMOVED, n, parent=n.parent))
                 n.parent = None
         self.reset_state()
 

@@ -1906,10 +1906,11 @@ class CacheManager:
         return self._table(rec)[rec.committed :]
 
     def _tree_event(self, event: TreeEvent) -> None:
-        """The tree's listener: freed KV to the host's allocator (``kv.free`` when the manager owns
-        the KV, else the listener the tree was built with), dropped and demoted snapshots to
-        forensics, then every event on to the tree's own listener."""
+        """The tree's listener: every event to the policy; freed KV to the host's allocator
+        (``kv.free`` when the manager owns the KV, else the listener the tree was built with),
+        dropped and demoted snapshots to forensics, then every event on to the tree's own listener."""
         kind = event.kind
+        self.policy.tree_event(event)
         if kind is TreeEventKind.KV_FREED and self.kv is not None:
             assert event.kv is not None
             self.kv.free(event.kv)

@@ -21,8 +21,9 @@ How the minimum is found, exactly, without scanning every candidate per eviction
 utility is ``a * recency + b * efficiency`` with ``a = 1 / (recency range)`` and ``b = alpha /
 (efficiency range)`` (measured from any origin: the minimum does not move); the ranges' ends come
 from four lazy heaps, looked at again only when a row that held one changes. Each candidate keeps
-its recency, efficiency and candidacy in arrays, refreshed when the policy sees them change (its
-donation or hit; a snapshot donated below it, or a split beside it; an eviction next to it: see
+its recency, efficiency and candidacy in a row (:class:`~radixcache.policies.rows.RowTable`),
+refreshed when the policy sees them change (its donation or hit; a snapshot donated below it, or a
+split beside it; an eviction next to it, the policy's own or one the tree reports as an event: see
 :meth:`HybridRadixCache.cost_dependents`; the host tier starting or stopping to take evictions,
 which changes every candidate's bytes). A scan, vectorised, queues the ``queue`` lowest utilities
 at the weights ``(a0, b0)`` it ran with, sorted, and keeps ``T``, the lowest utility left out.
@@ -44,10 +45,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..core.events import TreeEvent
 from ..core.policy import DonationReason, Policy, RequestInfo, TreeView
 from ..core.tree import TreeNode
+from .rows import RowTable
 
 __all__ = ["ALPHA_GRID", "FlopEfficiency"]
+
+_R, _E, _CAND = range(3)  # columns of a row: last use, FLOP efficiency, 1.0 for a candidate
 
 ALPHA_GRID: tuple[float, ...] = (0.0, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 """The alphas the bootstrap replay tries."""
@@ -86,11 +91,9 @@ class FlopEfficiency(Policy):
         self.alpha = float(alpha)
         self.queue = queue
         self._prefill_flops: Callable[[int], float] = float  # until told: one FLOP per token
-        self._nodes: list[TreeNode] = []  # tracked snapshot nodes; row i of the arrays is _nodes[i]
-        self._pos: dict[int, int] = {}
-        self._r = np.zeros(64)  # last use
-        self._e = np.zeros(64)  # FLOP efficiency, at the bytes an eviction for slots frees
-        self._cand = np.zeros(64, dtype=bool)  # at most one child
+        # A row per tracked snapshot: its last use, its FLOP efficiency (at the bytes an eviction
+        # for slots frees) and 1.0 when it is a candidate (at most one child).
+        self._t = RowTable(3)
         self._scan: _Scan | None = None
         # The ranges' ends: from the scan, the queue-many lowest and highest (value, id) of recency
         # and efficiency (lists 0 to 3, most extreme first), each with how far it is used up and
@@ -103,7 +106,6 @@ class FlopEfficiency(Policy):
         self._changed: set[int] = set()  # ids whose row changed since the scan
         self._evicted: TreeNode | None = None  # the last victim (inner) or where its cascade stops
         self._demotes: bool | None = None  # the tree's demotes when the rows' bytes were computed
-        self._unseen = False  # the tree may have evicted a tracked snapshot the policy did not choose
 
     def bind(self, cache: TreeView) -> None:
         super().bind(cache)
@@ -148,68 +150,63 @@ class FlopEfficiency(Policy):
         if not self.cache.holds_snapshot(node):
             self._drop(node.id)  # a hit served from the host tier: no device snapshot to rank
             return
-        pos = self._pos.get(node.id)
-        if pos is None:
-            pos = self._pos[node.id] = len(self._nodes)
-            self._nodes.append(node)
-            if pos == len(self._r):
-                grow = len(self._r)
-                self._r = np.concatenate([self._r, np.zeros(grow)])
-                self._e = np.concatenate([self._e, np.zeros(grow)])
-                self._cand = np.concatenate([self._cand, np.zeros(grow, dtype=bool)])
-        r = float(self._r[pos]) if last is None else last
+        pos = self._t.add(node)
+        row = self._t.rows[pos]
+        r = float(row[_R]) if last is None else last
         if self.cache.demotes != self._demotes:
             self._demotes = None  # rows of both kinds of bytes now: the next eviction refreshes all
         e = self.efficiency(node)
         cand = len(node.children) <= 1
-        same = cand and bool(self._cand[pos]) and self._r[pos] == r and self._e[pos] == e
+        same = cand and bool(row[_CAND]) and row[_R] == r and row[_E] == e
         if same:
             return  # the row and its place in the scan stand
         if node.id in self._changed:
             self._moved_stale = True  # its earlier values may be an extreme no longer held
         self._changed.add(node.id)
-        self._r[pos], self._e[pos], self._cand[pos] = r, e, cand
+        row[_R], row[_E], row[_CAND] = r, e, cand
         if cand and not self._moved_stale:
             self._moved = _widen(self._moved, r, e)
 
     def _reshape(self, node: TreeNode) -> None:
         n = self.cache.cost_dependent(node)
-        if n is not None and n.id in self._pos and self._nodes[self._pos[n.id]] is n:
+        t = self._t
+        if n is not None and n.id in t.pos and t.nodes[t.pos[n.id]] is n:
             self._put(n, None)
 
     def _refresh_all(self) -> None:
-        for n in list(self._nodes):
+        for n in list(self._t.nodes):
             self._put(n, None)
 
     def _drop(self, nid: int) -> None:
-        pos = self._pos.get(nid)
-        if pos is None:
-            return
-        del self._pos[nid]
+        if self._t.remove(nid):
+            self._forget(nid)
+
+    def _forget(self, nid: int) -> None:
+        """Node id ``nid`` left the rows: a changed row gone may have held an extreme."""
         if nid in self._changed:
             self._changed.discard(nid)
             self._moved_stale = True
-        moved = self._nodes.pop()
-        last = len(self._nodes)
-        if pos < last:
-            self._nodes[pos] = moved
-            self._pos[moved.id] = pos
-            self._r[pos], self._e[pos], self._cand[pos] = self._r[last], self._e[last], self._cand[last]
-        self._cand[last] = False
+
+    def tree_event(self, event: TreeEvent) -> None:
+        """A tracked snapshot the tree let go unchosen leaves the rows now; the costs it changed are
+        refreshed at the next :meth:`victim`."""
+        nid = self._t.hear(event)
+        if nid is not None:
+            self._forget(nid)
 
     def _ranges(self) -> tuple[float, float, float, float] | None:
         """Lowest and highest recency and efficiency over the candidates, from the scan's end
         lists and the rows changed since; ``None``: a list ran out while the scan left rows out of
         it (a scan is due), or no candidate."""
-        pos_of, cand = self._pos, self._cand
+        pos_of, rows = self._t.pos, self._t.rows
         ends: list[float | None] = []
         for c, lst in enumerate(self._lists):
-            values = self._r if c < 2 else self._e
+            col = _R if c < 2 else _E
             h = self._heads[c]
             while h < len(lst):
                 value, nid = lst[h]
                 pos = pos_of.get(nid)
-                if pos is not None and cand[pos] and values[pos] == value:
+                if pos is not None and rows[pos, _CAND] and rows[pos, col] == value:
                     break
                 h += 1
             self._heads[c] = h
@@ -232,49 +229,48 @@ class FlopEfficiency(Policy):
         if self._moved_stale:
             self._moved_stale = False
             self._moved = None
+            rows, pos_of = self._t.rows, self._t.pos
             for nid in self._changed:
-                pos = self._pos[nid]
-                if self._cand[pos]:
-                    self._moved = _widen(self._moved, float(self._r[pos]), float(self._e[pos]))
+                pos = pos_of[nid]
+                if rows[pos, _CAND]:
+                    self._moved = _widen(self._moved, float(rows[pos, _R]), float(rows[pos, _E]))
         return self._moved
 
     # -- eviction ---------------------------------------------------------------------------------
 
     def _settle(self) -> None:
-        """Bring the rows up to date with what the last eviction and the host tier changed, and,
-        after a ``None`` (the manager then lets the tree evict by its own LRU, unseen), every row
-        (O(n), only then)."""
-        if self._unseen:
-            self._unseen = False
-            self._refresh_all()  # drops the rows gone, refreshes those whose paths changed
-        if self._evicted is not None:
-            self._reshape(self._evicted)
-            self._evicted = None
+        """Bring the rows up to date with what the last eviction, the evictions the tree reported
+        (its own LRU after a ``None``, a direct one) and the host tier changed."""
+        for n in self._t.due(self._evicted):  # the last victim's, then what the tree let go unchosen
+            self._reshape(n)
+        self._evicted = None
         demotes = self.cache.demotes
         if demotes != self._demotes:
             self._demotes = demotes
             self._refresh_all()
 
     def _utility(self, pos: int, a: float, b: float, scan: _Scan) -> float:
-        return a * (float(self._r[pos]) - scan.r0) + b * (float(self._e[pos]) - scan.e0)
+        row = self._t.rows[pos]
+        return a * (float(row[_R]) - scan.r0) + b * (float(row[_E]) - scan.e0)
 
     def _full_scan(self, k: int) -> tuple[tuple[float, float, float, float] | None, int]:
         """Scan every candidate: the exact ranges, the queue of the ``k`` lowest utilities at
         their weights, the end lists. Returns the ranges (``None``: no candidate) and how many
         candidates there are."""
-        n = len(self._nodes)
-        rows = np.flatnonzero(self._cand[:n])
+        n = len(self._t)
+        table = self._t.rows
+        rows = np.flatnonzero(table[:n, _CAND])
         self._changed.clear()
         self._moved, self._moved_stale = None, False
         if not len(rows):
             self._scan = None
             self._lists, self._partial = [[], [], [], []], [False, False, False, False]
             return None, 0
-        r, e = self._r[rows], self._e[rows]
+        r, e = table[rows, _R], table[rows, _E]
         ranges = (float(r.min()), float(r.max()), float(e.min()), float(e.max()))
         a, b = self._weights(ranges)
         u = a * (r - ranges[0]) + b * (e - ranges[2])
-        nodes = self._nodes
+        nodes = self._t.nodes
         inside, bound = self._lowest(u, k)
         queue = sorted(zip(u[inside].tolist(), (nodes[i].id for i in rows[inside].tolist()), strict=True))
         self._scan = _Scan(a, b, ranges[0], ranges[2], bound, queue)
@@ -313,12 +309,12 @@ class FlopEfficiency(Policy):
         r_lo, r_hi, e_lo, e_hi = ranges
         da, db = a - scan.a, b - scan.b
         shift = da * ((r_lo if da > 0 else r_hi) - scan.r0) + db * ((e_lo if db > 0 else e_hi) - scan.e0)
-        pos_of, nodes, cand = self._pos, self._nodes, self._cand
+        pos_of, nodes, table = self._t.pos, self._t.nodes, self._t.rows
         best: tuple[float, int] | None = None
         best_node: TreeNode | None = None
         for nid in self._changed:
             pos = pos_of.get(nid)
-            if pos is not None and cand[pos] and self._free(nodes[pos]):
+            if pos is not None and table[pos, _CAND] and self._free(nodes[pos]):
                 key = (self._utility(pos, a, b, scan), nid)
                 if best is None or key < best:
                     best, best_node = key, nodes[pos]
@@ -331,7 +327,7 @@ class FlopEfficiency(Policy):
             if best is not None and u0 + shift > best[0]:
                 return best_node  # this row and every later one (and every row left out) are above
             pos = pos_of.get(nid)
-            if pos is None or nid in self._changed or not cand[pos] or not self._free(nodes[pos]):
+            if pos is None or nid in self._changed or not table[pos, _CAND] or not self._free(nodes[pos]):
                 continue
             key = (self._utility(pos, a, b, scan), nid)
             if best is None or key < best:
@@ -341,12 +337,9 @@ class FlopEfficiency(Policy):
         return None
 
     def _free(self, node: TreeNode) -> bool:
-        """``node`` may be chosen: it holds an unlocked device snapshot. One that lost its snapshot
-        unseen is not, and has the rows swept at the next eviction."""
-        if node.parent is None or node.snapshot is None:
-            self._unseen = True
-            return False
-        return not node.snap_lock
+        """``node`` may be chosen: it holds an unlocked device snapshot (a tracked one never lacks
+        it: the tree's events untrack what it lets go, :meth:`tree_event`)."""
+        return node.parent is not None and node.snapshot is not None and not node.snap_lock
 
     def _take(self, node: TreeNode) -> TreeNode:
         # The manager evicts it now: what that leaves is looked at before the next choice.
@@ -359,13 +352,7 @@ class FlopEfficiency(Policy):
         if kv:
             return self._leaf_victim()
         node = self._choose()
-        if node is not None and self._unseen:  # met a snapshot gone unseen: its row was in the ranges
-            self._settle()
-            node = self._choose()
-        if node is None:
-            self._unseen = True  # the tree chooses by its own LRU now
-            return None
-        return self._take(node)
+        return None if node is None else self._take(node)
 
     def _choose(self) -> TreeNode | None:
         """Marconi's choice among the tracked rows (see the module's notes); ``None``: no
@@ -389,11 +376,11 @@ class FlopEfficiency(Policy):
         """For KV pressure: the lowest utility among the leaf candidates, normalised over them, at
         the bytes a KV eviction frees (the leaf's KV always goes). O(n)."""
         cands: list[tuple[int, float, float, TreeNode]] = []
-        for pos, node in enumerate(self._nodes):
+        rows = self._t.rows
+        for pos, node in enumerate(self._t.nodes):
             if not node.children and self._free(node):
-                cands.append((node.id, float(self._r[pos]), self.efficiency(node, demote=False), node))
+                cands.append((node.id, float(rows[pos, _R]), self.efficiency(node, demote=False), node))
         if not cands:
-            self._unseen = True
             return None
         r_lo, r_hi = min(c[1] for c in cands), max(c[1] for c in cands)
         e_lo, e_hi = min(c[2] for c in cands), max(c[2] for c in cands)
@@ -405,12 +392,9 @@ class FlopEfficiency(Policy):
     def check_invariants(self) -> None:
         """Raise AssertionError unless the rows, the positions and the candidate flags agree with
         the tracked nodes."""
-        assert len(self._pos) == len(self._nodes), f"{len(self._pos)} positions, {len(self._nodes)} nodes"
-        for i, n in enumerate(self._nodes):
-            assert self._pos.get(n.id) == i, f"node {n.id} at {i}, position says {self._pos.get(n.id)}"
-        assert not self._cand[len(self._nodes) :].any(), "a candidate flag past the tracked rows"
-        stray = [nid for nid in self._changed if nid not in self._pos]
+        self._t.check_invariants()
+        stray = [nid for nid in self._changed if nid not in self._t.pos]
         assert not stray, f"changed but not tracked: {stray}"
 
     def describe(self) -> dict[str, object]:
-        return {"alpha": self.alpha, "tracked": sorted(self._pos)}
+        return {"alpha": self.alpha, "tracked": sorted(self._t.pos)}

@@ -59,8 +59,10 @@ batches: ``sample x b`` snapshots are drawn at random (seeded; a repeat counts o
 ``batch``, or one in 1,024 of the tracked snapshots if that is fewer (at least 1), and scored at
 once, vectorised, from a row of numbers per snapshot: its kind, times and hits (kept current by
 every event) and the gain and bytes of its path (refreshed when the policy sees the path change: a
-snapshot donated above or below it, a split beside it, an ancestor that starts to anchor it, an
-eviction next to it; see :meth:`HybridRadixCache.cost_dependents`). The ``b`` lowest are queued.
+snapshot donated above or below it, a split beside it, an ancestor that starts or stops to anchor
+it, an eviction next to it, the policy's own or one the tree reports as an event; see
+:meth:`HybridRadixCache.cost_dependents` and :class:`~radixcache.policies.rows.RowTable`). The ``b``
+lowest are queued.
 Each eviction takes the next queued snapshot that is still evictable. Within the burst the batch
 was drawn in (the same ``now``, no request admitted, no snapshot donated or touched since) with its
 row as drawn, its estimate is its density, and it goes (the reuse rates move by the burst's own
@@ -83,8 +85,10 @@ from itertools import accumulate
 
 import numpy as np
 
+from ..core.events import TreeEvent, TreeEventKind
 from ..core.policy import DonationReason, Policy, RequestInfo
 from ..core.tree import TreeNode
+from .rows import RowTable
 
 __all__ = ["HitDensity"]
 
@@ -237,9 +241,7 @@ class HitDensity(Policy):
         self.sample, self.batch, self.exact_below = sample, batch, exact_below
         self._draw = np.random.default_rng(seed)
         self._entries: dict[int, _Entry] = {}
-        self._items: list[int] = []  # tracked node ids, for O(1) sampling
-        self._pos: dict[int, int] = {}
-        self._rows = np.zeros((64, 9))  # row i: what the batched estimate knows of _items[i]
+        self._t = RowTable(9)  # row i: what the batched estimate knows of the i-th tracked snapshot
         self._queue: deque[int] = deque()  # a batch's lowest, lowest first (node ids)
         self._queue_leaf = False  # the batch was drawn for KV pressure (leaves only)
         self._queue_bound = 0.0  # the batch's highest estimate
@@ -247,7 +249,7 @@ class HitDensity(Policy):
         self._rewritten: set[int] = set()  # ids whose row changed since the batch was drawn
         self._events = 0  # requests admitted, snapshots donated and touched: what moves densities
         self._evicted: TreeNode | None = None  # the last victim (inner) or where its cascade stops
-        self._unseen = False  # answered None: the tree then evicts by its own LRU, unseen
+        self._unanchored: list[TreeNode] = []  # tracked snapshots the tree let go unchosen, nodes kept
         self._superseded: dict[int, None] = {}  # tracked ids, oldest first
         self._outcome = {k: _Decayed() for k in (BLOCK, BRANCH, HIT)}  # measured on what the cache kept
         self._continued = _Decayed()  # requests whose session came before: reuse of final states
@@ -364,15 +366,8 @@ class HitDensity(Policy):
     # -- what the tree holds ----------------------------------------------------------------------
 
     def _track(self, e: _Entry) -> None:
-        nid = e.node.id
-        self._entries[nid] = e
-        pos = self._pos.get(nid)
-        if pos is None:
-            pos = self._pos[nid] = len(self._items)
-            self._items.append(nid)
-            if pos == len(self._rows):
-                self._rows = np.concatenate([self._rows, np.zeros_like(self._rows)])
-        self._refresh(pos, e)
+        self._entries[e.node.id] = e
+        self._refresh(self._t.add(e.node), e)
 
     def _refresh(self, pos: int, e: _Entry) -> None:
         """Row ``pos`` from entry ``e`` and its path as they are now."""
@@ -382,19 +377,24 @@ class HitDensity(Policy):
             keep = self.freed_bytes(node, demote=True) if drop > self.snapshot_bytes else drop
         else:  # a hit served from the host tier: not a device snapshot to evict (yet)
             drop = keep = self.snapshot_bytes
-        self._rows[pos] = (e.last, e.born, e.hits, _CODE[e.kind], self._gain(e), keep, drop, not node.children, e.turn)
+        leaf = not node.children
+        self._t.rows[pos] = (e.last, e.born, e.hits, _CODE[e.kind], self._gain(e), keep, drop, leaf, e.turn)
         self._rewritten.add(node.id)
 
     def _untrack(self, nid: int) -> None:
         self._entries.pop(nid, None)
         self._superseded.pop(nid, None)
-        i = self._pos.pop(nid, None)
-        if i is not None:
-            moved = self._items.pop()
-            if i < len(self._items):
-                self._items[i] = moved
-                self._pos[moved] = i
-                self._rows[i] = self._rows[len(self._items)]
+        self._t.remove(nid)
+
+    def tree_event(self, event: TreeEvent) -> None:
+        """A tracked snapshot the tree let go unchosen leaves the rows now; the costs it changed are
+        refreshed at the next :meth:`victim`."""
+        nid = self._t.hear(event)
+        if nid is not None:
+            self._entries.pop(nid, None)
+            self._superseded.pop(nid, None)
+            if event.kind is not TreeEventKind.NODE_REMOVED:
+                self._unanchored.append(event.node)
 
     def donated(self, node: TreeNode, req: RequestInfo, reason: DonationReason, now: float) -> None:
         self._events += 1
@@ -450,7 +450,7 @@ class HitDensity(Policy):
             a = self._entries.get(anc.id)
             if a is not None and anc.id not in self._superseded and (len(a.users) > 1 or a.session != req.session):
                 a.last, a.hits = max(a.last, now), a.hits + 1
-                row = self._rows[self._pos[anc.id]]
+                row = self._t.rows[self._t.pos[anc.id]]
                 row[_LAST], row[_HITS] = a.last, a.hits
 
     # -- eviction ---------------------------------------------------------------------------------
@@ -466,17 +466,11 @@ class HitDensity(Policy):
     def _reanchor(self, top: TreeNode) -> None:
         """Refresh the gain in the rows of the tracked snapshots below ``top`` that it may anchor
         now (each branch down to its first snapshot that anchors everything below it)."""
-        stack = list(top.children.values())
-        while stack:
-            n = stack.pop()
-            if n.snapshot is not None:
-                e = self._entries.get(n.id)
-                if e is not None and e.node is n:
-                    self._rows[self._pos[n.id], _GAIN] = self._gain(e)
-                    self._rewritten.add(n.id)
-                if self._anchors_all(n):
-                    continue
-            stack.extend(n.children.values())
+        for n in self.cache.snapshots_below(top, through=lambda n: not self._anchors_all(n)):
+            e = self._entries.get(n.id)
+            if e is not None and e.node is n:
+                self._t.rows[self._t.pos[n.id], _GAIN] = self._gain(e)
+                self._rewritten.add(n.id)
 
     def _reshape(self, top: TreeNode) -> None:
         """Refresh the row of the snapshot whose freed bytes a change below ``top`` may have
@@ -484,7 +478,7 @@ class HitDensity(Policy):
         n = self.cache.cost_dependent(top)
         e = None if n is None else self._entries.get(n.id)
         if e is not None and e.node is n:
-            self._refresh(self._pos[n.id], e)
+            self._refresh(self._t.pos[n.id], e)
 
     def _anchor_depth(self, e: _Entry) -> int:
         """Depth of the nearest ancestor snapshot that would still serve a hit on ``e``'s path."""
@@ -522,7 +516,7 @@ class HitDensity(Policy):
         q, wait = self._odds(e, now)
         if q == 0.0:
             return 0.0
-        row = self._rows[self._pos[e.node.id]]
+        row = self._t.rows[self._t.pos[e.node.id]]
         return q * float(row[_GAIN]) / (float(row[_DROP if leaf else _KEEP]) * max(wait, 1e-3))
 
     def _odds(self, e: _Entry, now: float) -> tuple[float, float]:
@@ -551,7 +545,7 @@ class HitDensity(Policy):
         """:meth:`density` of the tracked snapshots at positions ``rows``, all at once, from what
         their last event left in their rows (a path changed since is not seen; superseded ones
         are not told apart); ``leaf``: for KV pressure (non-leaves get infinity)."""
-        r = self._rows[rows]
+        r = self._t.rows[rows]
         last, born, hits, gain = r[:, _LAST], r[:, _BORN], r[:, _HITS], r[:, _GAIN]
         kind = r[:, _KIND].astype(np.intp)
         rates = np.array([self.rate(k) for k in _KINDS])[kind]
@@ -590,15 +584,15 @@ class HitDensity(Policy):
             self._untrack(nid)
         if first is not None:
             return first
-        if len(self._items) <= self.exact_below:
+        if len(self._t) <= self.exact_below:
             self._queue.clear()
-            return self._lowest(list(self._items), now, leaf)
+            return self._lowest(self._tracked(), now, leaf)
         return self._batched(now, leaf)
 
     def _draw_batch(self, now: float, leaf: bool, skip: list[int]) -> None:
         """Queue the lowest estimates of ``sample x b`` tracked snapshots drawn at random (a repeat
         counted once; all of them when there are no more), leaving out the node ids ``skip``."""
-        n = len(self._items)
+        n = len(self._t)
         b = max(1, min(self.batch, n // self.batch_share))
         k = self.sample * b
         if n <= k:
@@ -609,15 +603,16 @@ class HitDensity(Policy):
         dens = self.estimates(rows, now, leaf=leaf)
         keep = np.isfinite(dens)
         if skip:
-            keep &= ~np.isin(rows, [self._pos[i] for i in skip if i in self._pos])
+            pos = self._t.pos
+            keep &= ~np.isin(rows, [pos[i] for i in skip if i in pos])
         rows, dens = rows[keep], dens[keep]
         m = min(b, len(rows))
         if m < len(rows):
             low = np.argpartition(dens, m - 1)[:m]
             rows, dens = rows[low], dens[low]
-        order = np.lexsort((self._rows[rows, _LAST], dens))  # lowest density, then least recently used
-        items = self._items
-        self._queue = deque(items[i] for i in rows[order].tolist())
+        order = np.lexsort((self._t.rows[rows, _LAST], dens))  # lowest density, then least recently used
+        nodes = self._t.nodes
+        self._queue = deque(nodes[i].id for i in rows[order].tolist())
         self._queue_leaf = leaf
         self._queue_bound = float(dens[order[-1]]) if m else 0.0
         self._queue_at = (self._events, now)
@@ -634,7 +629,7 @@ class HitDensity(Policy):
         while True:
             if not self._queue:
                 if draws == _REDRAWS:
-                    return self._lowest(list(self._items), now, leaf)
+                    return self._lowest(self._tracked(), now, leaf)
                 self._draw_batch(now, leaf, skip)
                 draws += 1
                 continue
@@ -653,6 +648,9 @@ class HitDensity(Policy):
                 return node  # the burst its batch was drawn in, its row as drawn: the estimate stands
             if self._row_density(e, now, leaf) <= self._queue_bound:
                 return node
+
+    def _tracked(self) -> list[int]:
+        return [n.id for n in self._t.nodes]
 
     def _lowest(self, nids: list[int], now: float, leaf: bool) -> TreeNode | None:
         """The evictable node of lowest density among the tracked ``nids`` (a leaf when ``leaf``;
@@ -676,16 +674,15 @@ class HitDensity(Policy):
     def check_invariants(self) -> None:
         """Raise AssertionError unless the tracked ids, their positions, the entries, the superseded
         set and the think-time window agree."""
-        assert len(self._items) == len(self._pos), f"{len(self._items)} tracked ids, {len(self._pos)} positions"
-        for i, nid in enumerate(self._items):
-            assert self._pos.get(nid) == i, f"node {nid} at {i}, position says {self._pos.get(nid)}"
-        assert self._entries.keys() == self._pos.keys(), "entries and tracked ids differ"
+        self._t.check_invariants()
+        assert self._entries.keys() == self._t.pos.keys(), "entries and tracked ids differ"
         for nid, e in self._entries.items():
             assert e.node.id == nid, f"entry {nid} holds node {e.node.id}"
-        assert len(self._rows) >= len(self._items), f"{len(self._rows)} rows for {len(self._items)} tracked"
-        for i, nid in enumerate(self._items):
+        for i, node in enumerate(self._t.nodes):
+            nid = node.id
             e = self._entries[nid]
-            row = self._rows[i]
+            assert e.node is node, f"row {i} holds another node than entry {nid}"
+            row = self._t.rows[i]
             assert (row[_LAST], row[_BORN], row[_HITS], row[_KIND], row[_TURN]) == (
                 e.last,
                 e.born,
@@ -703,20 +700,15 @@ class HitDensity(Policy):
     def victim(self, now: float, *, kv: bool = False) -> TreeNode | None:
         """The tracked snapshot of lowest hit density (superseded turns first); ``None`` when
         nothing tracked is evictable. The eviction is counted against its kind's reuse rate."""
-        if self._evicted is not None:
-            self._reshape(self._evicted)
-            self._evicted = None
-        if self._unseen:  # the tree evicted by its own LRU after a None: any path may have changed
-            self._unseen = False
-            for nid in list(self._items):
-                e = self._entries[nid]
-                if _gone(e.node):
-                    self._untrack(nid)
-                else:
-                    self._refresh(self._pos[nid], e)
+        for n in self._t.due(self._evicted):  # the last victim's, then what the tree let go unchosen
+            self._reshape(n)
+        self._evicted = None
+        for n in self._unanchored:
+            if n.parent is not None and n.snapshot is None:
+                self._reanchor(n)  # a tracked inner snapshot went: the rows it anchored anchor higher
+        self._unanchored.clear()
         node = self._victim(now, kv)
         if node is None:
-            self._unseen = len(self._items) > self.exact_below  # the exact path reads no rows
             return None
         # The manager evicts it now: what that leaves is looked at before the next choice.
         self._evicted = node if node.children else self.cache.cascade_stop(node)
