@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from linear_state import COMPLETE, Fence, ImmediateStream, LinearStatePool
-from radixcache import Admission, CacheManager, HybridRadixCache, Refusal, free_kv_to
+from radixcache import Admission, CacheManager, HybridRadixCache, Refusal, RefusalCause, free_kv_to
 from radixcache.core.kv import KVAllocator, KVExhausted, KVFreeList
 from radixcache.manager.cache_manager import WindowPlan
 from radixcache.policies import FixedPoints
@@ -160,7 +160,8 @@ def test_kv_refusal_when_locked_kv_cannot_make_room() -> None:
     assert isinstance(mgr.admit("a", list(range(1, 50))), Admission)
     before = (kv.num_free, mgr.cache.total_kv_tokens, mgr.pool.num_free)
     ref = mgr.admit("b", list(range(300, 330)))
-    assert isinstance(ref, Refusal) and "KV indices needed" in ref.reason and "30" in ref.reason
+    assert isinstance(ref, Refusal) and ref.cause is RefusalCause.KV
+    assert "KV indices needed" in ref.reason and "30" in ref.reason
     assert (kv.num_free, mgr.cache.total_kv_tokens, mgr.pool.num_free) == before
     assert "b" not in mgr
     conserved(mgr, kv)

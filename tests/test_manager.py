@@ -7,7 +7,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from linear_state import RequestOwner
-from radixcache import Admission, ProtocolError, Refusal, UnknownRequest, image_cache_ids
+from radixcache import (
+    Admission,
+    EvictionReason,
+    ProtocolError,
+    Refusal,
+    RefusalCause,
+    RejectReason,
+    SkipReason,
+    UnknownRequest,
+    image_cache_ids,
+)
 from radixcache.testing.digest import state_digest
 
 from .host_sim import Host
@@ -112,6 +122,7 @@ def test_refusal_when_the_pool_is_exhausted_changes_nothing() -> None:
     res = h.mgr.admit("c", np.array(tokens(50)))
     assert isinstance(res, Refusal) and not res.admitted
     assert res.slots_needed == 3 and "3 state slots needed" in res.reason
+    assert res.cause is RefusalCause.SLOTS
     assert (h.pool.num_free, h.cache.protected_snapshots, h.cache.protected_kv_tokens) == before
     assert "c" not in h.mgr and not h.pool.slots_of(RequestOwner("c"))
     settle(h)
@@ -334,3 +345,13 @@ def test_restored_state_equals_donor_state_under_random_interleavings(data: st.D
         h.finish(rid)
     settle(h)
     assert torch.is_tensor(h.pool.recurrent)
+
+
+def test_reasons_are_enums_whose_values_key_the_metrics() -> None:
+    """Every eviction and skipped-donation counter is named by its enum's value, and only those."""
+    m = Host(slots=7, track_slots=2).mgr.metrics()
+    assert set(m.evictions) == {r.value for r in EvictionReason}
+    assert set(m.donations_skipped) == {r.value for r in SkipReason}
+    assert EvictionReason("kv-pressure") is EvictionReason.KV_PRESSURE and SkipReason("no-slot") is SkipReason.NO_SLOT
+    assert {c.value for c in RefusalCause} == {"slots", "kv"}
+    assert {r.value for r in RejectReason} == {"format", "layout", "length", "digest", "fingerprint"}

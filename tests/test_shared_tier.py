@@ -275,7 +275,7 @@ def test_a_blob_re_signed_with_a_wrong_fingerprint_is_refused_by_the_fingerprint
     header["fingerprint"] ^= 1
     store.blobs[key] = encode_blob(header, blob[at:kv], blob[kv:end], key=key)  # a valid digest
     rejected: list[str] = []
-    tier.on_reject = lambda rej: rejected.append(rej.reason)
+    tier.on_reject = lambda rej: rejected.append(rej.reason.value)
     assert tier.fetch(np.arange(9, dtype=np.int64), None, 0) is None
     assert rejected == ["fingerprint"]
 

@@ -11,11 +11,12 @@ from .cache_manager import (
     DecodeBatchResult,
     FinishResult,
     Refusal,
+    RefusalCause,
     UnwrittenSlotWarning,
     WindowPlan,
     WindowResult,
 )
-from .metrics import ManagerMetrics, MetricsCounters, register_prometheus
+from .metrics import EvictionReason, ManagerMetrics, MetricsCounters, SkipReason, register_prometheus
 
 __all__ = [
     "Admission",
@@ -24,10 +25,13 @@ __all__ = [
     "Capture",
     "DecodeBatchPlan",
     "DecodeBatchResult",
+    "EvictionReason",
     "FinishResult",
     "ManagerMetrics",
     "MetricsCounters",
     "Refusal",
+    "RefusalCause",
+    "SkipReason",
     "UnwrittenSlotWarning",
     "WindowPlan",
     "WindowResult",

@@ -30,6 +30,7 @@ manager) gets :class:`~radixcache.core.errors.ConcurrentUseError` and changes no
 from __future__ import annotations
 
 import contextlib
+import enum
 import hashlib
 import math
 import threading
@@ -71,7 +72,7 @@ from ..core.tree import EvictResult, HybridRadixCache, InsertResult, MatchResult
 from ..forensics.recorder import Forensics, SnapshotCorruption
 from ..tiers.host import auto_host_pool
 from ..tiers.shared import Fetched, Rejection, SharedTier
-from .metrics import ManagerMetrics, MetricsCounters
+from .metrics import EvictionReason, ManagerMetrics, MetricsCounters, SkipReason
 
 __all__ = [
     "UnwrittenSlotWarning",
@@ -83,6 +84,7 @@ __all__ = [
     "DecodeBatchResult",
     "FinishResult",
     "Refusal",
+    "RefusalCause",
     "WindowPlan",
     "WindowResult",
 ]
@@ -127,14 +129,26 @@ class Admission(NamedTuple):
         return True
 
 
+class RefusalCause(enum.Enum):
+    """What an admission lacked."""
+
+    #: State slots: too few free, even counting every snapshot that could be evicted.
+    SLOTS = "slots"
+    #: KV indices (a manager that owns the KV): too few free after evicting the tree's unlocked KV.
+    KV = "kv"
+
+
 class Refusal(NamedTuple):
     """The request could not be admitted now: nothing was allocated, locked or evicted.
 
+    :ivar cause: what it lacked (:class:`RefusalCause`); :ivar reason: the same, in words, with
+        the numbers.
     :ivar slots_needed: state slots admission needs (live + track).
     :ivar slots_available: free slots plus snapshots that could be evicted for it.
     """
 
     rid: Hashable
+    cause: RefusalCause
     reason: str
     slots_needed: int
     slots_available: int
@@ -640,7 +654,11 @@ class CacheManager:
         if avail < need:
             self._counters.refusals += 1
             return Refusal(
-                rid, f"{need} state slots needed, {self.pool.num_free} free and {avail} with evictions", need, avail
+                rid,
+                RefusalCause.SLOTS,
+                f"{need} state slots needed, {self.pool.num_free} free and {avail} with evictions",
+                need,
+                avail,
             )
         kv = self.kv
         if kv is not None:
@@ -651,6 +669,7 @@ class CacheManager:
                 self._counters.refusals += 1
                 return Refusal(
                     rid,
+                    RefusalCause.KV,
                     f"{kv_need} KV indices needed, {kv.num_free} free after evicting the tree's unlocked KV",
                     need,
                     avail,
@@ -670,7 +689,7 @@ class CacheManager:
             locked = node
             short = need - self.pool.num_free
             if short > 0:
-                self._evict_snapshots(short, t, "admission")
+                self._evict_snapshots(short, t, EvictionReason.ADMISSION)
             slots = self.pool.alloc_many(owner, need)
             live, tracks = slots[0], tuple(slots[1:])
             fx = self.forensics
@@ -785,7 +804,7 @@ class CacheManager:
             return None
         d = got.depth
         if not self.pool.can_alloc(1):
-            self._evict_snapshots(1, now, "admission")
+            self._evict_snapshots(1, now, EvictionReason.ADMISSION)
         if not self.pool.can_alloc(1):
             shared.stats.no_room += 1
             return None
@@ -872,7 +891,7 @@ class CacheManager:
 
     def _shared_rejected(self, rej: Rejection) -> None:
         if self.forensics is not None:
-            self.forensics.shared_rejected(rej.reason, rej.key, rej.depth, rej.publisher, rej.expected, rej.found)
+            self.forensics.shared_rejected(rej.reason.value, rej.key, rej.depth, rej.publisher, rej.expected, rej.found)
 
     # ------------------------------------------------------------------ plans
     def _pick(self, rec: _Request, depths: Iterable[int], start: int, end: int, budget: int) -> list[int]:
@@ -1349,7 +1368,7 @@ class CacheManager:
         key = self._key(rec, depth)
         ns = rec.namespace
         if not self.pool.can_alloc(1) and self.cache.match(key, namespace=ns, touch=False).length != depth:
-            self._evict_snapshots(1, now, "donation")
+            self._evict_snapshots(1, now, EvictionReason.DONATION)
         table = self._table(rec)
         try:
             res = self.cache.insert(
@@ -1358,7 +1377,7 @@ class CacheManager:
         except PoolExhausted:
             # NOTE: no slot for the clone: nothing is inserted at all. Inserting the KV alone would
             # hand the host tree indices beyond its lock, which an eviction could free under it.
-            self._counters.donations_skipped["no-slot"] += 1
+            self._counters.donations_skipped[SkipReason.NO_SLOT.value] += 1
             return None
         node = res.node
         if res.released.numel():
@@ -1372,7 +1391,7 @@ class CacheManager:
             if self.shared is not None:
                 self._queue_publication(node, key, ns, ready)
         else:
-            self._counters.donations_skipped["held"] += 1
+            self._counters.donations_skipped[SkipReason.HELD.value] += 1
         if node.depth > rec.lock.depth:
             self.cache.lock(node)
             self.cache.unlock(rec.lock)
@@ -1402,14 +1421,14 @@ class CacheManager:
         )
 
     # --------------------------------------------------------------- eviction
-    def _evict_snapshots(self, n: int, now: float, why: str) -> EvictResult:
+    def _evict_snapshots(self, n: int, now: float, why: EvictionReason) -> EvictResult:
         kv = snaps = removed = 0
         while snaps < n:
             r = self._evict_one(now, False)
             if r is None:
                 break
             kv, snaps, removed = kv + r.kv_tokens, snaps + r.snapshots, removed + r.nodes_removed
-        self._counters.evictions[why] += snaps
+        self._counters.evictions[why.value] += snaps
         self._counters.evicted_kv_tokens += kv
         return EvictResult(kv, snaps, removed)
 
@@ -1460,7 +1479,7 @@ class CacheManager:
         if hold is not None:
             self.cache.lock(hold)  # released below: the hit is kept only for this eviction
         try:
-            out = self._evict_snapshots(int(snapshots), t, "host") if snapshots else EvictResult(0, 0, 0)
+            out = self._evict_snapshots(int(snapshots), t, EvictionReason.HOST) if snapshots else EvictResult(0, 0, 0)
             more = self._evict_kv(kv_tokens - out.kv_tokens, t, None) if out.kv_tokens < kv_tokens else None
         finally:
             if hold is not None:
@@ -1483,7 +1502,7 @@ class CacheManager:
                 if r is None:
                     break
                 kv, snaps, removed = kv + r.kv_tokens, snaps + r.snapshots, removed + r.nodes_removed
-                self._counters.evictions["kv-pressure"] += r.snapshots
+                self._counters.evictions[EvictionReason.KV_PRESSURE.value] += r.snapshots
                 self._counters.evicted_kv_tokens += r.kv_tokens
         finally:
             if hold is not None:
@@ -1554,7 +1573,7 @@ class CacheManager:
             if keep is not None:
                 self.cache.lock(keep)
             try:
-                self._evict_snapshots(1, t, "host")
+                self._evict_snapshots(1, t, EvictionReason.HOST)
             finally:
                 if keep is not None:
                     self.cache.unlock(keep)
@@ -1687,9 +1706,9 @@ class CacheManager:
         except PoolExhausted:
             # Everything was validated and nothing changed: only the clone lacks a slot. One
             # snapshot goes through the policy; with none evictable the KV is filed alone.
-            self._evict_snapshots(1, t, "donation")
+            self._evict_snapshots(1, t, EvictionReason.DONATION)
             if self.pool.num_free == 0:
-                self._counters.donations_skipped["no-slot"] += 1
+                self._counters.donations_skipped[SkipReason.NO_SLOT.value] += 1
                 state_slot = ready = None
             res = self.cache.insert(
                 cache_ids,
@@ -1702,7 +1721,7 @@ class CacheManager:
         if state_slot is None:
             return res
         if not res.snapshot_created:
-            self._counters.donations_skipped["held"] += 1
+            self._counters.donations_skipped[SkipReason.HELD.value] += 1
             return res
         node = res.node
         kb = key_bytes(cache_ids)
@@ -1800,9 +1819,9 @@ class CacheManager:
             elif rec.pending is not None and rec.pending[0].depth > rec.committed:
                 target = (rec.pending[0].depth, rec.pending[0].slot, rec.pending[1])
             if target is None:
-                self._counters.donations_skipped["unaligned"] += 1
+                self._counters.donations_skipped[SkipReason.UNALIGNED.value] += 1
             elif not self.policy.donate_finish(rec.info):
-                self._counters.donations_skipped["declined"] += 1
+                self._counters.donations_skipped[SkipReason.DECLINED.value] += 1
             else:
                 node = self._donate(rec, target[0], target[1], target[2], DonationReason.FINISH, t, freed)
                 if node is not None:

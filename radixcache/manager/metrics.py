@@ -7,12 +7,39 @@ copies the counters (O(number of reasons)), never walks the tree.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any
 
-__all__ = ["ManagerMetrics", "MetricsCounters", "register_prometheus"]
+__all__ = ["EvictionReason", "ManagerMetrics", "MetricsCounters", "SkipReason", "register_prometheus"]
+
+
+class EvictionReason(enum.Enum):
+    """Why the manager evicted a snapshot (the value keys ``ManagerMetrics.evictions``)."""
+
+    #: To make room for an admission's slots.
+    ADMISSION = "admission"
+    #: For a capture's clone.
+    DONATION = "donation"
+    #: Leaves dropped for KV (the host's ``CacheManager.evict(kv_tokens=)``, an admission's KV).
+    KV_PRESSURE = "kv-pressure"
+    #: Snapshots the host asked for (``CacheManager.evict(snapshots=)``, ``make_room``).
+    HOST = "host"
+
+
+class SkipReason(enum.Enum):
+    """Why a donation was not made (the value keys ``ManagerMetrics.donations_skipped``)."""
+
+    #: The tree already had a snapshot there.
+    HELD = "held"
+    #: No pool slot, even after eviction.
+    NO_SLOT = "no-slot"
+    #: The policy keeps no final state.
+    DECLINED = "declined"
+    #: No page-aligned final state was captured.
+    UNALIGNED = "unaligned"
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,13 +52,10 @@ class ManagerMetrics:
     :ivar captures_planned: captures handed to hosts in window plans, by ``prefill``, ``decode``
         and ``final`` (a decode-time capture held back for the final state);
     :ivar donations: snapshots the tree took, by ``capture`` and ``finish``;
-    :ivar donations_skipped: donations not made, by why: ``held`` (the tree already had a snapshot
-        there), ``no-slot`` (no pool slot even after eviction), ``declined`` (the policy keeps no
-        final state), ``unaligned`` (no page-aligned final state was captured);
-    :ivar evictions: snapshots evicted, by why: ``admission`` (to make room for an admission's
-        slots), ``donation`` (for a capture's clone), ``kv-pressure`` (leaves dropped for KV, by
-        the host's ``CacheManager.evict(kv_tokens=)``), ``host`` (snapshots the host asked for,
-        ``CacheManager.evict(snapshots=)``);
+    :ivar donations_skipped: donations not made, by why (the :class:`SkipReason` values:
+        ``held``, ``no-slot``, ``declined``, ``unaligned``);
+    :ivar evictions: snapshots evicted, by why (the :class:`EvictionReason` values:
+        ``admission``, ``donation``, ``kv-pressure``, ``host``);
     :ivar evicted_kv_tokens: KV tokens freed by those evictions;
     :ivar restores: hit states copied into a request's slot;
     :ivar host_hits: hits whose state came from the host tier (a demoted snapshot);
@@ -100,12 +124,8 @@ class MetricsCounters:
     prompt_tokens: int = 0
     captures_planned: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("prefill", "decode", "final"), 0))
     donations: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("capture", "finish"), 0))
-    donations_skipped: dict[str, int] = field(
-        default_factory=lambda: dict.fromkeys(("held", "no-slot", "declined", "unaligned"), 0)
-    )
-    evictions: dict[str, int] = field(
-        default_factory=lambda: dict.fromkeys(("admission", "donation", "kv-pressure", "host"), 0)
-    )
+    donations_skipped: dict[str, int] = field(default_factory=lambda: dict.fromkeys((r.value for r in SkipReason), 0))
+    evictions: dict[str, int] = field(default_factory=lambda: dict.fromkeys((r.value for r in EvictionReason), 0))
     evicted_kv_tokens: int = 0
     restores: int = 0
     host_hits: int = 0

@@ -5,7 +5,7 @@ module implementing :class:`SharedStore`."""
 
 from .blob import BLOB_MAGIC, DIGEST_BYTES, blob_digest, encode_blob
 from .host import HOST_TIER_FACTOR, auto_host_pool
-from .shared import Fetched, KVCodec, Rejection, SharedStats, SharedTier
+from .shared import Fetched, KVCodec, Rejection, RejectReason, SharedStats, SharedTier
 from .store import REDIS_URL_SCHEMES, MemoryStore, RedisStore, SharedStore, SharedStoreError
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "KVCodec",
     "MemoryStore",
     "RedisStore",
+    "RejectReason",
     "Rejection",
     "SharedStats",
     "SharedStore",

@@ -49,6 +49,7 @@ caller's thread: an admission needs their answer.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import hmac
 import threading
@@ -71,6 +72,7 @@ from .store import SharedStore, SharedStoreError, finite_seconds
 __all__ = [
     "Fetched",
     "KVCodec",
+    "RejectReason",
     "Rejection",
     "SharedStats",
     "SharedTier",
@@ -108,8 +110,8 @@ class SharedStats:
     :ivar probes: admissions that asked the store; :ivar hits: blobs fetched, verified and
         inserted; :ivar foreign_hits: those published by another replica;
     :ivar hit_tokens: tokens those hits covered beyond the local match;
-    :ivar rejected: blobs refused, by why (``format``, ``layout``, ``length``, ``digest``,
-        ``fingerprint``);
+    :ivar rejected: blobs refused, by why (the :class:`RejectReason` values: ``format``,
+        ``layout``, ``length``, ``digest``, ``fingerprint``);
     :ivar no_room: verified blobs not used for want of a slot or KV room;
     :ivar codec_errors: the host's KV codec raised (an export at publication: that publication
         dropped; an import at fetch: a miss); the first one is also warned about;
@@ -134,22 +136,35 @@ class SharedStats:
         return {k: dict(v) if isinstance(v, dict) else v for k, v in self.__dict__.items()}
 
 
+class RejectReason(enum.Enum):
+    """Why the shared tier refused a blob (its value names the counter in ``SharedStats.rejected``
+    and the forensics finding ``shared-<value>``)."""
+
+    #: Not a blob, or truncated.
+    FORMAT = "format"
+    #: Published for another layout or model under this address.
+    LAYOUT = "layout"
+    #: Its sizes disagree with the layout or the depth.
+    LENGTH = "length"
+    #: Its bytes changed since they were published, it was published under another address, or
+    #: with another secret.
+    DIGEST = "digest"
+    #: The bytes are the publisher's, but the state is not the one its fingerprint names.
+    FINGERPRINT = "fingerprint"
+
+
 @dataclass(frozen=True)
 class Rejection:
     """A blob the tier refused: a miss, reported to the manager's forensics.
 
-    :ivar reason: ``format`` (not a blob, or truncated), ``layout`` (published for another layout
-        or model under this address), ``length`` (its sizes disagree with the layout or the
-        depth), ``digest`` (its bytes changed since they were published, it was published under
-        another address, or with another secret), ``fingerprint`` (the bytes are the publisher's,
-        but the state is not the one its fingerprint names).
+    :ivar reason: why (:class:`RejectReason`).
     :ivar key: the store key; :ivar depth: the depth it was published for;
     :ivar publisher: who published it (as the blob says; ``?`` when unreadable);
     :ivar expected: the stored fingerprint; :ivar found: the state's fingerprint (0 when not
         computed).
     """
 
-    reason: str
+    reason: RejectReason
     key: str
     depth: int
     publisher: str
@@ -595,20 +610,20 @@ class SharedTier:
             return got_blob
         return None
 
-    def _reject(self, reason: str, key: str, depth: int, publisher: str, **kw: object) -> None:
-        self.stats.rejected[reason] = self.stats.rejected.get(reason, 0) + 1
+    def _reject(self, reason: RejectReason, key: str, depth: int, publisher: str, **kw: object) -> None:
+        self.stats.rejected[reason.value] = self.stats.rejected.get(reason.value, 0) + 1
         if self.on_reject is not None:
             self.on_reject(Rejection(reason, key, depth, publisher, **kw))  # type: ignore[arg-type]
 
     def _verify(self, blob: bytes, key: str, depth: int) -> Fetched | None:
         parsed = parse_blob(blob)
         if parsed is None:
-            self._reject("format", key, depth, "?", detail=f"{len(blob)} bytes, not a whole blob header")
+            self._reject(RejectReason.FORMAT, key, depth, "?", detail=f"{len(blob)} bytes, not a whole blob header")
             return None
         header, body = parsed
         publisher = str(header.get("publisher", "?"))
         if header.get("identity") != self._identity:
-            self._reject("layout", key, depth, publisher, detail=f"published for {header.get('identity')!r}")
+            self._reject(RejectReason.LAYOUT, key, depth, publisher, detail=f"published for {header.get('identity')!r}")
             return None
         layout = self._layout
         assert layout is not None and self._stage is not None
@@ -621,7 +636,7 @@ class SharedTier:
             or len(body) != layout.slot_bytes + kv_bytes + DIGEST_BYTES
         ):
             self._reject(
-                "length",
+                RejectReason.LENGTH,
                 key,
                 depth,
                 publisher,
@@ -632,7 +647,7 @@ class SharedTier:
         signed, stored = blob[:-DIGEST_BYTES], blob[-DIGEST_BYTES:]
         if not hmac.compare_digest(blob_digest(key, signed, self._secret), stored):
             self._reject(
-                "digest",
+                RejectReason.DIGEST,
                 key,
                 depth,
                 publisher,
@@ -649,7 +664,7 @@ class SharedTier:
         stage.write(s, conv, rec, owner=self._stage_owner).wait()
         found = stage.fingerprint(s)
         if found != fp:
-            self._reject("fingerprint", key, depth, publisher, expected=fp, found=found)
+            self._reject(RejectReason.FINGERPRINT, key, depth, publisher, expected=fp, found=found)
             return None
         self._remember(key)
         return Fetched(depth, body[layout.slot_bytes : -DIGEST_BYTES], publisher, fp)
