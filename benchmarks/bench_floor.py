@@ -226,7 +226,7 @@ class _Side:
     def match(self, s: np.ndarray) -> int:
         if self.kind == "floor":
             return int(self.tree.match(s)[0])
-        return int(self.tree.match(s).length)
+        return int(self.tree.match(s).cached_length)
 
     def nodes(self) -> int:
         return int(self.tree.nodes - 1) if self.kind == "floor" else int(self.tree.num_nodes)

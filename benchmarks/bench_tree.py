@@ -54,7 +54,7 @@ def one_round(seqs: list[np.ndarray], rng: np.random.Generator, prefix: int, suf
         t0 = time.perf_counter()
         m = cache.match(s)
         match_full.append((time.perf_counter() - t0) * 1e6)
-        assert m.length == len(s)
+        assert m.cached_length == len(s)
     as_lists = [s.tolist() for s in seqs[:256]]
     for s in as_lists:
         t0 = time.perf_counter()

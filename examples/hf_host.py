@@ -34,8 +34,8 @@ def serve(rid: int, prompt: list[int], new_tokens: int) -> tuple[int, torch.Tens
     adm = manager.admit(rid, prompt, max_new_tokens=new_tokens)
     assert isinstance(adm, Admission), adm
     seq = HFSequence(manager, model, bridge, kv_store, adm, prompt)
-    while seq.done < len(prompt):  # prefill in windows of 128
-        logits = seq.prefill(min(len(prompt), seq.done + 128))
+    while seq.computed < len(prompt):  # prefill in windows of 128
+        logits = seq.prefill(min(len(prompt), seq.computed + 128))
     first = logits.clone()
     for _ in range(new_tokens - 1):
         logits = seq.decode(int(logits.argmax()))

@@ -86,14 +86,14 @@ def tree_stress(
         elif action < 0.75:
             key = base + tuple(rng.randint(1, 4) for _ in range(rng.randint(0, 3)))
             m = cache.match(key, namespace=ns)
-            if m.length:
+            if m.cached_length:
                 hits += 1
                 if pool.can_alloc(1):
                     dst = pool.alloc(reader)
                     cache.restore(m.node, dst, dst_owner=reader).wait()
                     got = float(pool.read(dst)[1].flatten()[0])
-                    want = _value(tuple(key[: m.length]))
-                    assert got == want, f"step {step}: restore of {key[: m.length]} gave {got}, want {want}"
+                    want = _value(tuple(key[: m.cached_length]))
+                    assert got == want, f"step {step}: restore of {key[: m.cached_length]} gave {got}, want {want}"
                     pool.free(dst, reader)
                     checked += 1
                 if rng.random() < 0.3:

@@ -48,8 +48,8 @@ class HostReq:
     rid: Hashable
     ids: np.ndarray
     adm: Admission
-    kv: torch.Tensor  # the KV table of [0, done): the tree's pages, then the host's own
-    done: int  # tokens computed
+    kv: torch.Tensor  # the KV table of [0, computed): the tree's pages, then the host's own
+    computed: int  # tokens computed
     last: Fence | None = None
     restored_ok: bool = True
 
@@ -153,7 +153,7 @@ class Host:
         """Commit the window with freshly allocated KV for its tokens; take the tree's pages."""
         kv = self.alloc_kv(plan.end - plan.start)
         res = self.mgr.commit(plan, r.last, kv_indices=kv)
-        r.done = plan.end
+        r.computed = plan.end
         r.kv = self.mgr.kv_indices(r.rid) if res.spliced else torch.cat([r.kv, kv])
         self.free_kv(res.free_kv)
         return res
@@ -161,7 +161,7 @@ class Host:
     def extend(self, rid: Hashable, end: int | None = None) -> list[int]:
         """Prefill the next chunk through the host protocol. Returns the depths donated."""
         r = self.reqs[rid]
-        stop = min(len(r.ids), r.done + self.chunk) if end is None else end
+        stop = min(len(r.ids), r.computed + self.chunk) if end is None else end
         plan = self.mgr.plan_prefill(rid, stop)
         self.run_window(r, plan, r.ids[plan.start : plan.end].tolist())
         return list(self.commit(r, plan).donated)
@@ -181,25 +181,25 @@ class Host:
         for rid, tok in zip(rids, tokens, strict=True):
             r = self.reqs[rid]
             r.ids = np.concatenate([r.ids, np.asarray([tok], dtype=np.int64)])
-            plan = batch.plans.get(rid) or WindowPlan(rid, r.done, r.done + 1, (), (), r.adm.live_slot, True, 0)
+            plan = batch.plans.get(rid) or WindowPlan(rid, r.computed, r.computed + 1, (), (), r.adm.live_slot, True, 0)
             last = self.run_window(r, plan, [tok])
         kv = self.alloc_kv(len(rids))
         res = self.mgr.commit_batch(batch, last, kv_indices=kv)
         for i, rid in enumerate(rids):
             r = self.reqs[rid]
-            r.last, r.done = last, r.done + 1
+            r.last, r.computed = last, r.computed + 1
             one = res.results.get(rid)
             r.kv = self.mgr.kv_indices(rid) if one is not None and one.spliced else torch.cat([r.kv, kv[i : i + 1]])
         self.free_kv(res.free_kv)
         return res
 
     def prefill(self, rid: Hashable) -> None:
-        while self.reqs[rid].done < len(self.reqs[rid].ids):
+        while self.reqs[rid].computed < len(self.reqs[rid].ids):
             self.extend(rid)
 
     def finish(self, rid: Hashable) -> int | None:
         r = self.reqs.pop(rid)
-        assert r.done == len(r.ids)
+        assert r.computed == len(r.ids)
         res = self.mgr.finish(rid, r.last)
         self.free_kv(res.free_kv)  # what the tree did not take stays the host's
         return res.donated_depth
@@ -213,4 +213,4 @@ class Host:
         r = self.reqs[rid]
         if r.last is not None:
             r.last.wait()
-        return torch.equal(self.pool.read(r.adm.live_slot)[1], cold_state(r.ids[: r.done]))
+        return torch.equal(self.pool.read(r.adm.live_slot)[1], cold_state(r.ids[: r.computed]))

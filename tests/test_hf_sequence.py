@@ -35,8 +35,8 @@ def make(bridge: HFStateBridge, kv: KVFreeList | None) -> CacheManager:
 
 def generate(seq: HFSequence, n: int, chunk: int = 40) -> list[torch.Tensor]:
     out = []
-    while seq.done < len(seq.prompt):
-        logits = seq.prefill(min(len(seq.prompt), seq.done + chunk))
+    while seq.computed < len(seq.prompt):
+        logits = seq.prefill(min(len(seq.prompt), seq.computed + chunk))
     for _ in range(n):
         out.append(logits.clone())
         if len(out) < n:
@@ -99,5 +99,5 @@ def test_bad_calls_are_refused_before_anything_changes(host: tuple) -> None:  # 
         seq.window(plan, prompt[:3])
     with pytest.raises(ValueError, match="a plan of request 'b'"):
         seq.window(mgr.plan_prefill("b", 10), prompt[:10])
-    assert seq.done == 0 and mgr.cached_length("a") == 0
+    assert seq.computed == 0 and mgr.cached_length("a") == 0
     mgr.check_invariants()

@@ -296,7 +296,7 @@ def test_every_policy_is_notified_in_order() -> None:
         name = "log"
 
         def admitted(self, req: RequestInfo) -> None:
-            calls.append(f"admitted hit={req.hit}")
+            calls.append(f"admitted hit={req.cached_length}")
 
         def touched(self, node: TreeNode, req: RequestInfo, now: float) -> None:
             calls.append(f"touched {node.depth}")

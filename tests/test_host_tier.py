@@ -98,7 +98,7 @@ def test_an_evicted_snapshot_is_demoted_keeps_its_kv_and_still_serves_a_hit() ->
     assert cache.tier(node) == "host" and node.snapshot is None and cache.num_host_snapshots == 1
     assert cache.num_snapshots == 0 and cache.demotions == 1
     m = cache.match([1, 2, 3, 4, 5])
-    assert m.length == 4 and m.node is node and m.snapshot_slot is None
+    assert m.cached_length == 4 and m.node is node and m.snapshot_slot is None
     assert restored_value(cache, node, r) == prefix_value([1, 2, 3, 4])
     cache.lock(node)
     with pytest.raises(ValueError, match="holds no snapshot"):

@@ -79,8 +79,8 @@ def test_lookup_restore_serve_the_exact_state_and_tell_the_policy() -> None:
     file(mgr, [5, 6, 7])
     assert mgr.lookup([], touch=False).node.depth == 0  # the root
     m = mgr.lookup([5, 6, 7, 8])
-    assert m.length == 3
-    info = mgr.request_info([5, 6, 7, 8], m.length)
+    assert m.cached_length == 3
+    info = mgr.request_info([5, 6, 7, 8], m.cached_length)
     mgr.admitted(info)
     mgr.lock(m.node)
     owner = RequestOwner("r")
@@ -103,7 +103,7 @@ def test_request_info_is_the_one_admit_gives_the_policy() -> None:
     seen = next(h[1] for h in pol.heard if h[0] == "admitted")
     assert isinstance(seen, RequestInfo) and adm.admitted
     assert (got.prompt_len, got.prompt_digest, got.session) == (seen.prompt_len, seen.prompt_digest, seen.session)
-    with pytest.raises(ValueError, match="hit must be an int in"):
+    with pytest.raises(ValueError, match="cached_length must be an int in"):
         mgr.request_info(ids, 5)
     with pytest.raises(TypeError, match="RequestInfo"):
         mgr.admitted("a")  # type: ignore[arg-type]
@@ -115,7 +115,7 @@ def test_a_lock_protects_the_hit_from_eviction_and_unlock_is_checked() -> None:
     node = file(mgr, [1, 2]).node  # type: ignore[attr-defined]
     mgr.lock(node)
     assert mgr.evict(snapshots=5, kv_tokens=5).snapshots == 0
-    assert mgr.lookup([1, 2, 3]).length == 2
+    assert mgr.lookup([1, 2, 3]).cached_length == 2
     mgr.unlock(node)
     with pytest.raises(LockError):
         mgr.unlock(node)
@@ -131,7 +131,7 @@ def test_make_room_evicts_through_the_policy_but_keeps_the_hit() -> None:
     assert mgr.cache.num_snapshots == 3
     held, owner = donor(mgr, [0])  # the host holds the last free slot
     assert mgr.make_room(keep=a) and mgr.pool.num_free == 1
-    assert mgr.lookup([1, 2, 9]).length == 2 and a.snap_lock == 0  # kept, and the hold let go
+    assert mgr.lookup([1, 2, 9]).cached_length == 2 and a.snap_lock == 0  # kept, and the hold let go
     assert mgr.cache.num_snapshots == 2
     assert mgr.make_room()  # a free slot already: nothing evicted
     assert mgr.cache.num_snapshots == 2 and mgr.metrics().evictions["host"] == 1
@@ -146,7 +146,7 @@ def test_checkpoint_without_a_free_slot_evicts_then_files_kv_alone() -> None:
     slot, owner = donor(mgr, [3, 4])  # the last free slot: none left for the clone
     res = mgr.checkpoint([3, 4], torch.tensor([50, 51]), state_slot=slot, ready=mgr.pool.last_use(slot))
     assert not res.snapshot_created and mgr.metrics().donations_skipped["no-slot"] == 1
-    assert mgr.lookup([3, 4, 5]).length == 0  # the KV alone is no hit
+    assert mgr.lookup([3, 4, 5]).cached_length == 0  # the KV alone is no hit
     mgr.pool.free(slot, owner)
     mgr.unlock(keep)
     mgr.check_invariants()
@@ -222,7 +222,7 @@ def test_bad_input_to_checkpoint_or_restore_changes_nothing() -> None:
     info = mgr.request_info([1, 2, 3], 2)
     with pytest.raises(TypeError, match="TreeNode"):
         mgr.restore("node", slot, dst_owner=owner, info=info)  # type: ignore[arg-type]
-    assert mgr.cache.num_snapshots == 1 and mgr.lookup([1, 2, 3], touch=False).length == 2
+    assert mgr.cache.num_snapshots == 1 and mgr.lookup([1, 2, 3], touch=False).cached_length == 2
     assert len(pol.heard) == heard and mgr.metrics().evictions["donation"] == 0
     mgr.pool.free(slot, owner)
     mgr.check_invariants()

@@ -30,7 +30,7 @@ def conserved(mgr: CacheManager, kv: KVFreeList) -> None:
     for rid in list(mgr._requests):
         rec = mgr._requests[rid]
         assert rec.kv_full is not None
-        owned += int(rec.kv_full.numel()) - rec.committed
+        owned += int(rec.kv_full.numel()) - rec.kv_held
     assert kv.num_free + mgr.cache.total_kv_tokens + owned == kv.capacity
 
 
@@ -176,11 +176,11 @@ def test_decode_beyond_the_reservation_allocates_then_raises_kv_exhausted() -> N
         forward(mgr, plan, list(range(1, 17)) + list(range(t + 1)))
         mgr.commit(plan, None)
     assert kv.num_free == 0
-    done = mgr._requests["a"].done
+    done = mgr._requests["a"].computed
     with pytest.raises(KVExhausted, match="1 KV indices needed") as e:
         mgr.plan_decode("a", [5])
     assert e.value.needed == 1 and e.value.free == 0
-    assert mgr._requests["a"].done == done and mgr._requests["a"].plan is None, "nothing changed"
+    assert mgr._requests["a"].computed == done and mgr._requests["a"].plan is None, "nothing changed"
     conserved(mgr, kv)
     mgr.finish("a")
     conserved(mgr, kv)
@@ -211,7 +211,7 @@ def test_commit_refuses_indices_against_kv_and_requires_them_without() -> None:
     plan = mgr.plan_prefill("a", 4)
     with pytest.raises(ValueError, match="owns the KV"):
         mgr.commit(plan, None, kv_indices=[0, 1, 2, 3])
-    assert mgr._requests["a"].plan is plan and mgr._requests["a"].done == 0, "nothing changed"
+    assert mgr._requests["a"].plan is plan and mgr._requests["a"].computed == 0, "nothing changed"
     forward(mgr, plan, [1, 2, 3, 4])
     mgr.commit(plan, None)
     conserved(mgr, kv)

@@ -322,7 +322,7 @@ def test_restored_state_equals_donor_state_under_random_interleavings(data: st.D
             n += 1
         elif op == "extend":
             rid = data.draw(st.sampled_from(active))
-            if h.reqs[rid].done < len(h.reqs[rid].ids):
+            if h.reqs[rid].computed < len(h.reqs[rid].ids):
                 h.extend(rid)
         elif op == "run":
             for _ in range(data.draw(st.integers(1, 4))):

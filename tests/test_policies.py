@@ -102,7 +102,7 @@ def test_trace_jsonl_round_trip_and_bad_lines(tmp_path: Path) -> None:
 
 
 def test_policy_captures() -> None:
-    req = RequestInfo(prompt_len=2200, hit=0, branch=1500, session="s", ts=0.0)
+    req = RequestInfo(prompt_len=2200, cached_length=0, token_length=1500, session="s", ts=0.0)
     assert AlignLastBlock(512).captures(req, 0, 2048, decode=False) == [2048]
     assert AlignLastBlock(512).captures(req, 2048, 2200, decode=False) == []
     assert TrackAndFinish().captures(req, 2048, 2200, decode=False) == [2176]
@@ -110,7 +110,7 @@ def test_policy_captures() -> None:
     assert FlopEfficiency().captures(req, 0, 2048, decode=True) == [] and FlopEfficiency().donate_finish(req)
     assert HitDensity(512).captures(req, 0, 2048, decode=False) == [1500, 2048]
     assert HitDensity(512).captures(req, 2048, 2200, decode=False) == [2199]
-    short = RequestInfo(prompt_len=40, hit=0, branch=0, session="s", ts=0.0)
+    short = RequestInfo(prompt_len=40, cached_length=0, token_length=0, session="s", ts=0.0)
     assert AlignLastBlock(512).captures(short, 0, 40, decode=False) == [], "below one block: nothing"
     assert HitDensity().captures(short, 0, 40, decode=False) == [39]
     assert FixedPoints(64).captures(req, 0, 2048, decode=False) == [1500, *range(2048, 0, -64)]
@@ -121,7 +121,7 @@ def test_policy_captures() -> None:
 
 
 def test_engine_like_baselines_keep_what_those_engines_keep() -> None:
-    req = RequestInfo(prompt_len=2200, hit=0, branch=1500, session="s", ts=0.0)
+    req = RequestInfo(prompt_len=2200, cached_length=0, token_length=1500, session="s", ts=0.0)
     sg, vl = SglangLike(), VllmLike(512)
     # SGLang: every chunk's end (the prompt's end is the last one) and the final state, no decode.
     assert sg.captures(req, 0, 2048, decode=False) == [2048] and sg.captures(req, 2048, 2200, decode=False) == [2200]

@@ -840,7 +840,7 @@ def test_a_fetched_state_is_in_the_live_slot_exactly_when_the_admissions_fence_c
     adm.ready.wait()
     assert torch.equal(pool.conv[:, adm.live_slot], conv) and torch.equal(pool.recurrent[:, adm.live_slot], rec)
     node = mgr.cache.match(ids[:64], touch=False)
-    assert node.length == 64 and node.snapshot_slot is not None  # the tree holds its own clone
+    assert node.cached_length == 64 and node.snapshot_slot is not None  # the tree holds its own clone
     copies.synchronize()
     assert torch.equal(pool.conv[:, node.snapshot_slot], conv)
     mgr.abort("r")

@@ -27,7 +27,7 @@ def insert_with_state(cache: HybridRadixCache, key: list[int], kv_start: int = 0
 def test_empty_tree_matches_nothing() -> None:
     cache, _ = make_cache()
     m = cache.match([1, 2, 3])
-    assert (m.length, m.token_length, m.snapshot_slot) == (0, 0, None) and m.kv_indices.numel() == 0
+    assert (m.cached_length, m.token_length, m.snapshot_slot) == (0, 0, None) and m.kv_indices.numel() == 0
     cache.check_invariants()
 
 
@@ -36,7 +36,7 @@ def test_insert_then_match_full_and_longer() -> None:
     res = insert_with_state(cache, [5, 6, 7, 8])
     assert (res.prefix_length, res.length, res.snapshot_created, res.duplicates) == (0, 4, True, 0)
     m = cache.match([5, 6, 7, 8, 9, 10])
-    assert (m.length, m.token_length) == (4, 4) and m.kv_indices.tolist() == [0, 1, 2, 3]
+    assert (m.cached_length, m.token_length) == (4, 4) and m.kv_indices.tolist() == [0, 1, 2, 3]
     assert m.node is res.node and m.snapshot_slot == res.node.snapshot
     assert restored_value(cache, m.node, R) == prefix_value([5, 6, 7, 8])
 
@@ -45,7 +45,7 @@ def test_match_partial_edge_reports_token_length_but_no_hit() -> None:
     cache, _ = make_cache()
     insert_with_state(cache, [1, 2, 3, 4, 5])
     m = cache.match([1, 2, 3, 9])
-    assert m.length == 0 and m.token_length == 3
+    assert m.cached_length == 0 and m.token_length == 3
     assert cache.num_nodes == 1, "a lookup must not split"
     cache.check_invariants()
 
@@ -68,9 +68,9 @@ def test_deepest_snapshot_wins() -> None:
     insert_with_state(cache, [1, 2, 3, 4])
     insert_with_state(cache, [1, 2, 3, 4, 5, 6])
     m = cache.match([1, 2, 3, 4, 5, 7])
-    assert (m.length, m.token_length) == (4, 5)
+    assert (m.cached_length, m.token_length) == (4, 5)
     assert restored_value(cache, m.node, R) == prefix_value([1, 2, 3, 4])
-    assert cache.match([1, 2, 3, 4, 5, 6, 7]).length == 6
+    assert cache.match([1, 2, 3, 4, 5, 6, 7]).cached_length == 6
 
 
 def test_identical_keys_dedup_the_second_donation() -> None:
@@ -100,10 +100,10 @@ def test_page_cutting() -> None:
     cache, freed = make_cache(page_size=4)
     res = insert_with_state(cache, list(range(1, 11)))  # 10 tokens -> 8
     assert res.length == 8 and cache.total_kv_tokens == 8
-    assert cache.match(list(range(1, 11))).length == 8
-    assert cache.match(list(range(1, 8))).length == 0  # 7 tokens -> 4, no snapshot at 4
+    assert cache.match(list(range(1, 11))).cached_length == 8
+    assert cache.match(list(range(1, 8))).cached_length == 0  # 7 tokens -> 4, no snapshot at 4
     m = cache.match([1, 2, 3, 4, 5, 6, 0, 0, 9])  # diverges inside page 2
-    assert (m.length, m.token_length) == (0, 4)
+    assert (m.cached_length, m.token_length) == (0, 4)
     short = cache.insert([1, 2, 3], kv(0, 3), state_slot=state_for(cache, R, []))
     assert short.length == 0 and not short.snapshot_created
     assert freed == []
@@ -126,7 +126,7 @@ def test_tombstone_creation_and_refill() -> None:
     assert (res.snapshots, res.kv_tokens, res.nodes_removed) == (1, 0, 0)
     inner = cache.match([1, 2, 3, 4]).node.parent
     assert isinstance(inner, TreeNode) and inner.snapshot is None and inner.value.numel() == 2
-    assert cache.match([1, 2, 9]).length == 0
+    assert cache.match([1, 2, 9]).cached_length == 0
     refill = insert_with_state(cache, [1, 2])
     assert refill.snapshot_created and refill.node is inner
     assert restored_value(cache, cache.match([1, 2, 9]).node, R) == prefix_value([1, 2])
@@ -178,7 +178,7 @@ def test_locks_pin_path_and_snapshot() -> None:
     assert cache.evictable_kv_tokens == 2 and cache.evictable_snapshots == 2
     res = cache.evict(kv_tokens=100, snapshots=100)
     assert res.snapshots == 2 and res.kv_tokens == 2  # [9,9] and the snapshot of [1,2]
-    assert cache.match([1, 2, 3, 4]).length == 4, "the locked snapshot survives"
+    assert cache.match([1, 2, 3, 4]).cached_length == 4, "the locked snapshot survives"
     assert cache.total_kv_tokens == 4
     cache.check_invariants()
     cache.unlock(m.node)
@@ -220,9 +220,9 @@ def test_lock_requires_a_snapshot_node() -> None:
 def test_namespace_isolation() -> None:
     cache, _ = make_cache()
     insert_with_state(cache, [1, 2, 3], namespace="lora-a")
-    assert cache.match([1, 2, 3]).length == 0
-    assert cache.match([1, 2, 3], namespace="lora-b").length == 0
-    assert cache.match([1, 2, 3], namespace="lora-a").length == 3
+    assert cache.match([1, 2, 3]).cached_length == 0
+    assert cache.match([1, 2, 3], namespace="lora-b").cached_length == 0
+    assert cache.match([1, 2, 3], namespace="lora-a").cached_length == 3
     insert_with_state(cache, [1, 2, 3], namespace="lora-b", kv_start=10)
     assert cache.match([1, 2, 3], namespace="lora-b").kv_indices.tolist() == [10, 11, 12]
     assert cache.num_nodes == 2
@@ -249,14 +249,14 @@ def test_key_types_are_equivalent() -> None:
         np.array([3, 1, 4, 1, 5]),
         torch.tensor([3, 1, 4, 1, 5]),
     ):
-        assert cache.match(key).length == 5
+        assert cache.match(key).cached_length == 5
 
 
 def test_image_ids_are_valid_keys() -> None:
     cache, _ = make_cache()
     key = [1, 2**30, 2**30 + 5, 2**31 - 1]
     insert_with_state(cache, key)
-    assert cache.match(key).length == 4
+    assert cache.match(key).cached_length == 4
 
 
 @pytest.mark.parametrize(
@@ -318,7 +318,7 @@ def test_bad_insert_arguments_change_nothing() -> None:
     with pytest.raises(PoolExhausted):
         cache.insert([1, 2, 5, 6], kv(0, 4), state_slot=slot, namespace="new")
     assert (cache.num_nodes, cache.total_kv_tokens) == before[:2] and freed == []
-    assert cache.match([1, 2, 5, 6], namespace="new").length == 0
+    assert cache.match([1, 2, 5, 6], namespace="new").cached_length == 0
     cache.check_invariants()
 
 

@@ -142,8 +142,8 @@ class TreeMachine(RuleBasedStateMachine):
         res = self.cache.match(key, namespace=ns)
         cut = self.cut(key)
         want = max((d for d in range(1, len(cut) + 1) if (ns, cut[:d]) in self.present), default=0)
-        assert res.length == want, f"match {cut} in {ns!r}: length {res.length}, shadow says {want}"
-        assert res.length <= res.token_length <= len(cut)
+        assert res.cached_length == want, f"match {cut} in {ns!r}: length {res.cached_length}, shadow says {want}"
+        assert res.cached_length <= res.token_length <= len(cut)
         assert res.kv_indices.tolist() == [self.kv[kv_key(ns, cut, i, self.page_size)] for i in range(want)]
         if want:
             dst = self.pool.alloc(READER)

@@ -48,7 +48,7 @@ def test_a_correct_host_raises_no_warning_and_keeps_every_snapshot() -> None:
         prefill(mgr, "a", PROMPT)
         fin = mgr.finish("a")
     assert fin.donated_depth == 40 and mgr.metrics().unwritten_snapshots == 0
-    assert mgr.cache.match(PROMPT[:24], touch=False).length == 24
+    assert mgr.cache.match(PROMPT[:24], touch=False).cached_length == 24
     mgr.check_invariants()
 
 
@@ -56,12 +56,12 @@ def test_a_correct_host_raises_no_warning_and_keeps_every_snapshot() -> None:
 def test_a_capture_never_written_is_evicted_with_a_warning_at_finish(conv_only: bool) -> None:
     mgr, kv = make()
     prefill(mgr, "a", PROMPT, skip=24, conv_only=conv_only)
-    assert mgr.cache.match(PROMPT[:25], touch=False).length == 24, "the wrong snapshot is in the tree until then"
+    assert mgr.cache.match(PROMPT[:25], touch=False).cached_length == 24, "the wrong snapshot is in the tree until then"
     with pytest.warns(UnwrittenSlotWarning, match=r"request 'a' .* depth 24 from a capture slot .*; evicted"):
         mgr.finish("a")
     assert mgr.metrics().unwritten_snapshots == 1
-    assert mgr.cache.match(PROMPT[:25], touch=False).length == 16, "served from the written one below"
-    assert mgr.cache.match(PROMPT[:33], touch=False).length == 32
+    assert mgr.cache.match(PROMPT[:25], touch=False).cached_length == 16, "served from the written one below"
+    assert mgr.cache.match(PROMPT[:33], touch=False).cached_length == 32
     mgr.check_invariants()
     assert kv.num_free + mgr.cache.total_kv_tokens == kv.capacity
 
@@ -71,7 +71,7 @@ def test_a_capture_never_written_is_found_at_abort_too() -> None:
     prefill(mgr, "a", PROMPT, skip=8)
     with pytest.warns(UnwrittenSlotWarning, match="depth 8 from a capture slot"):
         mgr.abort("a")
-    assert mgr.cache.match(PROMPT[:9], touch=False).length == 0
+    assert mgr.cache.match(PROMPT[:9], touch=False).cached_length == 0
     mgr.check_invariants()
 
 
@@ -96,7 +96,8 @@ def test_a_live_slot_finished_unwritten_is_not_kept(hit: bool) -> None:
     with pytest.warns(UnwrittenSlotWarning, match="depth 40 from a live slot still holding the state it was admitted"):
         fin = mgr.finish("a")
     assert fin.donated_depth is None and fin.node is None
-    assert mgr.cache.match(PROMPT, touch=False).length == 39, "the written re-send capture stays, not the final state"
+    depth = mgr.cache.match(PROMPT, touch=False).cached_length
+    assert depth == 39, "the written re-send capture stays, not the final state"
     assert mgr.metrics().unwritten_snapshots == 1
     mgr.check_invariants()
 
@@ -139,7 +140,7 @@ def test_without_write_checks_the_mistake_stays_silent() -> None:
         warnings.simplefilter("error", UnwrittenSlotWarning)
         mgr.commit(plan, None)  # BUG: nothing written
         mgr.finish("a")
-    assert mgr.cache.match(PROMPT[:9], touch=False).length == 8
+    assert mgr.cache.match(PROMPT[:9], touch=False).cached_length == 8
     with pytest.raises(ValueError, match="write_checks must be a bool, got 1"):
         CacheManager(HybridRadixCache(LinearStatePool(FUZZ_LAYOUT, 4)), write_checks=1)  # type: ignore[arg-type]
 

@@ -80,8 +80,9 @@ class DonationReason(enum.Enum):
 class RequestInfo:
     """What a policy may know about a request when it places captures.
 
-    :ivar prompt_len: prompt tokens; :ivar hit: tokens served from cache at admission;
-    :ivar branch: depth to which the prompt agreed with the tree (where it leaves the tree);
+    :ivar prompt_len: prompt tokens; :ivar cached_length: tokens served from cache at admission
+        (``Admission.cached_length``); :ivar token_length: depth to which the prompt agreed with
+        the tree, where it leaves the tree: its branch point (``Admission.token_length``);
     :ivar session: the conversation the host says the request belongs to (``None``: unknown);
     :ivar ts: arrival time in seconds (the manager's clock unless the host passes ``now``);
     :ivar prompt_digest: a hash of the prompt's ids (equal digests: identical prompts;
@@ -90,8 +91,8 @@ class RequestInfo:
     """
 
     prompt_len: int
-    hit: int
-    branch: int
+    cached_length: int
+    token_length: int
     session: Hashable | None
     ts: float
     prompt_digest: int | None = None

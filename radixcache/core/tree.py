@@ -164,15 +164,15 @@ class TreeNode:
 class MatchResult(NamedTuple):
     """What ``match`` found. Safe to use only while ``node`` is locked (or before any eviction).
 
-    :ivar length: depth of the deepest snapshot on the matched path: the usable hit.
-    :ivar token_length: depth to which the key agrees with the tree (diagnostic; >= ``length``).
-    :ivar kv_indices: KV indices of the first ``length`` tokens (1-D int64).
-    :ivar node: the node at ``length`` (a root when ``length`` is 0); pass it to lock/restore.
-    :ivar snapshot_slot: its snapshot slot, or ``None`` when ``length`` is 0 or the snapshot was
-        demoted to the host tier (``cache.tier(node)`` says which).
+    :ivar cached_length: depth of the deepest snapshot on the matched path: the usable hit.
+    :ivar token_length: depth to which the key agrees with the tree (diagnostic; >= ``cached_length``).
+    :ivar kv_indices: KV indices of the first ``cached_length`` tokens (1-D int64).
+    :ivar node: the node at ``cached_length`` (a root when it is 0); pass it to lock/restore.
+    :ivar snapshot_slot: its snapshot slot, or ``None`` when ``cached_length`` is 0 or the snapshot
+        was demoted to the host tier (``cache.tier(node)`` says which).
     """
 
-    length: int
+    cached_length: int
     token_length: int
     kv_indices: torch.Tensor
     node: TreeNode

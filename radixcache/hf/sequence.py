@@ -82,7 +82,7 @@ class HFSequence:
     :param adm: the request's :class:`~radixcache.Admission`. A hit is loaded at once (waiting
         its restore's fence).
     :param prompt: the ids the request was admitted with.
-    :ivar cache: the request's transformers cache. :ivar done: tokens in it.
+    :ivar cache: the request's transformers cache. :ivar computed: tokens in it.
     :raises ValueError: a manager that does not own the KV. :raises TypeError: ``adm`` not an
         ``Admission``. Both before anything is loaded.
     """
@@ -109,7 +109,7 @@ class HFSequence:
             adm.ready.wait()
             bridge.load(manager.pool, adm.live_slot, self.cache)
             kv_store.load(self.cache, adm.kv_indices)
-        self.done = adm.cached_length
+        self.computed = adm.cached_length
 
     def window(self, plan: WindowPlan, ids: Sequence[int]) -> torch.Tensor:
         """Run ``plan`` over ``ids`` (its tokens ``[plan.start, plan.end)``): forward split at each
@@ -132,17 +132,17 @@ class HFSequence:
             logits = forward_logits(self.model, self.cache, ids[pos - plan.start :])
         assert logits is not None and plan.kv_indices is not None
         self.kv_store.save(self.cache, plan.start, plan.end, plan.kv_indices)
-        self.done = plan.end
+        self.computed = plan.end
         self.manager.commit(plan, None)
         return logits
 
     def prefill(self, end: int | None = None) -> torch.Tensor:
-        """Prefill the prompt's tokens ``[done, end)`` (default: to the prompt's end) as one
+        """Prefill the prompt's tokens ``[computed, end)`` (default: to the prompt's end) as one
         window; the logits after it.
 
-        :raises ValueError: ``end`` not in ``(done, len(prompt)]`` (the manager's plan refuses it).
+        :raises ValueError: ``end`` not in ``(computed, len(prompt)]`` (the manager's plan refuses it).
         """
-        start, end = self.done, len(self.prompt) if end is None else end
+        start, end = self.computed, len(self.prompt) if end is None else end
         return self.window(self.manager.plan_prefill(self.adm.rid, end), self.prompt[start:end])
 
     def decode(self, token: int) -> torch.Tensor:

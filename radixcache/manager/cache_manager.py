@@ -219,7 +219,7 @@ class DecodeBatchPlan(NamedTuple):
     :ivar after: order the forward's writes into those capture slots after these fences.
     :ivar kv_indices: with a manager that owns the KV, where each request's token writes its KV
         (``kv_indices[i]`` for ``rids[i]``); :ivar kv_tables: what each one's attention reads
-        (its indices for ``[0, done + 1)``). Safe until the next commit; ``None`` otherwise.
+        (its indices for ``[0, computed + 1)``). Safe until the next commit; ``None`` otherwise.
     """
 
     rids: tuple[Hashable, ...]
@@ -301,15 +301,15 @@ class _Request:
     live: SlotId
     tracks: tuple[SlotId, ...]
     lock: TreeNode
-    done: int  # tokens whose windows were committed
-    kv_parts: list[torch.Tensor]  # the KV table of [0, done - len(kv_tail)), in pieces (joined when needed)
+    computed: int  # tokens computed: their windows committed
+    kv_parts: list[torch.Tensor]  # the KV table of [0, computed - len(kv_tail)), in pieces (joined when needed)
     kv_tail: list[int]  # then the KV of small (decode) windows, as ints: cheaper than a tensor each
-    committed: int  # the tree holds [0, committed)
+    kv_held: int  # the tree holds the KV of [0, kv_held)
     last_write: dict[int, Fence] = field(default_factory=dict)  # host fences per slot
     plan: WindowPlan | DecodeBatchPlan | None = None
     final: Capture | None = None  # planned decode capture held for the final state
     pending: tuple[Capture, Fence | None] | None = None  # the deepest such capture committed
-    # With a manager that owns the KV: the request's KV table for [0, done), then its reserved
+    # With a manager that owns the KV: the request's KV table for [0, computed), then its reserved
     # indices (kv_parts and kv_tail stay empty). The request owns kv_full[committed:].
     kv_full: torch.Tensor | None = None
     hit: TreeNode | None = None  # the node whose snapshot was restored at admission (None: zeros)
@@ -505,7 +505,7 @@ class CacheManager:
 
     def cached_length(self, rid: Hashable) -> int:
         """The hit length of ``rid`` at admission. :raises UnknownRequest: unknown rid."""
-        return self._get(rid).info.hit
+        return self._get(rid).info.cached_length
 
     def kv_indices(self, rid: Hashable) -> torch.Tensor:
         """The request's KV table for ``[0, tokens committed)``: the tree's indices for the prefix
@@ -594,8 +594,8 @@ class CacheManager:
         _, ids = self._ids("(dry run)", cache_ids)
         m = self._match(ids, namespace)
         need = 1 + self.track_slots
-        avail = self._available(m.node, m.length)
-        return AdmissionCheck(avail >= need, m.length, m.token_length, need, avail)
+        avail = self._available(m.node, m.cached_length)
+        return AdmissionCheck(avail >= need, m.cached_length, m.token_length, need, avail)
 
     @_exclusive
     def admit(
@@ -650,7 +650,7 @@ class CacheManager:
         need = 1 + self.track_slots
         m = self._match(ids, namespace)
         node = m.node
-        avail = self._available(node, m.length)
+        avail = self._available(node, m.cached_length)
         if avail < need:
             self._counters.refusals += 1
             return Refusal(
@@ -662,9 +662,9 @@ class CacheManager:
             )
         kv = self.kv
         if kv is not None:
-            kv_need = int(ids.size) - m.length + max_new_tokens
+            kv_need = int(ids.size) - m.cached_length + max_new_tokens
             if kv.num_free < kv_need:  # KV pressure: the policy evicts, keeping the hit
-                self._evict_kv(kv_need - kv.num_free, t, node if m.length else None)
+                self._evict_kv(kv_need - kv.num_free, t, node if m.cached_length else None)
             if kv.num_free < kv_need:
                 self._counters.refusals += 1
                 return Refusal(
@@ -683,7 +683,7 @@ class CacheManager:
         locked: TreeNode | None = None
         fresh: torch.Tensor | None = None
         try:
-            if m.length:
+            if m.cached_length:
                 self.cache.touch(node)
             self.cache.lock(node)
             locked = node
@@ -697,32 +697,32 @@ class CacheManager:
                 fx.request_slots(rid, slots)
             stream = self.stream or self.cache.stream
             fetched: Fetched | None = None
-            if self.shared is not None and m.length < ids.size - 1:
+            if self.shared is not None and m.cached_length < ids.size - 1:
                 got = self._fetch_shared(ids, namespace, m, owner, live, stream, t)
                 if got is not None:
                     fetched, m, ready = got
                     node = locked = m.node
             if kv is not None:  # after the fetch: its hit imported KV of its own
-                n_kv = int(ids.size) - m.length + max_new_tokens
+                n_kv = int(ids.size) - m.cached_length + max_new_tokens
                 fresh = kv.alloc(n_kv)
                 if fresh is None:
                     raise RuntimeError(f"the KV allocator refused {n_kv} indices that its num_free promised")
-            info = _request_info(kb, ids, m.length, m.token_length, session, t)
+            info = _request_info(kb, ids, m.cached_length, m.token_length, session, t)
             # The policy hears of the admission before the live slot is written: a policy that
             # raises then leaves the slot's contents as they were (nothing to take back).
             self.policy.admitted(info)
             if fetched is not None:
                 self.policy.donated(node, info, DonationReason.CAPTURE, t)
-            if m.length:
+            if m.cached_length:
                 self.policy.touched(node, info, t)
-            if fetched is None and m.length:
+            if fetched is None and m.cached_length:
                 if fx is not None:
                     fx.before_restore(node.id, rid, live)
                 ready = self.cache.restore(node, live, stream=stream, dst_owner=owner)
             elif fetched is None:
                 ready = self.pool.zero(live, owner=owner, stream=stream)
             # (a fetched hit's state is in the live slot already, written behind ``ready``)
-            if m.length and self.barrier == "device":  # a hit from the tree or the shared tier
+            if m.cached_length and self.barrier == "device":  # a hit from the tree or the shared tier
                 ready.wait()
                 device_synchronize(self.pool.device)
         except BaseException as e:
@@ -746,24 +746,24 @@ class CacheManager:
             live=live,
             tracks=tracks,
             lock=node,
-            done=m.length,
+            computed=m.cached_length,
             kv_parts=[m.kv_indices] if fresh is None else [],
             kv_tail=[],
-            committed=m.length,
+            kv_held=m.cached_length,
             kv_full=None if fresh is None else torch.cat([m.kv_indices, fresh]),
-            hit=node if m.length else None,
+            hit=node if m.cached_length else None,
         )
         rec.last_write[live] = ready
         self._requests[rid] = rec
         c = self._counters
         c.admissions += 1
         c.prompt_tokens += int(ids.size)
-        if m.length:
+        if m.cached_length:
             c.hits += 1
-            c.hit_tokens += m.length
+            c.hit_tokens += m.cached_length
             c.restores += fetched is None
             c.host_hits += fetched is None and node.snapshot is None
-        return Admission(rid, m.length, m.token_length, m.kv_indices, live, tracks, ready)
+        return Admission(rid, m.cached_length, m.token_length, m.kv_indices, live, tracks, ready)
 
     def _undo_admission(
         self, rid: Hashable, owner: RequestOwner, slots: Sequence[SlotId], ready: Fence, locked: TreeNode | None
@@ -799,7 +799,7 @@ class CacheManager:
         assert shared is not None
         if not shared.addressable(namespace):  # served locally only
             return None
-        got = shared.fetch(ids, namespace, m.length, page=self.cache.page_size)
+        got = shared.fetch(ids, namespace, m.cached_length, page=self.cache.page_size)
         if got is None:
             return None
         d = got.depth
@@ -832,7 +832,7 @@ class CacheManager:
         hit = MatchResult(d, max(d, m.token_length), self.cache.kv_indices(node), node, node.snapshot)
         self.cache.lock(node)  # the lock moves last: the caller's undo unlocks the node it was told of
         self.cache.unlock(m.node)
-        shared.counted_hit(got, d - m.length)
+        shared.counted_hit(got, d - m.cached_length)
         # The tree's clone reads ``live`` after the copy: the host's first forward, which waits the
         # admission's fence alone, must wait the clone too, or it writes the slot before the clone
         # reads it and the tree keeps a state tokens too deep (the misuse machine's find, on
@@ -900,7 +900,7 @@ class CacheManager:
         out: list[int] = []
         for d in depths:
             d -= d % page
-            if start < d <= end and d > rec.committed and d not in out:
+            if start < d <= end and d > rec.kv_held and d not in out:
                 out.append(d)
                 if len(out) == budget:
                     break
@@ -989,32 +989,32 @@ class CacheManager:
 
     @_exclusive
     def plan_prefill(self, rid: Hashable, end: int) -> WindowPlan:
-        """Plan the prefill window over prompt tokens ``[done, end)``, where ``done`` is the
+        """Plan the prefill window over prompt tokens ``[computed, end)``, where ``computed`` is the
         request's committed length (its hit, then each committed window's end).
 
-        Captures are the policy's depths in ``(done, end]``, cut down to the page size, beyond
+        Captures are the policy's depths in ``(computed, end]``, cut down to the page size, beyond
         the snapshots the request already donated, at most ``track_slots``, ascending. Changes
         only the request's open plan. O(captures).
 
         :raises UnknownRequest: unknown rid. :raises ProtocolError: a window is open.
-        :raises ValueError: ``end`` not an int in ``(done, prompt length]``. Nothing changed.
+        :raises ValueError: ``end`` not an int in ``(computed, prompt length]``. Nothing changed.
         """
         rec = self._get(rid)
         self._check_open(rec)
         n = rec.info.prompt_len
-        if isinstance(end, bool) or not isinstance(end, (int, np.integer)) or not rec.done < end <= n:
+        if isinstance(end, bool) or not isinstance(end, (int, np.integer)) or not rec.computed < end <= n:
             raise ValueError(
-                f"prefill window end {end!r} of request {rid!r} must be an int in ({rec.done}, {n}] "
-                f"(committed {rec.done} of {n} prompt tokens)"
+                f"prefill window end {end!r} of request {rid!r} must be an int in ({rec.computed}, {n}] "
+                f"(committed {rec.computed} of {n} prompt tokens)"
             )
         end = int(end)
         if rec.kv_full is not None:
             self._reserve([(rec, end)])
         depths = self._pick(
-            rec, self.policy.captures(rec.info, rec.done, end, decode=False), rec.done, end, self.track_slots
+            rec, self.policy.captures(rec.info, rec.computed, end, decode=False), rec.computed, end, self.track_slots
         )
         self._counters.captures_planned["prefill"] += len(depths)
-        return self._plan(rec, rec.done, end, depths, 0, False)
+        return self._plan(rec, rec.computed, end, depths, 0, False)
 
     def plan_decode(self, rid: Hashable, new_ids: KeyLike) -> WindowPlan:
         """Plan a decode window: the request consumes ``new_ids`` (cache ids of generated tokens)
@@ -1041,7 +1041,7 @@ class CacheManager:
     def _plan_decode(self, rid: Hashable, new_ids: KeyLike) -> WindowPlan:
         rec, new = self._check_decode(rid, new_ids)
         if rec.kv_full is not None:
-            self._reserve([(rec, rec.done + len(new))])
+            self._reserve([(rec, rec.computed + len(new))])
         return self._apply_decode(rec, new)
 
     def _check_decode(self, rid: Hashable, new_ids: KeyLike) -> tuple[_Request, list[int]]:
@@ -1049,9 +1049,9 @@ class CacheManager:
         rec = self._get(rid)
         if rec.plan is not None:
             self._check_open(rec)
-        if rec.done < rec.info.prompt_len:
+        if rec.computed < rec.info.prompt_len:
             raise ProtocolError(
-                f"request {rid!r}: decode planned with {rec.done} of {rec.info.prompt_len} prompt tokens committed"
+                f"request {rid!r}: decode planned with {rec.computed} of {rec.info.prompt_len} prompt tokens committed"
             )
         new = _small_ids(new_ids)
         if new is None:
@@ -1061,7 +1061,7 @@ class CacheManager:
         return rec, new
 
     def _apply_decode(self, rec: _Request, new: list[int]) -> WindowPlan:
-        start = rec.done
+        start = rec.computed
         end = start + len(new)
         rec.out += new
         page = self.cache.page_size
@@ -1071,7 +1071,7 @@ class CacheManager:
             return self._plan(rec, start, end, [], 0, True)
         depths = self._pick(rec, wanted, start, end, self.track_slots) if wanted else []
         # Held back for finish: the deepest page-aligned state, when the final length may not be.
-        aligned = page > 1 and end % page == 0 and end > rec.committed and end not in depths
+        aligned = page > 1 and end % page == 0 and end > rec.kv_held and end not in depths
         final = end if aligned and policy.donate_finish(rec.info) else 0
         c = self._counters.captures_planned
         c["decode"] += len(depths)
@@ -1107,7 +1107,7 @@ class CacheManager:
                 rec = get(rid)
             except TypeError:  # unhashable
                 rec = None
-            if rec is None or rec.plan is not None or rec.done < rec.info.prompt_len:
+            if rec is None or rec.plan is not None or rec.computed < rec.info.prompt_len:
                 self._check_decode(rid, [t])  # raises the precise error
             if type(t) is not int or not 0 <= t < MAX_ID:
                 raise ValueError(f"decode id {t!r} of request {rid!r} is not an int in [0, 2**31)")
@@ -1116,14 +1116,14 @@ class CacheManager:
         if len({id(r) for r in recs}) != len(recs):
             raise ValueError("a request appears twice in one decode batch")
         if self.kv is not None:
-            self._reserve([(r, r.done + 1) for r in recs])
+            self._reserve([(r, r.computed + 1) for r in recs])
         # Validated (and the KV reserved): from here on nothing raises.
         page = self.cache.page_size
         quiet = not self.policy.decode_captures
         plans: dict[Hashable, WindowPlan] = {}
         plain: list[_Request] = []  # nothing to capture: their open window is the batch itself
         for rec, t in zip(recs, new_ids, strict=True):
-            end = rec.done + 1
+            end = rec.computed + 1
             if quiet and (page == 1 or end % page):
                 rec.out.append(t)
                 rec.final = None
@@ -1138,7 +1138,7 @@ class CacheManager:
         if self.kv is None:
             batch = DecodeBatchPlan(tuple(rids), plans, after, id(self))
         else:
-            tables = tuple(r.kv_full[: r.done + 1] for r in recs if r.kv_full is not None)
+            tables = tuple(r.kv_full[: r.computed + 1] for r in recs if r.kv_full is not None)
             at = torch.tensor([int(t[-1]) for t in tables], dtype=torch.int64)
             batch = DecodeBatchPlan(tuple(rids), plans, after, id(self), at, tables)
         for rec in plain:
@@ -1234,7 +1234,7 @@ class CacheManager:
                 rec.kv_parts.append(torch.tensor(rec.kv_tail, dtype=torch.int64))
                 rec.kv_tail = []
             rec.kv_parts.append(kv)
-        rec.done = plan.end
+        rec.computed = plan.end
         if ready is not None:
             rec.last_write[rec.live] = ready
             for c in plan.captures:
@@ -1242,7 +1242,7 @@ class CacheManager:
         full = rec.kv_full
         if not plan.captures:
             return WindowResult(
-                (), rec.committed, False, _EMPTY_KV, COMPLETE, None if full is None else full[: rec.done]
+                (), rec.kv_held, False, _EMPTY_KV, COMPLETE, None if full is None else full[: rec.computed]
             )
         t = now
         assert t is not None, "the caller reads the clock for a window with captures"
@@ -1260,10 +1260,10 @@ class CacheManager:
         after = ready if ready is not None else COMPLETE
         full = rec.kv_full
         if full is None:
-            return WindowResult(tuple(donated), rec.committed, bool(donated), free, after)
+            return WindowResult(tuple(donated), rec.kv_held, bool(donated), free, after)
         if free.numel():
             self._free_kv(free, after)
-        return WindowResult(tuple(donated), rec.committed, bool(donated), _EMPTY_KV, after, full[: rec.done])
+        return WindowResult(tuple(donated), rec.kv_held, bool(donated), _EMPTY_KV, after, full[: rec.computed])
 
     def commit_batch(
         self,
@@ -1325,7 +1325,7 @@ class CacheManager:
             rec.plan = None
             if i is not None:
                 rec.kv_tail.append(i)
-            rec.done += 1
+            rec.computed += 1
             if ready is not None:
                 rec.last_write[rec.live] = ready
         freed = [r.free_kv for r in results.values() if r.free_kv.numel()]
@@ -1334,7 +1334,7 @@ class CacheManager:
 
     def _table(self, rec: _Request) -> torch.Tensor:
         if rec.kv_full is not None:
-            return rec.kv_full[: rec.done]
+            return rec.kv_full[: rec.computed]
         parts = rec.kv_parts
         if rec.kv_tail:
             parts.append(torch.tensor(rec.kv_tail, dtype=torch.int64))
@@ -1367,7 +1367,7 @@ class CacheManager:
             device_synchronize(self.pool.device)
         key = self._key(rec, depth)
         ns = rec.namespace
-        if not self.pool.can_alloc(1) and self.cache.match(key, namespace=ns, touch=False).length != depth:
+        if not self.pool.can_alloc(1) and self.cache.match(key, namespace=ns, touch=False).cached_length != depth:
             self._evict_snapshots(1, now, EvictionReason.DONATION)
         table = self._table(rec)
         try:
@@ -1396,7 +1396,7 @@ class CacheManager:
             self.cache.lock(node)
             self.cache.unlock(rec.lock)
             rec.lock = node
-        rec.committed = max(rec.committed, depth)
+        rec.kv_held = max(rec.kv_held, depth)
         if rec.kv_full is not None:  # the tree's pages, then the request's own and its reservation
             rec.kv_full = torch.cat([self.cache.kv_indices(node), rec.kv_full[depth:]])
         else:
@@ -1474,7 +1474,7 @@ class CacheManager:
         hold: TreeNode | None = None
         if keep is not None:
             m = self._match(self._ids("(evict keep)", keep)[1], namespace)
-            hold = m.node if m.length else None
+            hold = m.node if m.cached_length else None
         t = self._now(now)
         if hold is not None:
             self.cache.lock(hold)  # released below: the hit is kept only for this eviction
@@ -1580,18 +1580,20 @@ class CacheManager:
         return self.pool.num_free > 0
 
     def request_info(
-        self, cache_ids: KeyLike, hit: int, *, session: Hashable | None = None, now: float | None = None
+        self, cache_ids: KeyLike, cached_length: int, *, session: Hashable | None = None, now: float | None = None
     ) -> RequestInfo:
-        """What the policy is told of a request of a host that keeps its own slots: the same
-        fields (and prompt digest) :meth:`admit` computes. Changes nothing.
+        """What the policy is told of a request of a host that keeps its own slots, its hit
+        ``cached_length`` tokens deep: the same fields (and prompt digest) :meth:`admit` computes.
+        Changes nothing.
 
-        :raises TypeError, ValueError: bad ids, a hit outside ``[0, len(ids)]``.
+        :raises TypeError, ValueError: bad ids, a ``cached_length`` outside ``[0, len(ids)]``.
         """
         kb = key_bytes(cache_ids)
         ids = np.frombuffer(kb, dtype=np.uint32).astype(np.int64)
-        if isinstance(hit, bool) or not isinstance(hit, (int, np.integer)) or not 0 <= hit <= ids.size:
-            raise ValueError(f"hit must be an int in [0, {ids.size}], got {hit!r}")
-        return _request_info(kb, ids, int(hit), int(hit), session, self._now(now))
+        n = cached_length
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= ids.size:
+            raise ValueError(f"cached_length must be an int in [0, {ids.size}], got {n!r}")
+        return _request_info(kb, ids, int(n), int(n), session, self._now(now))
 
     @_exclusive
     def admitted(self, info: RequestInfo) -> None:
@@ -1808,15 +1810,15 @@ class CacheManager:
         t = self._now(now)
         if ready is not None:
             rec.last_write[rec.live] = ready
-        n = rec.done
+        n = rec.computed
         freed: list[torch.Tensor] = []
         donated: int | None = None
         node: TreeNode | None = None
-        if n > rec.committed:
+        if n > rec.kv_held:
             target: tuple[int, int, Fence | None] | None = None
             if n % self.cache.page_size == 0:
                 target = (n, rec.live, ready)
-            elif rec.pending is not None and rec.pending[0].depth > rec.committed:
+            elif rec.pending is not None and rec.pending[0].depth > rec.kv_held:
                 target = (rec.pending[0].depth, rec.pending[0].slot, rec.pending[1])
             if target is None:
                 self._counters.donations_skipped[SkipReason.UNALIGNED.value] += 1
@@ -1828,7 +1830,7 @@ class CacheManager:
                     donated = target[0]
         freed.append(self._own_kv(rec))
         free = freed[0] if len(freed) == 1 else torch.cat(freed)
-        held = rec.committed
+        held = rec.kv_held
         after = ready if ready is not None else self._last_fence(rec)
         live_node = node if node is not None and target is not None and target[1] == rec.live else None
         n_slots, free, bad = self._end(rec, ready, after, free, live_node)
@@ -1849,7 +1851,7 @@ class CacheManager:
         rec = self._get(rid)
         _check_fence(ready)
         after = ready if ready is not None else self._last_fence(rec)
-        held = rec.committed
+        held = rec.kv_held
         n_slots, free, _ = self._end(rec, ready, after, self._own_kv(rec), None)
         return FinishResult(None, n_slots, held, free, after)
 
@@ -1921,8 +1923,8 @@ class CacheManager:
         """The KV indices the request owns: its table beyond what the tree holds (with a manager
         that owns the KV, its unused reservation too)."""
         if rec.kv_full is not None:
-            return rec.kv_full[rec.committed :]
-        return self._table(rec)[rec.committed :]
+            return rec.kv_full[rec.kv_held :]
+        return self._table(rec)[rec.kv_held :]
 
     def _tree_event(self, event: TreeEvent) -> None:
         """The tree's listener: every event to the policy; freed KV to the host's allocator
@@ -2017,17 +2019,20 @@ class CacheManager:
             if rec.kv_full is not None:
                 assert self.kv is not None and not rec.kv_parts and not rec.kv_tail, f"request {rid!r}: two KV tables"
                 kv_len = int(rec.kv_full.numel())
-                assert kv_len >= rec.done, f"request {rid!r} KV table holds {kv_len} indices for {rec.done} tokens"
-                own = rec.kv_full[rec.committed :].tolist()
+                n = rec.computed
+                assert kv_len >= n, f"request {rid!r} KV table holds {kv_len} indices for {n} tokens"
+                own = rec.kv_full[rec.kv_held :].tolist()
                 clash = req_kv.intersection(own)
                 assert not clash and len(set(own)) == len(own), f"request {rid!r} shares KV indices {sorted(clash)[:4]}"
                 req_kv.update(own)
             else:
                 assert self.kv is None, f"request {rid!r} has no KV table of the manager's"
                 kv_len = sum(int(p.numel()) for p in rec.kv_parts) + len(rec.kv_tail)
-                assert kv_len == rec.done, f"request {rid!r} KV table holds {kv_len} indices for {rec.done} tokens"
-            assert rec.committed <= rec.done, f"request {rid!r} committed {rec.committed} beyond {rec.done} tokens"
-            assert rec.ids.size + len(rec.out) >= rec.done, f"request {rid!r} has fewer ids than tokens committed"
+                n = rec.computed
+                assert kv_len == n, f"request {rid!r} KV table holds {kv_len} indices for {n} tokens"
+            held, n = rec.kv_held, rec.computed
+            assert held <= n, f"request {rid!r}: the tree holds {held} of its {n} tokens"
+            assert rec.ids.size + len(rec.out) >= rec.computed, f"request {rid!r} has fewer ids than tokens committed"
         tree_n = self.pool.num_owned_by(NodeOwner)
         req_n = self.pool.num_owned_by(RequestOwner)
         assert req_n == len(req_slots), f"pool has {req_n} request-owned slots, the manager tracks {len(req_slots)}"
@@ -2042,13 +2047,15 @@ class CacheManager:
         )
 
 
-def _request_info(kb: bytes, ids: np.ndarray, hit: int, branch: int, session: Hashable | None, t: float) -> RequestInfo:
+def _request_info(
+    kb: bytes, ids: np.ndarray, cached_length: int, token_length: int, session: Hashable | None, t: float
+) -> RequestInfo:
     """What the policy hears of a request: its prompt's length, digest (of the canonical key
     bytes, so one prompt has one digest whichever front door it came through) and image starts."""
     is_img = ids >= IMAGE_ID_BASE
     starts = np.flatnonzero(is_img & ~np.concatenate([[False], is_img[:-1]]))
     digest = int.from_bytes(hashlib.blake2b(kb, digest_size=8).digest(), "little")
-    return RequestInfo(int(ids.size), hit, branch, session, t, digest, tuple(int(s) for s in starts))
+    return RequestInfo(int(ids.size), cached_length, token_length, session, t, digest, tuple(int(s) for s in starts))
 
 
 def _check_fence(ready: object) -> None:

@@ -30,7 +30,7 @@ class FixedPoints(Policy):
     def captures(self, req: RequestInfo, start: int, end: int, *, decode: bool) -> list[int]:
         if decode:
             return []
-        cands = [req.branch, *req.image_starts, req.prompt_len - 1]
+        cands = [req.token_length, *req.image_starts, req.prompt_len - 1]
         first = (start // self.align + 1) * self.align
         last = min(end, req.prompt_len - 1) // self.align * self.align
         cands += range(last, first - 1, -self.align)

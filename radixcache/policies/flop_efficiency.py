@@ -124,8 +124,8 @@ class FlopEfficiency(Policy):
     def captures(self, req: RequestInfo, start: int, end: int, *, decode: bool) -> list[int]:
         if decode:
             return []
-        b = req.branch
-        return [b] if b > req.hit and start < b <= end else []
+        b = req.token_length
+        return [b] if b > req.cached_length and start < b <= end else []
 
     def donate_finish(self, req: RequestInfo) -> bool:
         return True

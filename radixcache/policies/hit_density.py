@@ -343,7 +343,7 @@ class HitDensity(Policy):
 
     @staticmethod
     def _kind(req: RequestInfo, depth: int) -> str:
-        if depth == req.branch:
+        if depth == req.token_length:
             return BRANCH
         return RESEND if depth == req.prompt_len - 1 else BLOCK
 
@@ -354,8 +354,8 @@ class HitDensity(Policy):
         last = end // self.block * self.block
         if last > start:
             out.add(last)
-        if req.hit < req.branch < req.prompt_len - 1 and start < req.branch <= end:
-            out.add(req.branch)  # where the prompt leaves the tree (a whole-prompt match has none)
+        if req.cached_length < req.token_length < req.prompt_len - 1 and start < req.token_length <= end:
+            out.add(req.token_length)  # where the prompt leaves the tree (a whole-prompt match has none)
         if end == req.prompt_len and req.prompt_len > 1:
             out.add(req.prompt_len - 1)
         return sorted(d for d in out if start < d <= end and self._want(self._kind(req, d)))

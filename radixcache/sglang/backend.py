@@ -293,15 +293,16 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
                 self._admitted[req.rid] = None
                 if len(self._admitted) > _ADMITTED_MEMORY:
                     self._admitted.popitem(last=False)
-                mgr.admitted(mgr.request_info(full, 0 if m is None else m.length, session=_session(req)))
-        if m is None or m.length == 0:
+                mgr.admitted(mgr.request_info(full, 0 if m is None else m.cached_length, session=_session(req)))
+        if m is None or m.cached_length == 0:
             return self._miss(ns)
         node = m.node
         if admission:
-            if not self._restore_into(req, node, full, m.length):
+            if not self._restore_into(req, node, full, m.cached_length):
                 return self._miss(ns)
-            self.stats["hit_tokens"] += m.length
-        return MatchResult(m.length, node, node, node, cache_protected_len=m.length, full_kv_hit_length=m.length)
+            self.stats["hit_tokens"] += m.cached_length
+        n = m.cached_length
+        return MatchResult(n, node, node, node, cache_protected_len=n, full_kv_hit_length=n)
 
     def dfs_weight_order(self, node_handles: Sequence[Any]) -> list[int]:
         """Request indices in depth-first, subtree-weight order (SGLang's DFS-weight scheduling),

@@ -158,8 +158,8 @@ class _Req:
     salt: int
     prompt_len: int
     adm: Admission
-    kv: list[int]  # the KV table of [0, done): the tree's pages, then the host's own
-    done: int
+    kv: list[int]  # the KV table of [0, computed): the tree's pages, then the host's own
+    computed: int
     last: Fence | None
 
 
@@ -345,7 +345,7 @@ class ManagerAdapter:
         """Submit one window's forward (ordered after the plan's fences) and commit it."""
         after = [f for f in [r.last, *plan.after] if f is not None]
         r.last = self.forward.submit(work, after=after, label=label)
-        r.done = plan.end
+        r.computed = plan.end
         if self._buf.numel() < len(kv):
             self._buf = torch.empty(max(len(kv), 64), dtype=torch.int64)
         staged = self._buf[: len(kv)]
@@ -376,7 +376,7 @@ class ManagerAdapter:
 
     def extend(self, rid: int) -> bool:
         r = self.reqs[rid]
-        start, end = r.done, min(r.prompt_len, r.done + self.chunk)
+        start, end = r.computed, min(r.prompt_len, r.computed + self.chunk)
         if start >= end:
             return False
         plan = self.manager.plan_prefill(rid, end)
@@ -440,7 +440,7 @@ class ManagerAdapter:
         if r.last is not None:
             r.last.wait()
         live = r.adm.live_slot
-        return self.pool.conv[:, live].clone(), self.pool.recurrent[:, live].clone(), r.ids[: r.done]
+        return self.pool.conv[:, live].clone(), self.pool.recurrent[:, live].clone(), r.ids[: r.computed]
 
     def check_kv(self) -> None:
         """Every KV index handed out is free, held by the tree, or used by a live request."""

@@ -130,14 +130,14 @@ class EngineKVCodec:
 class _Running:
     req: EngineRequest
     adm: Admission
-    done: int  # tokens fed
+    computed: int  # tokens fed
     last: Fence | None = None
     next_token: int | None = None
 
 
 class ServingQueue:
     """What the hammer drives in an engine: a waiting queue, the running requests (each with its
-    ``req`` and ``done`` tokens), the finished ones, and the watchdog's measures. An engine
+    ``req`` and ``computed`` tokens), the finished ones, and the watchdog's measures. An engine
     subclasses it and provides ``step``, ``drain`` and ``_end(running, abort=)``."""
 
     waiting: deque[EngineRequest]
@@ -160,7 +160,7 @@ class ServingQueue:
     @property
     def progress(self) -> int:
         """Tokens fed plus requests admitted and finished: grows on every step that does anything."""
-        return self._progress + sum(int(r.done) for r in self.running.values())
+        return self._progress + sum(int(r.computed) for r in self.running.values())
 
     def abort_all(self) -> int:
         """Abort every running request and drop every waiting one (the hammer's watchdog).
@@ -410,7 +410,7 @@ class ReferenceEngine(ServingQueue):
     def step(self) -> None:
         """One scheduler step (see the module docstring)."""
         self.steps += 1
-        prefilling = [r for r in self.running.values() if r.done < len(r.req.prompt)]
+        prefilling = [r for r in self.running.values() if r.computed < len(r.req.prompt)]
         decoding = [r for r in self.running.values() if r.next_token is not None]
         ends = [(r, box) for r in prefilling if (box := self._prefill_chunk(r)) is not None]
         self._device_progress()
@@ -460,7 +460,7 @@ class ReferenceEngine(ServingQueue):
         """Submit the next prefill chunk and commit its captures. Returns the box its logits land
         in when the chunk ends the prompt."""
         rid, prompt = r.req.rid, r.req.prompt
-        start, end = r.done, min(len(prompt), r.done + self.chunk)
+        start, end = r.computed, min(len(prompt), r.computed + self.chunk)
         plan = self.manager.plan_prefill(rid, end)
         captures = [(c.depth, c.slot) for c in plan.captures]
         after = [f for f in [r.last, *plan.after] if f is not None]
@@ -481,7 +481,7 @@ class ReferenceEngine(ServingQueue):
             self._note_writes(rid, [live, *(t for _, t in captures)])
 
         r.last = self._forward(work, after, f"prefill {rid} [{start},{end})")
-        r.done = end
+        r.computed = end
         self.manager.commit(plan, r.last)  # the tree's pages come in, duplicates go to self.kv
         self._device_progress()
         return out if end == len(prompt) else None
@@ -491,7 +491,7 @@ class ReferenceEngine(ServingQueue):
         assert len(tokens) == len(batch), "a decoding request without its next token"
         plan = self.manager.plan_decode_batch([r.req.rid for r in batch], tokens)
         ids = torch.tensor(tokens)
-        positions = [r.done for r in batch]
+        positions = [r.computed for r in batch]
         slots = torch.tensor([r.adm.live_slot for r in batch])
         kv_idx = plan.kv_tables
         assert kv_idx is not None, "the manager owns the KV (kv=)"
@@ -516,7 +516,7 @@ class ReferenceEngine(ServingQueue):
         fence = self._forward(work, after, f"decode x{len(batch)}")
         self.manager.commit_batch(plan, fence)
         for r in batch:
-            r.done += 1
+            r.computed += 1
             r.last = fence
             r.next_token = None
         return fence, out
@@ -556,7 +556,7 @@ class ReferenceEngine(ServingQueue):
             self.manager.finish(rid, r.last)
         r.req.aborted = abort
         r.req.done = True
-        self._progress += 1 + r.done  # its tokens leave the running sum
+        self._progress += 1 + r.computed  # its tokens leave the running sum
         del self.running[rid]
         del self._ids[rid]
         self.finished.append(r.req)

@@ -51,7 +51,7 @@ class _Running:
     @property
     def done(self) -> int:
         """Tokens in the request's cache (the serving queue's progress reads it)."""
-        return self.seq.done
+        return self.seq.computed
 
 
 class HFEngine(ServingQueue):
@@ -147,7 +147,7 @@ class HFEngine(ServingQueue):
         """Prefill one window of each prefilling request, admit, decode one token of each decoding
         request, sample, finish what is done."""
         self.steps += 1
-        for r in [r for r in self.running.values() if r.seq.done < len(r.req.prompt)]:
+        for r in [r for r in self.running.values() if r.seq.computed < len(r.req.prompt)]:
             logits = self._prefill(r)
             if logits is not None:
                 self._sample(r, logits)
@@ -175,7 +175,7 @@ class HFEngine(ServingQueue):
             self._progress += 1
 
     def _prefill(self, r: _Running) -> torch.Tensor | None:
-        end = min(len(r.req.prompt), r.seq.done + self.chunk)
+        end = min(len(r.req.prompt), r.seq.computed + self.chunk)
         logits = r.seq.prefill(end)
         return logits if end == len(r.req.prompt) else None
 
@@ -192,7 +192,7 @@ class HFEngine(ServingQueue):
         assert len(tokens) == len(batch), "a decoding request without its next token"
         plan = self.manager.plan_decode_batch([r.req.rid for r in batch], tokens)
         caches = [r.seq.cache for r in batch]
-        stacked = self.bridge.batch(caches, [r.seq.done for r in batch])
+        stacked = self.bridge.batch(caches, [r.seq.computed for r in batch])
         with torch.no_grad():
             out = self.model(
                 input_ids=torch.tensor(tokens, dtype=torch.long).unsqueeze(1),
@@ -211,10 +211,10 @@ class HFEngine(ServingQueue):
         assert at is not None
         for i, r in enumerate(batch):
             r.next_token = None
-            self.kv_store.save(r.seq.cache, r.seq.done, r.seq.done + 1, at[i : i + 1])
+            self.kv_store.save(r.seq.cache, r.seq.computed, r.seq.computed + 1, at[i : i + 1])
         self.manager.commit_batch(plan, None)
         for r in batch:
-            r.seq.done += 1
+            r.seq.computed += 1
         logits: torch.Tensor = out.logits[:, -1].float()
         return logits
 
@@ -234,6 +234,6 @@ class HFEngine(ServingQueue):
             r.seq.finish()  # the live slot gets the cache's state, which the manager donates
         r.req.aborted = abort
         r.req.done = True
-        self._progress += 1 + r.seq.done
+        self._progress += 1 + r.seq.computed
         del self.running[rid]
         self.finished.append(r.req)

@@ -330,7 +330,7 @@ class _ValidateLateManager(CacheManager):
     ) -> WindowResult:
         rec = self._requests.get(plan.rid) if type(plan) is WindowPlan else None
         if rec is not None and rec.plan is plan:
-            rec.done = plan.end  # BUG: counted before the KV indices are checked
+            rec.computed = plan.end  # BUG: counted before the KV indices are checked
         return super()._commit(plan, ready, kv_indices, now)
 
 

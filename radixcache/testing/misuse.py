@@ -345,9 +345,9 @@ class MisuseMachine(HostMachine):
         rid = data.draw(st.sampled_from(self.active), label="request")
         mgr = self.host.manager
         r = self.host.reqs[rid] if hasattr(self.host, "reqs") else None
-        if r is None or r.done >= r.prompt_len:
+        if r is None or r.computed >= r.prompt_len:
             return
-        plan = mgr.plan_prefill(rid, min(r.prompt_len, r.done + 4))
+        plan = mgr.plan_prefill(rid, min(r.prompt_len, r.computed + 4))
         n = plan.end - plan.start
         wrong = [
             Misuse("commit: KV of the wrong length", lambda: mgr.commit(plan, None, kv_indices=list(range(n + 1)))),
