@@ -21,6 +21,7 @@ import torch
 
 from linear_state import LinearStatePool, RequestOwner, StateLayout
 from radixcache import Admission, CacheManager, HybridRadixCache
+from radixcache.forensics import analyze, format_forensics
 from radixcache.testing.engine import EngineRequest, ReferenceEngine, generate_cold
 from radixcache.testing.model import HybridConfig, HybridModel
 from radixcache.tiers.blob import BLOB_MAGIC, encode_blob
@@ -200,6 +201,9 @@ def test_a_bad_blob_is_a_miss_and_a_forensics_finding_never_a_restore(
     assert all(f.donor == ("A" if reason != "format" else "?") for f in fx.findings)
     ledger = [json.loads(line) for line in (tmp_path / "b.jsonl").read_text().splitlines()]
     assert any(e.get("kind") == f"shared-{reason}" for e in ledger)
+    text = format_forensics(analyze(tmp_path / "b.jsonl"))  # the report reads a refusal as a finding
+    assert f"snapshot shared-{reason}" in text
+    assert ("found unknown" in text) is (reason != "fingerprint"), "a blob refused unread has no fingerprint"
     # the refused blobs were deleted from the store, so a healthy replica can publish them again
     assert b.manager.publish_pending(wait=True) >= 0
     b.manager.check_invariants()

@@ -617,6 +617,8 @@ class HybridRadixCache:
         """Follow ``kb[:end]`` down from ``root``: the whole edges matched, the bytes matched, how
         many of those nodes lead to the deepest one holding a snapshot (either tier), and the child
         whose edge the key leaves part-way (``None`` when it leaves at a node). Reads only."""
+        # NOTE: a bare tuple, unpacked at once by its three callers: match's hot path
+        # (benchmarks/bench_tree.py), where a NamedTuple's construction would show.
         pb = self._page_bytes
         node, pos = root, 0
         path: list[TreeNode] = []

@@ -35,7 +35,7 @@ from linear_state import Fence, LinearStatePool
 
 from .ledger import Ledger
 
-__all__ = ["Forensics", "SnapshotCorruption", "key_digest"]
+__all__ = ["Forensics", "SnapshotCorruption", "fingerprint_text", "key_digest"]
 
 Mode = Literal["raise", "record"]
 
@@ -45,13 +45,19 @@ def key_digest(key_bytes: bytes) -> str:
     return hashlib.blake2b(key_bytes, digest_size=8).hexdigest()
 
 
+def fingerprint_text(fingerprint: int | None) -> str:
+    """A fingerprint as findings print it: 16 hex digits, or ``unknown`` (``None``: not read)."""
+    return "unknown" if fingerprint is None else f"{fingerprint:#018x}"
+
+
 class SnapshotCorruption(Exception):
     """A snapshot that is not what was donated (``kind="changed"``) or that was never written
     (``kind="never-written"``).
 
     :ivar node: tree node id; :ivar depth: its depth; :ivar key: digest of the branch's key.
     :ivar slot: the snapshot slot; :ivar expected: fingerprint at donation (or the fingerprint it
-        should differ from); :ivar found: fingerprint now.
+        should differ from); :ivar found: fingerprint now (either ``None`` when not known: a
+        shared blob refused before its state was read).
     :ivar donor: the request that donated it; :ivar suspects: requests that could have written it,
         most likely first.
     """
@@ -64,8 +70,8 @@ class SnapshotCorruption(Exception):
         depth: int,
         key: str,
         slot: int,
-        expected: int,
-        found: int,
+        expected: int | None,
+        found: int | None,
         donor: Hashable,
         suspects: list[Hashable],
         step: int,
@@ -74,7 +80,8 @@ class SnapshotCorruption(Exception):
         self.expected, self.found, self.donor, self.suspects, self.step = expected, found, donor, suspects, step
         super().__init__(
             f"snapshot {kind}: branch {key} depth {depth} (node {node}), slot {slot}: "
-            f"expected {expected:#018x}, found {found:#018x}; donor {donor!r}; suspects {suspects!r}"
+            f"expected {fingerprint_text(expected)}, found {fingerprint_text(found)}; "
+            f"donor {donor!r}; suspects {suspects!r}"
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -240,7 +247,13 @@ class Forensics:
             self._verify(snap, "demote")
 
     def shared_rejected(
-        self, reason: str, key: str, depth: int, publisher: str, expected: int = 0, found: int = 0
+        self,
+        reason: str,
+        key: str,
+        depth: int,
+        publisher: str,
+        expected: int | None = None,
+        found: int | None = None,
     ) -> None:
         """The shared tier refused a blob (``reason``: format, layout, length, fingerprint; see
         :class:`~radixcache.tiers.shared.Rejection`). Recorded as a finding of kind

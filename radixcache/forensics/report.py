@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .ledger import read_ledger
+from .recorder import fingerprint_text
 
 __all__ = ["ForensicsReport", "analyze", "format_forensics"]
 
@@ -88,7 +89,8 @@ def format_forensics(rep: ForensicsReport) -> str:
         "",
         f"first bad event (step {f['step']}): snapshot {f['kind']} on branch {f['key']} at depth {f['depth']} "
         f"(node {f['node']}, slot {f['slot']})",
-        f"  expected {f['expected']:#018x}, found {f['found']:#018x}; donated by {f['donor']}; {f.get('note', '')}",
+        f"  expected {fingerprint_text(f['expected'])}, found {fingerprint_text(f['found'])}; "
+        f"donated by {f['donor']}; {f.get('note', '')}",
         f"  suspects, most likely first: {', '.join(map(str, f['suspects'])) or 'none'}",
         "",
         "suspects over all findings (score: 1 for each first place, 1/2 for second, ...):",

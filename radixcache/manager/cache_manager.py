@@ -290,6 +290,24 @@ class FinishResult(NamedTuple):
     node: TreeNode | None = None
 
 
+class _SharedHit(NamedTuple):
+    """A prefix the shared tier served at admission: the verified blob, the tree's match now that
+    it is inserted (locked), and the fence the live slot's write completes behind."""
+
+    fetched: Fetched
+    match: MatchResult
+    ready: Fence
+
+
+class _Ended(NamedTuple):
+    """What the end of a request released: state slots freed, KV for the host to free (empty when
+    the manager owns the KV), and the donations the write checks found unwritten."""
+
+    slots_freed: int
+    free_kv: torch.Tensor
+    unwritten: list[tuple[TreeNode, str]]
+
+
 @dataclass(eq=False, slots=True)
 class _Request:
     rid: Hashable
@@ -700,7 +718,7 @@ class CacheManager:
             if self.shared is not None and m.cached_length < ids.size - 1:
                 got = self._fetch_shared(ids, namespace, m, owner, live, stream, t)
                 if got is not None:
-                    fetched, m, ready = got
+                    fetched, m, ready = got.fetched, got.match, got.ready
                     node = locked = m.node
             if kv is not None:  # after the fetch: its hit imported KV of its own
                 n_kv = int(ids.size) - m.cached_length + max_new_tokens
@@ -791,7 +809,7 @@ class CacheManager:
         live: SlotId,
         stream: Stream | None,
         now: float,
-    ) -> tuple[Fetched, MatchResult, Fence] | None:
+    ) -> _SharedHit | None:
         """A deeper prefix from the shared tier: verified, written into ``live``, inserted into the
         tree (the tree clones ``live`` behind the write) and locked in place of ``m.node``. None: a
         miss; nothing changed but the tier's counters."""
@@ -838,7 +856,7 @@ class CacheManager:
         # reads it and the tree keeps a state tokens too deep (the misuse machine's find, on
         # deferred streams). The slot's last use is the clone's fence, or the copy's when the
         # tree had the snapshot already.
-        return got, hit, self.pool.last_use(live)
+        return _SharedHit(got, hit, self.pool.last_use(live))
 
     def _queue_publication(self, node: TreeNode, key: np.ndarray, namespace: Hashable, kv_after: Fence | None) -> None:
         shared = self.shared
@@ -1833,7 +1851,8 @@ class CacheManager:
         held = rec.kv_held
         after = ready if ready is not None else self._last_fence(rec)
         live_node = node if node is not None and target is not None and target[1] == rec.live else None
-        n_slots, free, bad = self._end(rec, ready, after, free, live_node)
+        end = self._end(rec, ready, after, free, live_node)
+        n_slots, free, bad = end.slots_freed, end.free_kv, end.unwritten
         if node is not None and any(b is node for b, _ in bad):
             donated, node = None, None
         return FinishResult(donated, n_slots, held, free, after, node)
@@ -1852,15 +1871,15 @@ class CacheManager:
         _check_fence(ready)
         after = ready if ready is not None else self._last_fence(rec)
         held = rec.kv_held
-        n_slots, free, _ = self._end(rec, ready, after, self._own_kv(rec), None)
-        return FinishResult(None, n_slots, held, free, after)
+        end = self._end(rec, ready, after, self._own_kv(rec), None)
+        return FinishResult(None, end.slots_freed, held, end.free_kv, after)
 
     def _end(
         self, rec: _Request, ready: Fence | None, after: Fence, free: torch.Tensor, live_node: TreeNode | None
-    ) -> tuple[int, torch.Tensor, list[tuple[TreeNode, str]]]:
+    ) -> _Ended:
         """The end of finish and abort: check the request's donations (write checks), release its
         slots and lock, give its KV ``free`` to the allocator (with ``kv=``; then the host frees
-        nothing), evict what the checks found. Returns (slots freed, KV for the host, what was bad)."""
+        nothing), evict what the checks found."""
         bad = self._unwritten(rec, live_node, ready)
         n_slots = self._release(rec, (ready,) if ready is not None else ())
         if rec.kv_full is not None:
@@ -1868,7 +1887,7 @@ class CacheManager:
             free = _EMPTY_KV
         if bad:
             self._drop_unwritten(rec.rid, bad)
-        return n_slots, free, bad
+        return _Ended(n_slots, free, bad)
 
     def _unwritten(self, rec: _Request, live_node: TreeNode | None, ready: Fence | None) -> list[tuple[TreeNode, str]]:
         """The snapshots ``rec`` donated from slots its host never wrote, with what gave each away

@@ -160,16 +160,16 @@ class Rejection:
     :ivar reason: why (:class:`RejectReason`).
     :ivar key: the store key; :ivar depth: the depth it was published for;
     :ivar publisher: who published it (as the blob says; ``?`` when unreadable);
-    :ivar expected: the stored fingerprint; :ivar found: the state's fingerprint (0 when not
-        computed).
+    :ivar expected: the stored fingerprint; :ivar found: the state's fingerprint (either ``None``
+        when the blob was refused before it was read).
     """
 
     reason: RejectReason
     key: str
     depth: int
     publisher: str
-    expected: int = 0
-    found: int = 0
+    expected: int | None = None
+    found: int | None = None
     detail: str = ""
 
 
