@@ -23,7 +23,7 @@ double-free-swallowed  track slots are freed twice and the pool swallows it, put
                        free list twice.
 tree-keeps-kv-view     the tree keeps a view of the caller's KV index buffer instead of a copy:
                        a host that reuses its buffer rewrites the tree's pages.
-namespace-blind        admission matches without the request's namespace: a LoRA request is
+namespace-blind        the tree matches without the request's namespace: a LoRA request is
                        served the base model's state.
 image-digest-prefix    image digests cover the first 4 KiB of each image only: two images that
                        differ further on share cache ids.
@@ -71,6 +71,12 @@ accepts-negative-kv        commit takes negative KV indices: the tree would hand
 keeps-failed-admission     an admission that fails in code the manager called (its policy)
                            raises but keeps its slots and its lock.
 =========================  ====================================================================
+Where a bug can be committed through a public seam it is (``no-donate-fence`` through the pool's
+``clone``, ``double-free-swallowed``'s swallowing through its ``free``, ``namespace-blind`` through
+the tree's ``match``, ``alias`` and ``no-restore-fence`` through the tree's ``restore``,
+``unlock-before-restore`` through the manager's ``admit``, ``tree-keeps-kv-view`` through the
+tree's ``insert``); the rest override the private step that holds the mistake (the manager waits a
+request's fences itself before it frees its slots: forgetting that is a private step).
 """
 
 from __future__ import annotations
@@ -159,9 +165,11 @@ class _AliasTree(HybridRadixCache):
         self._num_snapshots -= 1
 
 
-class _NoDonateFenceTree(HybridRadixCache):
-    def _take_snapshot(self, state_slot: int, owner: NodeOwner, ready: Fence | None) -> SlotWrite:
-        return self.pool.clone(state_slot, owner, stream=self.stream)  # BUG: ``ready`` not waited
+class _NoDonateFencePool(LinearStatePool):
+    """Through the pool's public ``clone``: the device pool's one clone is the tree's donation."""
+
+    def clone(self, src: int, owner: Owner, *, stream: Stream | None = None, after: Iterable[Fence] = ()) -> SlotWrite:
+        return super().clone(src, owner, stream=stream)  # BUG: the producer's fence ``after`` not waited
 
 
 class _NoRestoreFenceTree(HybridRadixCache):
@@ -172,14 +180,12 @@ class _NoRestoreFenceTree(HybridRadixCache):
         return _raw_restore(self, node, dst_slot, ordered=False)
 
 
-BUGS: dict[str, type[HybridRadixCache]] = {
-    "alias": _AliasTree,
-    "no-donate-fence": _NoDonateFenceTree,
-    "no-restore-fence": _NoRestoreFenceTree,
-}
+BUGS: tuple[str, ...] = ("alias", "no-donate-fence", "no-restore-fence")
+"""The three historical bugs of hybrid prefix caches (the first table above)."""
 
 
 class _FreeBeforeFenceManager(CacheManager):
+    # Not through the pool's ``free``: the manager waits the request's fences itself, then frees.
     def _release(self, rec: _Request, after: Iterable[Fence]) -> int:
         slots = (rec.live, *rec.tracks)
         for s in slots:
@@ -272,9 +278,11 @@ class _KVViewTree(HybridRadixCache):
         return res
 
 
-class _NamespaceBlindManager(CacheManager):
-    def _match(self, ids: np.ndarray, namespace: Hashable) -> MatchResult:
-        return self.cache.match(ids[:-1], namespace=None, touch=False)  # BUG: the namespace is ignored
+class _NamespaceBlindTree(HybridRadixCache):
+    """Through the tree's public ``match``: every lookup lands in the base model's namespace."""
+
+    def match(self, key: KeyLike, *, namespace: Hashable = None, touch: bool = True) -> MatchResult:
+        return super().match(key, namespace=None, touch=touch)  # BUG: the namespace is ignored
 
 
 class _FullHitManager(CacheManager):
@@ -506,6 +514,10 @@ _SHARED_TIERS: dict[str, type[SharedTier]] = {
     "shared-trusts-sizes": _TrustingTier,
     "shared-key-no-ns": _NamespaceBlindTier,
 }
+_POOLS: dict[str, type[LinearStatePool]] = {
+    "no-donate-fence": _NoDonateFencePool,
+    "double-free-swallowed": _SwallowingPool,
+}
 _MANAGERS: dict[str, type[CacheManager]] = {
     "free-before-fence": _FreeBeforeFenceManager,
     "unlock-before-restore": _UnlockBeforeRestoreManager,
@@ -514,13 +526,14 @@ _MANAGERS: dict[str, type[CacheManager]] = {
     "validates-after-mutating": _ValidateLateManager,
     "accepts-negative-kv": _NegativeKVManager,
     "keeps-failed-admission": _KeepFailedAdmissionManager,
-    "namespace-blind": _NamespaceBlindManager,
     "full-hit-admission": _FullHitManager,
 }
 
 
 _TREES: dict[str, type[HybridRadixCache]] = {
-    **BUGS,
+    "alias": _AliasTree,
+    "no-restore-fence": _NoRestoreFenceTree,
+    "namespace-blind": _NamespaceBlindTree,
     "tree-keeps-kv-view": _KVViewTree,
     "accepts-foreign-node": _ForeignNodeTree,
     "host-restore-early": _HostRestoreEarlyTree,
@@ -560,7 +573,7 @@ def make_pool(
 
     :raises ValueError: unknown bug name."""
     _check_bug(inject)
-    return (_SwallowingPool if inject == "double-free-swallowed" else LinearStatePool)(layout, slots, device)
+    return _POOLS.get(inject or "", LinearStatePool)(layout, slots, device)
 
 
 def make_cache(
