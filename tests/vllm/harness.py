@@ -1,0 +1,208 @@
+"""What the vLLM tests share: a tiny Qwen3-Next built here with seeded random weights (no
+download), an engine in this process, a multi-round workload of the shapes a prefix cache must
+serve, and the oracle's tools: greedy token ids per request, vLLM's own count of cached tokens,
+and noise in every free block of vLLM's KV and state pages between rounds (so a state nobody
+restored is garbage, never a lucky reuse of the block that still held it).
+
+The model: 3 Gated DeltaNet layers and 1 attention layer, bf16 (the CPU GDN kernel's dtype),
+linear head dims 128 (the CPU kernel's), attention head dim 64. vLLM's hybrid block comes out at
+640 tokens on it."""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+VOCAB = 1024
+BLOCK = 640  # vLLM's hybrid block on this model (attention and state pages aligned)
+
+
+def build_tiny_qwen3_next(out: Path, *, seed: int = 0) -> Path:
+    """Save the tiny random-weight Qwen3-Next into ``out`` (config and safetensors). Seeded:
+    every build is the same model."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3NextConfig(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=64,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=128,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        max_position_embeddings=8192,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        architectures=["Qwen3NextForCausalLM"],
+    )
+    model: Any = Qwen3NextForCausalLM(cfg)
+    model = model.to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.05)  # wide enough that greedy answers depend on the whole prompt
+    model.save_pretrained(out)
+    return out
+
+
+def make_llm(model: Path, *, prefix_caching: bool, **options: Any) -> Any:
+    """An engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), token ids in and out (no
+    tokenizer), eager, with a small KV space (256 MiB) so that two engines fit on a CI machine."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM
+
+    return LLM(
+        model=str(model),
+        skip_tokenizer_init=True,
+        enable_prefix_caching=prefix_caching,
+        enforce_eager=True,
+        dtype="bfloat16",
+        max_model_len=4096,
+        max_num_seqs=8,
+        seed=0,
+        gpu_memory_utilization=0.3,
+        kv_cache_memory_bytes=1 << 28,
+        **options,
+    )
+
+
+def close(llm: Any) -> None:
+    """Let an engine go before the next one starts (its KV space is most of its memory)."""
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def _core(llm: Any) -> Any:
+    return llm.llm_engine.engine_core.engine_core
+
+
+def kv_pages(llm: Any) -> torch.Tensor:
+    """vLLM's KV and state pages as one byte tensor, ``(blocks, page bytes)``: every group's
+    layers view the same blocks (a block id belongs to one group at a time)."""
+    runner = _core(llm).model_executor.driver_worker.worker.model_runner
+    first = runner.kv_caches[0]
+    storage = first.untyped_storage()
+    blocks = first.shape[0]
+    page = first.stride(0) * first.element_size()
+    flat = torch.empty(0, dtype=torch.uint8).set_(storage)
+    return flat[: blocks * page].view(blocks, page)
+
+
+def fill_free_blocks_with_noise(llm: Any, seed: int) -> int:
+    """Write random bytes into every block vLLM's pool holds free (the engine must be idle: after
+    ``reset_prefix_cache()`` that is every block but the null one). Returns how many."""
+    pool = _core(llm).scheduler.kv_cache_manager.block_pool
+    free = [b.block_id for b in pool.free_block_queue.get_all_free_blocks() if not b.is_null]
+    pages = kv_pages(llm)
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.tensor(free, dtype=torch.int64)
+    pages[idx] = torch.randint(0, 256, (len(free), pages.shape[1]), dtype=torch.uint8, generator=gen)
+    return len(free)
+
+
+@dataclass
+class Workload:
+    """Rounds of requests (each one ``generate`` batch); a later round's prompts may be built
+    from an earlier round's answers (multi-turn), so each engine builds them from its own."""
+
+    seed: int = 0
+    system_len: int = 1400  # more than two hybrid blocks
+    answer: int = 8
+
+    def __post_init__(self) -> None:
+        self._answers: list[list[int]] = []
+        self.rng = random.Random(self.seed)
+        self.systems = [self._ids(self.system_len) for _ in range(2)]
+
+    def _ids(self, n: int) -> list[int]:
+        return [self.rng.randrange(3, VOCAB) for _ in range(n)]
+
+    def plan(self) -> Iterator[list[list[int]]]:
+        """The rounds, each a batch of prompts; after each, :meth:`answered` must be told."""
+        users = [self.systems[i % 2] + self._ids(40 + 37 * i) for i in range(8)]
+        yield users  # shared system prompts
+        turns = [p + a + self._ids(25 + 11 * i) for i, (p, a) in enumerate(zip(users, self._answers, strict=True))]
+        yield turns  # the next turn of each conversation
+        yield [list(p) for p in users[:4]] + [list(p) for p in turns[4:]]  # identical re-sends
+        cut = BLOCK + 260  # inside the second block: the prefixes diverge mid-block
+        yield [users[i][:cut] + self._ids(90 + 13 * i) for i in range(8)]
+        more = [t + a + self._ids(30) for t, a in zip(turns, self._answers, strict=True)]
+        yield more  # a third turn
+        yield [self.systems[i % 2][: BLOCK * 2] + self._ids(200 + 9 * i) for i in range(8)]  # block-aligned
+
+    def answered(self, outs: Sequence[Sequence[int]]) -> None:
+        self._answers = [list(o) for o in outs]
+
+
+#: Two greedy runs may part at a near tie: a prefix served from cache is computed in other chunks
+#: than a cold prefill, and bf16 rounding differs. A token is wrong only where the ground truth's
+#: top choice beat its second by more than this many nats (a state nobody restored, or the wrong
+#: one, gives garbage that parts decisively).
+TIE_NATS = 0.05
+
+
+@dataclass
+class Served:
+    """What one engine served: each request's prompt, greedy answer and vLLM's cached tokens, and
+    at each answer position the margin of the top choice over the second (nats)."""
+
+    prompts: list[list[int]] = field(default_factory=list)
+    answers: list[list[int]] = field(default_factory=list)
+    cached: list[int] = field(default_factory=list)
+    margins: list[list[float]] = field(default_factory=list)
+
+
+def compare(truth: Served, got: Served) -> tuple[list[int], list[int]]:
+    """Requests of ``got`` served wrong against ``truth`` (the first differing token is one the
+    truth chose decisively, see :data:`TIE_NATS`), and those that parted at a near tie. A request
+    whose prompt differs (built from an answer that parted earlier) is left out of both."""
+    wrong: list[int] = []
+    ties: list[int] = []
+    for i, (p, a, b) in enumerate(zip(got.prompts, got.answers, truth.answers, strict=True)):
+        if p != truth.prompts[i] or a == b:
+            continue
+        k = next(j for j, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
+        (ties if truth.margins[i][k] < TIE_NATS else wrong).append(i)
+    return wrong, ties
+
+
+def serve(llm: Any, workload: Workload, *, between: Any = None) -> Served:
+    """Run every round of ``workload`` on ``llm`` (greedy), calling ``between(llm, round)`` before
+    each round after the first."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=workload.answer, ignore_eos=True, detokenize=False, logprobs=2)
+    out = Served()
+    for i, batch in enumerate(workload.plan()):
+        if i and between is not None:
+            between(llm, i)
+        res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
+        answers = [list(r.outputs[0].token_ids) for r in res]
+        workload.answered(answers)
+        out.prompts += batch
+        out.answers += answers
+        out.cached += [int(r.num_cached_tokens or 0) for r in res]
+        for r in res:
+            tops = [sorted((lp.logprob for lp in pos.values()), reverse=True) for pos in r.outputs[0].logprobs]
+            out.margins.append([t[0] - t[1] if len(t) > 1 else float("inf") for t in tops])
+    return out
