@@ -15,12 +15,12 @@ from radixcache.testing.fuzz import run_fuzz
 
 
 @dataclass
-class Req:  # prompt length n; the live state covers ids[:done] (the model's inputs)
+class Req:  # prompt length n; the live state covers ids[:computed] (the model's inputs)
     ids: list[int]
     salt: int  # the namespace's effect on the model (a LoRA adapter, a tenant)
     n: int
     adm: Admission
-    done: int
+    computed: int
 
 
 class ToyAdapter:
@@ -49,14 +49,14 @@ class ToyAdapter:
             advance(pool.conv[:, live], pool.recurrent[:, live], tok, r.salt)
             if i in slots:  # capture the state after exactly i tokens
                 pool.conv[:, slots[i]], pool.recurrent[:, slots[i]] = pool.conv[:, live], pool.recurrent[:, live]
-        r.done = plan.end
+        r.computed = plan.end
         self.manager.commit(plan, None, kv_indices=torch.arange(plan.start, plan.end) + rid * 10_000)
 
     def extend(self, rid: int) -> bool:
         r = self.reqs[rid]
-        tokens = r.ids[r.done : r.n][:8]
+        tokens = r.ids[r.computed : r.n][:8]
         if tokens:
-            self._forward(rid, self.manager.plan_prefill(rid, r.done + len(tokens)), tokens)
+            self._forward(rid, self.manager.plan_prefill(rid, r.computed + len(tokens)), tokens)
         return bool(tokens)
 
     def decode(self, rid: int, token: int) -> None:
@@ -73,7 +73,7 @@ class ToyAdapter:
 
     def state(self, rid: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         live, r = self.reqs[rid].adm.live_slot, self.reqs[rid]
-        return self.pool.conv[:, live].clone(), self.pool.recurrent[:, live].clone(), r.ids[: r.done]
+        return self.pool.conv[:, live].clone(), self.pool.recurrent[:, live].clone(), r.ids[: r.computed]
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ class _Running:
     next_token: int | None = None
 
     @property
-    def done(self) -> int:
+    def computed(self) -> int:
         """Tokens in the request's cache (the serving queue's progress reads it)."""
         return self.seq.computed
 
