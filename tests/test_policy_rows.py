@@ -141,3 +141,19 @@ def test_the_manager_hands_the_policy_every_tree_event_in_order() -> None:
     want = [(K.SNAPSHOT_FREED, a.id), (K.KV_FREED, a.id), (K.NODE_REMOVED, a.id)]
     assert [(e.kind, e.node.id) for e in heard] == want
     assert heard[-1].parent is not None and heard[-1].parent.depth == 0, "the removed node hung from the root"
+
+
+def test_what_left_the_tree_is_not_kept_due_forever() -> None:
+    """A host that resets and refills without the policy ever choosing (no memory pressure): the
+    nodes heard as gone are let go, not kept for a refresh that never comes."""
+    t = RowTable(1)
+
+    def hear(event: TreeEvent) -> None:
+        t.hear(event)
+
+    cache = HybridRadixCache(LinearStatePool(LAYOUT, 8), on_event=hear)
+    for round_ in range(60):
+        for i in range(4):
+            donate(cache, [1, 2, 3 + i, 100 + round_], 10 * i)
+        cache.reset()
+    assert len(t._due) <= 64 + 4, f"{len(t._due)} removed nodes still kept due"

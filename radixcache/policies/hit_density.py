@@ -391,8 +391,7 @@ class HitDensity(Policy):
         refreshed at the next :meth:`victim`."""
         nid = self._t.hear(event)
         if nid is not None:
-            self._entries.pop(nid, None)
-            self._superseded.pop(nid, None)
+            self._untrack(nid)  # its row is gone already: the entry and the superseded mark go too
             if event.kind is not TreeEventKind.NODE_REMOVED:
                 self._unanchored.append(event.node)
 

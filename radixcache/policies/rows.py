@@ -16,6 +16,8 @@ from ..core.tree import TreeNode
 
 __all__ = ["RowTable"]
 
+_DUE_SLACK = 64  # nodes heard beyond twice the tracked ones before the removed ones are let go
+
 
 class RowTable:
     """Tracked snapshot nodes, row ``i`` of :attr:`rows` for :attr:`nodes` ``[i]``. Adding and
@@ -85,6 +87,9 @@ class RowTable:
             return None
         else:
             self._due.append(event.node)
+        if len(self._due) > 2 * len(self.nodes) + _DUE_SLACK:
+            # No choice for a while (resets, direct evictions): what left the tree needs no refresh.
+            self._due = list(dict.fromkeys(n for n in self._due if n.parent is not None))
         nid = event.node.id
         return nid if self.remove(nid) else None
 
