@@ -226,3 +226,24 @@ def test_bad_input_to_checkpoint_or_restore_changes_nothing() -> None:
     assert len(pol.heard) == heard and mgr.metrics().evictions["donation"] == 0
     mgr.pool.free(slot, owner)
     mgr.check_invariants()
+
+
+def test_discard_drops_a_snapshot_never_demoted_and_kv_prefix_reads_the_path() -> None:
+    mgr, _ = make()
+    file(mgr, [1, 2, 3, 4], base=0)
+    res = file(mgr, [1, 2, 3, 4, 5, 6], base=10)  # the first four are duplicates of the tree's
+    assert mgr.kv_prefix([1, 2, 3, 4, 5, 6, 7]).tolist() == [0, 1, 2, 3, 14, 15]
+    deep = res.node  # type: ignore[attr-defined]
+    mgr.lock(deep)
+    with pytest.raises(LockError):
+        mgr.discard(deep)
+    mgr.unlock(deep)
+    with pytest.raises(TypeError, match="TreeNode"):
+        mgr.discard("node")  # type: ignore[arg-type]
+    out = mgr.discard(deep)
+    assert out.snapshots == 1 and out.kv_tokens == 2  # the leaf went with its own KV
+    assert mgr.metrics().evictions["corrupt"] == 1
+    assert mgr.lookup([1, 2, 3, 4, 5, 6]).cached_length == 4
+    with pytest.raises(ValueError, match="holds no snapshot"):
+        mgr.discard(deep)
+    mgr.check_invariants()

@@ -12,7 +12,7 @@ from .errors import (
 )
 from .events import TreeEvent, TreeEventKind, TreeListener, free_kv_to
 from .keys import IMAGE_ID_BASE, MAX_ID, KeyLike, key_bytes
-from .kv import KVAllocator, KVExhausted, KVFreeList
+from .kv import KVAllocator, KVExhausted, KVFreeList, KVPageList
 from .lazy_heap import LazyHeap
 from .multimodal import MMWindow, image_cache_ids, image_runs, mm_window
 from .tree import EvictResult, HybridRadixCache, InsertResult, MatchResult, TreeNode
@@ -28,6 +28,7 @@ __all__ = [
     "KVAllocator",
     "KVExhausted",
     "KVFreeList",
+    "KVPageList",
     "KeyLike",
     "LockError",
     "LazyHeap",

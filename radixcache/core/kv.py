@@ -21,7 +21,7 @@ import torch
 
 from linear_state import COMPLETE, Fence
 
-__all__ = ["KVAllocator", "KVExhausted", "KVFreeList"]
+__all__ = ["KVAllocator", "KVExhausted", "KVFreeList", "KVPageList"]
 
 
 class KVExhausted(MemoryError):
@@ -116,3 +116,92 @@ class KVFreeList:
         assert len(self._free) == sum(self._is_free), (len(self._free), sum(self._is_free))
         assert len(set(self._free)) == len(self._free), "an index is on the free list twice"
         assert all(self._is_free[i] for i in self._free), "a listed index is not marked free"
+
+
+class KVPageList:
+    """A :class:`KVAllocator` that hands out whole pages: index ``p * page_tokens + j`` is token
+    ``j`` of page ``p``, for a host that stores KV a page at a time (a connector copying an
+    engine's KV blocks) under a tree of the same ``page_size``. :meth:`alloc` and :meth:`free`
+    take whole pages only: a tree with ``page_size=page_tokens`` never cuts one.
+
+    :raises ValueError: ``num_pages`` not an int >= 0, ``page_tokens`` not an int >= 1.
+    """
+
+    def __init__(self, num_pages: int, page_tokens: int) -> None:
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0:
+            raise ValueError(f"num_pages must be an int >= 0, got {num_pages!r}")
+        if isinstance(page_tokens, bool) or not isinstance(page_tokens, int) or page_tokens < 1:
+            raise ValueError(f"page_tokens must be an int >= 1, got {page_tokens!r}")
+        self.num_pages = num_pages
+        self.page_tokens = page_tokens
+        self._free: deque[int] = deque(range(num_pages))
+        self._is_free = bytearray(b"\x01") * num_pages
+        self._offsets = torch.arange(page_tokens, dtype=torch.int64)
+
+    @property
+    def num_free(self) -> int:
+        """Indices :meth:`alloc` can hand out now (free pages times ``page_tokens``). O(1)."""
+        return len(self._free) * self.page_tokens
+
+    @property
+    def free_pages(self) -> int:
+        """Pages not allocated. O(1)."""
+        return len(self._free)
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """``n`` indices (``n / page_tokens`` whole pages, each page's tokens in order), or None
+        (nothing taken) when fewer are free. O(n).
+
+        :raises ValueError: ``n`` not an int >= 0 or not a whole number of pages.
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0 or n % self.page_tokens:
+            raise ValueError(f"alloc takes a whole number of {self.page_tokens}-token pages, got {n!r}")
+        k = n // self.page_tokens
+        if k > len(self._free):
+            return None
+        pages = [self._free.popleft() for _ in range(k)]
+        for p in pages:
+            self._is_free[p] = 0
+        return self.indices(torch.tensor(pages, dtype=torch.int64))
+
+    def indices(self, pages: torch.Tensor) -> torch.Tensor:
+        """The token indices of ``pages`` (1-D int64), page by page. O(n)."""
+        return (pages.reshape(-1, 1) * self.page_tokens + self._offsets).reshape(-1)
+
+    def pages(self, indices: torch.Tensor) -> torch.Tensor:
+        """The pages of ``indices`` (whole pages, each in order), 1-D int64. O(n).
+
+        :raises ValueError: not whole pages in order, or a page outside ``[0, num_pages)``.
+        """
+        idx = torch.as_tensor(indices, dtype=torch.int64).reshape(-1)
+        if idx.numel() % self.page_tokens:
+            raise ValueError(f"{idx.numel()} KV indices are not whole {self.page_tokens}-token pages")
+        rows = idx.view(-1, self.page_tokens)
+        pages = rows[:, 0] // self.page_tokens
+        if not torch.equal(rows, pages.view(-1, 1) * self.page_tokens + self._offsets):
+            raise ValueError("KV indices are not whole pages in order")
+        if pages.numel() and not (int(pages.min()) >= 0 and int(pages.max()) < self.num_pages):
+            raise ValueError(f"a KV page is outside [0, {self.num_pages})")
+        return pages
+
+    def free(self, indices: torch.Tensor, after: Fence = COMPLETE) -> None:
+        """Take whole pages back (reused by work submitted later). O(n).
+
+        :raises ValueError: not whole pages in order, or outside the list. :raises RuntimeError:
+            a page freed twice (a KV ownership bug), named. Either way nothing was taken back.
+        """
+        pages = self.pages(indices).tolist()
+        seen: set[int] = set()
+        for p in pages:
+            if self._is_free[p] or p in seen:
+                raise RuntimeError(f"KV page {p} freed twice")
+            seen.add(p)
+        for p in pages:
+            self._is_free[p] = 1
+        self._free.extend(pages)
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` when the free list and the free flags disagree. O(pages)."""
+        assert len(self._free) == sum(self._is_free), (len(self._free), sum(self._is_free))
+        assert len(set(self._free)) == len(self._free), "a page is on the free list twice"
+        assert all(self._is_free[p] for p in self._free), "a listed page is not marked free"

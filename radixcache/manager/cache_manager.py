@@ -1575,6 +1575,36 @@ class CacheManager:
         self.cache.unlock(node)
 
     @_exclusive
+    def kv_prefix(self, cache_ids: KeyLike, *, namespace: Hashable = None) -> torch.Tensor:
+        """The tree's KV indices for the longest page-cut prefix of ``cache_ids`` it holds KV for
+        (past the deepest snapshot, into an edge), 1-D int64, as
+        :meth:`HybridRadixCache.kv_prefix`: for a host that copies only the KV the tree lacks
+        before it files a prefix. Reads only. O(nodes on the path).
+
+        :raises TypeError, ValueError: bad ids or namespace. Nothing changed.
+        """
+        return self.cache.kv_prefix(cache_ids, namespace=namespace)
+
+    @_exclusive
+    def discard(self, node: TreeNode) -> EvictResult:
+        """Drop ``node``'s snapshot now, never demoting it: the host found it corrupt (its own
+        check of the bytes failed, or forensics raised at :meth:`restore`), so no later lookup
+        serves it. A leaf goes with its KV (cascading), an inner node stays a tombstone, as any
+        eviction; the policy and forensics hear of it through the tree's events. Counted as
+        :attr:`EvictionReason.CORRUPT`.
+
+        :raises TypeError: ``node`` not a ``TreeNode``. :raises ForeignObjectError: another
+            tree's node. :raises ValueError: ``node`` holds no snapshot on the device pool.
+            :raises LockError: ``node`` is locked (unlock it first). Nothing changed.
+        """
+        if not isinstance(node, TreeNode):
+            raise TypeError(f"node must be a TreeNode (lookup returns one), got {type(node).__name__}")
+        r = self.cache.evict_snapshot(node, demote=False)
+        self._counters.evictions[EvictionReason.CORRUPT.value] += r.snapshots
+        self._counters.evicted_kv_tokens += r.kv_tokens
+        return r
+
+    @_exclusive
     def make_room(self, *, keep: TreeNode | None = None, now: float | None = None) -> bool:
         """Whether the pool has a free slot, evicting one snapshot through the policy first when it
         has none; ``keep`` (a node about to be restored) is held during that eviction.

@@ -27,6 +27,8 @@ class EvictionReason(enum.Enum):
     KV_PRESSURE = "kv-pressure"
     #: Snapshots the host asked for (``CacheManager.evict(snapshots=)``, ``make_room``).
     HOST = "host"
+    #: Snapshots the host found corrupt and dropped (``CacheManager.discard``).
+    CORRUPT = "corrupt"
 
 
 class SkipReason(enum.Enum):

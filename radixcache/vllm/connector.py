@@ -1,0 +1,496 @@
+"""``RadixcacheConnector``: vLLM's KV connector API (v1, hybrid) over a :class:`PagedHostStore`.
+
+vLLM builds the connector twice, once for its scheduler and once for its worker, in the engine
+core's process when the model runs on one device (tensor and pipeline parallel size 1, which the
+connector requires). Both roles share one :class:`PagedHostStore` per engine (by its engine id);
+the scheduler side drives it (look-ups, save plans, the manager's protocol), the worker side only
+copies bytes between vLLM's blocks and the store, in the step the scheduler planned.
+
+Per step (vLLM runs them in this order):
+
+1. scheduler, ``get_num_new_matched_tokens``: the deepest verified snapshot beyond vLLM's own hit,
+   a block multiple, at most the request's tokens minus one; its node is locked and its state
+   restored into a private slot (forensics verifies it; its KV pages are verified too);
+2. scheduler, ``update_state_after_alloc``: the load is planned into the blocks vLLM allocated:
+   attention pages into the attention groups' blocks of the hit, the state into each linear
+   group's block that holds the state after the hit (``end / block - 1``);
+3. scheduler, ``build_connector_meta``: each request whose step ends on a block boundary gets a
+   save plan (host pages for the blocks the tree lacks, a slot for the state);
+4. worker, ``start_load_kv`` (before the forward): the planned loads are copied into vLLM's blocks;
+5. worker, ``wait_for_save`` (after the forward): the planned saves are copied out of vLLM's
+   blocks, in the step that wrote them (a later step may have moved the state block on);
+6. scheduler, its next call: the step's loads are released and its saves filed (``commit``).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
+
+from linear_state import StateLayout
+
+from ..core.multimodal import image_cache_ids
+from ..forensics import Ledger
+from ..policies import make_policy
+from .options import ConnectorOptions, UnsupportedEngine
+from .store import Hit, PagedHostStore, PagedLayout, SavePlan
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["RadixcacheConnector", "RadixcacheMetadata", "engine_layout"]
+
+
+# ----------------------------------------------------------------------------- layout
+@dataclass(frozen=True)
+class _Groups:
+    """Which of vLLM's KV cache groups hold attention and which hold linear state."""
+
+    block: int
+    attention: tuple[int, ...]
+    linear: tuple[int, ...]
+    attention_layers: tuple[tuple[str, int], ...]  # (layer name, group), in group order
+    linear_layers: tuple[tuple[str, int], ...]
+
+
+def _groups(kv_cache_config: KVCacheConfig) -> _Groups:
+    attention: list[int] = []
+    linear: list[int] = []
+    att_layers: list[tuple[str, int]] = []
+    lin_layers: list[tuple[str, int]] = []
+    blocks: set[int] = set()
+    for g, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        blocks.add(spec.block_size)
+        if isinstance(spec, MambaSpec):
+            linear.append(g)
+            lin_layers += [(n, g) for n in group.layer_names]
+        elif isinstance(spec, AttentionSpec):
+            attention.append(g)
+            att_layers += [(n, g) for n in group.layer_names]
+        else:
+            raise UnsupportedEngine(
+                f"KV cache group {g} holds {type(spec).__name__}, which RadixcacheConnector does not store"
+            )
+    if not linear:
+        raise UnsupportedEngine(
+            "the model has no linear-attention (Mamba / Gated DeltaNet) layers: RadixcacheConnector is for hybrid "
+            "models; vLLM's own prefix cache serves this one"
+        )
+    if not attention:
+        raise UnsupportedEngine("the model has no attention layers: RadixcacheConnector stores hybrid models")
+    if len(blocks) != 1:
+        raise UnsupportedEngine(
+            f"KV cache groups of different block sizes {sorted(blocks)}; RadixcacheConnector needs one"
+        )
+    return _Groups(blocks.pop(), tuple(attention), tuple(linear), tuple(att_layers), tuple(lin_layers))
+
+
+def engine_layout(kv_cache_config: KVCacheConfig) -> PagedLayout:
+    """The :class:`PagedLayout` of an engine's KV cache config: one attention page per layer and
+    block (vLLM's page bytes), one snapshot slot holding every linear layer's two states.
+
+    :raises UnsupportedEngine: no linear layers, no attention layers, groups of different block
+        sizes, a linear layer whose state is not exactly a conv and a recurrent state of one
+        shape across layers.
+    """
+    gr = _groups(kv_cache_config)
+    specs = [kv_cache_config.kv_cache_groups[g].kv_cache_spec for g in gr.linear]
+    first = specs[0]
+    if len(first.shapes) != 2 or any((s.shapes, s.dtypes) != (first.shapes, first.dtypes) for s in specs):
+        raise UnsupportedEngine(
+            f"linear layers with states {[s.shapes for s in specs]}: RadixcacheConnector stores one conv and one "
+            "recurrent state of the same shapes in every linear layer"
+        )
+    state = StateLayout(
+        num_layers=len(gr.linear_layers),
+        conv_shape=tuple(first.shapes[0]),
+        recurrent_shape=tuple(first.shapes[1]),
+        conv_dtype=first.dtypes[0],
+        recurrent_dtype=first.dtypes[1],
+    )
+    att_specs = {kv_cache_config.kv_cache_groups[g].kv_cache_spec.page_size_bytes for g in gr.attention}
+    if len(att_specs) != 1:
+        raise UnsupportedEngine(f"attention groups with different page sizes {sorted(att_specs)}")
+    return PagedLayout(gr.block, len(gr.attention_layers), att_specs.pop(), state)
+
+
+# ----------------------------------------------------------------------------- one store per engine
+_STORES: dict[str, PagedHostStore] = {}
+_STORES_LOCK = threading.Lock()
+
+
+def _physical_memory() -> int | None:
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _store_for(engine_id: str, kv_cache_config: KVCacheConfig, opts: ConnectorOptions, on_cuda: bool) -> PagedHostStore:
+    """The engine's store: the first role to ask builds it."""
+    with _STORES_LOCK:
+        store = _STORES.get(engine_id)
+        if store is not None:
+            return store
+        layout = engine_layout(kv_cache_config)
+        budget = opts.host_budget_bytes
+        if budget is None:
+            budget = 2 * kv_cache_config.num_blocks * (layout.page_bytes + layout.state.slot_bytes)
+            phys = _physical_memory()
+            if phys is not None:
+                budget = min(budget, phys // 4)
+        store = PagedHostStore(
+            layout,
+            budget,
+            policy=make_policy(opts.policy),
+            verify=opts.verify,
+            snapshots_per_block=opts.snapshots_per_block,
+            pin_memory=on_cuda,
+            ledger=Ledger(opts.ledger) if opts.ledger and opts.verify else None,
+        )
+        _STORES[engine_id] = store
+        return store
+
+
+# ----------------------------------------------------------------------------- metadata
+@dataclass
+class _Load:
+    hit: Hit
+    blocks: dict[int, list[int]]  # group -> the engine blocks the hit fills (attention: pages; linear: one)
+
+
+@dataclass
+class _Save:
+    plan: SavePlan
+    blocks: dict[int, list[int]]
+
+
+@dataclass
+class RadixcacheMetadata(KVConnectorMetadata):  # type: ignore[misc]  # vLLM is untyped here
+    """One step's loads and saves (in-process objects: the worker is in the scheduler's process)."""
+
+    loads: list[_Load] = field(default_factory=list)
+    saves: list[_Save] = field(default_factory=list)
+    loaded: bool = False
+    saved: bool = False
+
+
+# ----------------------------------------------------------------------------- the connector
+class RadixcacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]  # vLLM is untyped here
+    """radixcache's prefix cache for hybrid models in vLLM (see the module's docstring).
+
+    Options come from ``kv_transfer_config.kv_connector_extra_config``
+    (:class:`~radixcache.vllm.ConnectorOptions`).
+
+    :raises UnsupportedEngine: an unknown option, a model without linear or attention layers,
+        the hybrid KV cache manager disabled, tensor or pipeline parallelism, speculative decoding,
+        asynchronous scheduling, or vLLM's prefix caching in a mode other than ``align``.
+    """
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
+        opts = ConnectorOptions.from_extra(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        _check_engine(vllm_config, kv_cache_config)
+        super().__init__(vllm_config, role, kv_cache_config)
+        assert kv_cache_config is not None
+        self._groups = _groups(kv_cache_config)
+        self.block = self._groups.block
+        engine_id = str(vllm_config.kv_transfer_config.engine_id)
+        self.store = _store_for(engine_id, kv_cache_config, opts, vllm_config.device_config.device_type == "cuda")
+        self._engine_id = engine_id
+        # scheduler side
+        self._requests: dict[str, Request] = {}
+        self._pending: dict[str, Hit] = {}  # found by get_num_new_matched_tokens, not yet allocated
+        self._step_loads: list[_Load] = []
+        self._inflight: list[RadixcacheMetadata] = []
+        # worker side
+        self._attn: list[tuple[torch.Tensor, int]] = []  # (blocks x page bytes, group) per attention layer
+        self._linear: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (conv, recurrent views, group)
+
+    # ------------------------------------------------------------------ scheduler side
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens beyond ``num_computed_tokens`` the store serves: a verified snapshot's depth
+        minus vLLM's own hit (0 when it has none deeper, when vLLM's hit is not block-aligned,
+        or for a request the connector does not key: prompt embeddings)."""
+        self._drain()
+        rid = request.request_id
+        stale = self._pending.pop(rid, None)
+        if stale is not None:
+            self.store.release(stale)
+        ids = _cache_ids(request)
+        if ids is None or request.skip_reading_prefix_cache or num_computed_tokens % self.block:
+            return 0, False
+        limit = (request.num_tokens - 1) // self.block * self.block
+        if limit <= num_computed_tokens:
+            return 0, False
+        hit = self.store.lookup(rid, ids[:limit], namespace=_namespace(request), computed=num_computed_tokens)
+        if hit is None:
+            return 0, False
+        self._pending[rid] = hit
+        return hit.end - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """Plan the pending hit's load into the blocks vLLM allocated (or let it go when vLLM
+        took none of it)."""
+        rid = request.request_id
+        self._requests[rid] = request
+        hit = self._pending.pop(rid, None)
+        if hit is None:
+            return
+        if num_external_tokens != hit.end - hit.start:
+            # vLLM took fewer tokens than offered: the state there is not the snapshot's. The
+            # scheduler's own check makes this rare; the request recomputes from its own hit.
+            self.store.release(hit)
+            if num_external_tokens:
+                raise RuntimeError(
+                    f"vLLM took {num_external_tokens} of the {hit.end - hit.start} external tokens offered for "
+                    f"request {rid}; RadixcacheConnector serves whole hits only"
+                )
+            return
+        ids = blocks.get_block_ids()
+        first, last = hit.start // self.block, hit.end // self.block
+        plan: dict[int, list[int]] = {g: list(ids[g][first:last]) for g in self._groups.attention}
+        plan.update({g: [ids[g][last - 1]] for g in self._groups.linear})
+        self._step_loads.append(_Load(hit, plan))
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """This step's loads (planned at allocation) and saves: every scheduled request whose
+        step ends on a block boundary files the prefix up to it."""
+        self._drain()
+        meta = RadixcacheMetadata(loads=self._step_loads)
+        self._step_loads = []
+        assert self._kv_cache_manager is not None
+        for load in meta.loads:
+            # vLLM copies a request's state into the block of its step's last token before the
+            # forward (and before the connector's loads): the state goes there too.
+            rid = load.hit.rid
+            assert isinstance(rid, str)
+            run = -(-(load.hit.end + scheduler_output.num_scheduled_tokens.get(rid, 0)) // self.block) - 1
+            table = self._kv_cache_manager.get_block_ids(rid)
+            for g in self._groups.linear:
+                if run != load.hit.end // self.block - 1:
+                    load.blocks[g].append(table[g][run])
+        for rid, computed in _scheduled(scheduler_output):
+            end = computed + scheduler_output.num_scheduled_tokens[rid]
+            request = self._requests.get(rid)
+            if request is None or end == 0 or end % self.block:
+                continue
+            ids = _cache_ids(request)
+            if ids is None:
+                continue
+            plan = self.store.plan_save(rid, ids[:end], namespace=_namespace(request))
+            if plan is None:
+                continue
+            assert self._kv_cache_manager is not None
+            table = self._kv_cache_manager.get_block_ids(rid)
+            first, last = plan.start // self.block, end // self.block
+            blocks = {g: list(table[g][first:last]) for g in self._groups.attention}
+            blocks.update({g: [table[g][last - 1]] for g in self._groups.linear})
+            meta.saves.append(_Save(plan, blocks))
+        self._inflight.append(meta)
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Nothing is held past the request (its saves were copied in their steps)."""
+        self._forget(request)
+        return False, None
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """As :meth:`request_finished`, for vLLM's hybrid KV cache manager."""
+        self._forget(request)
+        return False, None
+
+    def _forget(self, request: Request) -> None:
+        rid = request.request_id
+        self._requests.pop(rid, None)
+        hit = self._pending.pop(rid, None)
+        if hit is not None:
+            self.store.release(hit)
+        self.store.finished(rid)
+
+    def _drain(self) -> None:
+        """Release the loads and file the saves of the steps the worker finished."""
+        while self._inflight and self._inflight[0].saved:
+            meta = self._inflight.pop(0)
+            for load in meta.loads:
+                self.store.release(load.hit)
+            for save in meta.saves:
+                self.store.commit(save.plan)
+
+    def shutdown(self) -> None:
+        """Let the engine's store go (the scheduler side built or shares it)."""
+        if self.role == KVConnectorRole.SCHEDULER:
+            with _STORES_LOCK:
+                _STORES.pop(self._engine_id, None)
+
+    # ------------------------------------------------------------------ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Views of vLLM's blocks per layer: each attention layer's pages as bytes, each linear
+        layer's conv and recurrent state as the typed tensors the layout names.
+
+        :raises UnsupportedEngine: a layer whose blocks are not the outer dimension of its cache
+            with each block's bytes contiguous.
+        """
+        layout = self.store.layout
+        self._attn = []
+        for name, g in self._groups.attention_layers:
+            t = kv_caches[name]
+            pages = _block_bytes(name, t)
+            if pages.shape[1] != layout.kv_page_bytes:
+                raise UnsupportedEngine(
+                    f"attention layer {name} has {pages.shape[1]} bytes per block, the layout {layout.kv_page_bytes}"
+                )
+            self._attn.append((pages, g))
+        self._linear = []
+        st = layout.state
+        conv_bytes = int(np.prod(st.conv_shape)) * st.conv_dtype.itemsize
+        rec_bytes = int(np.prod(st.recurrent_shape)) * st.recurrent_dtype.itemsize
+        for name, g in self._groups.linear_layers:
+            raw = _block_bytes(name, kv_caches[name])
+            if raw.shape[1] < conv_bytes + rec_bytes:
+                raise UnsupportedEngine(
+                    f"linear layer {name} has {raw.shape[1]} bytes per block, its state {conv_bytes + rec_bytes}"
+                )
+            conv = raw[:, :conv_bytes].view(st.conv_dtype).view(raw.shape[0], *st.conv_shape)
+            rec = (
+                raw[:, conv_bytes : conv_bytes + rec_bytes]
+                .view(st.recurrent_dtype)
+                .view(raw.shape[0], *st.recurrent_shape)
+            )
+            self._linear.append((conv, rec, g))
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Copy this step's hits into the blocks vLLM allocated for them, before the forward."""
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, RadixcacheMetadata)
+        for load in meta.loads:
+            self._load(load)
+        meta.loaded = True
+
+    def _load(self, load: _Load) -> None:
+        self._load_pages(load)
+        self._load_state(load)
+
+    def _load_pages(self, load: _Load) -> None:
+        self.store.copy_out_pages(load.hit.pages, [(t, load.blocks[g]) for t, g in self._attn])
+
+    def _load_state(self, load: _Load) -> None:
+        conv, rec = self.store.state_of(load.hit)
+        for i, (cv, rv, g) in enumerate(self._linear):
+            for b in load.blocks[g]:
+                cv[b].copy_(conv[i])
+                rv[b].copy_(rec[i])
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads complete in :meth:`start_load_kv`."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        """Nothing per layer: vLLM calls this for attention layers only, and the state pages
+        are copied in :meth:`wait_for_save`."""
+
+    def wait_for_save(self) -> None:
+        """Copy this step's planned saves out of vLLM's blocks, in the step that wrote them."""
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, RadixcacheMetadata)
+        for save in meta.saves:
+            self._save(save)
+        meta.saved = True
+
+    def _save(self, save: _Save) -> None:
+        self._save_pages(save)
+        self._save_state(save)
+
+    def _save_pages(self, save: _Save) -> None:
+        self.store.copy_in_pages(save.plan.pages, [(t, save.blocks[g]) for t, g in self._attn])
+
+    def _save_state(self, save: _Save) -> None:
+        conv = torch.stack([cv[save.blocks[g][0]] for cv, _, g in self._linear])
+        rec = torch.stack([rv[save.blocks[g][0]] for _, rv, g in self._linear])
+        self.store.copy_in_state(save.plan, conv, rec)
+
+
+# ----------------------------------------------------------------------------- helpers
+def _check_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> None:
+    """Refuse what the connector cannot serve correctly, naming it."""
+    if kv_cache_config is None:
+        raise UnsupportedEngine("RadixcacheConnector needs vLLM's KV cache config (vLLM 0.32 or later)")
+    pc = vllm_config.parallel_config
+    if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
+        raise UnsupportedEngine(
+            f"tensor_parallel_size={pc.tensor_parallel_size}, pipeline_parallel_size={pc.pipeline_parallel_size}: "
+            "RadixcacheConnector keeps its store in the engine core's process and serves one device (both must be 1)"
+        )
+    if vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
+        raise UnsupportedEngine(
+            "disable_hybrid_kv_cache_manager=True: RadixcacheConnector needs vLLM's hybrid KV cache manager (HMA)"
+        )
+    if vllm_config.speculative_config is not None:
+        raise UnsupportedEngine("speculative decoding: RadixcacheConnector does not store draft-token states")
+    if vllm_config.scheduler_config.async_scheduling:
+        raise UnsupportedEngine("async_scheduling=True: RadixcacheConnector files saves between steps; turn it off")
+    cc = vllm_config.cache_config
+    if not cc.enable_prefix_caching or cc.mamba_cache_mode != "align":
+        raise UnsupportedEngine(
+            f"enable_prefix_caching={cc.enable_prefix_caching}, mamba_cache_mode={cc.mamba_cache_mode!r}: "
+            "RadixcacheConnector needs prefix caching in 'align' mode (the state after each block boundary in a "
+            "block of its own)"
+        )
+
+
+def _block_bytes(name: str, t: torch.Tensor) -> torch.Tensor:
+    """``t``'s blocks as ``(blocks, bytes per block)`` uint8 (a view)."""
+    try:
+        flat = t.view(t.shape[0], -1)  # a view only when each block's elements are contiguous
+    except RuntimeError:
+        flat = None
+    if flat is None or t.dim() < 2 or flat.stride(1) != 1:
+        raise UnsupportedEngine(f"layer {name}: its cache {tuple(t.shape)} / {t.stride()} is not block-major")
+    return flat.view(torch.uint8)
+
+
+def _scheduled(so: SchedulerOutput) -> list[tuple[str, int]]:
+    """(request id, tokens computed before this step) of every request scheduled in ``so``."""
+    out = [(r.req_id, r.num_computed_tokens) for r in so.scheduled_new_reqs]
+    c = so.scheduled_cached_reqs
+    out += list(zip(c.req_ids, c.num_computed_tokens, strict=True))
+    return out
+
+
+def _namespace(request: Request) -> Hashable:
+    """A request's namespace: its LoRA adapter and cache salt (``None`` without either)."""
+    lora = request.lora_request.lora_name if request.lora_request is not None else None
+    salt = request.cache_salt
+    return None if lora is None and salt is None else ("vllm", lora, salt)
+
+
+def _cache_ids(request: Request) -> np.ndarray | None:
+    """The ids the tree keys ``request`` on: its tokens, each image's placeholder run replaced by
+    ids derived from vLLM's hash of that image. ``None``: prompt embeddings (no ids to key)."""
+    if getattr(request, "prompt_embeds", None) is not None:
+        return None
+    ids = np.asarray(request.all_token_ids, dtype=np.int64)
+    for f in request.mm_features or ():
+        pos = f.mm_position
+        n = int(pos.length)
+        ids[pos.offset : pos.offset + n] = image_cache_ids(np.zeros(n, dtype=np.int64), 0, [f.identifier.encode()])
+    return ids

@@ -1,0 +1,479 @@
+"""Host memory for a paged engine's hybrid prefix cache: KV pages and snapshot slots behind one
+:class:`~radixcache.CacheManager` (what :class:`~radixcache.vllm.RadixcacheConnector` keeps).
+
+A paged engine (vLLM) computes KV a block of ``block_tokens`` tokens at a time and leaves the
+linear state after a block-aligned prefix in a block of its own. The store keeps copies of both in
+host memory under a byte budget:
+
+- the attention KV of each block, one page per block (``kv_layers`` rows of ``kv_page_bytes``
+  raw bytes, the engine's own page bytes), handed out by a :class:`~radixcache.KVPageList`;
+- the linear state after a prefix, one slot of a :class:`~linear_state.LinearStatePool`
+  (every linear layer's conv and recurrent state, typed).
+
+The tree (``page_size=block_tokens``) is keyed on the prefix's ids in a namespace; the manager
+owns it, runs the policy (which snapshot and which KV go when the budget is full), forensics and
+the metrics. This module never touches the tree or the policy: it calls the manager's protocol for
+hosts that keep their own slots (``lookup``, ``lock``, ``restore``, ``checkpoint``, ``evict``,
+``discard``).
+
+Verification (``verify=True``): every snapshot is fingerprinted when it is filed and checked
+before it is restored (:mod:`radixcache.forensics`), every KV page is fingerprinted when it is
+copied in and checked before a hit that reads it is reported. A mismatch is a finding and a miss
+(the snapshot is discarded): a changed byte is never served.
+
+Nothing here imports vLLM; the connector maps vLLM's blocks and layers onto these calls.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from linear_state import LinearStatePool, RequestOwner, SlotId, StateLayout
+from linear_state.fingerprint import SlotHasher
+
+from ..core.kv import KVPageList
+from ..core.policy import Policy
+from ..core.tree import HybridRadixCache, TreeNode
+from ..forensics import Forensics, Ledger
+from ..manager import CacheManager
+
+__all__ = ["Hit", "PageCorruption", "PagedHostStore", "PagedLayout", "SavePlan", "StoreStats"]
+
+
+def _positive_int(name: str, v: object) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    return int(v)
+
+
+@dataclass(frozen=True)
+class PagedLayout:
+    """What the store copies of one engine block.
+
+    :ivar block_tokens: tokens per block (the engine's block; the tree's page).
+    :ivar kv_layers: attention layers (one KV page row each).
+    :ivar kv_page_bytes: bytes of one attention layer's KV for one block.
+    :ivar state: the linear layers' state, one slot per snapshot.
+    :raises ValueError: a count below 1. :raises TypeError: ``state`` not a ``StateLayout``.
+    """
+
+    block_tokens: int
+    kv_layers: int
+    kv_page_bytes: int
+    state: StateLayout
+
+    def __post_init__(self) -> None:
+        for name in ("block_tokens", "kv_layers", "kv_page_bytes"):
+            object.__setattr__(self, name, _positive_int(name, getattr(self, name)))
+        if not isinstance(self.state, StateLayout):
+            raise TypeError(f"state must be a StateLayout, got {type(self.state).__name__}")
+
+    @property
+    def page_bytes(self) -> int:
+        """Host bytes of one block's KV (every attention layer)."""
+        return self.kv_layers * self.kv_page_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    """A verified hit, held until :meth:`PagedHostStore.release`: the node is locked (its path's
+    KV pages stay), and ``slot`` holds a private copy of the snapshot (restored and verified).
+
+    :ivar rid: the engine's request. :ivar start: tokens the engine had already (a block
+        multiple). :ivar end: the hit's depth (a block multiple, > ``start``). :ivar pages: host
+        pages of blocks ``start / block_tokens`` .. ``end / block_tokens - 1``, in order.
+    """
+
+    rid: Hashable
+    node: TreeNode
+    start: int
+    end: int
+    pages: tuple[int, ...]
+    slot: SlotId
+    owner: RequestOwner
+
+
+@dataclass(slots=True)
+class SavePlan:
+    """A block-aligned prefix to copy in and file (:meth:`PagedHostStore.plan_save`): the engine
+    copies the blocks of ``start .. end`` into ``pages`` and the state after ``end`` into
+    ``slot`` in the step that computes them, then :meth:`PagedHostStore.commit` files it.
+
+    :ivar start: tokens whose KV the tree held when planned (a block multiple).
+    :ivar indices: the token indices of ``pages`` (the tree's KV indices once filed).
+    """
+
+    rid: Hashable
+    ids: np.ndarray
+    namespace: Hashable
+    start: int
+    end: int
+    indices: torch.Tensor
+    pages: tuple[int, ...]
+    slot: SlotId
+    owner: RequestOwner
+
+
+@dataclass(frozen=True, slots=True)
+class PageCorruption:
+    """A KV page whose bytes changed since they were copied in (found before a hit read it)."""
+
+    page: int
+    expected: int
+    found: int
+    rid: Hashable
+    depth: int
+
+
+@dataclass(slots=True)
+class StoreStats:
+    """What the store did (counts since it was built)."""
+
+    lookups: int = 0
+    hits: int = 0
+    hit_tokens: int = 0
+    saves: int = 0
+    saved_pages: int = 0
+    saves_skipped: dict[str, int] = field(default_factory=dict)
+    corrupt_snapshots: int = 0
+    corrupt_pages: int = 0
+
+    def skip(self, why: str) -> None:
+        self.saves_skipped[why] = self.saves_skipped.get(why, 0) + 1
+
+
+class PagedHostStore:
+    """KV pages and snapshot slots in host memory behind one :class:`CacheManager`.
+
+    :param layout: what one block holds.
+    :param budget_bytes: host bytes for KV pages and snapshot slots together.
+    :param policy: the manager's policy (default: hit-density).
+    :param verify: fingerprint what is copied in and check it before it is served (default on).
+    :param snapshots_per_block: snapshot slots per KV page in the budget's split (default 0.5: a
+        snapshot every other block; slots also hold the copies in flight).
+    :param pin_memory: page-locked host memory (for an engine on CUDA).
+    :param ledger: a forensics ledger (with ``verify``).
+    :raises ValueError: a budget that holds fewer than 1 page and 2 slots, a bad split.
+    """
+
+    def __init__(
+        self,
+        layout: PagedLayout,
+        budget_bytes: int,
+        *,
+        policy: Policy | None = None,
+        verify: bool = True,
+        snapshots_per_block: float = 0.5,
+        pin_memory: bool = False,
+        ledger: Ledger | None = None,
+    ) -> None:
+        if not isinstance(layout, PagedLayout):
+            raise TypeError(f"layout must be a PagedLayout, got {type(layout).__name__}")
+        budget = _positive_int("budget_bytes", budget_bytes)
+        if type(verify) is not bool:
+            raise ValueError(f"verify must be a bool, got {verify!r}")
+        if not isinstance(snapshots_per_block, (int, float)) or not 0 < snapshots_per_block <= 4:
+            raise ValueError(f"snapshots_per_block must be in (0, 4], got {snapshots_per_block!r}")
+        slot_bytes = layout.state.slot_bytes
+        n_pages = int(budget // (layout.page_bytes + snapshots_per_block * slot_bytes))
+        n_slots = int(n_pages * snapshots_per_block)
+        if n_pages < 1 or n_slots < 2:
+            need = math.ceil(layout.page_bytes * max(1, 2 / snapshots_per_block) + 2 * slot_bytes)
+            raise ValueError(
+                f"a host budget of {budget} bytes holds {n_pages} KV pages of {layout.page_bytes} bytes and "
+                f"{n_slots} snapshot slots of {slot_bytes} bytes; at least 1 page and 2 slots are needed "
+                f"(about {need} bytes)"
+            )
+        self.layout = layout
+        self.block = layout.block_tokens
+        self.kv = torch.zeros((layout.kv_layers, n_pages, layout.kv_page_bytes), dtype=torch.uint8)
+        if pin_memory:
+            self.kv = self.kv.pin_memory()
+        self.pages = KVPageList(n_pages, layout.block_tokens)
+        self.pool = LinearStatePool(layout.state, n_slots, "cpu", pin_memory=pin_memory)
+        tree = HybridRadixCache(self.pool, page_size=layout.block_tokens)
+        self.forensics = Forensics(self.pool, ledger=ledger, mode="record") if verify else None
+        self.manager = CacheManager(
+            tree,
+            policy,
+            host_tier=None,
+            kv=self.pages,
+            forensics=self.forensics,
+            kv_bytes_per_token=max(1, math.ceil(layout.page_bytes / layout.block_tokens)),
+            write_checks=False,
+        )
+        self.verify = verify
+        self._kv_hasher = SlotHasher([self.kv]) if verify else None
+        self._kv_fp: list[int | None] = [None] * n_pages
+        self.page_findings: list[PageCorruption] = []
+        self.stats = StoreStats()
+        self._admitted: set[Hashable] = set()
+        self._planned: dict[int, SavePlan] = {}  # by id(): plans not yet committed or abandoned
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def num_pages(self) -> int:
+        """KV pages the budget holds."""
+        return self.pages.num_pages
+
+    @property
+    def num_slots(self) -> int:
+        """Snapshot slots the budget holds (copies in flight included)."""
+        return self.pool.capacity
+
+    def describe(self) -> dict[str, Any]:
+        """Sizes, counts and the manager's metrics, as plain data."""
+        return {
+            "pages": self.num_pages,
+            "free_pages": self.pages.free_pages,
+            "slots": self.num_slots,
+            "free_slots": self.pool.num_free,
+            "snapshots": self.manager.cache.num_snapshots,
+            "stats": {
+                "lookups": self.stats.lookups,
+                "hits": self.stats.hits,
+                "hit_tokens": self.stats.hit_tokens,
+                "saves": self.stats.saves,
+                "saved_pages": self.stats.saved_pages,
+                "saves_skipped": dict(self.stats.saves_skipped),
+                "corrupt_snapshots": self.stats.corrupt_snapshots,
+                "corrupt_pages": self.stats.corrupt_pages,
+            },
+        }
+
+    # ---------------------------------------------------------------- lookups
+    def lookup(
+        self, rid: Hashable, ids: Sequence[int] | np.ndarray, *, namespace: Hashable = None, computed: int = 0
+    ) -> Hit | None:
+        """The deepest verified snapshot on the path of ``ids`` deeper than ``computed`` (the
+        tokens the engine holds already, a block multiple; cap ``ids`` yourself: the engine
+        recomputes at least its last token), held until :meth:`release`, or ``None``. The first
+        lookup of ``rid`` tells the policy of the request (call :meth:`finished` at its end). A
+        snapshot or a KV page that fails verification is a finding and is discarded; the lookup
+        then tries the next deeper-than-``computed`` snapshot. O(path + hit bytes).
+
+        :raises ValueError: ``computed`` not a block multiple >= 0; bad ids. Nothing changed.
+        """
+        if isinstance(computed, bool) or not isinstance(computed, int) or computed < 0 or computed % self.block:
+            raise ValueError(f"computed must be a multiple of {self.block} >= 0, got {computed!r}")
+        mgr = self.manager
+        self.stats.lookups += 1
+        while True:
+            m = mgr.lookup(ids, namespace=namespace)
+            if rid not in self._admitted:
+                mgr.admitted(mgr.request_info(ids, m.cached_length))
+                self._admitted.add(rid)
+            d = m.cached_length
+            if d <= computed:
+                return None
+            node = m.node
+            mgr.lock(node)
+            pages = tuple(self.pages.pages(m.kv_indices[computed:d]).tolist())
+            if not self._pages_intact(pages, rid, d):
+                mgr.unlock(node)
+                self._discard(node)
+                continue
+            if not mgr.make_room(keep=node):
+                mgr.unlock(node)
+                return None
+            owner = RequestOwner(("load", rid))
+            slot = self.pool.alloc(owner)
+            seen = self._findings()
+            try:
+                mgr.restore(node, slot, dst_owner=owner, info=mgr.request_info(ids, d)).wait()
+            except BaseException:
+                self.pool.free(slot, owner)
+                mgr.unlock(node)
+                raise
+            if self._findings() > seen:  # forensics found the snapshot changed: never served
+                self.pool.free(slot, owner)
+                mgr.unlock(node)
+                self.stats.corrupt_snapshots += 1
+                self._discard(node)
+                continue
+            self.stats.hits += 1
+            self.stats.hit_tokens += d - computed
+            return Hit(rid, node, computed, d, pages, slot, owner)
+
+    def release(self, hit: Hit) -> None:
+        """Let go of ``hit`` (its copy was loaded, or the engine took fewer tokens): its slot goes
+        back, its node is unlocked."""
+        self.pool.free(hit.slot, hit.owner)
+        self.manager.unlock(hit.node)
+
+    def finished(self, rid: Hashable) -> None:
+        """``rid`` ended: the next request of that id is a new request to the policy."""
+        self._admitted.discard(rid)
+
+    def _findings(self) -> int:
+        return len(self.forensics.findings) if self.forensics is not None else 0
+
+    def _discard(self, node: TreeNode) -> None:
+        if node.snapshot is not None and not node.snap_lock:
+            self.manager.discard(node)
+
+    def _pages_intact(self, pages: Sequence[int], rid: Hashable, depth: int) -> bool:
+        hasher = self._kv_hasher
+        if hasher is None:
+            return True
+        ok = True
+        for p in pages:
+            want = self._kv_fp[p]
+            found = hasher.fingerprint(p)
+            if want is not None and found != want:
+                self.page_findings.append(PageCorruption(p, want, found, rid, depth))
+                self.stats.corrupt_pages += 1
+                self._kv_fp[p] = found  # reported once
+                ok = False
+        return ok
+
+    # ------------------------------------------------------------------ saves
+    def plan_save(
+        self, rid: Hashable, ids: Sequence[int] | np.ndarray, *, namespace: Hashable = None
+    ) -> SavePlan | None:
+        """Reserve what filing the prefix ``ids`` (a whole number of blocks) takes: host pages for
+        the blocks the tree lacks and a slot for the state after it (evicting through the policy
+        when the budget is full). ``None``: nothing to do (the tree holds a snapshot there) or no
+        room (counted). Copy into the plan, then :meth:`commit` it (or :meth:`abandon`).
+
+        :raises ValueError: ``ids`` not a positive whole number of blocks. Nothing changed.
+        """
+        arr = np.asarray(ids, dtype=np.int64).reshape(-1)
+        end = int(arr.size)
+        if end == 0 or end % self.block:
+            raise ValueError(f"a saved prefix is a positive multiple of {self.block} tokens, got {end}")
+        mgr = self.manager
+        m = mgr.lookup(arr, namespace=namespace, touch=False)
+        if m.cached_length == end:
+            self.stats.skip("held")
+            return None
+        start = m.token_length // self.block * self.block
+        need = end - start
+        idx = self.pages.alloc(need)
+        if idx is None:
+            mgr.evict(kv_tokens=need - self.pages.num_free, keep=arr, namespace=namespace)
+            idx = self.pages.alloc(need)
+        if idx is None:
+            self.stats.skip("no-pages")
+            return None
+        if not mgr.make_room():
+            self.pages.free(idx)
+            self.stats.skip("no-slot")
+            return None
+        owner = RequestOwner(("save", rid, end))
+        slot = self.pool.alloc(owner)
+        plan = SavePlan(rid, arr, namespace, start, end, idx, tuple(self.pages.pages(idx).tolist()), slot, owner)
+        self._planned[id(plan)] = plan
+        return plan
+
+    def commit(self, plan: SavePlan) -> bool:
+        """File ``plan`` once its pages and slot hold the engine's bytes: the tree takes the new
+        pages and a clone of the slot (the manager's ``checkpoint``), the rest goes back. Returns
+        whether a snapshot was filed (``False``: the tree lost the prefix the plan relied on
+        meanwhile, or held a snapshot there already)."""
+        self._planned.pop(id(plan))
+        mgr = self.manager
+        held = mgr.kv_prefix(plan.ids, namespace=plan.namespace)
+        if held.numel() < plan.start:
+            self.stats.skip("prefix-evicted")
+            self.pages.free(plan.indices)
+            self.pool.free(plan.slot, plan.owner)
+            return False
+        if self._kv_hasher is not None:
+            for p in plan.pages:
+                self._kv_fp[p] = self._kv_hasher.fingerprint(p)
+        kv = torch.cat([held[: plan.start], plan.indices])
+        seen = self._findings()
+        try:
+            res = mgr.checkpoint(plan.ids, kv, state_slot=plan.slot, namespace=plan.namespace, donor=plan.rid)
+        except BaseException:
+            self.pages.free(plan.indices)
+            self.pool.free(plan.slot, plan.owner)
+            raise
+        self.pool.free(plan.slot, plan.owner)
+        if res.snapshot_created and self._findings() > seen:
+            # forensics called the donation bad (a state never written: all zeros): dropped at once
+            self.stats.corrupt_snapshots += 1
+            self._discard(res.node)
+            self.stats.skip("corrupt")
+            return False
+        if res.length < plan.end:  # filed without a snapshot: the tail stays ours
+            self.pages.free(plan.indices[max(res.length, plan.start) - plan.start :])
+        self.stats.saves += res.snapshot_created
+        self.stats.saved_pages += len(plan.pages)
+        return bool(res.snapshot_created)
+
+    def abandon(self, plan: SavePlan) -> None:
+        """Give ``plan``'s pages and slot back unfiled (the engine did not copy into it)."""
+        self._planned.pop(id(plan))
+        self.pages.free(plan.indices)
+        self.pool.free(plan.slot, plan.owner)
+
+    # ------------------------------------------------------------------ copies
+    def copy_in_pages(self, pages: Sequence[int], layers: Sequence[tuple[torch.Tensor, Sequence[int]]]) -> None:
+        """Copy engine blocks into host ``pages``: ``layers[i]`` is attention layer ``i``'s
+        cache as ``(engine blocks, kv_page_bytes)`` uint8 and the blocks to copy (one per page,
+        in order).
+
+        :raises ValueError: a layer count or a block count that does not match."""
+        self._check_layers(pages, layers)
+        if not pages:
+            return
+        dst = torch.tensor(pages, dtype=torch.int64)
+        for i, (t, blocks) in enumerate(layers):
+            src = torch.tensor(list(blocks), dtype=torch.int64, device=t.device)
+            self.kv[i].index_copy_(0, dst, t.index_select(0, src).to("cpu"))
+
+    def copy_out_pages(self, pages: Sequence[int], layers: Sequence[tuple[torch.Tensor, Sequence[int]]]) -> None:
+        """Copy host ``pages`` into engine blocks (``layers`` as :meth:`copy_in_pages`).
+
+        :raises ValueError: a layer count or a block count that does not match."""
+        self._check_layers(pages, layers)
+        if not pages:
+            return
+        src = torch.tensor(pages, dtype=torch.int64)
+        for i, (t, blocks) in enumerate(layers):
+            dst = torch.tensor(list(blocks), dtype=torch.int64, device=t.device)
+            t.index_copy_(0, dst, self.kv[i].index_select(0, src).to(t.device))
+
+    def _check_layers(self, pages: Sequence[int], layers: Sequence[tuple[torch.Tensor, Sequence[int]]]) -> None:
+        if len(layers) != self.layout.kv_layers:
+            raise ValueError(f"{len(layers)} attention layers given, the layout has {self.layout.kv_layers}")
+        for t, blocks in layers:
+            if len(blocks) != len(pages):
+                raise ValueError(f"{len(blocks)} blocks for {len(pages)} pages")
+            if t.dim() != 2 or t.dtype != torch.uint8 or t.shape[1] != self.layout.kv_page_bytes:
+                raise ValueError(
+                    f"an engine cache of {tuple(t.shape)} {t.dtype}; want (blocks, {self.layout.kv_page_bytes}) uint8"
+                )
+
+    def copy_in_state(self, plan: SavePlan, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """Write the state after ``plan.end`` (``[layers, *conv_shape]``, ``[layers,
+        *recurrent_shape]``) into the plan's slot."""
+        self.pool.write(plan.slot, conv, recurrent, owner=plan.owner).wait()
+
+    def state_of(self, hit: Hit) -> tuple[torch.Tensor, torch.Tensor]:
+        """The hit's verified state copy: ``conv`` ``[layers, ...]``, ``recurrent`` ``[layers, ...]``."""
+        return self.pool.read(hit.slot)
+
+    # -------------------------------------------------------------- invariants
+    def check_invariants(self) -> None:
+        """The manager's, the page list's and the pool's invariants, and page accounting: every
+        page is free, held by the tree, or in a plan (``AssertionError`` otherwise)."""
+        self.manager.check_invariants()
+        self.pages.check_invariants()
+        self.pool.check_invariants()
+        planned = sum(len(p.pages) for p in self._planned.values())
+        tree = self.manager.cache.total_kv_tokens // self.block
+        assert self.pages.free_pages + planned + tree == self.num_pages, (
+            self.pages.free_pages,
+            planned,
+            tree,
+            self.num_pages,
+        )

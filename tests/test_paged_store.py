@@ -1,0 +1,225 @@
+"""The paged host store the vLLM connector keeps (radixcache.vllm.store), without vLLM: engine
+blocks are plain tensors here, so every path (save, hit, verification, eviction, bad input) is
+checked on the CPU in the main suite; tests/vllm proves it inside vLLM."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from linear_state import StateLayout
+from radixcache import KVPageList
+from radixcache.manager import EvictionReason
+from radixcache.vllm import ConnectorOptions, PagedHostStore, PagedLayout, UnsupportedEngine
+
+B = 4  # tokens per block
+STATE = StateLayout(num_layers=2, conv_shape=(3, 8), recurrent_shape=(2, 4, 4))
+LAYOUT = PagedLayout(block_tokens=B, kv_layers=2, kv_page_bytes=64, state=STATE)
+
+
+def _store(budget_pages: int = 16, **kw: object) -> PagedHostStore:
+    per = LAYOUT.page_bytes + 0.5 * STATE.slot_bytes
+    return PagedHostStore(LAYOUT, int(budget_pages * per) + 1, **kw)  # type: ignore[arg-type]
+
+
+class Engine:
+    """An engine's blocks: per attention layer ``(blocks, page bytes)`` uint8, per linear layer
+    a conv and a recurrent state per block; each block filled with bytes derived from the ids it
+    holds, so a wrong copy is visible."""
+
+    def __init__(self, blocks: int = 32) -> None:
+        self.kv = [torch.zeros(blocks, LAYOUT.kv_page_bytes, dtype=torch.uint8) for _ in range(LAYOUT.kv_layers)]
+        self.conv = torch.zeros(blocks, STATE.num_layers, *STATE.conv_shape, dtype=STATE.conv_dtype)
+        self.rec = torch.zeros(blocks, STATE.num_layers, *STATE.recurrent_shape, dtype=STATE.recurrent_dtype)
+
+    def compute(self, ids: list[int], blocks: list[int]) -> None:
+        for k, b in enumerate(blocks):
+            seed = hash(tuple(ids[: (k + 1) * B])) % (2**31)
+            g = torch.Generator().manual_seed(seed)
+            for t in self.kv:
+                t[b] = torch.randint(0, 256, (LAYOUT.kv_page_bytes,), dtype=torch.uint8, generator=g)
+            self.conv[b] = torch.randn(self.conv.shape[1:], generator=g)
+            self.rec[b] = torch.randn(self.rec.shape[1:], generator=g)
+
+    def layers(self, blocks: list[int]) -> list[tuple[torch.Tensor, list[int]]]:
+        return [(t, blocks) for t in self.kv]
+
+
+def _save(store: PagedHostStore, eng: Engine, rid: str, ids: list[int], blocks: list[int]) -> bool:
+    plan = store.plan_save(rid, ids)
+    if plan is None:
+        return False
+    first = plan.start // B
+    store.copy_in_pages(plan.pages, eng.layers(blocks[first:]))
+    last = blocks[len(ids) // B - 1]
+    store.copy_in_state(plan, eng.conv[last], eng.rec[last])
+    return store.commit(plan)
+
+
+def test_a_saved_prefix_is_served_back_byte_for_byte() -> None:
+    store, eng = _store(), Engine()
+    ids = list(range(100, 100 + 3 * B))
+    eng.compute(ids, [0, 1, 2])
+    assert _save(store, eng, "a", ids, [0, 1, 2])
+    store.check_invariants()
+    hit = store.lookup("b", [*ids, 7], computed=0)
+    assert hit is not None and (hit.start, hit.end) == (0, 3 * B) and len(hit.pages) == 3
+    out = Engine()
+    store.copy_out_pages(hit.pages, out.layers([5, 6, 7]))
+    conv, rec = store.state_of(hit)
+    for t_out, t_in in zip(out.kv, eng.kv, strict=True):
+        assert torch.equal(t_out[5:8], t_in[0:3])
+    assert torch.equal(conv, eng.conv[2]) and torch.equal(rec, eng.rec[2])
+    store.release(hit)
+    store.check_invariants()
+    assert store.lookup("c", ids, computed=3 * B) is None, "nothing deeper than what the engine has"
+
+
+def test_a_later_save_copies_only_the_blocks_the_tree_lacks() -> None:
+    store, eng = _store(), Engine()
+    ids = list(range(1, 1 + 4 * B))
+    eng.compute(ids, [0, 1, 2, 3])
+    assert _save(store, eng, "a", ids[: 2 * B], [0, 1])
+    plan = store.plan_save("a", ids)
+    assert plan is not None and plan.start == 2 * B and len(plan.pages) == 2
+    store.abandon(plan)
+    assert store.plan_save("a", ids[: 2 * B]) is None and store.stats.saves_skipped["held"] == 1
+    store.check_invariants()
+
+
+def test_a_changed_snapshot_is_a_finding_and_never_served() -> None:
+    store, eng = _store(), Engine()
+    ids = list(range(1, 1 + 2 * B))
+    eng.compute(ids, [0, 1])
+    assert _save(store, eng, "a", ids, [0, 1])
+    node = store.manager.lookup(ids).node
+    store.pool.recurrent[0, node.snapshot, 0, 0, 0] += 1.0  # one element changed
+    assert store.lookup("b", [*ids, 9]) is None
+    assert store.stats.corrupt_snapshots == 1 and len(store.forensics.findings) == 1  # type: ignore[union-attr]
+    assert store.manager.metrics().evictions[EvictionReason.CORRUPT.value] == 1
+    assert store.manager.cache.num_snapshots == 0
+    store.check_invariants()
+
+
+def test_a_changed_kv_page_is_a_finding_and_the_hit_falls_back() -> None:
+    store, eng = _store(), Engine()
+    ids = list(range(1, 1 + 3 * B))
+    eng.compute(ids, [0, 1, 2])
+    assert _save(store, eng, "a", ids[:B], [0])
+    assert _save(store, eng, "a", ids, [0, 1, 2])
+    deep = store.manager.lookup(ids).kv_indices
+    page = int(deep[2 * B]) // B  # the third block's page: only the deeper snapshot reads it
+    store.kv[1, page, 3] ^= 0xFF
+    hit = store.lookup("b", [*ids, 9])
+    assert hit is not None and hit.end == B, "the shallower verified snapshot serves"
+    assert store.stats.corrupt_pages == 1 and store.page_findings[0].page == page
+    store.release(hit)
+    store.check_invariants()
+
+
+def test_without_verification_a_changed_snapshot_is_served() -> None:
+    """The negative control of the check above: ``verify=False`` serves the changed bytes."""
+    store, eng = _store(verify=False), Engine()
+    ids = list(range(1, 1 + 2 * B))
+    eng.compute(ids, [0, 1])
+    assert _save(store, eng, "a", ids, [0, 1])
+    node = store.manager.lookup(ids).node
+    store.pool.recurrent[0, node.snapshot, 0, 0, 0] += 1.0
+    hit = store.lookup("b", [*ids, 9])
+    assert hit is not None and not torch.equal(store.state_of(hit)[1], eng.rec[1])
+    store.release(hit)
+
+
+def test_a_state_never_written_is_dropped_when_filed() -> None:
+    store, eng = _store(), Engine()
+    ids = list(range(1, 1 + 2 * B))
+    plan = store.plan_save("a", ids)
+    assert plan is not None
+    store.copy_in_pages(plan.pages, eng.layers([0, 1]))
+    store.pool.write(plan.slot, torch.zeros(2, 3, 8), torch.zeros(2, 2, 4, 4), owner=plan.owner)
+    assert not store.commit(plan)
+    assert store.stats.saves_skipped["corrupt"] == 1 and store.manager.cache.num_snapshots == 0
+    store.check_invariants()
+
+
+def test_the_budget_is_held_by_the_policy() -> None:
+    store, eng = _store(budget_pages=6), Engine(64)
+    for r in range(8):
+        ids = [1000 * r + i for i in range(2 * B)]
+        eng.compute(ids, [2 * r, 2 * r + 1])
+        _save(store, eng, f"r{r}", ids, [2 * r, 2 * r + 1])
+        store.check_invariants()
+    assert store.manager.cache.total_kv_tokens <= store.num_pages * B
+    assert sum(store.manager.metrics().evictions.values()) > 0
+
+
+def test_bad_input_is_refused_and_changes_nothing() -> None:
+    store = _store()
+    with pytest.raises(ValueError, match="multiple of 4"):
+        store.plan_save("a", [1, 2, 3])
+    with pytest.raises(ValueError, match="computed must be a multiple of 4"):
+        store.lookup("a", [1, 2, 3, 4, 5], computed=3)
+    with pytest.raises(ValueError, match="holds 0 KV pages"):
+        PagedHostStore(LAYOUT, 100)
+    with pytest.raises(TypeError, match="PagedLayout"):
+        PagedHostStore(STATE, 10**6)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="kv_layers must be an int >= 1"):
+        PagedLayout(4, 0, 64, STATE)
+    plan = store.plan_save("a", list(range(B)))
+    assert plan is not None
+    with pytest.raises(ValueError, match="3 attention layers given"):
+        store.copy_in_pages(plan.pages, [(torch.zeros(4, 64, dtype=torch.uint8), [0])] * 3)
+    store.abandon(plan)
+    store.check_invariants()
+    assert store.pages.free_pages == store.num_pages and store.pool.num_free == store.num_slots
+
+
+def test_options_refuse_unknown_keys_and_bad_values() -> None:
+    assert ConnectorOptions.from_extra(None) == ConnectorOptions()
+    assert ConnectorOptions.from_extra({"policy": "vllm-like", "verify": False}).verify is False
+    cases: list[tuple[dict[str, object], str]] = [
+        ({"budget": 1}, r"unknown kv_connector_extra_config keys \['budget'\]"),
+        ({"policy": "lru"}, "unknown policy 'lru'"),
+        ({"verify": 1}, "verify must be a bool"),
+        ({"host_budget_bytes": -5}, "host_budget_bytes must be an int >= 1"),
+        ({"snapshots_per_block": 0}, "snapshots_per_block"),
+    ]
+    for extra, match in cases:
+        with pytest.raises(UnsupportedEngine, match=match):
+            ConnectorOptions.from_extra(extra)
+
+
+def test_page_list_hands_out_and_takes_back_whole_pages() -> None:
+    pl = KVPageList(3, 4)
+    a = pl.alloc(8)
+    assert a is not None and a.tolist() == [0, 1, 2, 3, 4, 5, 6, 7] and pl.num_free == 4
+    assert pl.alloc(8) is None and pl.num_free == 4
+    with pytest.raises(ValueError, match="whole number of 4-token pages"):
+        pl.alloc(3)
+    with pytest.raises(ValueError, match="not whole pages in order"):
+        pl.free(torch.tensor([1, 0, 2, 3]))
+    pl.free(a[:4])
+    with pytest.raises(RuntimeError, match="KV page 0 freed twice"):
+        pl.free(a[:4])
+    pl.check_invariants()
+    assert pl.free_pages == 2 and np.array_equal(pl.pages(a[4:]).numpy(), [1])
+
+
+def test_a_plan_whose_prefix_was_evicted_meanwhile_is_not_filed() -> None:
+    """A plan copies only the blocks the tree lacked; if the tree lost the rest before the commit,
+    filing it would pair the new pages with KV nobody holds: it is given back instead."""
+    store, eng = _store(), Engine()
+    ids = list(range(1, 1 + 3 * B))
+    eng.compute(ids, [0, 1, 2])
+    assert _save(store, eng, "a", ids[: 2 * B], [0, 1])
+    plan = store.plan_save("a", ids)
+    assert plan is not None and plan.start == 2 * B
+    store.manager.evict(kv_tokens=2 * B)
+    assert store.manager.cache.total_kv_tokens == 0
+    store.copy_in_pages(plan.pages, eng.layers([2]))
+    store.copy_in_state(plan, eng.conv[2], eng.rec[2])
+    assert not store.commit(plan) and store.stats.saves_skipped["prefix-evicted"] == 1
+    assert store.lookup("b", [*ids, 1]) is None
+    store.check_invariants()
+    assert store.pages.free_pages == store.num_pages and store.pool.num_free == store.num_slots
