@@ -11,6 +11,7 @@ import torch
 from linear_state import StateLayout
 from radixcache import KVPageList
 from radixcache.manager import EvictionReason
+from radixcache.policies import make_policy
 from radixcache.vllm import ConnectorOptions, PagedHostStore, PagedLayout, UnsupportedEngine
 
 B = 4  # tokens per block
@@ -223,3 +224,28 @@ def test_a_plan_whose_prefix_was_evicted_meanwhile_is_not_filed() -> None:
     assert store.lookup("b", [*ids, 1]) is None
     store.check_invariants()
     assert store.pages.free_pages == store.num_pages and store.pool.num_free == store.num_slots
+
+
+def test_the_clone_slot_is_made_before_the_prefix_is_read() -> None:
+    """A commit on a full pool: the slot its clone needs is evicted for before the tree's KV of the
+    prefix is read, so an eviction of that very prefix cannot hand the tree indices it freed."""
+    store, eng = _store(budget_pages=6, policy=make_policy("vllm-like")), Engine(64)  # 3 slots
+    a = list(range(1, 1 + 2 * B))
+    longer = [*a, *range(50, 50 + B)]
+    eng.compute(longer, [0, 1, 2])
+    assert _save(store, eng, "a", a, [0, 1])
+    c = [9000 + i for i in range(B)]
+    eng.compute(c, [10])
+    assert _save(store, eng, "c", c, [10])
+    plan = store.plan_save("a", longer)  # the third slot: the pool is full
+    assert plan is not None and plan.start == 2 * B and store.pool.num_free == 0
+    store.copy_in_pages(plan.pages, eng.layers([2]))
+    store.copy_in_state(plan, eng.conv[2], eng.rec[2])
+    store.check_invariants()
+    store.commit(plan)
+    store.check_invariants()
+    hit = store.lookup("b", [*longer, 1])
+    if hit is not None:  # served: byte for byte what was saved
+        assert torch.equal(store.state_of(hit)[1], eng.rec[2])
+        store.release(hit)
+    store.check_invariants()

@@ -2026,8 +2026,13 @@ class CacheManager:
         return len(slots)
 
     # -------------------------------------------------------------- invariants
-    def check_invariants(self) -> None:
+    def check_invariants(self, *, host_slots: int = 0) -> None:
         """Raise ``AssertionError`` naming the first broken rule. O(tree + requests).
+
+        ``host_slots``: slots of the pool the host owns itself, outside the manager's requests
+        (the private copies of a host that keeps its own slots, such as
+        :class:`radixcache.vllm.PagedHostStore`'s hits and save plans); every other request-owned
+        slot must be one of the manager's requests.
 
         No slot id held by the tree and by a request at once; every request slot owned by its
         request in the pool; free + tree + requests == capacity; each request's lock node alive
@@ -2084,7 +2089,9 @@ class CacheManager:
             assert rec.ids.size + len(rec.out) >= rec.computed, f"request {rid!r} has fewer ids than tokens committed"
         tree_n = self.pool.num_owned_by(NodeOwner)
         req_n = self.pool.num_owned_by(RequestOwner)
-        assert req_n == len(req_slots), f"pool has {req_n} request-owned slots, the manager tracks {len(req_slots)}"
+        assert req_n == len(req_slots) + host_slots, (
+            f"pool has {req_n} request-owned slots, the manager tracks {len(req_slots)} and the host {host_slots}"
+        )
         if isinstance(self.pool, HostedStatePool):  # the host holds the slots its own requests use
             room = self.pool.capacity - len(self.pool.reserved)
             assert self.pool.num_free + tree_n + req_n <= room, (

@@ -11,13 +11,14 @@ import os
 
 from linear_state import LinearStatePool
 
-__all__ = ["HOST_TIER_FACTOR", "auto_host_pool"]
+__all__ = ["HOST_TIER_FACTOR", "auto_host_pool", "physical_memory"]
 
 #: The default host tier holds this many times the device pool's bytes (see :func:`auto_host_pool`).
 HOST_TIER_FACTOR = 4
 
 
-def _physical_memory() -> int | None:
+def physical_memory() -> int | None:
+    """The machine's physical memory in bytes, or ``None`` where the platform does not say."""
     try:
         return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
     except (ValueError, OSError, AttributeError):
@@ -37,12 +38,12 @@ def auto_host_pool(pool: LinearStatePool, budget_bytes: int | None = None) -> Li
     slot = pool.layout.slot_bytes
     if budget_bytes is None:
         budget_bytes = HOST_TIER_FACTOR * pool.capacity * slot
-        phys = _physical_memory()
+        phys = physical_memory()
         if phys is not None:
             budget_bytes = min(budget_bytes, phys // 4)
     if budget_bytes < 0:
         raise ValueError(f"host budget must be >= 0 bytes, got {budget_bytes}")
-    phys = _physical_memory()
+    phys = physical_memory()
     if phys is not None and budget_bytes > phys:
         raise ValueError(f"host budget of {budget_bytes} bytes is more than this machine's {phys} bytes of memory")
     n = int(budget_bytes) // slot

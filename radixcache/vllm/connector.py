@@ -24,7 +24,6 @@ Per step (vLLM runs them in this order):
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -45,6 +44,7 @@ from linear_state import StateLayout
 from ..core.multimodal import image_cache_ids
 from ..forensics import Ledger
 from ..policies import make_policy
+from ..tiers.host import physical_memory
 from .options import ConnectorOptions, UnsupportedEngine
 from .store import Hit, PagedHostStore, PagedLayout, SavePlan
 
@@ -138,13 +138,6 @@ _STORES: dict[str, PagedHostStore] = {}
 _STORES_LOCK = threading.Lock()
 
 
-def _physical_memory() -> int | None:
-    try:
-        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 def _store_for(engine_id: str, kv_cache_config: KVCacheConfig, opts: ConnectorOptions, on_cuda: bool) -> PagedHostStore:
     """The engine's store: the first role to ask builds it."""
     with _STORES_LOCK:
@@ -155,7 +148,7 @@ def _store_for(engine_id: str, kv_cache_config: KVCacheConfig, opts: ConnectorOp
         budget = opts.host_budget_bytes
         if budget is None:
             budget = 2 * kv_cache_config.num_blocks * (layout.page_bytes + layout.state.slot_bytes)
-            phys = _physical_memory()
+            phys = physical_memory()
             if phys is not None:
                 budget = min(budget, phys // 4)
         store = PagedHostStore(
@@ -434,6 +427,7 @@ def _check_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
     """Refuse what the connector cannot serve correctly, naming it."""
     if kv_cache_config is None:
         raise UnsupportedEngine("RadixcacheConnector needs vLLM's KV cache config (vLLM 0.32 or later)")
+    _groups(kv_cache_config)  # a model it cannot store is named first
     pc = vllm_config.parallel_config
     if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
         raise UnsupportedEngine(

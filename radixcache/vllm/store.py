@@ -215,6 +215,7 @@ class PagedHostStore:
         self.stats = StoreStats()
         self._admitted: set[Hashable] = set()
         self._planned: dict[int, SavePlan] = {}  # by id(): plans not yet committed or abandoned
+        self._held = 0  # hits not yet released
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -299,6 +300,7 @@ class PagedHostStore:
                 continue
             self.stats.hits += 1
             self.stats.hit_tokens += d - computed
+            self._held += 1
             return Hit(rid, node, computed, d, pages, slot, owner)
 
     def release(self, hit: Hit) -> None:
@@ -306,6 +308,7 @@ class PagedHostStore:
         back, its node is unlocked."""
         self.pool.free(hit.slot, hit.owner)
         self.manager.unlock(hit.node)
+        self._held -= 1
 
     def finished(self, rid: Hashable) -> None:
         """``rid`` ended: the next request of that id is a new request to the policy."""
@@ -379,6 +382,13 @@ class PagedHostStore:
         meanwhile, or held a snapshot there already)."""
         self._planned.pop(id(plan))
         mgr = self.manager
+        # The clone's slot first: an eviction inside checkpoint could remove the very path whose
+        # KV indices are read below, and the tree would take back indices it had just freed.
+        if not mgr.make_room():
+            self.stats.skip("no-slot")
+            self.pages.free(plan.indices)
+            self.pool.free(plan.slot, plan.owner)
+            return False
         held = mgr.kv_prefix(plan.ids, namespace=plan.namespace)
         if held.numel() < plan.start:
             self.stats.skip("prefix-evicted")
@@ -465,8 +475,9 @@ class PagedHostStore:
     # -------------------------------------------------------------- invariants
     def check_invariants(self) -> None:
         """The manager's, the page list's and the pool's invariants, and page accounting: every
-        page is free, held by the tree, or in a plan (``AssertionError`` otherwise)."""
-        self.manager.check_invariants()
+        page is free, held by the tree, or in a plan; every slot free, a snapshot, a held hit's or
+        a plan's (``AssertionError`` otherwise). Valid at any point between calls."""
+        self.manager.check_invariants(host_slots=self._held + len(self._planned))
         self.pages.check_invariants()
         self.pool.check_invariants()
         planned = sum(len(p.pages) for p in self._planned.values())

@@ -71,6 +71,39 @@ def build_tiny_qwen3_next(out: Path, *, seed: int = 0) -> Path:
     return out
 
 
+def build_tiny_qwen3_dense(out: Path, *, seed: int = 0) -> Path:
+    """A tiny dense Qwen3 (attention layers only, seeded random weights): a model the connector
+    must refuse (vLLM's own prefix cache serves it)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=8192,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        architectures=["Qwen3ForCausalLM"],
+    )
+    model: Any = Qwen3ForCausalLM(cfg)
+    model.to(torch.bfloat16).save_pretrained(out)
+    return out
+
+
+def block_pool_leaks(llm: Any) -> int:
+    """Blocks vLLM's pool does not hold free once the engine is idle and its prefix cache reset
+    (0: nothing leaked; the null block is never free)."""
+    assert llm.reset_prefix_cache()
+    pool = _core(llm).scheduler.kv_cache_manager.block_pool
+    return int(pool.num_gpu_blocks) - 1 - int(pool.get_num_free_blocks())
+
+
 def make_llm(model: Path, *, prefix_caching: bool, **options: Any) -> Any:
     """An engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), token ids in and out (no
     tokenizer), eager, with a small KV space (256 MiB) so that two engines fit on a CI machine."""

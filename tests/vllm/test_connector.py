@@ -6,6 +6,8 @@ oracle; a corrupted store must be caught by verification (outputs right, finding
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,16 @@ import torch
 
 from radixcache.vllm import PagedHostStore, RadixcacheConnector, UnsupportedEngine
 
-from .harness import Served, Workload, close, compare, fill_free_blocks_with_noise, make_llm, serve
+from .harness import (
+    Served,
+    Workload,
+    block_pool_leaks,
+    close,
+    compare,
+    fill_free_blocks_with_noise,
+    make_llm,
+    serve,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -60,6 +71,7 @@ def _run(
     llm = make_llm(model, prefix_caching=True, kv_transfer_config=kv_transfer, disable_log_stats=False)
 
     def between(llm: Any, round_: int) -> None:
+        connector_of(llm).store.check_invariants()
         assert llm.reset_prefix_cache(), "vLLM refused to reset its prefix cache"
         assert fill_free_blocks_with_noise(llm, seed=round_) > 0
         if after_reset is not None:
@@ -69,11 +81,13 @@ def _run(
         served = serve(llm, Workload(seed=0), between=between)
         conn = connector_of(llm)
         conn.store.check_invariants()
+        assert block_pool_leaks(llm) == 0, "blocks of vLLM's pool were not given back"
         facts: dict[str, Any] = {
             "external": external_hits(llm),
             "store": conn.store.describe(),
             "findings": len(conn.store.forensics.findings) if conn.store.forensics else 0,
             "page_findings": len(conn.store.page_findings),
+            "evictions": sum(conn.store.manager.metrics().evictions.values()),
         }
         print("connector run:", type(conn).__name__, facts)  # the figures docs/vllm.md quotes (pytest -s)
         return served, facts
@@ -99,6 +113,18 @@ def test_the_connector_serves_the_ground_truth_from_its_store(tiny_model: Path, 
     assert facts["external"] >= 8 * 1280, f"vLLM counted {facts['external']} external hit tokens"
     assert facts["store"]["stats"]["hit_tokens"] == facts["external"]
     assert facts["findings"] == 0 and facts["page_findings"] == 0
+
+
+def test_a_tiny_host_budget_is_held_by_the_policy_and_still_serves_the_ground_truth(
+    tiny_model: Path, truth: Served
+) -> None:
+    """3 pages and 3 snapshot slots: the second system prompt's save evicts through the policy,
+    hits still come."""
+    budget = 3 * (163840 + 3 * 134144)  # a page of the attention layer and a slot (3 GDN layers) each
+    got, facts = _run(tiny_model, _kv_transfer(host_budget_bytes=budget + 1, snapshots_per_block=1.0))
+    wrong, _ties = compare(truth, got)
+    assert not wrong, wrong
+    assert facts["store"]["pages"] == 3 and facts["evictions"] > 0 and facts["external"] > 0, facts
 
 
 @pytest.mark.parametrize(
@@ -162,3 +188,32 @@ def _causes(e: BaseException) -> list[BaseException]:
         e = e.__cause__ or e.__context__  # type: ignore[assignment]
         out.append(e)
     return out
+
+
+_DENSE = """
+import sys
+from pathlib import Path
+from tests.vllm.harness import build_tiny_qwen3_dense, make_llm
+from tests.vllm.test_connector import _kv_transfer, _causes
+from radixcache.vllm import UnsupportedEngine
+try:
+    make_llm(build_tiny_qwen3_dense(Path(sys.argv[1])), prefix_caching=True, kv_transfer_config=_kv_transfer())
+except Exception as e:
+    hit = [x for x in [e, *_causes(e)] if isinstance(x, UnsupportedEngine)]
+    print("REFUSED:", hit[0] if hit else repr(e))
+else:
+    print("STARTED")
+"""
+
+
+def test_a_model_without_linear_layers_is_refused(tmp_path: Path) -> None:
+    """In a process of its own: a dense model's failed start leaves vLLM's process-wide parallel
+    state without the expert-parallel group the MoE test model needs (no engine starts after it)."""
+    out = subprocess.run(
+        [sys.executable, "-c", _DENSE, str(tmp_path / "qwen3-dense")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert "REFUSED: the model has no linear-attention" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
