@@ -233,6 +233,8 @@ def test_discard_drops_a_snapshot_never_demoted_and_kv_prefix_reads_the_path() -
     file(mgr, [1, 2, 3, 4], base=0)
     res = file(mgr, [1, 2, 3, 4, 5, 6], base=10)  # the first four are duplicates of the tree's
     assert mgr.kv_prefix([1, 2, 3, 4, 5, 6, 7]).tolist() == [0, 1, 2, 3, 14, 15]
+    with pytest.raises((TypeError, ValueError)):
+        mgr.kv_prefix("not ids")  # type: ignore[arg-type]
     deep = res.node  # type: ignore[attr-defined]
     mgr.lock(deep)
     with pytest.raises(LockError):

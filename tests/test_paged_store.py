@@ -172,6 +172,9 @@ def test_bad_input_is_refused_and_changes_nothing() -> None:
     with pytest.raises(ValueError, match="3 attention layers given"):
         store.copy_in_pages(plan.pages, [(torch.zeros(4, 64, dtype=torch.uint8), [0])] * 3)
     store.abandon(plan)
+    for again in (store.abandon, store.commit):
+        with pytest.raises(ValueError, match="committed or abandoned already"):
+            again(plan)
     store.check_invariants()
     assert store.pages.free_pages == store.num_pages and store.pool.num_free == store.num_slots
 

@@ -25,7 +25,7 @@ Per step (vLLM runs them in this order):
 from __future__ import annotations
 
 import threading
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -183,8 +183,7 @@ class RadixcacheMetadata(KVConnectorMetadata):  # type: ignore[misc]  # vLLM is 
 
     loads: list[_Load] = field(default_factory=list)
     saves: list[_Save] = field(default_factory=list)
-    loaded: bool = False
-    saved: bool = False
+    saved: bool = False  # set by the worker once the step's copies are done
 
 
 # ----------------------------------------------------------------------------- the connector
@@ -201,10 +200,9 @@ class RadixcacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         opts = ConnectorOptions.from_extra(vllm_config.kv_transfer_config.kv_connector_extra_config)
-        _check_engine(vllm_config, kv_cache_config)
+        self._groups = _check_engine(vllm_config, kv_cache_config)
         super().__init__(vllm_config, role, kv_cache_config)
         assert kv_cache_config is not None
-        self._groups = _groups(kv_cache_config)
         self.block = self._groups.block
         engine_id = str(vllm_config.kv_transfer_config.engine_id)
         self.store = _store_for(engine_id, kv_cache_config, opts, vllm_config.device_config.device_type == "cuda")
@@ -258,11 +256,7 @@ class RadixcacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
                     f"request {rid}; RadixcacheConnector serves whole hits only"
                 )
             return
-        ids = blocks.get_block_ids()
-        first, last = hit.start // self.block, hit.end // self.block
-        plan: dict[int, list[int]] = {g: list(ids[g][first:last]) for g in self._groups.attention}
-        plan.update({g: [ids[g][last - 1]] for g in self._groups.linear})
-        self._step_loads.append(_Load(hit, plan))
+        self._step_loads.append(_Load(hit, self._blocks_of(blocks.get_block_ids(), hit.start, hit.end)))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """This step's loads (planned at allocation) and saves: every scheduled request whose
@@ -277,9 +271,9 @@ class RadixcacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
             rid = load.hit.rid
             assert isinstance(rid, str)
             run = -(-(load.hit.end + scheduler_output.num_scheduled_tokens.get(rid, 0)) // self.block) - 1
-            table = self._kv_cache_manager.get_block_ids(rid)
-            for g in self._groups.linear:
-                if run != load.hit.end // self.block - 1:
+            if run != load.hit.end // self.block - 1:
+                table = self._kv_cache_manager.get_block_ids(rid)
+                for g in self._groups.linear:
                     load.blocks[g].append(table[g][run])
         for rid, computed in _scheduled(scheduler_output):
             end = computed + scheduler_output.num_scheduled_tokens[rid]
@@ -292,14 +286,18 @@ class RadixcacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
             plan = self.store.plan_save(rid, ids[:end], namespace=_namespace(request))
             if plan is None:
                 continue
-            assert self._kv_cache_manager is not None
-            table = self._kv_cache_manager.get_block_ids(rid)
-            first, last = plan.start // self.block, end // self.block
-            blocks = {g: list(table[g][first:last]) for g in self._groups.attention}
-            blocks.update({g: [table[g][last - 1]] for g in self._groups.linear})
-            meta.saves.append(_Save(plan, blocks))
+            meta.saves.append(_Save(plan, self._blocks_of(self._kv_cache_manager.get_block_ids(rid), plan.start, end)))
         self._inflight.append(meta)
         return meta
+
+    def _blocks_of(self, table: Sequence[Sequence[int]], start: int, end: int) -> dict[int, list[int]]:
+        """The engine blocks of tokens ``start .. end`` (block multiples) a load or save copies:
+        each attention group's blocks of that range, each linear group's block holding the
+        state after ``end``."""
+        first, last = start // self.block, end // self.block
+        out = {g: list(table[g][first:last]) for g in self._groups.attention}
+        out.update({g: [table[g][last - 1]] for g in self._groups.linear})
+        return out
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Nothing is held past the request (its saves were copied in their steps)."""
@@ -378,7 +376,6 @@ class RadixcacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         assert isinstance(meta, RadixcacheMetadata)
         for load in meta.loads:
             self._load(load)
-        meta.loaded = True
 
     def _load(self, load: _Load) -> None:
         self._load_pages(load)
@@ -423,11 +420,11 @@ class RadixcacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
 
 
 # ----------------------------------------------------------------------------- helpers
-def _check_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> None:
-    """Refuse what the connector cannot serve correctly, naming it."""
+def _check_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> _Groups:
+    """Refuse what the connector cannot serve correctly, naming it; the engine's groups."""
     if kv_cache_config is None:
         raise UnsupportedEngine("RadixcacheConnector needs vLLM's KV cache config (vLLM 0.32 or later)")
-    _groups(kv_cache_config)  # a model it cannot store is named first
+    groups = _groups(kv_cache_config)  # a model it cannot store is named first
     pc = vllm_config.parallel_config
     if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
         raise UnsupportedEngine(
@@ -449,6 +446,7 @@ def _check_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
             "RadixcacheConnector needs prefix caching in 'align' mode (the state after each block boundary in a "
             "block of its own)"
         )
+    return groups
 
 
 def _block_bytes(name: str, t: torch.Tensor) -> torch.Tensor:

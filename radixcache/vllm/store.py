@@ -379,8 +379,10 @@ class PagedHostStore:
         """File ``plan`` once its pages and slot hold the engine's bytes: the tree takes the new
         pages and a clone of the slot (the manager's ``checkpoint``), the rest goes back. Returns
         whether a snapshot was filed (``False``: the tree lost the prefix the plan relied on
-        meanwhile, or held a snapshot there already)."""
-        self._planned.pop(id(plan))
+        meanwhile, or held a snapshot there already).
+
+        :raises ValueError: ``plan`` was committed or abandoned already. Nothing changed."""
+        self._take(plan)
         mgr = self.manager
         # The clone's slot first: an eviction inside checkpoint could remove the very path whose
         # KV indices are read below, and the tree would take back indices it had just freed.
@@ -419,9 +421,16 @@ class PagedHostStore:
         self.stats.saved_pages += len(plan.pages)
         return bool(res.snapshot_created)
 
+    def _take(self, plan: SavePlan) -> None:
+        if self._planned.get(id(plan)) is not plan:
+            raise ValueError(f"the plan for {plan.end} tokens of {plan.rid!r} was committed or abandoned already")
+        del self._planned[id(plan)]
+
     def abandon(self, plan: SavePlan) -> None:
-        """Give ``plan``'s pages and slot back unfiled (the engine did not copy into it)."""
-        self._planned.pop(id(plan))
+        """Give ``plan``'s pages and slot back unfiled (the engine did not copy into it).
+
+        :raises ValueError: ``plan`` was committed or abandoned already. Nothing changed."""
+        self._take(plan)
         self.pages.free(plan.indices)
         self.pool.free(plan.slot, plan.owner)
 

@@ -37,9 +37,6 @@ class SavedAtFinishConnector(RadixcacheConnector):
         assert ids is not None
         plan = self.store.plan_save(request.request_id, ids[:end], namespace=_namespace(request)) if end else None
         if plan is not None:
-            first, last = plan.start // self.block, end // self.block
-            blocks = {g: list(block_ids[g][first:last]) for g in self._groups.attention}
-            blocks.update({g: [block_ids[g][last - 1]] for g in self._groups.linear})
-            RadixcacheConnector._save(worker, _Save(plan, blocks))
+            RadixcacheConnector._save(worker, _Save(plan, self._blocks_of(block_ids, plan.start, end)))
             self.store.commit(plan)
         return super().request_finished_all_groups(request, block_ids)
