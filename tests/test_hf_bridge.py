@@ -152,7 +152,33 @@ def test_load_refuses_a_cache_that_already_ran() -> None:
     cache = bridge.new_cache()
     _forward(model, cache, [5, 6, 7])
     with pytest.raises(ValueError, match="fresh cache"):
-        bridge.load(pool, slot, cache)
+        bridge.load(pool, slot, cache, tokens=3)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
+def test_a_loaded_cache_continues_at_the_prefixs_position(family: str) -> None:
+    """A cache loaded from a slot reports the prefix's length (transformers 5.25 positions the next
+    forward by its first layer's count, a linear layer in qwen3_next), so the continuation without
+    explicit positions equals the cold run's."""
+    cfg, model = tiny_model(family)
+    bridge = HFStateBridge(cfg)
+    pool = LinearStatePool(bridge.layout, 2)
+    owner = RequestOwner("r")
+    slot = pool.alloc(owner)
+    prefix = list(range(3, 40))
+    cold = bridge.new_cache()
+    _forward(model, cold, prefix)
+    bridge.store(cold, pool, slot, owner=owner).wait()
+    cache = bridge.new_cache()
+    for bad in (-1, 2.0, True, None):
+        with pytest.raises(ValueError, match="tokens"):
+            bridge.load(pool, slot, cache, tokens=bad)  # type: ignore[arg-type]
+    assert not any(cache.layers[i].is_conv_states_initialized[0] for i in bridge.layout.model_layers or ())
+    bridge.load(pool, slot, cache, tokens=len(prefix))
+    for i in bridge.attention_layers(cache):  # the prefix's KV, as a host appends it from its store
+        cache.layers[i].update(cold.layers[i].keys, cold.layers[i].values)
+    assert int(cache.get_seq_length()) == len(prefix)
+    assert float((_forward(model, cache, [9, 10]) - _forward(model, cold, [9, 10])).abs().max()) < TOL
 
 
 def _serve(engine: HFEngine, prompts: list[list[int]], new: int = 3) -> list[EngineRequest]:
@@ -244,6 +270,9 @@ def test_a_batched_decode_equals_each_request_decoded_alone(family: str) -> None
             assert caches[b].layers[i].keys.shape[2] == lens[b] + 1
             assert float((caches[b].layers[i].keys - alone[b].layers[i].keys).abs().max()) < TOL
             assert float((caches[b].layers[i].values - alone[b].layers[i].values).abs().max()) < TOL
+        # the split-back cache counts its new token: the next forward (positions from the cache) goes on
+        assert int(caches[b].get_seq_length()) == int(alone[b].get_seq_length()) == lens[b] + 1
+        assert float((_forward(model, caches[b], [5]) - _forward(model, alone[b], [5])).abs().max()) < TOL
 
 
 def test_a_batch_without_its_padding_mask_is_wrong() -> None:

@@ -4,6 +4,7 @@ shared tier; the faulty store's faults; the hit-rate guard of the hammer and of 
 import json
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -188,9 +189,9 @@ def test_the_bridged_adapter_loads_every_hit_through_the_transformers_bridge(mon
     loads = [0]
     real = HFStateBridge.load
 
-    def counting(self: HFStateBridge, *args: object) -> None:
+    def counting(self: HFStateBridge, *args: Any, **kwargs: Any) -> None:
         loads[0] += 1
-        real(self, *args)  # type: ignore[arg-type]
+        real(self, *args, **kwargs)
 
     monkeypatch.setattr(HFStateBridge, "load", counting)
     made: list[ManagerAdapter] = []

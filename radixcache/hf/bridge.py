@@ -78,6 +78,16 @@ def _is_attention(layer: Any) -> bool:
     return isinstance(layer, DynamicLayer) and layer.keys is not None
 
 
+def _set_length(layer: Any, tokens: int) -> None:
+    """Set a linear layer's token count where transformers keeps one. From 5.25 a linear layer
+    counts its tokens and a cache whose layer 0 is linear reports that count as its sequence length,
+    which positions the next forward: a state written in without it would be continued from
+    position 0. Older versions count none (nothing to set)."""
+    count = getattr(layer, "cumulative_length_linear", None)
+    if isinstance(count, torch.Tensor):
+        count.fill_(tokens)
+
+
 def _wider(src: torch.dtype, dst: torch.dtype) -> bool:
     if src == dst:
         return False
@@ -182,6 +192,7 @@ class HFStateBridge:
                             layer.lazy_initialization(recurrent_states=t, state_idx=s)
                             layer.recurrent_states[s].copy_(t)
                     layer.has_previous_state[s] = all(x.has_previous_state[s] for x in src)
+                _set_length(layer, width)  # as the padded attention layers hold
             if _is_attention(src[0]):
                 keys, values = src[0].keys, src[0].values
                 pk = keys.new_zeros(n, keys.shape[1], width, keys.shape[3])
@@ -223,6 +234,8 @@ class HFStateBridge:
                             x.conv_states[s].copy_(layer.conv_states[s][b : b + 1])
                         if layer.is_recurrent_states_initialized[s]:
                             x.recurrent_states[s].copy_(layer.recurrent_states[s][b : b + 1])
+                for b, x in enumerate(dst):
+                    _set_length(x, batch.lengths[b] + 1)
             if _is_attention(layer):
                 for b, x in enumerate(dst):
                     x.update(layer.keys[b : b + 1, :, width:], layer.values[b : b + 1, :, width:])
@@ -233,18 +246,28 @@ class HFStateBridge:
             raise ValueError(f"cache layer {i} is {type(layer).__name__}, not a linear layer")
         return layer
 
-    def load(self, pool: LinearStatePool, slot: int, cache: Any) -> None:
+    def load(self, pool: LinearStatePool, slot: int, cache: Any, *, tokens: int) -> None:
         """Write ``slot``'s states (after the pool's pending work on it) into ``cache``, a fresh
-        cache of this model, as the state after the prefix: the next forward continues from it.
+        cache of this model, as the state after a prefix of ``tokens`` tokens: the next forward
+        continues from it, at position ``tokens``.
 
-        :raises ValueError: ``cache`` is not a fresh cache of this model's layers.
+        ``tokens`` is the hit's depth (``Admission.cached_length``). transformers 5.25 and later
+        count a linear layer's tokens and position the next forward by that count when the model's
+        first layer is linear; the count is set here, so the host need not pass ``position_ids``.
+
+        :raises ValueError: ``tokens`` is not a non-negative int, or ``cache`` is not a fresh cache
+            of this model's layers. Nothing changed.
         """
-        conv, rec = pool.read(slot)
-        k = self.layout.conv_shape[-1]
-        for j, i in enumerate(self._layers):
+        if type(tokens) is not int or tokens < 0:
+            raise ValueError(f"tokens must be the prefix's length, a non-negative int; got {tokens!r}")
+        for i in self._layers:
             layer = self._linear(cache, i)
             if layer.is_conv_states_initialized[0] or layer.has_previous_state[0]:
                 raise ValueError(f"cache layer {i} already holds a state: load into a fresh cache")
+        conv, rec = pool.read(slot)
+        k = self.layout.conv_shape[-1]
+        for j, i in enumerate(self._layers):
+            layer = cache.layers[i]
             c = conv[j].unsqueeze(0).to(device=self.device, dtype=self.layout.conv_dtype)
             r = None if self.conv_only else rec[j].unsqueeze(0).to(device=c.device)
             layer.lazy_initialization(conv_states=c, recurrent_states=r, conv_kernel_size=k)
@@ -252,6 +275,7 @@ class HFStateBridge:
             if r is not None:
                 layer.recurrent_states[0].copy_(r)
             layer.has_previous_state[0] = True
+            _set_length(layer, tokens)
 
     def store(
         self, cache: Any, pool: LinearStatePool, slot: int, *, owner: RequestOwner, after: tuple[Fence, ...] = ()

@@ -107,7 +107,7 @@ class HFSequence:
         self.cache = bridge.new_cache()
         if adm.cached_length:  # the hit: state from the slot, KV of the prefix from the tree's indices
             adm.ready.wait()
-            bridge.load(manager.pool, adm.live_slot, self.cache)
+            bridge.load(manager.pool, adm.live_slot, self.cache, tokens=adm.cached_length)
             kv_store.load(self.cache, adm.kv_indices)
         self.computed = adm.cached_length
 

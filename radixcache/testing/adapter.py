@@ -506,7 +506,7 @@ class BridgedAdapter(ManagerAdapter):
         cached = super().admit(rid, ids, namespace=namespace, images=images)
         if cached is not None:
             cache = self.bridge.new_cache()
-            self.bridge.load(self.pool, self.reqs[rid].adm.live_slot, cache)  # after the restore
+            self.bridge.load(self.pool, self.reqs[rid].adm.live_slot, cache, tokens=cached)  # after the restore
             self.caches[rid] = cache
         return cached
 

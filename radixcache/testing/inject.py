@@ -313,8 +313,8 @@ def injected(inject: str | None) -> Iterator[None]:
 
         real_load = HFStateBridge.load
 
-        def shifted(self: HFStateBridge, pool: LinearStatePool, slot: int, cache: Any) -> None:
-            real_load(self, pool, slot, cache)
+        def shifted(self: HFStateBridge, pool: LinearStatePool, slot: int, cache: Any, *, tokens: int) -> None:
+            real_load(self, pool, slot, cache, tokens=tokens)
             for i in self.layout.model_layers or ():  # BUG: the window lands one column to the right
                 conv = cache.layers[i].conv_states[0]
                 conv.copy_(torch.roll(conv, 1, dims=-1))
