@@ -12,7 +12,10 @@ from linear_state import StateLayout
 from radixcache import KVPageList
 from radixcache.manager import EvictionReason
 from radixcache.policies import make_policy
+from radixcache.tiers.store import MemoryStore, RedisStore, SharedStoreError
 from radixcache.vllm import ConnectorOptions, PagedHostStore, PagedLayout, UnsupportedEngine
+
+from .redis_server import RedisServer
 
 B = 4  # tokens per block
 STATE = StateLayout(num_layers=2, conv_shape=(3, 8), recurrent_shape=(2, 4, 4))
@@ -182,12 +185,16 @@ def test_bad_input_is_refused_and_changes_nothing() -> None:
 def test_options_refuse_unknown_keys_and_bad_values() -> None:
     assert ConnectorOptions.from_extra(None) == ConnectorOptions()
     assert ConnectorOptions.from_extra({"policy": "vllm-like", "verify": False}).verify is False
+    assert ConnectorOptions.from_extra({"redis_url": "redis://127.0.0.1:1/0"}).redis_url == "redis://127.0.0.1:1/0"
     cases: list[tuple[dict[str, object], str]] = [
         ({"budget": 1}, r"unknown kv_connector_extra_config keys \['budget'\]"),
         ({"policy": "lru"}, "unknown policy 'lru'"),
         ({"verify": 1}, "verify must be a bool"),
         ({"host_budget_bytes": -5}, "host_budget_bytes must be an int >= 1"),
         ({"snapshots_per_block": 0}, "snapshots_per_block"),
+        ({"redis_url": "http://x"}, "redis_url must be a redis://"),
+        ({"shared_namespace": "a:b"}, "shared_namespace must be a non-empty string without ':'"),
+        ({"model_identity": ""}, "model_identity must be a non-empty string"),
     ]
     for extra, match in cases:
         with pytest.raises(UnsupportedEngine, match=match):
@@ -251,4 +258,124 @@ def test_the_clone_slot_is_made_before_the_prefix_is_read() -> None:
     if hit is not None:  # served: byte for byte what was saved
         assert torch.equal(store.state_of(hit)[1], eng.rec[2])
         store.release(hit)
+    store.check_invariants()
+
+
+# ----------------------------------------------------------------------------- the shared tier
+def _hit_equals(store: PagedHostStore, eng: Engine, ids: list[int], blocks: list[int], rid: str) -> None:
+    """A lookup of ``ids`` + one token hits all of ``ids`` with the engine's bytes."""
+    hit = store.lookup(rid, ids, computed=0)
+    assert hit is not None and hit.end == len(ids), hit
+    out = Engine()
+    store.copy_out_pages(hit.pages, out.layers(list(range(len(hit.pages)))))
+    for t_out, t_in in zip(out.kv, eng.kv, strict=True):
+        assert torch.equal(t_out[: len(blocks)], t_in[blocks])
+    conv, rec = store.state_of(hit)
+    assert torch.equal(conv, eng.conv[blocks[-1]]) and torch.equal(rec, eng.rec[blocks[-1]])
+    store.release(hit)
+    store.check_invariants()
+
+
+def test_a_prefix_filed_by_one_store_is_fetched_verified_by_another() -> None:
+    shared = MemoryStore()
+    a, b = _store(shared=shared, model="m"), _store(shared=shared, model="m")
+    eng = Engine()
+    ids = list(range(300, 300 + 3 * B))
+    eng.compute(ids, [0, 1, 2])
+    assert _save(a, eng, "a", ids[: 2 * B], [0, 1]) and _save(a, eng, "a", ids, [0, 1, 2])
+    assert a.flush_shared(5.0) and a.shared is not None and a.shared.stats.published == 2
+    _hit_equals(b, eng, ids, [0, 1, 2], "b")  # b never computed it: pages and state came from the store
+    assert b.shared is not None and (b.shared.stats.hits, b.shared.stats.hit_tokens) == (1, 3 * B)
+    _hit_equals(b, eng, ids, [0, 1, 2], "b2")  # now b's own: no second fetch
+    assert b.shared.stats.hits == 1 and b.manager.cache.num_snapshots == 1
+    # a store of another layout (pages of other bytes) shares the server, never the blobs: a miss
+    other = PagedHostStore(
+        PagedLayout(B, 2, 64, STATE, kv_format="fp8"),
+        a.num_pages * (LAYOUT.page_bytes + STATE.slot_bytes),
+        shared=shared,
+        model="m",
+    )
+    assert other.lookup("o", ids, computed=0) is None
+    assert other.shared is not None and other.shared.stats.hits == 0
+    other.check_invariants()
+    assert other.pages.free_pages == other.num_pages and other.pool.num_free == other.num_slots
+    a.close(5.0)
+    b.close(5.0)
+
+
+def test_a_corrupted_shared_blob_is_a_miss_a_finding_and_deleted() -> None:
+    shared = MemoryStore()
+    a, b = _store(shared=shared, model="m"), _store(shared=shared, model="m")
+    eng = Engine()
+    ids = list(range(500, 500 + 2 * B))
+    eng.compute(ids, [0, 1])
+    assert _save(a, eng, "a", ids, [0, 1]) and a.flush_shared(5.0)
+    (key,) = list(shared.blobs)
+    blob = bytearray(shared.blobs[key])
+    blob[len(blob) // 2] ^= 0x40  # one bit, in the KV pages' bytes
+    shared.blobs[key] = bytes(blob)
+    assert b.lookup("b", ids, computed=0) is None
+    assert b.shared is not None and b.shared.stats.rejected == {"digest": 1} and b.shared.stats.hits == 0
+    assert b.forensics is not None and [f.kind for f in b.forensics.findings] == ["shared-digest"]
+    assert key not in shared.blobs, "deleted, so a healthy engine can publish it again"
+    b.check_invariants()
+    assert b.pages.free_pages == b.num_pages and b.pool.num_free == b.num_slots
+
+
+def test_a_shared_store_that_fails_is_a_miss() -> None:
+    class Down(MemoryStore):
+        def depths(self, index: str, lo: int, hi: int) -> list[int]:
+            raise SharedStoreError("down")
+
+    store, eng = _store(shared=Down(), model="m"), Engine()
+    ids = list(range(700, 700 + 2 * B))
+    assert store.lookup("r", ids, computed=0) is None
+    assert store.shared is not None and store.shared.stats.errors == 1
+    eng.compute(ids, [0, 1])
+    assert _save(store, eng, "r", ids, [0, 1])  # served from its own tree meanwhile
+    _hit_equals(store, eng, ids, [0, 1], "r2")
+
+
+def test_a_shared_store_needs_the_models_identity() -> None:
+    with pytest.raises(ValueError, match="model"):
+        _store(shared=MemoryStore())
+    tier = _store(shared=MemoryStore(), model="m").shared
+    assert tier is not None
+    ids = np.arange(8, dtype=np.int64)
+    with pytest.raises(ValueError, match="limit 9 is longer"):
+        tier.fetch(ids, None, 0, limit=9)
+    with pytest.raises(TypeError, match="limit must be an int"):
+        tier.fetch(ids, None, 0, limit=True)
+    assert tier.fetch(ids, None, 0, limit=8) is None and tier.stats.probes == 1  # nothing published
+    with pytest.raises(TypeError, match="kv_format"):
+        PagedLayout(B, 2, 64, STATE, kv_format=3)  # type: ignore[arg-type]
+
+
+def test_two_stores_share_prefixes_through_a_real_redis_server(redis_server: RedisServer) -> None:
+    a = _store(shared=RedisStore(redis_server.url), model="m")
+    b = _store(shared=RedisStore(redis_server.url), model="m")
+    eng = Engine()
+    ids = list(range(900, 900 + 4 * B))
+    eng.compute(ids, [0, 1, 2, 3])
+    assert _save(a, eng, "a", ids, [0, 1, 2, 3]) and a.flush_shared(5.0)
+    _hit_equals(b, eng, ids, [0, 1, 2, 3], "b")
+    assert b.shared is not None and b.shared.stats.hits == 1
+    redis_server.kill()  # the server goes away: misses, never an error
+    assert b.lookup("c", list(range(40, 40 + 2 * B)), computed=0) is None
+    assert b.shared.stats.errors >= 1
+    b.check_invariants()
+
+
+def test_fetch_shared_refuses_bad_input_and_without_a_tier_is_the_local_match() -> None:
+    store = _store()
+    mgr = store.manager
+    for bad, err in ((-1, ValueError), (3 * B + 1, ValueError), (1.5, TypeError), (True, TypeError)):
+        with pytest.raises(err, match="limit"):
+            mgr.fetch_shared(list(range(3 * B)), limit=bad)  # type: ignore[arg-type]
+    eng = Engine()
+    ids = list(range(60, 60 + 2 * B))
+    eng.compute(ids, [0, 1])
+    assert _save(store, eng, "a", ids, [0, 1])
+    assert mgr.fetch_shared([*ids, 1, 2]).cached_length == 2 * B
+    assert mgr.fetch_shared([*ids, 1, 2], limit=B).cached_length == 0  # no snapshot at one block
     store.check_invariants()

@@ -815,31 +815,11 @@ class CacheManager:
         miss; nothing changed but the tier's counters."""
         shared = self.shared
         assert shared is not None
-        if not shared.addressable(namespace):  # served locally only
+        blob = self._shared_blob(ids, namespace, m.cached_length, None, 1, now, m.node, False)
+        if blob is None:
             return None
-        got = shared.fetch(ids, namespace, m.cached_length, page=self.cache.page_size)
-        if got is None:
-            return None
+        got, kv = blob
         d = got.depth
-        if not self.pool.can_alloc(1):
-            self._evict_snapshots(1, now, EvictionReason.ADMISSION)
-        if not self.pool.can_alloc(1):
-            shared.stats.no_room += 1
-            return None
-        try:
-            kv = shared.kv.import_kv(got.kv, d)
-        except Exception as e:  # the host's code: a miss, never a half-made admission
-            shared.codec_failed("import_kv", e)
-            return None
-        if kv is None:
-            shared.stats.no_room += 1
-            return None
-        bad = _bad_imported_kv(kv, d)
-        if bad is not None:  # the host's code broke its contract: a miss, its indices back to it
-            if _bad_imported_kv(kv, int(getattr(kv, "shape", (0,))[0])) is None:
-                self._give_back_kv(kv.to(torch.int64), m.node)  # 1-D non-negative integers of the wrong count
-            shared.codec_failed("import_kv", ValueError(bad))
-            return None
         stage, sslot, _ = shared.staging
         ready = self.pool.copy_from(stage, sslot, live, dst_owner=owner, stream=stream)
         key = ids[:d]
@@ -857,6 +837,108 @@ class CacheManager:
         # deferred streams). The slot's last use is the clone's fence, or the copy's when the
         # tree had the snapshot already.
         return _SharedHit(got, hit, self.pool.last_use(live))
+
+    def _shared_blob(
+        self,
+        ids: np.ndarray,
+        namespace: Hashable,
+        local: int,
+        limit: int | None,
+        slots: int,
+        now: float,
+        hold: TreeNode,
+        kv_room: bool,
+    ) -> tuple[Fetched, torch.Tensor] | None:
+        """The shared tier's deepest verified blob for ``ids`` past ``local`` (at most ``limit``
+        deep), with ``slots`` pool slots free for it (evicting snapshots through the policy, never
+        ``hold``, the local match, or its path) and its KV imported through the codec (with
+        ``kv_room``, KV evicted first for it when the manager owns the allocator). None: a miss;
+        nothing changed but the tier's counters and what the evictions freed."""
+        shared = self.shared
+        assert shared is not None
+        if not shared.addressable(namespace):  # served locally only
+            return None
+        got = shared.fetch(ids, namespace, local, page=self.cache.page_size, limit=limit)
+        if got is None:
+            return None
+        d = got.depth
+        if local:
+            self.cache.lock(hold)
+        try:
+            if not self.pool.can_alloc(slots):
+                self._evict_snapshots(slots - self.pool.num_free, now, EvictionReason.ADMISSION)
+            if kv_room and self.pool.can_alloc(slots) and self.kv is not None and self.kv.num_free < d:
+                self._evict_kv(min(d - self.kv.num_free, self.cache.evictable_kv_tokens), now, None)
+        finally:
+            if local:
+                self.cache.unlock(hold)
+        if not self.pool.can_alloc(slots):
+            shared.stats.no_room += 1
+            return None
+        try:
+            kv = shared.kv.import_kv(got.kv, d)
+        except Exception as e:  # the host's code: a miss, never a half-made admission
+            shared.codec_failed("import_kv", e)
+            return None
+        if kv is None:
+            shared.stats.no_room += 1
+            return None
+        bad = _bad_imported_kv(kv, d)
+        if bad is not None:  # the host's code broke its contract: a miss, its indices back to it
+            if _bad_imported_kv(kv, int(getattr(kv, "shape", (0,))[0])) is None:
+                self._give_back_kv(kv.to(torch.int64), hold)  # 1-D non-negative integers of the wrong count
+            shared.codec_failed("import_kv", ValueError(bad))
+            return None
+        return got, kv
+
+    @_exclusive
+    def fetch_shared(
+        self, cache_ids: KeyLike, *, namespace: Hashable = None, limit: int | None = None, now: float | None = None
+    ) -> MatchResult:
+        """For a host that keeps its own slots (it calls :meth:`lookup`, not :meth:`admit`): ask the
+        shared tier for a prefix of ``cache_ids`` deeper than the tree's match, at most ``limit``
+        tokens deep (default: every id; cap them as for :meth:`lookup`) and a whole number of
+        pages; a verified blob is filed into the tree (its KV through the tier's codec, its state
+        cloned into a snapshot, announced to the policy and recorded by forensics) before the
+        match is taken. Returns the match, as :meth:`lookup` (not locked, recency refreshed). No
+        shared tier, a namespace the tier cannot address, a miss, or no room: the local match.
+        Publications whose fences completed go out first. O(match + blob).
+
+        :raises TypeError, ValueError: bad ids, namespace or ``limit`` (outside ``[0, len(ids)]``).
+            Nothing changed.
+        """
+        _, ids = self._ids("(fetch_shared)", cache_ids)
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, np.integer))):
+            raise TypeError(f"limit must be an int or None, got {limit!r}")
+        if limit is not None and not 0 <= limit <= ids.size:
+            raise ValueError(f"limit {limit} is outside [0, {ids.size}] for {ids.size} ids")
+        key = ids if limit is None else ids[: int(limit)]
+        m = self.cache.match(key, namespace=namespace, touch=False)
+        shared = self.shared
+        if shared is None or m.cached_length >= key.size or not shared.addressable(namespace):
+            return self.cache.match(key, namespace=namespace)
+        if self._to_publish:
+            self._publish_ready(False)
+        t = self._now(now)
+        blob = self._shared_blob(ids, namespace, m.cached_length, int(key.size), 2, t, m.node, True)
+        if blob is None:
+            return self.cache.match(key, namespace=namespace)
+        got, kv = blob
+        d = got.depth
+        owner = RequestOwner(("shared-fetch", got.publisher))
+        stage, sslot, _ = shared.staging
+        tmp = self.pool.alloc(owner)
+        try:
+            ready = self.pool.copy_from(stage, sslot, tmp, dst_owner=owner)
+            res = self.cache.insert(ids[:d], kv, state_slot=tmp, ready=ready, namespace=namespace)
+        except BaseException:
+            self.pool.free(tmp, owner)
+            raise
+        self.pool.free(tmp, owner, after=(self.pool.last_use(tmp),))  # behind the tree's clone of it
+        if res.snapshot_created and self.forensics is not None:
+            self._record_donation(f"shared:{got.publisher}", res.node, ids[:d])
+        shared.counted_hit(got, d - m.cached_length)
+        return self.cache.match(key, namespace=namespace)
 
     def _queue_publication(self, node: TreeNode, key: np.ndarray, namespace: Hashable, kv_after: Fence | None) -> None:
         shared = self.shared

@@ -554,30 +554,36 @@ class SharedTier:
             self._done.popitem(last=False)
 
     # --------------------------------------------------------------- fetch
-    def fetch(self, ids: np.ndarray, namespace: Hashable, local: int, *, page: int = 1) -> Fetched | None:
-        """The deepest verified blob for a prefix of ``ids`` deeper than ``local`` tokens (and
-        shorter than ``ids``) whose depth is a multiple of ``page`` (the tree keeps whole pages
-        only: a replica with another page size may have published depths this tree cannot hold),
-        staged in the tier's staging slot; None: a miss (nothing deeper, the store down, or the blob
-        rejected: then ``on_reject`` heard why and the blob was deleted).
+    def fetch(
+        self, ids: np.ndarray, namespace: Hashable, local: int, *, page: int = 1, limit: int | None = None
+    ) -> Fetched | None:
+        """The deepest verified blob for a prefix of ``ids`` deeper than ``local`` tokens and at most
+        ``limit`` deep (default ``len(ids) - 1``: an admission computes at least its last token)
+        whose depth is a multiple of ``page`` (the tree keeps whole pages only: a replica with
+        another page size may have published depths this tree cannot hold), staged in the tier's
+        staging slot; None: a miss (nothing deeper, the store down, or the blob rejected: then
+        ``on_reject`` heard why and the blob was deleted).
 
         :raises RuntimeError: the tier was never bound. :raises TypeError: ``ids`` not an integer
-            numpy array, ``local`` or ``page`` not ints, a namespace the tier cannot address.
-            :raises ValueError: ``ids`` not 1-D, ``local`` outside ``[0, len(ids)]``, ``page`` < 1.
-            Nothing changes when it raises.
+            numpy array, ``local``, ``page`` or ``limit`` not ints, a namespace the tier cannot
+            address. :raises ValueError: ``ids`` not 1-D, ``local`` outside ``[0, len(ids)]``,
+            ``page`` < 1, ``limit`` outside ``[0, len(ids)]``. Nothing changes when it raises.
         """
         if self._layout is None:
             raise RuntimeError("SharedTier.fetch before bind (give the tier to a CacheManager)")
         _check_ids(ids)
-        for name, v, lo in (("local", local, 0), ("page", page, 1)):
+        n = max(int(ids.size) - 1, 0) if limit is None else limit
+        for name, v, lo in (("local", local, 0), ("page", page, 1), ("limit", n, 0)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
                 raise TypeError(f"{name} must be an int, got {v!r}")
             if v < lo:
                 raise ValueError(f"{name} must be >= {lo}, got {v}")
         if local > ids.size:
             raise ValueError(f"local match {local} is longer than the request's {ids.size} ids")
+        if n > ids.size:
+            raise ValueError(f"limit {n} is longer than the request's {ids.size} ids")
         index = self.index(namespace)  # an unaddressable namespace: a TypeError before anything is counted
-        n = int(ids.size) - 1
+        n = int(n)
         if n <= local:
             return None
         self.stats.probes += 1

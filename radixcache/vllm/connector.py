@@ -45,6 +45,7 @@ from ..core.multimodal import image_cache_ids
 from ..forensics import Ledger
 from ..policies import make_policy
 from ..tiers.host import physical_memory
+from ..tiers.store import RedisStore
 from .options import ConnectorOptions, UnsupportedEngine
 from .store import Hit, PagedHostStore, PagedLayout, SavePlan
 
@@ -127,10 +128,27 @@ def engine_layout(kv_cache_config: KVCacheConfig) -> PagedLayout:
         conv_dtype=first.dtypes[0],
         recurrent_dtype=first.dtypes[1],
     )
-    att_specs = {kv_cache_config.kv_cache_groups[g].kv_cache_spec.page_size_bytes for g in gr.attention}
-    if len(att_specs) != 1:
-        raise UnsupportedEngine(f"attention groups with different page sizes {sorted(att_specs)}")
-    return PagedLayout(gr.block, len(gr.attention_layers), att_specs.pop(), state)
+    att = [kv_cache_config.kv_cache_groups[g].kv_cache_spec for g in gr.attention]
+    formats = {(s.page_size_bytes, _page_format(s)) for s in att}
+    if len(formats) != 1:
+        raise UnsupportedEngine(f"attention groups with different pages {sorted(formats)}")
+    page_bytes, fmt = formats.pop()
+    return PagedLayout(gr.block, len(gr.attention_layers), page_bytes, state, kv_format=fmt)
+
+
+def _page_format(spec: AttentionSpec) -> str:
+    """What an attention page's bytes are (the shared tier's KV identity)."""
+    return (
+        f"vllm:{type(spec).__name__}:heads={spec.num_kv_heads}:head={spec.head_size}:dtype={spec.dtype}"
+        f":block={spec.block_size}"
+    )
+
+
+def _model_identity(vllm_config: VllmConfig, opts: ConnectorOptions) -> str:
+    if opts.model_identity is not None:
+        return opts.model_identity
+    mc = vllm_config.model_config
+    return f"{mc.model}@{mc.revision}:{mc.dtype}"
 
 
 # ----------------------------------------------------------------------------- one store per engine
@@ -138,7 +156,9 @@ _STORES: dict[str, PagedHostStore] = {}
 _STORES_LOCK = threading.Lock()
 
 
-def _store_for(engine_id: str, kv_cache_config: KVCacheConfig, opts: ConnectorOptions, on_cuda: bool) -> PagedHostStore:
+def _store_for(
+    engine_id: str, kv_cache_config: KVCacheConfig, opts: ConnectorOptions, on_cuda: bool, model: str
+) -> PagedHostStore:
     """The engine's store: the first role to ask builds it."""
     with _STORES_LOCK:
         store = _STORES.get(engine_id)
@@ -159,6 +179,9 @@ def _store_for(engine_id: str, kv_cache_config: KVCacheConfig, opts: ConnectorOp
             snapshots_per_block=opts.snapshots_per_block,
             pin_memory=on_cuda,
             ledger=Ledger(opts.ledger) if opts.ledger and opts.verify else None,
+            shared=None if opts.redis_url is None else RedisStore(opts.redis_url),
+            model=model,
+            shared_namespace=opts.shared_namespace,
         )
         _STORES[engine_id] = store
         return store
@@ -205,7 +228,8 @@ class RadixcacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         assert kv_cache_config is not None
         self.block = self._groups.block
         engine_id = str(vllm_config.kv_transfer_config.engine_id)
-        self.store = _store_for(engine_id, kv_cache_config, opts, vllm_config.device_config.device_type == "cuda")
+        on_cuda = vllm_config.device_config.device_type == "cuda"
+        self.store = _store_for(engine_id, kv_cache_config, opts, on_cuda, _model_identity(vllm_config, opts))
         self._engine_id = engine_id
         # scheduler side
         self._requests: dict[str, Request] = {}
@@ -329,8 +353,10 @@ class RadixcacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
                 self.store.commit(save.plan)
 
     def shutdown(self) -> None:
-        """Let the engine's store go (the scheduler side built or shares it)."""
+        """Let the engine's store go (the scheduler side built or shares it), its shared tier's
+        publications flushed first."""
         if self.role == KVConnectorRole.SCHEDULER:
+            self.store.close(timeout_s=10.0)
             with _STORES_LOCK:
                 _STORES.pop(self._engine_id, None)
 

@@ -30,6 +30,13 @@ class ConnectorOptions:
         a mismatch is a finding and a miss (default ``True``).
     :ivar snapshots_per_block: snapshot slots per KV page in the budget (default 0.5).
     :ivar ledger: a path for the forensics ledger (JSON lines; with ``verify``), or ``None``.
+    :ivar redis_url: a Redis server other engines reach too (``redis://host:port/db``): every
+        snapshot is published there with its prefix's pages and a deeper prefix found there is
+        fetched (verified) before a lookup; ``None`` (default): no shared tier. Needs the
+        ``redis`` extra.
+    :ivar shared_namespace: the deployment's key prefix on that server (default ``"radixcache"``).
+    :ivar model_identity: what names the model in the shared tier's content address (default: the
+        model path, revision and dtype vLLM loaded); engines share blobs only when it agrees.
     """
 
     host_budget_bytes: int | None = None
@@ -37,6 +44,9 @@ class ConnectorOptions:
     verify: bool = True
     snapshots_per_block: float = 0.5
     ledger: str | None = None
+    redis_url: str | None = None
+    shared_namespace: str = "radixcache"
+    model_identity: str | None = None
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorOptions:
@@ -64,4 +74,14 @@ class ConnectorOptions:
             raise UnsupportedEngine(f"snapshots_per_block must be a number in (0, 4], got {s!r}")
         if opts.ledger is not None and not isinstance(opts.ledger, str):
             raise UnsupportedEngine(f"ledger must be a path string or None, got {opts.ledger!r}")
+        if opts.redis_url is not None and (
+            not isinstance(opts.redis_url, str) or not opts.redis_url.startswith(("redis://", "rediss://", "unix://"))
+        ):
+            raise UnsupportedEngine(f"redis_url must be a redis://, rediss:// or unix:// URL, got {opts.redis_url!r}")
+        ns = opts.shared_namespace
+        if not isinstance(ns, str) or not ns or ":" in ns:
+            raise UnsupportedEngine(f"shared_namespace must be a non-empty string without ':', got {ns!r}")
+        mi = opts.model_identity
+        if mi is not None and (not isinstance(mi, str) or not mi):
+            raise UnsupportedEngine(f"model_identity must be a non-empty string or None, got {mi!r}")
         return opts

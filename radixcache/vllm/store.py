@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from linear_state import LinearStatePool, RequestOwner, SlotId, StateLayout
+from linear_state import Fence, LinearStatePool, RequestOwner, SlotId, StateLayout
 from linear_state.fingerprint import SlotHasher
 
 from ..core.kv import KVPageList
@@ -42,8 +42,10 @@ from ..core.policy import Policy
 from ..core.tree import HybridRadixCache, TreeNode
 from ..forensics import Forensics, Ledger
 from ..manager import CacheManager
+from ..tiers.shared import SharedTier
+from ..tiers.store import SharedStore
 
-__all__ = ["Hit", "PageCorruption", "PagedHostStore", "PagedLayout", "SavePlan", "StoreStats"]
+__all__ = ["Hit", "PageCorruption", "PagedHostStore", "PagedKVCodec", "PagedLayout", "SavePlan", "StoreStats"]
 
 
 def _positive_int(name: str, v: object) -> int:
@@ -60,19 +62,33 @@ class PagedLayout:
     :ivar kv_layers: attention layers (one KV page row each).
     :ivar kv_page_bytes: bytes of one attention layer's KV for one block.
     :ivar state: the linear layers' state, one slot per snapshot.
-    :raises ValueError: a count below 1. :raises TypeError: ``state`` not a ``StateLayout``.
+    :ivar kv_format: what a page's bytes mean (heads, head size, dtype, the engine's page layout):
+        part of the shared tier's content address, so engines whose pages differ never read each
+        other's blobs.
+    :raises ValueError: a count below 1. :raises TypeError: ``state`` not a ``StateLayout``,
+        ``kv_format`` not a string.
     """
 
     block_tokens: int
     kv_layers: int
     kv_page_bytes: int
     state: StateLayout
+    kv_format: str = ""
 
     def __post_init__(self) -> None:
         for name in ("block_tokens", "kv_layers", "kv_page_bytes"):
             object.__setattr__(self, name, _positive_int(name, getattr(self, name)))
         if not isinstance(self.state, StateLayout):
             raise TypeError(f"state must be a StateLayout, got {type(self.state).__name__}")
+        if not isinstance(self.kv_format, str):
+            raise TypeError(f"kv_format must be a string, got {type(self.kv_format).__name__}")
+
+    @property
+    def identity(self) -> str:
+        """What one block's KV pages are, as the shared tier's codec identity."""
+        return (
+            f"paged|block={self.block_tokens}|layers={self.kv_layers}|page_bytes={self.kv_page_bytes}|{self.kv_format}"
+        )
 
     @property
     def page_bytes(self) -> int:
@@ -148,6 +164,47 @@ class StoreStats:
         self.saves_skipped[why] = self.saves_skipped.get(why, 0) + 1
 
 
+class PagedKVCodec:
+    """The shared tier's :class:`~radixcache.tiers.shared.KVCodec` over a store's host pages: a
+    prefix's KV travels as its pages' bytes (``[kv_layers, pages, kv_page_bytes]``, C order).
+    Built by :class:`PagedHostStore` when it is given a shared store."""
+
+    def __init__(self, store: PagedHostStore) -> None:
+        self._store = store
+        self.identity = store.layout.identity
+
+    def export_kv(self, kv_indices: torch.Tensor, after: Fence | None) -> bytes:
+        """The bytes of the whole pages ``kv_indices`` name, read once ``after`` completed.
+
+        :raises ValueError: not whole pages of the store in order."""
+        if after is not None:
+            after.wait()
+        pages = self._store.pages.pages(kv_indices)
+        return self._store.kv[:, pages].contiguous().numpy().tobytes()
+
+    def import_kv(self, data: bytes, num_tokens: int) -> torch.Tensor | None:
+        """Pages for ``num_tokens`` tokens (a whole number of blocks) holding ``data``, their
+        fingerprints recorded (with ``verify``); ``None`` when no page is free for them.
+
+        :raises ValueError: ``num_tokens`` not whole blocks, or ``data`` not their pages' bytes.
+            Nothing allocated."""
+        st, lay = self._store, self._store.layout
+        if num_tokens % lay.block_tokens:
+            raise ValueError(f"{num_tokens} tokens are not whole {lay.block_tokens}-token blocks")
+        n = num_tokens // lay.block_tokens
+        want = lay.kv_layers * n * lay.kv_page_bytes
+        if len(data) != want:
+            raise ValueError(f"{len(data)} KV bytes for {n} pages of {lay.page_bytes} bytes ({want} expected)")
+        idx = st.pages.alloc(num_tokens)
+        if idx is None:
+            return None
+        pages = st.pages.pages(idx)
+        src = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(lay.kv_layers, n, lay.kv_page_bytes)
+        st.kv[:, pages] = src
+        st.record_pages(pages.tolist())
+        return idx
+
+
 class PagedHostStore:
     """KV pages and snapshot slots in host memory behind one :class:`CacheManager`.
 
@@ -159,7 +216,18 @@ class PagedHostStore:
         snapshot every other block; slots also hold the copies in flight).
     :param pin_memory: page-locked host memory (for an engine on CUDA).
     :param ledger: a forensics ledger (with ``verify``).
-    :raises ValueError: a budget that holds fewer than 1 page and 2 slots, a bad split.
+    :param shared: a store other engines reach too (a :class:`~radixcache.tiers.store.RedisStore`):
+        every snapshot filed here is published there with its prefix's pages
+        (:class:`~radixcache.tiers.shared.SharedTier`, its writer thread doing the uploads), and a
+        lookup whose prefix is deeper there than here fetches it first (verified: digest, layout
+        identity, fingerprint; a blob that fails is a miss and a finding). Its failures are misses.
+    :param model: the model's identity for the shared tier (name, revision, dtype): engines share
+        blobs only when it, the state layout and ``layout.identity`` all agree. Needed with
+        ``shared``.
+    :param shared_namespace: the deployment's key prefix in the shared store.
+    :param secret: keys the blobs' digest (see :class:`~radixcache.tiers.shared.SharedTier`).
+    :raises ValueError: a budget that holds fewer than 1 page and 2 slots, a bad split, ``shared``
+        without ``model``. :raises TypeError: ``shared`` not a ``SharedStore``.
     """
 
     def __init__(
@@ -172,6 +240,10 @@ class PagedHostStore:
         snapshots_per_block: float = 0.5,
         pin_memory: bool = False,
         ledger: Ledger | None = None,
+        shared: SharedStore | None = None,
+        model: str | None = None,
+        shared_namespace: str = "radixcache",
+        secret: bytes | None = None,
     ) -> None:
         if not isinstance(layout, PagedLayout):
             raise TypeError(f"layout must be a PagedLayout, got {type(layout).__name__}")
@@ -180,6 +252,8 @@ class PagedHostStore:
             raise ValueError(f"verify must be a bool, got {verify!r}")
         if not isinstance(snapshots_per_block, (int, float)) or not 0 < snapshots_per_block <= 4:
             raise ValueError(f"snapshots_per_block must be in (0, 4], got {snapshots_per_block!r}")
+        if shared is not None and (not isinstance(model, str) or not model):
+            raise ValueError(f"a shared store needs the model's identity (model=), got {model!r}")
         slot_bytes = layout.state.slot_bytes
         n_pages = int(budget // (layout.page_bytes + snapshots_per_block * slot_bytes))
         n_slots = int(n_pages * snapshots_per_block)
@@ -197,6 +271,12 @@ class PagedHostStore:
             self.kv = self.kv.pin_memory()
         self.pages = KVPageList(n_pages, layout.block_tokens)
         self.pool = LinearStatePool(layout.state, n_slots, "cpu", pin_memory=pin_memory)
+        tier = None
+        if shared is not None:
+            assert model is not None
+            tier = SharedTier(
+                shared, model=model, kv=PagedKVCodec(self), namespace=shared_namespace, secret=secret, background=True
+            )
         tree = HybridRadixCache(self.pool, page_size=layout.block_tokens)
         self.forensics = Forensics(self.pool, ledger=ledger, mode="record") if verify else None
         self.manager = CacheManager(
@@ -207,7 +287,9 @@ class PagedHostStore:
             forensics=self.forensics,
             kv_bytes_per_token=max(1, math.ceil(layout.page_bytes / layout.block_tokens)),
             write_checks=False,
+            shared=tier,
         )
+        self.shared = tier
         self.verify = verify
         self._kv_hasher = SlotHasher([self.kv]) if verify else None
         self._kv_fp: list[int | None] = [None] * n_pages
@@ -246,6 +328,7 @@ class PagedHostStore:
                 "corrupt_snapshots": self.stats.corrupt_snapshots,
                 "corrupt_pages": self.stats.corrupt_pages,
             },
+            "shared": None if self.shared is None else self.shared.stats.as_dict(),
         }
 
     # ---------------------------------------------------------------- lookups
@@ -265,6 +348,8 @@ class PagedHostStore:
             raise ValueError(f"computed must be a multiple of {self.block} >= 0, got {computed!r}")
         mgr = self.manager
         self.stats.lookups += 1
+        if self.shared is not None:  # a deeper prefix published by another engine is filed first
+            mgr.fetch_shared(ids, namespace=namespace)
         while True:
             m = mgr.lookup(ids, namespace=namespace)
             if rid not in self._admitted:
@@ -320,6 +405,13 @@ class PagedHostStore:
     def _discard(self, node: TreeNode) -> None:
         if node.snapshot is not None and not node.snap_lock:
             self.manager.discard(node)
+
+    def record_pages(self, pages: Sequence[int]) -> None:
+        """Fingerprint ``pages`` as they are now (their bytes were just copied in): a later change
+        is a finding before a hit reads them. A no-op without ``verify``."""
+        if self._kv_hasher is not None:
+            for p in pages:
+                self._kv_fp[p] = self._kv_hasher.fingerprint(p)
 
     def _pages_intact(self, pages: Sequence[int], rid: Hashable, depth: int) -> bool:
         hasher = self._kv_hasher
@@ -397,9 +489,7 @@ class PagedHostStore:
             self.pages.free(plan.indices)
             self.pool.free(plan.slot, plan.owner)
             return False
-        if self._kv_hasher is not None:
-            for p in plan.pages:
-                self._kv_fp[p] = self._kv_hasher.fingerprint(p)
+        self.record_pages(plan.pages)
         kv = torch.cat([held[: plan.start], plan.indices])
         seen = self._findings()
         try:
@@ -419,6 +509,8 @@ class PagedHostStore:
             self.pages.free(plan.indices[max(res.length, plan.start) - plan.start :])
         self.stats.saves += res.snapshot_created
         self.stats.saved_pages += len(plan.pages)
+        if self.shared is not None and res.snapshot_created:
+            mgr.publish_pending()  # its copies are done: handed to the tier's writer now
         return bool(res.snapshot_created)
 
     def _take(self, plan: SavePlan) -> None:
@@ -433,6 +525,22 @@ class PagedHostStore:
         self._take(plan)
         self.pages.free(plan.indices)
         self.pool.free(plan.slot, plan.owner)
+
+    def flush_shared(self, timeout_s: float | None = None) -> bool:
+        """Publish every snapshot still queued and wait until the shared tier's writer stored them
+        (True; False at ``timeout_s``; True without a shared store)."""
+        if self.shared is None:
+            return True
+        self.manager.publish_pending(wait=True)
+        return self.shared.flush(timeout_s)
+
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Flush and stop the shared tier's writer (idempotent; lookups keep working). True when
+        nothing was left behind."""
+        if self.shared is None:
+            return True
+        self.manager.publish_pending(wait=True)
+        return self.shared.close(timeout_s)
 
     # ------------------------------------------------------------------ copies
     def copy_in_pages(self, pages: Sequence[int], layers: Sequence[tuple[torch.Tensor, Sequence[int]]]) -> None:

@@ -6,6 +6,7 @@ oracle; a corrupted store must be caught by verification (outputs right, finding
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Callable
@@ -66,7 +67,11 @@ def corrupt_snapshots(store: PagedHostStore) -> int:
 
 
 def _run(
-    model: Path, kv_transfer: Any, *, after_reset: Callable[[Any, int], None] | None = None
+    model: Path,
+    kv_transfer: Any,
+    *,
+    after_reset: Callable[[Any, int], None] | None = None,
+    finish: Callable[[Any], None] | None = None,
 ) -> tuple[Served, dict[str, Any]]:
     llm = make_llm(model, prefix_caching=True, kv_transfer_config=kv_transfer, disable_log_stats=False)
 
@@ -79,6 +84,8 @@ def _run(
 
     try:
         served = serve(llm, Workload(seed=0), between=between)
+        if finish is not None:
+            finish(llm)
         conn = connector_of(llm)
         conn.store.check_invariants()
         assert block_pool_leaks(llm) == 0, "blocks of vLLM's pool were not given back"
@@ -217,3 +224,69 @@ def test_a_model_without_linear_layers_is_refused(tmp_path: Path) -> None:
         cwd=Path(__file__).resolve().parents[2],
     )
     assert "REFUSED: the model has no linear-attention" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
+
+
+_PUBLISHER = """
+import dataclasses, json, sys
+from pathlib import Path
+from tests.vllm.test_connector import _kv_transfer, _run, connector_of
+
+def flush(llm):
+    assert connector_of(llm).store.flush_shared(60.0), "publications left unstored"
+
+served, facts = _run(Path(sys.argv[1]), _kv_transfer(redis_url=sys.argv[2]), finish=flush)
+print("RESULT:" + json.dumps({"served": dataclasses.asdict(served), "facts": facts}))
+"""
+
+
+def test_two_engine_processes_share_prefixes_through_one_redis_server(
+    tiny_model: Path, truth: Served, redis_server: Any
+) -> None:
+    """Acceptance (d): engine A, a process of its own, serves the workload and publishes every
+    snapshot (with its prefix's pages) to a real redis-server; engine B, this process, starts with
+    an empty host store and serves the same workload, its hits fetched from Redis and verified
+    (digest, layout identity, fingerprint) before vLLM hears of them. Both against the ground truth."""
+    out = subprocess.run(
+        [sys.executable, "-c", _PUBLISHER, str(tiny_model), redis_server.url],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT:")]
+    assert out.returncode == 0 and line, out.stdout[-3000:] + out.stderr[-3000:]
+    a = json.loads(line[0][len("RESULT:") :])
+    served_a = Served(**a["served"])
+    wrong, _ = compare(truth, served_a)
+    assert not wrong, f"engine A served {len(wrong)} wrong answers: {wrong}"
+    published = a["facts"]["store"]["shared"]["published"]
+    assert published >= 4 and published == a["facts"]["store"]["stats"]["saves"], a["facts"]  # every snapshot
+
+    got, facts = _run(tiny_model, _kv_transfer(redis_url=redis_server.url))
+    wrong, ties = compare(truth, got)
+    shared = facts["store"]["shared"]
+    print("engine A published", published, "engine B shared", shared, "external", facts["external"], "ties", ties)
+    assert not wrong, f"engine B served {len(wrong)} wrong answers: {wrong}"
+    assert len(ties) <= 12, ties
+    assert shared["foreign_hits"] >= 2 and shared["hit_tokens"] >= 2 * 1280, shared
+    assert shared["rejected"] == {} and facts["findings"] == 0, facts
+    assert facts["external"] > 0, facts
+
+    # Every blob corrupted in Redis (one bit in the middle of each): a third engine refuses them all
+    # (the digest), records each as a finding, and serves the ground truth from its own work.
+    import redis
+
+    r = redis.Redis.from_url(redis_server.url)
+    blobs = [k for k in r.scan_iter("radixcache:*") if b":depths:" not in k]
+    assert len(blobs) == published
+    for k in blobs:
+        b = bytearray(r.get(k))  # type: ignore[arg-type]
+        b[len(b) // 2] ^= 0x10
+        r.set(k, bytes(b))
+    got, facts = _run(tiny_model, _kv_transfer(redis_url=redis_server.url))
+    wrong, _ = compare(truth, got)
+    shared = facts["store"]["shared"]
+    print("corrupted blobs: engine C shared", shared, "findings", facts["findings"])
+    assert not wrong, f"engine C served {len(wrong)} wrong answers from corrupted blobs: {wrong}"
+    assert shared["hits"] == 0 and shared["rejected"].get("digest", 0) >= 2, shared
+    assert facts["findings"] >= shared["rejected"]["digest"], facts
