@@ -4,6 +4,8 @@ checked on the CPU in the main suite; tests/vllm proves it inside vLLM."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -379,3 +381,25 @@ def test_fetch_shared_refuses_bad_input_and_without_a_tier_is_the_local_match() 
     assert mgr.fetch_shared([*ids, 1, 2]).cached_length == 2 * B
     assert mgr.fetch_shared([*ids, 1, 2], limit=B).cached_length == 0  # no snapshot at one block
     store.check_invariants()
+
+
+def test_a_prefetched_lookup_takes_the_answer_of_the_fetcher_thread() -> None:
+    shared = MemoryStore()
+    a, b = _store(shared=shared, model="m"), _store(shared=shared, model="m")
+    eng = Engine()
+    ids = list(range(1100, 1100 + 3 * B))
+    eng.compute(ids, [0, 1, 2])
+    assert _save(a, eng, "a", ids, [0, 1, 2]) and a.flush_shared(5.0)
+    assert b.prefetch("b", ids)
+    deadline = time.monotonic() + 5
+    while b.prefetch_pending("b") and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert not b.prefetch_pending("b")
+    probes = b.shared.stats.probes if b.shared is not None else -1
+    _hit_equals(b, eng, ids, [0, 1, 2], "b")
+    assert b.shared is not None and b.shared.stats.probes == probes == 1, "the lookup asked nobody"
+    assert b.shared.stats.hits == 1 and b.shared.stats.prefetches == 1
+    assert not b.prefetch("b", ids), "held here now: nothing to ask"
+    assert not _store().prefetch("x", ids), "no shared store"
+    b.finished("b")
+    b.close(5.0)

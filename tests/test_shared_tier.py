@@ -1078,3 +1078,121 @@ def test_the_fuzzing_kit_runs_its_faulty_shared_tier_over_a_real_redis_server(re
     assert redis.Redis.from_url(redis_server.url).dbsize() > 0, "the examples published to the server"
     with pytest.raises(AssertionError, match="differs from the ground truth"):
         run_fuzz(300, 0, shared_redis=redis_server.url, inject="shared-key-no-ns", shrink=False)
+
+
+# ----------------------------------------------------------------- prefetch (off the scheduler's thread)
+class _SlowStore(MemoryStore):
+    """A store whose probes wait for ``gate`` (a slow server); the threads that probed are recorded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.gate.set()
+        self.probe_threads: set[str] = set()
+
+    def depths(self, index: str, lo: int, hi: int) -> list[int]:
+        self.probe_threads.add(threading.current_thread().name)
+        assert self.gate.wait(10), "test store: gate never opened"
+        return super().depths(index, lo, hi)
+
+
+def test_a_prefetching_replica_serves_the_hits_of_a_fetching_one_off_the_schedulers_thread(
+    model: HybridModel,
+) -> None:
+    store = _SlowStore()
+    a = ReferenceEngine(model, shared_store=store, publisher="A")
+    prompts = _prompts(4, seed=11)
+    _publish(a, prompts[:3])
+    b = ReferenceEngine(model, shared_store=store, publisher="B")
+    c = ReferenceEngine(model, shared_store=store, publisher="C", shared_prefetch=True)
+    store.probe_threads.clear()
+    got_b = _serve(b, prompts, "x")
+    assert store.probe_threads == {threading.current_thread().name}  # fetched on the caller's thread
+    store.probe_threads.clear()
+    got_c = _serve(c, prompts, "x")
+    assert store.probe_threads == {"radixcache-shared-fetcher"}, store.probe_threads
+    assert [r.cached_length for r in got_c] == [r.cached_length for r in got_b]
+    mb, mc = b.manager.metrics(), c.manager.metrics()
+    assert mc.shared_hits == mb.shared_hits >= 3
+    assert c.shared is not None and c.shared.stats.prefetches >= 3 and c.shared.stats.prefetch_late == 0
+    _assert_exact(model, got_c)
+    c.manager.check_invariants()
+    c.close()
+    assert not c.manager.prefetch("late", prompts[0]), "no prefetch after close"
+
+
+def test_an_admission_before_its_prefetch_is_answered_is_served_from_the_tree(model: HybridModel) -> None:
+    store = _SlowStore()
+    a = ReferenceEngine(model, shared_store=store, publisher="A")
+    prompts = _prompts(1, seed=12)
+    _publish(a, prompts)
+    b = ReferenceEngine(model, shared_store=store, publisher="B", shared_prefetch=True, prefetch_wait_s=0.0)
+    store.gate.clear()  # the server does not answer yet
+    got = _serve(b, prompts, "b")
+    assert got[0].cached_length == 0 and b.manager.shared_pending("b0") is False  # consumed at admission
+    assert b.shared is not None and b.shared.stats.prefetch_late == 1 and b.shared.stats.hits == 0
+    store.gate.set()
+    _assert_exact(model, got)
+    b.manager.check_invariants()
+
+
+def test_a_prefetched_bad_blob_is_reported_on_the_schedulers_thread(model: HybridModel, tmp_path: Path) -> None:
+    store = MemoryStore()
+    a = ReferenceEngine(model, shared_store=store, publisher="A")
+    prompts = _prompts(2, seed=13)
+    _publish(a, prompts)
+    assert _corrupt(store, _flip_state_byte) > 0
+    ledger = str(tmp_path / "b.jsonl")
+    b = ReferenceEngine(model, shared_store=store, publisher="B", forensics_ledger=ledger, shared_prefetch=True)
+    finished = _serve(b, prompts, "b")
+    _assert_exact(model, finished)
+    assert b.shared is not None and b.shared.stats.hits == 0 and sum(b.shared.stats.rejected.values()) >= 1
+    assert b.forensics is not None and len(b.forensics.findings) == sum(b.shared.stats.rejected.values())
+    b.manager.check_invariants()
+
+
+def test_prefetches_are_bounded_cancelled_and_validated() -> None:
+    layout = StateLayout(2, (4, 3), (2, 4, 4))
+    store = _SlowStore()
+    tier = SharedTier(store, model="m", kv=_NoKV(), max_prefetches=2)
+    tier.bind(layout)
+    ids = np.arange(50, dtype=np.int64)
+    store.gate.clear()
+    assert tier.prefetch("r1", ids, None, 0) and tier.prefetch("r2", ids, None, 0)
+    assert not tier.prefetch("r2", ids, None, 0), "one per request"
+    assert tier.prefetch("r3", ids, None, 0) and tier.stats.prefetch_dropped == 1  # r1, the oldest, went
+    assert tier.take("r1", ids, None, 0) == (False, None)
+    tier.cancel("r2")
+    assert not tier.prefetch_pending("r2") and tier.stats.prefetch_dropped == 2
+    assert not tier.prefetch("r4", ids, None, 49, limit=49), "nothing deeper than the local match to ask for"
+    with pytest.raises(ValueError, match="limit 51 is longer"):
+        tier.prefetch("r5", ids, None, 0, limit=51)
+    with pytest.raises(TypeError, match="unhashable"):
+        tier.prefetch(["r"], ids, None, 0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="ids must be an integer numpy array"):
+        tier.prefetch("r6", [1, 2, 3], None, 0)  # type: ignore[arg-type]
+    tier.check_invariants()
+    store.gate.set()
+    assert tier.take("r3", ids, None, 0) in ((True, None),)  # a miss (or late): nothing published
+    assert tier.close(timeout_s=5)
+    tier.check_invariants()
+
+
+def test_the_depth_index_forgets_depths_whose_blobs_expired(redis_server: RedisServer) -> None:
+    layout = StateLayout(2, (4, 3), (2, 4, 4))
+    pool = LinearStatePool(layout, 2)
+    slot = pool.alloc(RequestOwner("r"))
+    pool.write(slot, torch.randn(2, 4, 3), torch.randn(2, 2, 4, 4), owner=RequestOwner("r")).wait()
+    store = RedisStore(redis_server.url, ttl_s=0.2)
+    tier = SharedTier(store, model="m", kv=_NoKV(), retry_s=0.0)
+    tier.bind(layout)
+    for d in (8, 16, 24):
+        assert tier.publish(np.arange(d, dtype=np.int64), None, pool, slot, torch.arange(d), None)
+    index = tier.index(None)
+    assert store.depths(index, 0, 100) == [8, 16, 24]
+    assert store.trim_depths(index) == 0, "nothing expired yet"
+    time.sleep(0.5)
+    assert tier.fetch(np.arange(30, dtype=np.int64), None, 0) is None  # the blobs expired: a miss
+    assert tier.stats.trimmed == 3 and store.depths(index, 0, 100) == []
+    assert tier.publish(np.arange(30, dtype=np.int64)[:8].copy(), "other", pool, slot, torch.arange(8), None)
+    assert RedisStore(redis_server.url).trim_depths(index) == 0, "a store without ttl_s trims nothing"

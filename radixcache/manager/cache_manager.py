@@ -716,10 +716,12 @@ class CacheManager:
             stream = self.stream or self.cache.stream
             fetched: Fetched | None = None
             if self.shared is not None and m.cached_length < ids.size - 1:
-                got = self._fetch_shared(ids, namespace, m, owner, live, stream, t)
+                got = self._fetch_shared(rid, ids, namespace, m, owner, live, stream, t)
                 if got is not None:
                     fetched, m, ready = got.fetched, got.match, got.ready
                     node = locked = m.node
+            elif self.shared is not None:
+                self.shared.cancel(rid)  # the tree had it all: a prefetch's answer is not needed
             if kv is not None:  # after the fetch: its hit imported KV of its own
                 n_kv = int(ids.size) - m.cached_length + max_new_tokens
                 fresh = kv.alloc(n_kv)
@@ -802,6 +804,7 @@ class CacheManager:
     # ------------------------------------------------------------- shared tier
     def _fetch_shared(
         self,
+        rid: Hashable,
         ids: np.ndarray,
         namespace: Hashable,
         m: MatchResult,
@@ -815,13 +818,12 @@ class CacheManager:
         miss; nothing changed but the tier's counters."""
         shared = self.shared
         assert shared is not None
-        blob = self._shared_blob(ids, namespace, m.cached_length, None, 1, now, m.node, False)
+        blob = self._shared_blob(ids, namespace, m.cached_length, None, 1, now, m.node, False, rid)
         if blob is None:
             return None
         got, kv = blob
         d = got.depth
-        stage, sslot, _ = shared.staging
-        ready = self.pool.copy_from(stage, sslot, live, dst_owner=owner, stream=stream)
+        ready = self._write_fetched(got, live, owner, stream)
         key = ids[:d]
         res = self.cache.insert(key, kv, state_slot=live, ready=ready, namespace=namespace)
         node = res.node
@@ -848,17 +850,22 @@ class CacheManager:
         now: float,
         hold: TreeNode,
         kv_room: bool,
+        rid: Hashable,
     ) -> tuple[Fetched, torch.Tensor] | None:
         """The shared tier's deepest verified blob for ``ids`` past ``local`` (at most ``limit``
         deep), with ``slots`` pool slots free for it (evicting snapshots through the policy, never
         ``hold``, the local match, or its path) and its KV imported through the codec (with
-        ``kv_room``, KV evicted first for it when the manager owns the allocator). None: a miss;
-        nothing changed but the tier's counters and what the evictions freed."""
+        ``kv_room``, KV evicted first for it when the manager owns the allocator). A request with a
+        prefetch takes its answer (never waiting for it); without one the store is asked now.
+        None: a miss; nothing changed but the tier's counters and what the evictions freed."""
         shared = self.shared
         assert shared is not None
         if not shared.addressable(namespace):  # served locally only
             return None
-        got = shared.fetch(ids, namespace, local, page=self.cache.page_size, limit=limit)
+        page = self.cache.page_size
+        prefetched, got = shared.take(rid, ids, namespace, local, page=page, limit=limit)
+        if not prefetched:
+            got = shared.fetch(ids, namespace, local, page=page, limit=limit)
         if got is None:
             return None
         d = got.depth
@@ -893,7 +900,13 @@ class CacheManager:
 
     @_exclusive
     def fetch_shared(
-        self, cache_ids: KeyLike, *, namespace: Hashable = None, limit: int | None = None, now: float | None = None
+        self,
+        cache_ids: KeyLike,
+        *,
+        namespace: Hashable = None,
+        limit: int | None = None,
+        rid: Hashable = None,
+        now: float | None = None,
     ) -> MatchResult:
         """For a host that keeps its own slots (it calls :meth:`lookup`, not :meth:`admit`): ask the
         shared tier for a prefix of ``cache_ids`` deeper than the tree's match, at most ``limit``
@@ -902,12 +915,14 @@ class CacheManager:
         cloned into a snapshot, announced to the policy and recorded by forensics) before the
         match is taken. Returns the match, as :meth:`lookup` (not locked, recency refreshed). No
         shared tier, a namespace the tier cannot address, a miss, or no room: the local match.
-        Publications whose fences completed go out first. O(match + blob).
+        Publications whose fences completed go out first. With ``rid`` and a :meth:`prefetch` of
+        it, its answer is taken instead of asking the store now (not answered yet: the local
+        match). O(match + blob).
 
         :raises TypeError, ValueError: bad ids, namespace or ``limit`` (outside ``[0, len(ids)]``).
             Nothing changed.
         """
-        _, ids = self._ids("(fetch_shared)", cache_ids)
+        kb, ids = self._ids("(fetch_shared)", cache_ids)
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, np.integer))):
             raise TypeError(f"limit must be an int or None, got {limit!r}")
         if limit is not None and not 0 <= limit <= ids.size:
@@ -916,29 +931,76 @@ class CacheManager:
         m = self.cache.match(key, namespace=namespace, touch=False)
         shared = self.shared
         if shared is None or m.cached_length >= key.size or not shared.addressable(namespace):
+            if shared is not None:
+                shared.cancel(rid)  # the tree has it all: a prefetch's answer is not needed
             return self.cache.match(key, namespace=namespace)
         if self._to_publish:
             self._publish_ready(False)
         t = self._now(now)
-        blob = self._shared_blob(ids, namespace, m.cached_length, int(key.size), 2, t, m.node, True)
+        blob = self._shared_blob(ids, namespace, m.cached_length, int(key.size), 2, t, m.node, True, rid)
         if blob is None:
             return self.cache.match(key, namespace=namespace)
         got, kv = blob
         d = got.depth
         owner = RequestOwner(("shared-fetch", got.publisher))
-        stage, sslot, _ = shared.staging
         tmp = self.pool.alloc(owner)
         try:
-            ready = self.pool.copy_from(stage, sslot, tmp, dst_owner=owner)
+            ready = self._write_fetched(got, tmp, owner, None)
             res = self.cache.insert(ids[:d], kv, state_slot=tmp, ready=ready, namespace=namespace)
         except BaseException:
             self.pool.free(tmp, owner)
             raise
         self.pool.free(tmp, owner, after=(self.pool.last_use(tmp),))  # behind the tree's clone of it
-        if res.snapshot_created and self.forensics is not None:
-            self._record_donation(f"shared:{got.publisher}", res.node, ids[:d])
+        if res.snapshot_created:
+            if self.forensics is not None:
+                self._record_donation(f"shared:{got.publisher}", res.node, ids[:d])
+            # the policy hears of it as of a capture (the admission path's fetched hit does too)
+            self.policy.donated(res.node, _request_info(kb, ids, 0, 0, None, t), DonationReason.CAPTURE, t)
         shared.counted_hit(got, d - m.cached_length)
         return self.cache.match(key, namespace=namespace)
+
+    def _write_fetched(self, got: Fetched, slot: SlotId, owner: RequestOwner, stream: Stream | None) -> Fence:
+        """A verified blob's state into ``slot``: from the prefetch's host copy, or the staging slot."""
+        shared = self.shared
+        assert shared is not None
+        if got.state is not None:
+            return self.pool.write(slot, got.state[0], got.state[1], owner=owner, stream=stream)
+        stage, sslot, _ = shared.staging
+        return self.pool.copy_from(stage, sslot, slot, dst_owner=owner, stream=stream)
+
+    @_exclusive
+    def prefetch(
+        self, rid: Hashable, cache_ids: KeyLike, *, namespace: Hashable = None, limit: int | None = None
+    ) -> bool:
+        """When request ``rid`` arrives, before its admission: start the shared tier's probe and
+        fetch for it on the tier's fetcher thread, past the tree's match now, at most ``limit``
+        tokens deep (default: all ids but the last, as :meth:`admit` serves; for
+        :meth:`fetch_shared`, its own ``limit``). Its :meth:`admit` (or ``fetch_shared(...,
+        rid=rid)``) then takes the answer with one dictionary look-up, never waiting: a request
+        admitted before the answer came is served from the tree alone (``shared_pending`` says
+        whether it is still out). True when issued; False without a shared tier, for a namespace
+        it cannot address, when the tree already holds the prefix, or when ``rid`` has one out.
+        O(match).
+
+        :raises TypeError, ValueError: bad ids, namespace or ``limit``. Nothing changed.
+        """
+        _, ids = self._ids(rid, cache_ids)
+        shared = self.shared
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, np.integer))):
+            raise TypeError(f"limit must be an int or None, got {limit!r}")
+        n = ids.size - 1 if limit is None else int(limit)
+        if not 0 <= n <= ids.size:
+            raise ValueError(f"limit {limit} is outside [0, {ids.size}] for {ids.size} ids")
+        m = self.cache.match(ids[:n], namespace=namespace, touch=False)
+        if shared is None or not shared.addressable(namespace):
+            return False
+        return shared.prefetch(rid, ids, namespace, m.cached_length, page=self.cache.page_size, limit=n)
+
+    def shared_pending(self, rid: Hashable) -> bool:
+        """Whether ``rid``'s :meth:`prefetch` is still unanswered (False without one). A host may
+        hold the request back while it is (the answer usually comes within a store round trip).
+        Thread-safe; O(1)."""
+        return self.shared is not None and self.shared.prefetch_pending(rid)
 
     def _queue_publication(self, node: TreeNode, key: np.ndarray, namespace: Hashable, kv_after: Fence | None) -> None:
         shared = self.shared

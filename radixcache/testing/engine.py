@@ -217,6 +217,11 @@ class ReferenceEngine(ServingQueue):
     :param publisher: this engine's name in the blobs it publishes (a replica's name).
     :param shared_background: the shared tier uploads from its own writer thread
         (``SharedTier(background=True)``).
+    :param shared_prefetch: each request's shared-tier probe and fetch start when it is submitted
+        (``CacheManager.prefetch``, on the tier's fetcher thread); its admission takes the answer.
+        The engine holds the head of its queue back while its prefetch is unanswered, up to
+        ``prefetch_wait_s`` (then it is admitted from the tree alone).
+    :param prefetch_wait_s: see ``shared_prefetch``.
     :param forward_delay_us: CUDA only: every forward first keeps the GPU busy this long, so a copy
         that does not wait the forward's fence runs while the forward is still pending, as it would
         behind a large model (the tiny reference model's forwards finish before the host queues the
@@ -252,6 +257,8 @@ class ReferenceEngine(ServingQueue):
         publisher: str | None = None,
         shared_background: bool = False,
         policy_clock: str = "wall",
+        shared_prefetch: bool = False,
+        prefetch_wait_s: float = 1.0,
     ) -> None:
         check_policy_clock(policy_clock)
         if forward_delay_us < 0 or (forward_delay_us > 0 and model.device.type != "cuda"):
@@ -326,6 +333,8 @@ class ReferenceEngine(ServingQueue):
         self._progress = 0  # requests admitted and ended so far (see ``progress``)
         self._ids: dict[Hashable, np.ndarray | list[int]] = {}  # cache ids of requests not yet ended
         self._stage = torch.empty(0, dtype=torch.int64)  # warm()'s KV staging buffer, reused
+        self.shared_prefetch = shared_prefetch
+        self.prefetch_wait_s = prefetch_wait_s
 
     # ---------------------------------------------------------------- public
     def submit(self, req: EngineRequest, *, front: bool = False) -> None:
@@ -334,6 +343,8 @@ class ReferenceEngine(ServingQueue):
         :raises ValueError: its placeholder runs and images cannot be paired."""
         self._ids[req.rid] = req.cache_ids(self.model.cfg.placeholder_id)
         req.t_submit = time.perf_counter()
+        if self.shared_prefetch:
+            self.manager.prefetch(req.rid, self._ids[req.rid], namespace=req.namespace)
         if front:
             self.waiting.appendleft(req)
         else:
@@ -341,6 +352,8 @@ class ReferenceEngine(ServingQueue):
 
     def _dropped(self, req: EngineRequest) -> None:
         del self._ids[req.rid]
+        if self.shared is not None:
+            self.shared.cancel(req.rid)
 
     def warm(self, prompts: Sequence[Sequence[int]], *, namespace: Hashable = None) -> int:
         """Pre-cache ``prompts`` (system prompts, in ``namespace``: the base model when ``None``, else
@@ -437,6 +450,10 @@ class ReferenceEngine(ServingQueue):
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_running:
             req = self.waiting[0]
+            if self.shared_prefetch:  # its shared-tier answer first (bounded: then from the tree alone)
+                deadline = time.monotonic() + self.prefetch_wait_s
+                while self.manager.shared_pending(req.rid) and time.monotonic() < deadline:
+                    time.sleep(0.0002)
             # The manager reserves the request's KV (prompt and every token it may decode),
             # evicting the tree's KV through its policy when the allocator runs short.
             adm = self.manager.admit(

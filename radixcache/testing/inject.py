@@ -433,11 +433,20 @@ class _LRUEvictsLockedTree(HybridRadixCache):
 
 
 class _TrustingTier(SharedTier):
-    def _verify(self, blob: bytes, key: str, depth: int) -> Fetched | None:
+    def _verify(
+        self,
+        blob: bytes,
+        key: str,
+        depth: int,
+        stage: LinearStatePool | None,
+        slot: int,
+        owner: RequestOwner,
+        keep_state: bool,
+    ) -> Fetched | None:
         parsed = parse_blob(blob)
         layout = self.layout
-        if parsed is None or layout is None:
-            return super()._verify(blob, key, depth)
+        if parsed is None or layout is None or stage is None:
+            return super()._verify(blob, key, depth, stage, slot, owner, keep_state)
         header, body = parsed
         kv_bytes = header.get("kv_bytes")
         if (
@@ -446,22 +455,23 @@ class _TrustingTier(SharedTier):
             or not isinstance(kv_bytes, int)
             or len(body) != layout.slot_bytes + kv_bytes + DIGEST_BYTES
         ):
-            return super()._verify(blob, key, depth)
+            return super()._verify(blob, key, depth, stage, slot, owner, keep_state)
         # BUG: the sizes match, so the blob is taken: its digest and its state's fingerprint unchecked
         conv_n = layout.num_layers * layout.conv_bytes_per_layer
         conv = bytes_tensor(body[:conv_n], layout.conv_dtype, (layout.num_layers, *layout.conv_shape))
         rec = bytes_tensor(
             body[conv_n : layout.slot_bytes], layout.recurrent_dtype, (layout.num_layers, *layout.recurrent_shape)
         )
-        stage, s, owner = self.staging
-        stage.write(s, conv, rec, owner=owner).wait()
+        stage.write(slot, conv, rec, owner=owner).wait()
         publisher = str(header.get("publisher", "?"))
-        return Fetched(depth, body[layout.slot_bytes : -DIGEST_BYTES], publisher, stage.fingerprint(s))
+        state = (conv, rec) if keep_state else None
+        kv = bytes(body[layout.slot_bytes : -DIGEST_BYTES])
+        return Fetched(depth, kv, publisher, stage.fingerprint(slot), state)
 
 
 class _NamespaceBlindTier(SharedTier):
-    def _keys(self, ids: np.ndarray, namespace: Hashable, depths: Sequence[int]) -> list[str]:
-        return super()._keys(ids, None, depths)  # BUG: every namespace shares the base model's keys
+    def _keys(self, ids: np.ndarray, namespace: Hashable, depths: Sequence[int], yields: bool = False) -> list[str]:
+        return super()._keys(ids, None, depths, yields)  # BUG: every namespace shares the base model's keys
 
     def index(self, namespace: Hashable) -> str:
         return super().index(None)  # BUG: and its index of published depths

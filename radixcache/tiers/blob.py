@@ -23,7 +23,7 @@ _PERSON = b"radixcache-blob"  # blake2b personalisation: these digests mean noth
 _LEN = struct.Struct("<I")
 
 
-def blob_digest(key: str, signed: bytes, secret: bytes | None = None) -> bytes:
+def blob_digest(key: str, signed: bytes | memoryview, secret: bytes | None = None) -> bytes:
     """The digest a blob ends with: blake2b (32 bytes, keyed with ``secret`` when given) over the
     store ``key`` the blob is published under and ``signed``, every byte of the blob before the
     digest (magic, header length, header, state, KV). O(len(signed)).
@@ -32,7 +32,7 @@ def blob_digest(key: str, signed: bytes, secret: bytes | None = None) -> bytes:
     :raises ValueError: a ``secret`` longer than 64 bytes."""
     if not isinstance(key, str):
         raise TypeError(f"key must be the store key (a string), got {type(key).__name__}")
-    if not isinstance(signed, (bytes, bytearray)) or not isinstance(secret, (bytes, bytearray, type(None))):
+    if not isinstance(signed, (bytes, bytearray, memoryview)) or not isinstance(secret, (bytes, bytearray, type(None))):
         raise TypeError(f"signed and secret must be bytes, got {type(signed).__name__} and {type(secret).__name__}")
     if secret is not None and len(secret) > 64:
         raise ValueError(f"secret must hold at most 64 bytes (blake2b's key), got {len(secret)}")
@@ -52,9 +52,9 @@ def encode_blob(header: dict[str, object], state: bytes, kv: bytes, *, key: str,
     return signed + blob_digest(key, signed, secret)
 
 
-def parse_blob(blob: bytes) -> tuple[dict[str, object], bytes] | None:
-    """Header and body (state, KV and digest) of a blob, or None when it is not one (or was cut
-    inside its header)."""
+def parse_blob(blob: bytes) -> tuple[dict[str, object], memoryview] | None:
+    """Header and body (state, KV and digest; a view of ``blob``, not a copy) of a blob, or None
+    when it is not one (or was cut inside its header)."""
     n = len(BLOB_MAGIC)
     if len(blob) < n + _LEN.size or blob[:n] != BLOB_MAGIC:
         return None
@@ -68,7 +68,7 @@ def parse_blob(blob: bytes) -> tuple[dict[str, object], bytes] | None:
         return None
     if not isinstance(header, dict):
         return None
-    return header, blob[start + hl :]
+    return header, memoryview(blob)[start + hl :]
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
@@ -77,7 +77,7 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
     return flat.view(torch.uint8).numpy().tobytes()
 
 
-def bytes_tensor(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+def bytes_tensor(data: bytes | memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     """Raw bytes as a tensor of ``dtype`` and ``shape`` (a copy: the blob may go)."""
     if not data:
         return torch.empty(shape, dtype=dtype)

@@ -116,7 +116,12 @@ class SharedStats:
     :ivar codec_errors: the host's KV codec raised (an export at publication: that publication
         dropped; an import at fetch: a miss); the first one is also warned about;
     :ivar errors: store calls that failed (server down); :ivar skipped_down: calls not made while
-        the store was considered down.
+        the store was considered down;
+    :ivar prefetches: probes issued ahead of an admission (:meth:`SharedTier.prefetch`), answered
+        on the tier's fetcher thread; :ivar prefetch_late: admissions that came before their
+        prefetch was answered (served locally); :ivar prefetch_dropped: prefetches not issued or
+        dropped unread (too many outstanding, or cancelled);
+    :ivar trimmed: depths removed from the depth index because every blob at them had expired.
     """
 
     published: int = 0
@@ -130,6 +135,10 @@ class SharedStats:
     errors: int = 0
     codec_errors: int = 0
     skipped_down: int = 0
+    prefetches: int = 0
+    prefetch_late: int = 0
+    prefetch_dropped: int = 0
+    trimmed: int = 0
 
     def as_dict(self) -> dict[str, object]:
         """JSON-ready fields."""
@@ -175,13 +184,16 @@ class Rejection:
 
 @dataclass(frozen=True)
 class Fetched:
-    """A verified blob: the state after ``depth`` tokens (in the tier's one-slot staging pool) and
-    the KV bytes of ``[0, depth)``."""
+    """A verified blob: the state after ``depth`` tokens and the KV bytes of ``[0, depth)``. The
+    state is in the tier's one-slot staging pool (:attr:`SharedTier.staging`) when ``state`` is
+    ``None`` (a fetch on the caller's thread); a prefetched blob carries it as ``(conv,
+    recurrent)`` host tensors, verified against the fingerprint (write them into the slot)."""
 
     depth: int
     kv: bytes
     publisher: str
     fingerprint: int
+    state: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def _check_ids(ids: object) -> None:
@@ -232,6 +244,8 @@ class SharedTier:
         stops it. Recommended with a remote store: an upload never stalls the scheduler.
     :param max_queued_bytes: with ``background``, the blob bytes that may wait for the writer; a
         publication that would pass it is dropped (``stats.publish_skipped``).
+    :param max_prefetches: prefetches (:meth:`prefetch`) outstanding at most; the oldest goes
+        beyond it.
     :param secret: a deployment secret (1 to 64 bytes) that keys every blob's digest: replicas
         share blobs only when they hold the same secret, and a writer without it cannot plant a
         blob that verifies. ``None`` (default): an unkeyed digest, which still catches every
@@ -257,6 +271,7 @@ class SharedTier:
         background: bool = False,
         max_queued_bytes: int = 1 << 30,
         secret: bytes | None = None,
+        max_prefetches: int = 1024,
     ) -> None:
         if not isinstance(store, SharedStore):
             raise TypeError(f"store must implement SharedStore, got {type(store).__name__}")
@@ -266,7 +281,7 @@ class SharedTier:
             raise ValueError(f"namespace must be a non-empty string without ':', got {namespace!r}")
         if not isinstance(getattr(kv, "identity", None), str):
             raise TypeError("kv must be a KVCodec (an `identity` string, export_kv and import_kv)")
-        for name, v in (("max_probes", max_probes), ("max_pending", max_pending)):
+        for name, v in (("max_probes", max_probes), ("max_pending", max_pending), ("max_prefetches", max_prefetches)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         if not (finite_seconds(retry_s) and retry_s >= 0):
@@ -317,6 +332,13 @@ class SharedTier:
         self._closed = False
         self._warned_foreign = False
         self._client: object | None = None
+        self.max_prefetches = max_prefetches
+        self._prefetches: OrderedDict[Hashable, _Prefetch] = OrderedDict()  # by request, under _lock
+        self._fetcher: _Fetcher | None = None
+        # What lookups on the fetcher thread learnt, for the scheduler's thread: rejections
+        # (reason, key, depth, publisher, details) and keys fetched. Under _lock.
+        self._deferred: list[tuple[RejectReason, str, int, str, dict[str, object]] | str] = []
+        self._trimmed_at: dict[str, float] = {}
 
     # ----------------------------------------------------------------- set-up
     def bind(self, layout: StateLayout, *, client: object | None = None) -> None:
@@ -367,7 +389,7 @@ class SharedTier:
         _check_ids(ids)
         return self._keys(ids, namespace, [int(ids.size)])[0]
 
-    def _keys(self, ids: np.ndarray, namespace: Hashable, depths: Sequence[int]) -> list[str]:
+    def _keys(self, ids: np.ndarray, namespace: Hashable, depths: Sequence[int], yields: bool = False) -> list[str]:
         """``key(ids[:d], namespace)`` for every ``d`` of ``depths`` (ascending), hashing ``ids``
         once: the hash of a longer prefix continues from the shorter one's."""
         h = hashlib.blake2b(digest_size=20)
@@ -375,10 +397,12 @@ class SharedTier:
         h.update(b"\0" + _ns_name(namespace).encode() + b"\0")
         words = np.ascontiguousarray(ids, dtype=np.int64)
         out, at = [], 0
-        for d in depths:
+        for i, d in enumerate(depths):
             h.update(words[at:d].tobytes())
             at = d
             out.append(f"{self.namespace}:{self._id_digest}:{h.hexdigest()}")  # digest() leaves h as is
+            if yields and i % 64 == 63:
+                time.sleep(0)  # on the fetcher thread: the scheduler's gets the GIL between keys
         return out
 
     @staticmethod
@@ -538,14 +562,16 @@ class SharedTier:
         return True if self._writer is None else self._writer.flush(timeout_s)
 
     def close(self, timeout_s: float | None = None) -> bool:
-        """Flush, then stop the writer thread; later publications are dropped (counted in
-        ``stats.publish_skipped``). Idempotent; fetches keep working. True when the writer left
-        nothing behind.
+        """Flush, then stop the writer thread and the fetcher thread; later publications are dropped
+        (counted in ``stats.publish_skipped``), later prefetches not issued. Idempotent; fetches
+        keep working. True when the writer left nothing behind.
 
         :raises ValueError: a negative or NaN ``timeout_s``.
         """
         _check_timeout(timeout_s)
         self._closed = True
+        if self._fetcher is not None:
+            self._fetcher.close(timeout_s)
         return True if self._writer is None else self._writer.close(timeout_s)
 
     def _remember(self, key: str) -> None:
@@ -554,24 +580,16 @@ class SharedTier:
             self._done.popitem(last=False)
 
     # --------------------------------------------------------------- fetch
-    def fetch(
-        self, ids: np.ndarray, namespace: Hashable, local: int, *, page: int = 1, limit: int | None = None
-    ) -> Fetched | None:
-        """The deepest verified blob for a prefix of ``ids`` deeper than ``local`` tokens and at most
-        ``limit`` deep (default ``len(ids) - 1``: an admission computes at least its last token)
-        whose depth is a multiple of ``page`` (the tree keeps whole pages only: a replica with
-        another page size may have published depths this tree cannot hold), staged in the tier's
-        staging slot; None: a miss (nothing deeper, the store down, or the blob rejected: then
-        ``on_reject`` heard why and the blob was deleted).
-
-        :raises RuntimeError: the tier was never bound. :raises TypeError: ``ids`` not an integer
-            numpy array, ``local``, ``page`` or ``limit`` not ints, a namespace the tier cannot
-            address. :raises ValueError: ``ids`` not 1-D, ``local`` outside ``[0, len(ids)]``,
-            ``page`` < 1, ``limit`` outside ``[0, len(ids)]``. Nothing changes when it raises.
-        """
+    def _fetch_args(self, ids: np.ndarray, local: int, page: int, limit: int | None, *, scan: bool = True) -> int:
+        """Check a fetch's arguments (as :meth:`fetch` documents); the depth limit. Without
+        ``scan`` the ids' values are not range-checked (:meth:`take` only compares them with the
+        prefetch's, which were)."""
         if self._layout is None:
             raise RuntimeError("SharedTier.fetch before bind (give the tier to a CacheManager)")
-        _check_ids(ids)
+        if scan:
+            _check_ids(ids)
+        elif not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.dtype.kind not in "iu":
+            _check_ids(ids)  # raises, naming what is wrong
         n = max(int(ids.size) - 1, 0) if limit is None else limit
         for name, v, lo in (("local", local, 0), ("page", page, 1), ("limit", n, 0)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
@@ -582,11 +600,53 @@ class SharedTier:
             raise ValueError(f"local match {local} is longer than the request's {ids.size} ids")
         if n > ids.size:
             raise ValueError(f"limit {n} is longer than the request's {ids.size} ids")
+        return int(n)
+
+    def fetch(
+        self, ids: np.ndarray, namespace: Hashable, local: int, *, page: int = 1, limit: int | None = None
+    ) -> Fetched | None:
+        """The deepest verified blob for a prefix of ``ids`` deeper than ``local`` tokens and at most
+        ``limit`` deep (default ``len(ids) - 1``: an admission computes at least its last token)
+        whose depth is a multiple of ``page`` (the tree keeps whole pages only: a replica with
+        another page size may have published depths this tree cannot hold), staged in the tier's
+        staging slot; None: a miss (nothing deeper, the store down, or the blob rejected: then
+        ``on_reject`` heard why and the blob was deleted). On the caller's thread: up to three
+        store round trips (see :meth:`prefetch` for the way off it).
+
+        :raises RuntimeError: the tier was never bound. :raises TypeError: ``ids`` not an integer
+            numpy array, ``local``, ``page`` or ``limit`` not ints, a namespace the tier cannot
+            address. :raises ValueError: ``ids`` not 1-D, ``local`` outside ``[0, len(ids)]``,
+            ``page`` < 1, ``limit`` outside ``[0, len(ids)]``. Nothing changes when it raises.
+        """
+        n = self._fetch_args(ids, local, page, limit)
         index = self.index(namespace)  # an unaddressable namespace: a TypeError before anything is counted
-        n = int(n)
+        self._drain_deferred()
         if n <= local:
             return None
-        self.stats.probes += 1
+        got = self._lookup(ids, namespace, index, local, n, page, self._stage, self._stage_slot, self._stage_owner)
+        self._drain_deferred()
+        return got
+
+    def _lookup(
+        self,
+        ids: np.ndarray,
+        namespace: Hashable,
+        index: str,
+        local: int,
+        n: int,
+        page: int,
+        stage: LinearStatePool | None,
+        slot: int,
+        owner: RequestOwner,
+        keep_state: bool = False,
+    ) -> Fetched | None:
+        """:meth:`fetch`'s store work, on the caller's thread or (``keep_state``: the verified
+        state stays in the answer) the fetcher's, which yields the GIL while it hashes keys: what
+        it learns for the scheduler's thread (rejections, keys fetched) waits in the deferred
+        queue."""
+        with self._lock:
+            self.stats.probes += 1
+        self._trim(index)
         ok, got = self._guarded(lambda: self.store.depths(index, local, n))
         if not ok or not got:
             return None
@@ -594,7 +654,7 @@ class SharedTier:
         depths = [d for d in got if d % page == 0][-self.max_probes :]
         if not depths:
             return None
-        keys = self._keys(ids, namespace, depths)[::-1]  # deepest first
+        keys = self._keys(ids, namespace, depths, keep_state)[::-1]  # deepest first
         depths.reverse()
         ok, there = self._guarded(lambda: self.store.exists(keys))
         if not ok:
@@ -609,30 +669,175 @@ class SharedTier:
             if blob is None:  # deleted in between
                 continue
             assert isinstance(blob, bytes)
-            got_blob = self._verify(blob, k, d)
+            got_blob = self._verify(blob, k, d, stage, slot, owner, keep_state)
             if got_blob is None:
                 self._guarded(lambda k=k: self.store.delete(k))  # type: ignore[misc]
                 return None
             return got_blob
         return None
 
+    def _trim(self, index: str) -> None:
+        """Drop the depths of ``index`` whose every blob expired (stores that know: a
+        :class:`RedisStore` with a ``ttl_s``), at most once per ``retry_s`` per index."""
+        trim = getattr(self.store, "trim_depths", None)
+        if trim is None:
+            return
+        now = self.clock()
+        with self._lock:
+            if self._trimmed_at.get(index, -1e300) + max(self.retry_s, 1.0) > now:
+                return
+            self._trimmed_at[index] = now
+            if len(self._trimmed_at) > _DONE_CAP:
+                self._trimmed_at.clear()
+        ok, n = self._guarded(lambda: trim(index))
+        if ok and isinstance(n, int) and n:
+            with self._lock:
+                self.stats.trimmed += n
+
+    # ------------------------------------------------------------ prefetch
+    def prefetch(
+        self,
+        rid: Hashable,
+        ids: np.ndarray,
+        namespace: Hashable,
+        local: int,
+        *,
+        page: int = 1,
+        limit: int | None = None,
+    ) -> bool:
+        """Start :meth:`fetch`'s work for request ``rid`` on the tier's fetcher thread (started at
+        the first prefetch): call it when the request arrives; :meth:`take` reads the answer when
+        it is admitted. The scheduler's thread pays this call (a copy of ``ids`` and a queue
+        append) and :meth:`take`'s dictionary look-up; the store's round trips, the digest and the
+        fingerprint run on the fetcher thread, in a one-slot pool of its own. True when issued;
+        False: nothing to ask (``limit <= local``, an unaddressable namespace), ``rid`` has one
+        outstanding already, or the tier is closed. Beyond ``max_prefetches`` outstanding, the
+        oldest is dropped (counted in ``stats.prefetch_dropped``).
+
+        :raises: as :meth:`fetch` for bad arguments; :raises TypeError: an unhashable ``rid``.
+            Nothing changes when it raises.
+        """
+        n = self._fetch_args(ids, local, page, limit)
+        if not self.addressable(namespace):
+            return False
+        index = self.index(namespace)
+        hash(rid)
+        self._drain_deferred()
+        if n <= local or self._closed:
+            return False
+        with self._lock:
+            if rid in self._prefetches:
+                return False
+            job = _Prefetch(rid, ids.copy(), namespace, index, int(local), n, int(page))
+            self._prefetches[rid] = job
+            self.stats.prefetches += 1
+            while len(self._prefetches) > self.max_prefetches:
+                _, old = self._prefetches.popitem(last=False)
+                old.cancelled = True
+                self.stats.prefetch_dropped += 1
+        if self._fetcher is None:
+            self._fetcher = _Fetcher(self)
+        self._fetcher.submit(job)
+        return True
+
+    def prefetch_pending(self, rid: Hashable) -> bool:
+        """Whether ``rid`` has a prefetch the fetcher thread has not answered yet (a host may hold
+        the request back until it is answered, as the vLLM connector does)."""
+        with self._lock:
+            job = self._prefetches.get(rid)
+            return job is not None and not job.done
+
+    def cancel(self, rid: Hashable) -> None:
+        """Forget ``rid``'s prefetch (the request ended without an admission); a no-op without one."""
+        with self._lock:
+            job = self._prefetches.pop(rid, None)
+            if job is not None:
+                job.cancelled = True
+                self.stats.prefetch_dropped += not job.done
+
+    def take(
+        self,
+        rid: Hashable,
+        ids: np.ndarray,
+        namespace: Hashable,
+        local: int,
+        *,
+        page: int = 1,
+        limit: int | None = None,
+    ) -> tuple[bool, Fetched | None]:
+        """At ``rid``'s admission: ``(False, None)`` when it has no prefetch (fetch now, or serve
+        locally); else ``(True, blob)``: the prefetched blob when it is answered, deeper than
+        ``local``, within ``limit``, a multiple of ``page`` and a prefix of these ``ids`` in this
+        namespace (with its state in ``blob.state``), or ``None`` (not answered yet: counted in
+        ``stats.prefetch_late``; a miss; or no longer deeper than the local match). One dictionary
+        look-up, plus a comparison of the blob's ids on a hit. The prefetch is consumed.
+
+        :raises: as :meth:`fetch` for bad arguments. Nothing changes when it raises.
+        """
+        n = self._fetch_args(ids, local, page, limit, scan=False)
+        with self._lock:
+            job = self._prefetches.pop(rid, None)
+            if job is None:
+                return False, None
+            late = not job.done
+            if late:
+                job.cancelled = True
+                self.stats.prefetch_late += 1
+        self._drain_deferred()
+        got = None if late else job.result
+        if got is None:
+            return True, None
+        d = got.depth
+        same = job.namespace == namespace and np.array_equal(ids[:d], job.ids[:d])
+        if not (local < d <= n and d % page == 0 and same):
+            return True, None
+        return True, got
+
+    def _drain_deferred(self) -> None:
+        """Deliver what the fetcher thread learnt (rejections to ``on_reject``, fetched keys to the
+        remembered ones), on the caller's (the scheduler's) thread."""
+        if not self._deferred:
+            return
+        with self._lock:
+            items, self._deferred = self._deferred, []
+        for item in items:
+            if isinstance(item, str):
+                self._remember(item)
+            else:
+                reason, key, depth, publisher, kw = item
+                self._reject(reason, key, depth, publisher, **kw)
+
+    def _refuse(self, reason: RejectReason, key: str, depth: int, publisher: str, **kw: object) -> None:
+        """A blob refused during a lookup: reported on the scheduler's thread (deferred)."""
+        with self._lock:
+            self._deferred.append((reason, key, depth, publisher, kw))
+
     def _reject(self, reason: RejectReason, key: str, depth: int, publisher: str, **kw: object) -> None:
         self.stats.rejected[reason.value] = self.stats.rejected.get(reason.value, 0) + 1
         if self.on_reject is not None:
             self.on_reject(Rejection(reason, key, depth, publisher, **kw))  # type: ignore[arg-type]
 
-    def _verify(self, blob: bytes, key: str, depth: int) -> Fetched | None:
+    def _verify(
+        self,
+        blob: bytes,
+        key: str,
+        depth: int,
+        stage: LinearStatePool | None,
+        slot: int,
+        owner: RequestOwner,
+        keep_state: bool,
+    ) -> Fetched | None:
         parsed = parse_blob(blob)
         if parsed is None:
-            self._reject(RejectReason.FORMAT, key, depth, "?", detail=f"{len(blob)} bytes, not a whole blob header")
+            self._refuse(RejectReason.FORMAT, key, depth, "?", detail=f"{len(blob)} bytes, not a whole blob header")
             return None
         header, body = parsed
         publisher = str(header.get("publisher", "?"))
         if header.get("identity") != self._identity:
-            self._reject(RejectReason.LAYOUT, key, depth, publisher, detail=f"published for {header.get('identity')!r}")
+            self._refuse(RejectReason.LAYOUT, key, depth, publisher, detail=f"published for {header.get('identity')!r}")
             return None
         layout = self._layout
-        assert layout is not None and self._stage is not None
+        assert layout is not None and stage is not None
         state_bytes, kv_bytes, fp = header.get("state_bytes"), header.get("kv_bytes"), header.get("fingerprint")
         if (
             header.get("depth") != depth
@@ -641,7 +846,7 @@ class SharedTier:
             or not isinstance(fp, int)
             or len(body) != layout.slot_bytes + kv_bytes + DIGEST_BYTES
         ):
-            self._reject(
+            self._refuse(
                 RejectReason.LENGTH,
                 key,
                 depth,
@@ -650,9 +855,9 @@ class SharedTier:
                 f"kv {kv_bytes}, body {len(body)} bytes",
             )
             return None
-        signed, stored = blob[:-DIGEST_BYTES], blob[-DIGEST_BYTES:]
+        signed, stored = memoryview(blob)[:-DIGEST_BYTES], blob[-DIGEST_BYTES:]  # a view: no copy of the blob
         if not hmac.compare_digest(blob_digest(key, signed, self._secret), stored):
-            self._reject(
+            self._refuse(
                 RejectReason.DIGEST,
                 key,
                 depth,
@@ -666,14 +871,15 @@ class SharedTier:
         rec = bytes_tensor(
             body[conv_n : layout.slot_bytes], layout.recurrent_dtype, (layout.num_layers, *layout.recurrent_shape)
         )
-        stage, s = self._stage, self._stage_slot
-        stage.write(s, conv, rec, owner=self._stage_owner).wait()
-        found = stage.fingerprint(s)
+        stage.write(slot, conv, rec, owner=owner).wait()
+        found = stage.fingerprint(slot)
         if found != fp:
-            self._reject(RejectReason.FINGERPRINT, key, depth, publisher, expected=fp, found=found)
+            self._refuse(RejectReason.FINGERPRINT, key, depth, publisher, expected=fp, found=found)
             return None
-        self._remember(key)
-        return Fetched(depth, body[layout.slot_bytes : -DIGEST_BYTES], publisher, fp)
+        with self._lock:
+            self._deferred.append(key)  # fetched here: never published again from here
+        state = (conv, rec) if keep_state else None
+        return Fetched(depth, bytes(body[layout.slot_bytes : -DIGEST_BYTES]), publisher, fp, state)
 
     @property
     def staging(self) -> tuple[LinearStatePool, int, RequestOwner]:
@@ -700,6 +906,13 @@ class SharedTier:
         assert self.background or self._writer is None, "a writer thread on a tier without background"
         if self._writer is not None:
             self._writer.check_invariants()
+        with self._lock:
+            assert len(self._prefetches) <= self.max_prefetches, (
+                f"{len(self._prefetches)} prefetches outstanding, cap {self.max_prefetches}"
+            )
+            assert all(not job.cancelled for job in self._prefetches.values()), "a cancelled prefetch still listed"
+        if self._fetcher is not None:
+            self._fetcher.check_invariants()
         st = self.stats
         for name, v in st.as_dict().items():
             values = v.values() if isinstance(v, dict) else [v]
@@ -729,6 +942,88 @@ class _Upload:
     @property
     def nbytes(self) -> int:
         return self.conv.nbytes + self.rec.nbytes + len(self.kv)
+
+
+@dataclass(eq=False)
+class _Prefetch:
+    """One request's prefetch: its arguments, then (set by the fetcher thread) its answer."""
+
+    rid: Hashable
+    ids: np.ndarray
+    namespace: Hashable
+    index: str
+    local: int
+    limit: int
+    page: int
+    done: bool = False
+    cancelled: bool = False
+    result: Fetched | None = None
+
+
+class _Fetcher:
+    """The tier's fetcher thread: answers prefetches in arrival order, one at a time, with the
+    store's round trips, the digest and the fingerprint (in a one-slot CPU pool of its own). It
+    touches only its pool, the store, the prefetch records and the tier's locked counters and
+    deferred queue; the scheduler's thread delivers what it learnt."""
+
+    def __init__(self, tier: SharedTier) -> None:
+        self.tier = tier
+        assert tier.layout is not None, "bind first"
+        self._stage = LinearStatePool(tier.layout, 1)
+        self._owner = RequestOwner("shared-tier fetcher")
+        self._slot = self._stage.alloc(self._owner)
+        self._cv = threading.Condition()
+        self._queue: deque[_Prefetch] = deque()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="radixcache-shared-fetcher", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: _Prefetch) -> None:
+        with self._cv:
+            if self._closed:
+                job.cancelled = True
+                return
+            self._queue.append(job)
+            self._cv.notify_all()
+
+    def _run(self) -> None:
+        tier = self.tier
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                job = self._queue.popleft()
+            if job.cancelled:
+                continue
+            got: Fetched | None = None
+            try:
+                got = tier._lookup(
+                    job.ids, job.namespace, job.index, job.local, job.limit, job.page, self._stage, self._slot,
+                    self._owner, True,
+                )  # fmt: skip
+            except Exception as e:  # outside code raised past the guards: a miss, the thread goes on
+                with tier._lock:
+                    tier.stats.errors += 1
+                warnings.warn(
+                    f"shared tier fetcher: a prefetch raised {type(e).__name__}: {e}", RuntimeWarning, stacklevel=1
+                )
+            with tier._lock:
+                job.result = got
+                job.done = True
+
+    def close(self, timeout_s: float | None) -> None:
+        with self._cv:
+            self._closed = True
+            for job in self._queue:
+                job.cancelled = True
+            self._queue.clear()
+            self._cv.notify_all()
+        self._thread.join(timeout_s)
+
+    def check_invariants(self) -> None:
+        assert self._stage.owner_of(self._slot) == self._owner, "the fetcher's staging slot changed owner"
 
 
 class _Writer:

@@ -10,6 +10,7 @@ directory, an object store) is one new module implementing :class:`SharedStore`.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -137,6 +138,14 @@ class RedisStore:
         self._exists_script: Callable[..., object] | None = self._r.register_script(
             "local r = {} for i, k in ipairs(KEYS) do r[i] = redis.call('EXISTS', k) end return r"
         )
+        # Depths last published before the cutoff, removed from the index and its publish times
+        # in one server-side step (so a depth published meanwhile is not removed), in chunks.
+        self._trim_script: Callable[..., object] = self._r.register_script(
+            "local old = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ARGV[1]) "
+            "for i = 1, #old, 1000 do local c = {unpack(old, i, math.min(i + 999, #old))} "
+            "redis.call('ZREM', KEYS[1], unpack(c)) redis.call('ZREM', KEYS[2], unpack(c)) end "
+            "return #old"
+        )
 
     def close(self) -> None:
         """Close the client's connections (idempotent; a later call reconnects)."""
@@ -186,8 +195,31 @@ class RedisStore:
         return [bool(x) for x in out]
 
     def add_depth(self, index: str, depth: int) -> None:
-        """See :class:`SharedStore`."""
-        self._call("ZADD", lambda: self._r.zadd(index, {str(int(depth)): int(depth)}))
+        """See :class:`SharedStore`. With ``ttl_s`` the depth's last publication time is kept
+        beside the index (``<index>:seen``), for :meth:`trim_depths`."""
+        d = int(depth)
+        if self.ttl_s is None:
+            self._call("ZADD", lambda: self._r.zadd(index, {str(d): d}))
+            return
+
+        def both() -> object:
+            pipe = self._r.pipeline(transaction=False)
+            pipe.zadd(index, {str(d): d})
+            pipe.zadd(index + ":seen", {str(d): time.time()})
+            return pipe.execute()
+
+        self._call("ZADD", both)
+
+    def trim_depths(self, index: str) -> int:
+        """Remove from ``index`` the depths whose every blob expired (last published more than
+        ``ttl_s`` ago: any blob at that depth, of any prompt, is gone); returns how many. 0 and no
+        round trip without ``ttl_s``. Blobs the server evicts for ``maxmemory`` before their TTL
+        leave their depths listed until then (a probe finds them absent: a miss, not an error)."""
+        if self.ttl_s is None:
+            return 0
+        cutoff = time.time() - self.ttl_s
+        out = self._call("TRIM", lambda: self._trim_script(keys=[index, index + ":seen"], args=[repr(cutoff)]))
+        return int(out) if isinstance(out, int) else 0
 
     def depths(self, index: str, lo: int, hi: int) -> list[int]:
         """See :class:`SharedStore`."""

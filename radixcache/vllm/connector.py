@@ -25,6 +25,7 @@ Per step (vLLM runs them in this order):
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -58,6 +59,10 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 __all__ = ["RadixcacheConnector", "RadixcacheMetadata", "engine_layout"]
+
+#: With a shared tier, a request waits at most this long (seconds, from its first look-up) for its
+#: prefetch's answer before it is served from the host store alone.
+PREFETCH_WAIT_S = 1.0
 
 
 # ----------------------------------------------------------------------------- layout
@@ -234,6 +239,7 @@ class RadixcacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         # scheduler side
         self._requests: dict[str, Request] = {}
         self._pending: dict[str, Hit] = {}  # found by get_num_new_matched_tokens, not yet allocated
+        self._asked: dict[str, float] = {}  # shared tier: when each request's prefetch was issued
         self._step_loads: list[_Load] = []
         self._inflight: list[RadixcacheMetadata] = []
         # worker side
@@ -256,7 +262,16 @@ class RadixcacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         limit = (request.num_tokens - 1) // self.block * self.block
         if limit <= num_computed_tokens:
             return 0, False
-        hit = self.store.lookup(rid, ids[:limit], namespace=_namespace(request), computed=num_computed_tokens)
+        ns = _namespace(request)
+        if self.store.shared is not None:  # the shared tier's probe runs on its own thread
+            asked = self._asked.get(rid)
+            if asked is None:
+                self._asked[rid] = time.monotonic()
+                if self.store.prefetch(rid, ids[:limit], namespace=ns):
+                    return None, False  # vLLM asks again at its next step
+            elif self.store.prefetch_pending(rid) and time.monotonic() - asked < PREFETCH_WAIT_S:
+                return None, False
+        hit = self.store.lookup(rid, ids[:limit], namespace=ns, computed=num_computed_tokens)
         if hit is None:
             return 0, False
         self._pending[rid] = hit
@@ -338,6 +353,7 @@ class RadixcacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
     def _forget(self, request: Request) -> None:
         rid = request.request_id
         self._requests.pop(rid, None)
+        self._asked.pop(rid, None)
         hit = self._pending.pop(rid, None)
         if hit is not None:
             self.store.release(hit)

@@ -349,7 +349,7 @@ class PagedHostStore:
         mgr = self.manager
         self.stats.lookups += 1
         if self.shared is not None:  # a deeper prefix published by another engine is filed first
-            mgr.fetch_shared(ids, namespace=namespace)
+            mgr.fetch_shared(ids, namespace=namespace, rid=rid)
         while True:
             m = mgr.lookup(ids, namespace=namespace)
             if rid not in self._admitted:
@@ -396,8 +396,26 @@ class PagedHostStore:
         self._held -= 1
 
     def finished(self, rid: Hashable) -> None:
-        """``rid`` ended: the next request of that id is a new request to the policy."""
+        """``rid`` ended: the next request of that id is a new request to the policy (and an
+        unread prefetch of it is dropped)."""
         self._admitted.discard(rid)
+        if self.shared is not None:
+            self.shared.cancel(rid)
+
+    def prefetch(self, rid: Hashable, ids: Sequence[int] | np.ndarray, *, namespace: Hashable = None) -> bool:
+        """Start the shared tier's probe and fetch for ``rid``'s :meth:`lookup` (the same capped
+        ``ids``) on the tier's fetcher thread; the lookup takes the answer. True when issued
+        (False without a shared store, or when this store holds the whole prefix already).
+
+        :raises TypeError, ValueError: bad ids or namespace. Nothing changed."""
+        if self.shared is None:
+            return False
+        arr = np.asarray(ids, dtype=np.int64).reshape(-1)
+        return self.manager.prefetch(rid, arr, namespace=namespace, limit=int(arr.size))
+
+    def prefetch_pending(self, rid: Hashable) -> bool:
+        """Whether ``rid``'s :meth:`prefetch` is still unanswered."""
+        return self.manager.shared_pending(rid)
 
     def _findings(self) -> int:
         return len(self.forensics.findings) if self.forensics is not None else 0

@@ -269,6 +269,7 @@ def test_two_engine_processes_share_prefixes_through_one_redis_server(
     assert not wrong, f"engine B served {len(wrong)} wrong answers: {wrong}"
     assert len(ties) <= 12, ties
     assert shared["foreign_hits"] >= 2 and shared["hit_tokens"] >= 2 * 1280, shared
+    assert shared["prefetches"] >= shared["hits"] and shared["prefetch_late"] == 0, shared  # probed off the thread
     assert shared["rejected"] == {} and facts["findings"] == 0, facts
     assert facts["external"] > 0, facts
 
