@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Sequence
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -117,7 +117,7 @@ class LinearStatePool:
             conv, recurrent = conv.pin_memory(), recurrent.pin_memory()
         self._setup(conv, recurrent)
         # Popped from the end: the lowest ids are handed out first, which keeps demos readable.
-        self._free: list[SlotId] = self._ids[::-1]
+        self._free: list[SlotId] = [self._ids[i] for i in range(num_slots - 1, -1, -1)]
 
     def _setup(self, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
         """The bookkeeping over ``conv`` and ``recurrent`` (``[L, S, ...]`` each): every slot
@@ -128,22 +128,28 @@ class LinearStatePool:
         self.pool_id = next(_POOL_IDS)
         """Process-unique identity of this pool, carried by every slot id it hands out."""
         self._owner: list[Owner | None] = [None] * num_slots
-        # One id object per slot, made once: alloc hands it out without building anything.
-        self._ids = [SlotId(i, self.pool_id) for i in range(num_slots)]
+        # One id object per slot, made at its first use and kept: alloc hands it out without
+        # building anything. Made lazily, like the views below, so that building a pool costs the
+        # same at any size (SGLang sizes its state pool by memory: 374,391 slots took 17.5 s to
+        # build when every slot's objects were made up front).
+        pool_id = self.pool_id
+        self._ids: _PerSlot[SlotId] = _PerSlot(lambda i: SlotId(i, pool_id))
         # The class of this pool's ids (one per pool): an id of it is in range by construction.
         self._id_type: type[SlotId] | None = type(self._ids[0]) if num_slots else None
         self._last_use: list[Fence] = [COMPLETE] * num_slots
         self._owned_by: dict[Owner, set[SlotId]] = {}
         self._hasher = SlotHasher([self.conv, self.recurrent])
-        # Per-slot views ([L, ...] each), made once: indexing a view per copy costs more than the
-        # copy of a small slot. Hot path of clone/restore; see benchmarks/bench_tree.py.
-        self._conv_rows = list(self.conv.unbind(1))
-        self._rec_rows = list(self.recurrent.unbind(1))
+        # Per-slot views ([L, ...] each), made once per slot: indexing a view per copy costs more
+        # than the copy of a small slot. Hot path of clone/restore; see benchmarks/bench_tree.py.
+        self._conv_rows: _PerSlot[torch.Tensor] = _PerSlot(lambda i: conv[:, i])
+        self._rec_rows: _PerSlot[torch.Tensor] = _PerSlot(lambda i: recurrent[:, i])
         # The same rows as the widest words their bytes allow, for copies: a slot's rows are strided
         # (one per layer), so a copy runs an element-wise kernel, and on a GPU 16-byte elements
         # move ~1.4x the bytes per second of 4-byte ones (benchmarks/gpu_check.py: 0.63x -> 0.87x
         # of a contiguous copy of the same bytes). Same speed on the CPU.
-        self._copy_rows = [(_widest(c), _widest(r)) for c, r in zip(self._conv_rows, self._rec_rows, strict=True)]
+        self._copy_rows: _PerSlot[tuple[torch.Tensor, torch.Tensor]] = _PerSlot(
+            lambda i: (_widest(self._conv_rows[i]), _widest(self._rec_rows[i]))
+        )
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -867,6 +873,24 @@ class HostedStatePool(LinearStatePool):
 def _behind(after: Iterable[Fence], last_uses: Iterable[Fence]) -> list[Fence]:
     """``after`` plus every slot's last use still pending: what a pool operation waits."""
     return [*after, *(f for f in last_uses if f is not COMPLETE and not f.is_complete())]
+
+
+_T = TypeVar("_T")
+
+
+class _PerSlot(dict[int, _T]):
+    """Per-slot objects made on first use and kept (``d[slot]``): a dict whose misses call
+    ``make(slot)``. Hits cost a dict look-up."""
+
+    __slots__ = ("_make",)
+
+    def __init__(self, make: Callable[[int], _T]) -> None:
+        super().__init__()
+        self._make = make
+
+    def __missing__(self, slot: int) -> _T:
+        value = self[slot] = self._make(slot)
+        return value
 
 
 def _widest(rows: torch.Tensor) -> torch.Tensor:

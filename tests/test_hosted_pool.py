@@ -225,3 +225,29 @@ def test_only_lent_slots_are_reclaimed() -> None:
     assert taken is not None
     pool.reclaim(pool.lend(taken[0], A), A)
     pool.check_invariants()
+
+
+def test_a_pool_of_any_size_is_built_without_per_slot_work_and_serves_its_last_slot() -> None:
+    """Issue 33 item 4: SGLang sizes its state pool by memory (374,391 slots on a CI-like machine);
+    the pool makes a slot's id and views at the slot's first use, so building it does nothing per
+    slot (bench_pool.py times it), and a slot far out serves exactly like the first."""
+    n = 1_000_000
+    layout = StateLayout(1, (2, 2), (1, 2, 2))
+    conv = torch.zeros((1, n, 2, 2), dtype=layout.conv_dtype)
+    rec = torch.zeros((1, n, 1, 2, 2), dtype=layout.recurrent_dtype)
+    lender = ListLender(n)
+    lender.free = [n - 1, n - 2]  # the host hands out its last slots first
+    pool = HostedStatePool(layout, conv, rec, lender, reserved=(0,))
+    assert len(pool._ids) <= 1 and not pool._conv_rows and not pool._copy_rows  # nothing made per slot
+    a = pool.alloc(A)
+    assert a == n - 1
+    c, r = torch.randn(1, 2, 2).to(layout.conv_dtype), torch.randn(1, 1, 2, 2)
+    pool.write(a, c, r, owner=A).wait()
+    assert torch.equal(conv[:, n - 1], c) and torch.equal(rec[:, n - 1], r)  # the host's own rows
+    node = NodeOwner(1)
+    b = pool.clone(a, node).slot
+    assert b == n - 2 and torch.equal(conv[:, n - 2], c) and torch.equal(rec[:, n - 2], r)
+    assert pool.fingerprint(a) == pool.fingerprint(b)
+    pool.free(b, node)
+    pool.free(a, A)
+    pool.check_invariants()
