@@ -29,7 +29,6 @@ import json
 import random
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -133,18 +132,11 @@ def main() -> None:
     if args.quick:
         depths, tokens, n_prompts, requests, reps = 256, 600, 3, 8, 1
     model = HybridModel(HybridConfig())
-    server = None
-    url = args.redis_url
-    tmp = tempfile.TemporaryDirectory()
-    if url is None:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from tests.redis_server import RedisServer
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.redis_server import redis_url
 
-        server = RedisServer(Path(tmp.name))
-        server.start()
-        url = server.url
     runs: dict[str, list[dict[str, float]]] = {"at_admission": [], "prefetched": [], "prefetched_settled": []}
-    try:
+    with redis_url(args.redis_url) as url:
         for r in range(reps):
             prompts = _prompts(n_prompts, tokens, seed=r)
             more = _prompts(requests, tokens, seed=r)  # same system prompt (same seed), other tails
@@ -166,10 +158,6 @@ def main() -> None:
                 pre = mode != "at_admission"
                 runs[mode].append(run_replica(model, url, stream, pre, f"{mode}{r}", mode == "prefetched_settled"))
             redis.Redis.from_url(url).flushall()  # a fresh key space for the next rep
-    finally:
-        if server is not None:
-            server.stop()
-        tmp.cleanup()
     out: dict[str, Any] = {
         "bench": "shared_probe",
         "depths": depths,

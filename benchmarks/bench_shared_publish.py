@@ -20,7 +20,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -94,26 +93,15 @@ def main() -> None:
         layout = StateLayout(2, layout.conv_shape, layout.recurrent_shape, layout.conv_dtype, layout.recurrent_dtype)
         tokens, blobs, reps = 64, 3, 1
     kv = _BytesKV(preset.kv_bytes_per_token)
-    server = None
-    url = args.redis_url
-    tmp = tempfile.TemporaryDirectory()
-    if url is None:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from tests.redis_server import RedisServer
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.redis_server import redis_url
 
-        server = RedisServer(Path(tmp.name))
-        server.start()
-        url = server.url
-    try:
+    with redis_url(args.redis_url) as url:
         runs: dict[str, list[dict[str, float]]] = {"inline": [], "background": []}
         for r in range(reps):
             order = ["inline", "background"] if r % 2 == 0 else ["background", "inline"]
             for mode in order:
                 runs[mode].append(run_mode(url, mode == "background", layout, kv, tokens, blobs, f"{mode}{r}"))
-    finally:
-        if server is not None:
-            server.stop()
-        tmp.cleanup()
     out: dict[str, Any] = {
         "bench": "shared_publish",
         "preset": args.preset,

@@ -8,11 +8,14 @@ they fail.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -106,3 +109,19 @@ class RedisServer:
                 self.proc.kill()
                 self.proc.wait()
             self.proc = None
+
+
+@contextlib.contextmanager
+def redis_url(url: str | None) -> Iterator[str]:
+    """``url`` as given, or the URL of a redis-server of our own in a temporary directory, stopped
+    on exit (the benchmarks' ``--redis-url``)."""
+    if url is not None:
+        yield url
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        server = RedisServer(Path(tmp))
+        server.start()
+        try:
+            yield server.url
+        finally:
+            server.stop()

@@ -374,6 +374,8 @@ def test_fetch_shared_refuses_bad_input_and_without_a_tier_is_the_local_match() 
     for bad, err in ((-1, ValueError), (3 * B + 1, ValueError), (1.5, TypeError), (True, TypeError)):
         with pytest.raises(err, match="limit"):
             mgr.fetch_shared(list(range(3 * B)), limit=bad)  # type: ignore[arg-type]
+        with pytest.raises(err, match="limit"):
+            mgr.prefetch("r", list(range(3 * B)), limit=bad)  # type: ignore[arg-type]
     eng = Engine()
     ids = list(range(60, 60 + 2 * B))
     eng.compute(ids, [0, 1])
@@ -403,3 +405,20 @@ def test_a_prefetched_lookup_takes_the_answer_of_the_fetcher_thread() -> None:
     assert not _store().prefetch("x", ids), "no shared store"
     b.finished("b")
     b.close(5.0)
+
+
+def test_a_page_fetched_from_the_shared_store_is_fingerprinted_and_a_later_change_is_caught() -> None:
+    shared = MemoryStore()
+    a, b = _store(shared=shared, model="m"), _store(shared=shared, model="m")
+    eng = Engine()
+    ids = list(range(1300, 1300 + 2 * B))
+    eng.compute(ids, [0, 1])
+    assert _save(a, eng, "a", ids, [0, 1]) and a.flush_shared(5.0)
+    _hit_equals(b, eng, ids, [0, 1], "b")  # fetched: its pages came in through the codec
+    hit = b.lookup("c", ids, computed=0)
+    assert hit is not None
+    b.release(hit)
+    b.kv[0, hit.pages[1], 3] ^= 0xFF  # a stray write into a fetched page
+    assert b.lookup("d", ids, computed=0) is None
+    assert [f.page for f in b.page_findings] == [hit.pages[1]] and b.stats.corrupt_pages == 1
+    b.check_invariants()

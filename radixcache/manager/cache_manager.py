@@ -923,11 +923,7 @@ class CacheManager:
             Nothing changed.
         """
         kb, ids = self._ids("(fetch_shared)", cache_ids)
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, np.integer))):
-            raise TypeError(f"limit must be an int or None, got {limit!r}")
-        if limit is not None and not 0 <= limit <= ids.size:
-            raise ValueError(f"limit {limit} is outside [0, {ids.size}] for {ids.size} ids")
-        key = ids if limit is None else ids[: int(limit)]
+        key = ids[: _depth_limit(ids, limit, ids.size)]
         m = self.cache.match(key, namespace=namespace, touch=False)
         shared = self.shared
         if shared is None or m.cached_length >= key.size or not shared.addressable(namespace):
@@ -985,15 +981,11 @@ class CacheManager:
         :raises TypeError, ValueError: bad ids, namespace or ``limit``. Nothing changed.
         """
         _, ids = self._ids(rid, cache_ids)
+        n = _depth_limit(ids, limit, ids.size - 1)
         shared = self.shared
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, np.integer))):
-            raise TypeError(f"limit must be an int or None, got {limit!r}")
-        n = ids.size - 1 if limit is None else int(limit)
-        if not 0 <= n <= ids.size:
-            raise ValueError(f"limit {limit} is outside [0, {ids.size}] for {ids.size} ids")
-        m = self.cache.match(ids[:n], namespace=namespace, touch=False)
         if shared is None or not shared.addressable(namespace):
             return False
+        m = self.cache.match(ids[:n], namespace=namespace, touch=False)
         return shared.prefetch(rid, ids, namespace, m.cached_length, page=self.cache.page_size, limit=n)
 
     def shared_pending(self, rid: Hashable) -> bool:
@@ -2245,6 +2237,19 @@ class CacheManager:
         assert self.pool.num_free + tree_n + req_n == self.pool.capacity, (
             f"free {self.pool.num_free} + tree {tree_n} + requests {req_n} != capacity {self.pool.capacity}"
         )
+
+
+def _depth_limit(ids: np.ndarray, limit: object, default: int) -> int:
+    """A caller's cap on a shared-tier depth (``None``: ``default``), checked against ``ids``.
+
+    :raises TypeError: not an int or None. :raises ValueError: outside ``[0, len(ids)]``."""
+    if limit is None:
+        return default
+    if isinstance(limit, bool) or not isinstance(limit, (int, np.integer)):
+        raise TypeError(f"limit must be an int or None, got {limit!r}")
+    if not 0 <= limit <= ids.size:
+        raise ValueError(f"limit {limit} is outside [0, {ids.size}] for {ids.size} ids")
+    return int(limit)
 
 
 def _request_info(
