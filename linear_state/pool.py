@@ -894,10 +894,15 @@ class _PerSlot(dict[int, _T]):
 
 
 def _widest(rows: torch.Tensor) -> torch.Tensor:
-    """``rows`` (``[L, ...]``, contiguous inside each layer) viewed as ``[L, n]`` words of 16 or 8 bytes
-    when each layer's bytes and the view's start allow it; else unchanged. A bit-exact alias for
+    """``rows`` (``[L, ...]``) viewed as ``[L, n]`` words of 16 or 8 bytes when each layer's dims are
+    contiguous and its bytes and the view's start allow it; else unchanged. A bit-exact alias for
     copies: it reads and writes the same bytes."""
-    flat = rows.reshape(rows.shape[0], -1)  # a view: the per-layer dims are contiguous
+    try:
+        flat = rows.view(rows.shape[0], -1)  # only where each layer's dims are contiguous
+    except RuntimeError:
+        # Not a view (SGLang's AMX layout stores a slot's conv window transposed): a reshape would
+        # copy, and a copy into the copy would be lost. Element-wise copies of ``rows`` are right.
+        return rows
     row_bytes = flat.shape[1] * flat.element_size()
     start = flat.storage_offset() * flat.element_size()
     for wide, size in ((torch.complex128, 16), (torch.int64, 8)):

@@ -251,3 +251,41 @@ def test_a_pool_of_any_size_is_built_without_per_slot_work_and_serves_its_last_s
     pool.free(b, node)
     pool.free(a, A)
     pool.check_invariants()
+
+
+AMX_LAYOUT = StateLayout(2, (8, 3), (2, 2))  # 48 bytes of conv window per layer: copied as wide words
+
+
+def amx_strided_conv() -> torch.Tensor:
+    """Conv state tensors as SGLang's CPU engine lays them out for its AMX kernels
+    (``_init_amx_conv_state``): each slot's window stored transposed, so ``conv[:, slot]`` is not a
+    view that flattens."""
+    conv = torch.zeros((2, S, 8, 3), dtype=AMX_LAYOUT.conv_dtype)
+    return conv.as_strided_(conv.size(), (conv.stride(0), conv.stride(1), 1, conv.size(2)))
+
+
+def test_clone_restore_and_host_copies_of_a_transposed_conv_layout_keep_every_value() -> None:
+    conv = amx_strided_conv()
+    rec = torch.zeros((2, S, 2, 2), dtype=LAYOUT.recurrent_dtype)
+    pool = HostedStatePool(AMX_LAYOUT, conv, rec, ListLender(), reserved=(0,))
+    h = pool.lender.take(1)[0]  # type: ignore[index]
+    want_conv = torch.arange(48, dtype=conv.dtype).view(2, 8, 3) + 1
+    conv[:, h] = want_conv
+    rec[:, h] = 3.0
+    s = pool.lend(h, A)
+    snap = pool.clone(s, NodeOwner(1)).slot
+    assert torch.equal(conv[:, snap], want_conv)  # a copy into a reshaped copy would leave zeros
+    pool.reclaim(s, A)
+    h2 = pool.lender.take(1)[0]  # type: ignore[index]
+    s2 = pool.lend(h2, RequestOwner("B"))
+    pool.copy(snap, s2)
+    assert torch.equal(conv[:, h2], want_conv) and bool((rec[:, h2] == 3.0).all())
+    # to a contiguous host-memory pool and back (demote, promote)
+    from linear_state import LinearStatePool
+
+    host = LinearStatePool(AMX_LAYOUT, 3)
+    parked = host.clone_from(pool, snap, NodeOwner(2)).slot
+    assert torch.equal(host.conv[:, parked], want_conv)
+    conv[:, h2] = 0.0
+    pool.copy_from(host, parked, s2)
+    assert torch.equal(conv[:, h2], want_conv)
