@@ -133,6 +133,27 @@ def _refusals(params: Any) -> list[str]:
     return out
 
 
+# Server flags whose feature bypasses or replaces the prefix cache's own calls: a flag set to anything
+# but its default is refused by name, so nobody believes it is served.
+_UNSERVED_FLAGS: tuple[tuple[str, str, object], ...] = (
+    ("enable_lmcache", "LMCache (--enable-lmcache)", False),
+    ("enable_flexkv", "FlexKV (--enable-flexkv)", False),
+    ("enable_session_radix_cache", "the session radix cache (--enable-session-radix-cache)", False),
+    ("hicache_storage_backend", "a hierarchical-cache storage backend (--hicache-storage-backend)", None),
+    ("kv_events_config", "KV cache events (--kv-events-config): the backend publishes none", None),
+    ("radix_eviction_policy", "--radix-eviction-policy other than lru (radixcache's policy evicts)", "lru"),
+)
+
+
+def _refused_flags(server_args: Any) -> list[str]:
+    """What ``server_args`` asks of the prefix cache that the backend does not serve, by flag."""
+    return [
+        what
+        for name, what, default in _UNSERVED_FLAGS
+        if getattr(server_args, name, default) not in (default, None, False, "")
+    ]
+
+
 _ADMITTED_MEMORY = 1 << 16  # requests remembered as admitted (a bound: aborted waiters never release)
 
 
@@ -249,6 +270,7 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         sa = ctx.server_args
         if getattr(sa, "speculative_algorithm", None):
             refused.append("speculative decoding")
+        refused += _refused_flags(sa)
         if refused:
             raise NotImplementedError("the radixcache backend does not serve " + "; ".join(refused) + " yet")
         stream = None

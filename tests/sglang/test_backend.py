@@ -4,6 +4,7 @@ test scenarios on our backend, and the differential harness against SGLang's bui
 from __future__ import annotations
 
 import random
+import re
 from types import SimpleNamespace
 from typing import Any
 
@@ -46,6 +47,32 @@ def test_factory_refuses_what_it_does_not_serve_by_name() -> None:
         rc_plugin.factory(ctx)
     ctx.enable_hierarchical_cache, ctx.server_args.speculative_algorithm, ctx.is_hybrid_ssm = False, None, False
     with pytest.raises(NotImplementedError, match="without linear-attention state"):
+        rc_plugin.factory(ctx)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "named"),
+    [
+        ("enable_lmcache", True, "--enable-lmcache"),
+        ("enable_flexkv", True, "--enable-flexkv"),
+        ("enable_session_radix_cache", True, "--enable-session-radix-cache"),
+        ("hicache_storage_backend", "mooncake", "--hicache-storage-backend"),
+        ("kv_events_config", '{"publisher": "zmq"}', "--kv-events-config"),
+        ("radix_eviction_policy", "tlru", "--radix-eviction-policy"),
+    ],
+)
+def test_flags_that_bypass_the_cache_are_refused_at_start_by_name(flag: str, value: object, named: str) -> None:
+    env = H.make_env("builtin")
+    sa = SimpleNamespace(**{"speculative_algorithm": None, "radix_eviction_policy": "lru", flag: value})
+    ctx = SimpleNamespace(
+        params=SimpleNamespace(req_to_token_pool=env.rtp),
+        is_hybrid_ssm=True,
+        is_hybrid_swa=False,
+        enable_hierarchical_cache=False,
+        disable_radix_cache=False,
+        server_args=sa,
+    )
+    with pytest.raises(NotImplementedError, match=re.escape(named)):
         rc_plugin.factory(ctx)
 
 
