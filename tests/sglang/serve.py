@@ -1,0 +1,241 @@
+"""Serve the engine tests' workload on one real SGLang server on the CPU and write what it answered
+as JSON: ``python -m tests.sglang.serve --model DIR --out FILE --cache {none,builtin,radixcache}
+--mode {engine,http}`` (run from the repository root, in the environment of
+:func:`tests.sglang.engine_harness.serve_env`).
+
+- ``engine``: SGLang's ``Engine`` in this process (its scheduler and detokenizer in processes of
+  their own); each round's requests go in through ``async_generate`` at once.
+- ``http``: ``python -m sglang.launch_server`` with :func:`server_flags` (the command
+  docs/sglang.md gives), each round's requests at once through the OpenAI-compatible
+  ``/v1/completions`` endpoint, an aborted stream by closing its connection.
+
+Greedy decoding, ``ignore_eos``, a fixed answer length."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from .engine_harness import Request, Served, Workload
+
+MAX_RUNNING = 16
+STATE_SLOTS = 128
+ROUND_TIMEOUT_S = 180
+
+
+def server_flags(model: Path, *, cache: str, strategy: str, page_size: int) -> list[str]:
+    """``launch_server``'s flags for one of the three servers (``cache``: ``none`` disables SGLang's
+    prefix cache, ``builtin`` keeps SGLang's own, ``radixcache`` selects ours)."""
+    flags = [
+        "--model-path", str(model), "--device", "cpu", "--attention-backend", "torch_native",
+        "--dtype", "float32", "--disable-cuda-graph", "--max-total-tokens", "16384",
+        "--max-running-requests", str(MAX_RUNNING), "--max-mamba-cache-size", str(STATE_SLOTS),
+        "--mem-fraction-static", "0.05", "--random-seed", "0", "--skip-server-warmup",
+        "--enable-cache-report", "--page-size", str(page_size),
+        "--mamba-radix-cache-strategy", strategy,
+    ]  # fmt: skip
+    if strategy == "no_buffer":
+        flags.append("--disable-overlap-schedule")
+    if cache == "none":
+        flags.append("--disable-radix-cache")
+    elif cache == "radixcache":
+        flags += ["--radix-cache-backend", "radixcache"]
+    return flags
+
+
+def _engine_kwargs(flags: list[str]) -> dict[str, Any]:
+    """The same settings as ``Engine`` keyword arguments."""
+    kw: dict[str, Any] = {}
+    i = 0
+    while i < len(flags):
+        key = flags[i][2:].replace("-", "_")
+        if i + 1 < len(flags) and not flags[i + 1].startswith("--"):
+            val: Any = flags[i + 1]
+            kw[key] = int(val) if val.isdigit() else float(val) if val.replace(".", "", 1).isdigit() else val
+            i += 2
+        else:
+            kw[key] = True
+            i += 1
+    kw.pop("enable_cache_report", None)
+    return kw
+
+
+def _params(answer: int) -> dict[str, Any]:
+    return {"temperature": 0.0, "max_new_tokens": answer, "ignore_eos": True}
+
+
+def serve_engine(flags: list[str], wl: Workload) -> Served:
+    """Every round of ``wl`` through SGLang's ``Engine``."""
+    import sglang as sgl
+
+    engine = sgl.Engine(**_engine_kwargs(flags), log_level="warning")
+    out = Served()
+    n = 0
+
+    async def one(req: Request, rid: str) -> tuple[list[int], int]:
+        if not req.abort:
+            r = await engine.async_generate(input_ids=req.prompt, sampling_params=_params(wl.answer), rid=rid)
+            return list(r["output_ids"]), int(r["meta_info"].get("cached_tokens", 0))
+        gen = await engine.async_generate(
+            input_ids=req.prompt, sampling_params=_params(wl.answer), rid=rid, stream=True
+        )
+        last = await gen.__anext__()
+        engine.tokenizer_manager.abort_request(rid)  # after its first tokens
+        async for chunk in gen:
+            last = chunk
+        return list(last.get("output_ids", [])), int(last["meta_info"].get("cached_tokens", 0))
+
+    async def round_(batch: list[Request], base: int) -> list[tuple[list[int], int]]:
+        return list(await asyncio.gather(*(one(r, f"req-{base + i}") for i, r in enumerate(batch))))
+
+    children = engine.get_all_child_pids()
+
+    async def watched(batch: list[Request], base: int) -> list[tuple[list[int], int]]:
+        """The round, failed as soon as one of the engine's processes dies (a scheduler that died
+        leaves the engine waiting forever) and at the latest after ROUND_TIMEOUT_S."""
+        import psutil  # type: ignore[import-untyped]
+
+        task = asyncio.ensure_future(round_(batch, base))
+        deadline = time.monotonic() + ROUND_TIMEOUT_S
+        while not task.done():
+            await asyncio.wait([task], timeout=1.0)
+            dead = [p for p in children if not psutil.pid_exists(p) or psutil.Process(p).status() == "zombie"]
+            if dead or time.monotonic() > deadline:
+                task.cancel()
+                raise RuntimeError(f"round abandoned: engine processes {dead} died" if dead else "round timed out")
+        return task.result()
+
+    for batch in wl.plan():
+        # On an error the caller kills the engine's processes (shutdown() would wait on a dead one).
+        got = engine.loop.run_until_complete(watched(batch, n))
+        n += len(batch)
+        _record(out, batch, got)
+        wl.answered([a for a, _ in got])
+        _wait_idle()
+    engine.shutdown()
+    return out
+
+
+def _record(out: Served, batch: list[Request], got: list[tuple[list[int], int]]) -> None:
+    for r, (answer, cached) in zip(batch, got, strict=True):
+        out.prompts.append(r.prompt)
+        out.codewords.append(list(r.codeword))
+        out.answers.append(answer)
+        out.aborted.append(r.abort)
+        out.cached.append(cached)
+
+
+def _wait_idle() -> None:
+    """Give the scheduler a moment to go idle between rounds (its noise fill runs then)."""
+    time.sleep(0.5)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _ids(text: str) -> list[int]:
+    """Token ids back from the word-level tokenizer's text (``w17 w5`` is ``[17, 5]``)."""
+    return [int(w[1:]) for w in text.split() if w.startswith("w") and w[1:].isdigit()]
+
+
+def serve_http(flags: list[str], wl: Workload) -> Served:
+    """Every round of ``wl`` through the OpenAI-compatible endpoint of ``launch_server``."""
+    import requests  # type: ignore[import-untyped]
+
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sglang.launch_server", *flags, "--host", "127.0.0.1", "--port", str(port)],
+        stdout=sys.stderr,
+        stderr=sys.stderr,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"launch_server exited with {proc.returncode}")
+            try:
+                if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("launch_server did not come up in 300 s")
+            time.sleep(1)
+
+        def one(req: Request) -> tuple[list[int], int]:
+            body = {
+                "model": "default", "prompt": req.prompt, "max_tokens": wl.answer,
+                "temperature": 0.0, "ignore_eos": True, "stream": req.abort,
+            }  # fmt: skip
+            if not req.abort:
+                r = requests.post(f"{url}/v1/completions", json=body, timeout=300)
+                r.raise_for_status()
+                js = r.json()
+                details = js["usage"].get("prompt_tokens_details") or {}
+                return _ids(js["choices"][0]["text"]), int(details.get("cached_tokens") or 0)
+            with requests.post(f"{url}/v1/completions", json=body, timeout=300, stream=True) as r:
+                text = ""
+                for line in r.iter_lines():
+                    if line.startswith(b"data: {"):
+                        text += json.loads(line[6:])["choices"][0]["text"]
+                        break  # close the stream after its first tokens: SGLang aborts the request
+            return _ids(text), 0
+
+        out = Served()
+        with ThreadPoolExecutor(max_workers=MAX_RUNNING) as pool:
+            for batch in wl.plan():
+                got = list(pool.map(one, batch))
+                _record(out, batch, got)
+                wl.answered([a for a, _ in got])
+                _wait_idle()
+        return out
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse the command line, serve, write the JSON."""
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--cache", choices=("none", "builtin", "radixcache"), required=True)
+    ap.add_argument("--mode", choices=("engine", "http"), default="engine")
+    ap.add_argument("--strategy", choices=("no_buffer", "extra_buffer"), default="no_buffer")
+    ap.add_argument("--page-size", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    flags = server_flags(a.model, cache=a.cache, strategy=a.strategy, page_size=a.page_size)
+    wl = Workload(seed=a.seed)
+    try:
+        served = serve_engine(flags, wl) if a.mode == "engine" else serve_http(flags, wl)
+    except BaseException:
+        import os
+        import traceback
+
+        from sglang.srt.utils import kill_process_tree
+
+        traceback.print_exc()
+        sys.stderr.flush()
+        kill_process_tree(os.getpid(), include_parent=False)  # a dead scheduler leaves its siblings
+        os._exit(3)
+    a.out.write_text(json.dumps(served.to_json()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""radixcache inside SGLang's real engine on the CPU: real tokens of a tiny Qwen3.5 (3 Gated DeltaNet
+layers, 1 attention layer), through SGLang's ``Engine`` and through its HTTP server's
+OpenAI-compatible endpoint, three servers each: the radix cache disabled (the ground truth),
+SGLang's built-in cache, and ``--radix-cache-backend radixcache``.
+
+The workload (``engine_harness.Workload``): 60 requests in 6 rounds of 10 in flight at once,
+shared system prompts, multi-turn, identical re-sends, prefixes cut mid-page, prompt lengths of
+1 mod 64, aborted streams (then re-sent whole), each prompt carrying its request's codeword.
+Between rounds every free state slot and KV row is filled with noise inside the scheduler
+(``standin/radixcache_test_hooks.py``), so a state nobody restored is garbage.
+
+Each server runs in processes of its own (``python -m tests.sglang.serve``) with the CPU stand-ins
+for ``sgl_kernel`` (``standin/``). Negative controls commit a bug in the backend inside the server
+(``RADIXCACHE_SGLANG_INJECT``): the same oracle must catch it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("sglang")
+
+from .engine_harness import (
+    ROOT,
+    Served,
+    build_tiny_qwen3_5,
+    compare,
+    foreign_codewords,
+    serve_command,
+    serve_env,
+)
+
+SERVE_TIMEOUT_S = 900
+MIN_REQUESTS = 60
+MIN_IN_FLIGHT = 8
+
+
+@dataclass
+class Run:
+    """One server's run: its exit status, what it answered, its noise fills (state slots, KV
+    rows, largest batch so far, one per idle period) and its log's tail."""
+
+    rc: int
+    served: Served | None
+    noise: list[tuple[int, int, int]]
+    log: str
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen3.5 with its tokenizer, built once per module."""
+    return build_tiny_qwen3_5(tmp_path_factory.mktemp("qwen3_5-tiny"))
+
+
+_RUNS: dict[tuple[str, ...], Run] = {}
+
+
+def serve(model: Path, tmp: Path, *, cache: str, mode: str = "engine", inject: str | None = None) -> Run:
+    """Run the workload on one server (cached per module: the ground truth serves several tests)."""
+    key = (cache, mode, inject or "")
+    if key in _RUNS:
+        return _RUNS[key]
+    name = "-".join(k for k in key if k)
+    out, log = tmp / f"{name}.json", tmp / f"{name}.noise"
+    try:
+        p = subprocess.run(
+            serve_command(model, out, cache=cache, mode=mode),
+            env=serve_env(noise_seed=0, noise_log=log, inject=inject),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=SERVE_TIMEOUT_S,
+        )
+        rc, err = p.returncode, p.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, err = -1, str(e.stderr or "")
+    served = Served.from_json(json.loads(out.read_text())) if rc == 0 and out.exists() else None
+    noise = [tuple(int(x) for x in line.split()) for line in log.read_text().splitlines()] if log.exists() else []
+    _RUNS[key] = Run(rc, served, noise, err[-4000:])  # type: ignore[arg-type]
+    return _RUNS[key]
+
+
+def _ok(run: Run) -> Served:
+    assert run.rc == 0 and run.served is not None, run.log
+    return run.served
+
+
+@pytest.mark.parametrize("mode", ["engine", "http"])
+def test_three_servers_answer_alike_with_noise_in_every_free_slot(
+    model: Path, tmp_path_factory: pytest.TempPathFactory, mode: str
+) -> None:
+    tmp = tmp_path_factory.mktemp(f"serve-{mode}")
+    truth = _ok(serve(model, tmp, cache="none", mode=mode))
+    builtin = _ok(serve(model, tmp, cache="builtin", mode=mode))
+    ours = _ok(serve(model, tmp, cache="radixcache", mode=mode))
+    assert len(truth.answers) >= MIN_REQUESTS and sum(truth.aborted) >= 3
+    for name, got in (("builtin", builtin), ("radixcache", ours)):
+        assert compare(truth, got) == [], f"{name} answered differently from the cold server"
+        assert foreign_codewords(got) == [], f"{name}: an answer holds another request's codeword"
+        assert sum(got.cached) > 0, f"{name} served no cached tokens"
+    assert sum(truth.cached) == 0
+    assert sum(ours.cached) >= sum(builtin.cached)
+    for cache in ("none", "builtin", "radixcache"):
+        noise = _RUNS[(cache, mode, "")].noise
+        assert len(noise) >= 6 and all(s > 0 and r > 0 for s, r, _ in noise[1:]), noise  # every round
+        assert max(b for _, _, b in noise) >= MIN_IN_FLIGHT, noise
+
+
+@pytest.mark.parametrize("inject", ["skip-restore", "alias"])
+def test_a_backend_bug_is_caught_by_the_same_oracle(
+    model: Path, tmp_path_factory: pytest.TempPathFactory, inject: str
+) -> None:
+    """``skip-restore``: a hit's state never reaches the request's slot (noise is served). ``alias``:
+    the tree keeps the donor's slot instead of a clone (SGLang's own idle leak check stops the
+    scheduler, or answers go wrong)."""
+    tmp = tmp_path_factory.mktemp(f"inject-{inject}")
+    truth = _ok(serve(model, tmp, cache="none"))
+    run = serve(model, tmp, cache="radixcache", inject=inject)
+    if run.rc == 0:
+        assert run.served is not None
+        assert compare(truth, run.served) != [], f"{inject}: every answer matched the cold server"
+    else:
+        assert "Traceback" in run.log, run.log  # the server failed loudly, it did not serve
+
+
+def _doc_commands() -> list[list[str]]:
+    """The ``launch_server`` commands of docs/sglang.md, as argument lists (line continuations
+    joined, environment assignments dropped)."""
+    text = (ROOT / "docs" / "sglang.md").read_text()
+    out = []
+    for block in text.split("```bash")[1:]:
+        body = block.split("```")[0].replace("\\\n", " ")
+        for line in body.splitlines():
+            words = line.split("#")[0].split()
+            if "sglang.launch_server" in words:
+                out.append([w for w in words[words.index("sglang.launch_server") + 1 :]])
+    return out
+
+
+def test_the_documented_commands_are_the_tested_ones() -> None:
+    from .serve import server_flags
+
+    cmds = _doc_commands()
+    tested = server_flags(Path("MODEL"), cache="radixcache", strategy="no_buffer", page_size=1)
+    assert tested in cmds, f"docs/sglang.md lacks the tested command {' '.join(tested)}"
+    for cmd in cmds:  # every documented command selects the backend with the strategy it serves
+        assert cmd[cmd.index("--radix-cache-backend") + 1] == "radixcache"
+        assert cmd[cmd.index("--mamba-radix-cache-strategy") + 1] == "no_buffer"
+        assert "--disable-overlap-schedule" in cmd  # no_buffer asserts it in SGLang
