@@ -127,7 +127,10 @@ class LinearStatePool:
         self.recurrent = recurrent
         self.pool_id = next(_POOL_IDS)
         """Process-unique identity of this pool, carried by every slot id it hands out."""
-        self._owner: list[Owner | None] = [None] * num_slots
+        self._capacity = num_slots
+        # Per-slot owners and last uses, stored for the slots that ever had one (a miss is the
+        # default): building them costs the same at any size, like the ids and views below.
+        self._owner: _Default[Owner | None] = _Default(None)
         # One id object per slot, made at its first use and kept: alloc hands it out without
         # building anything. Made lazily, like the views below, so that building a pool costs the
         # same at any size (SGLang sizes its state pool by memory: 374,391 slots took 17.5 s to
@@ -136,7 +139,7 @@ class LinearStatePool:
         self._ids: _PerSlot[SlotId] = _PerSlot(lambda i: SlotId(i, pool_id))
         # The class of this pool's ids (one per pool): an id of it is in range by construction.
         self._id_type: type[SlotId] | None = type(self._ids[0]) if num_slots else None
-        self._last_use: list[Fence] = [COMPLETE] * num_slots
+        self._last_use: _Default[Fence] = _Default(COMPLETE)
         self._owned_by: dict[Owner, set[SlotId]] = {}
         self._hasher = SlotHasher([self.conv, self.recurrent])
         # Per-slot views ([L, ...] each), made once per slot: indexing a view per copy costs more
@@ -155,7 +158,7 @@ class LinearStatePool:
     @property
     def capacity(self) -> int:
         """Total number of slots."""
-        return len(self._owner)
+        return self._capacity
 
     @property
     def num_free(self) -> int:
@@ -592,16 +595,14 @@ class LinearStatePool:
         for f in free:
             assert 0 <= f < n, f"free list holds slot {f} outside [0, {n})"
             assert self._owner[f] is None, f"slot {f} is on the free list but owned by {self._owner[f]}"
-        for s, owner in enumerate(self._owner):
-            if owner is None:
-                assert s in free_set, f"slot {s} has no owner and is not on the free list (leaked)"
         owned = self._check_owner_index()
-        assert len(free) + owned == n, f"free {len(free)} + owned {owned} != capacity {n}"
+        # free and owned are disjoint (above), so a slot with no owner off the free list breaks this
+        assert len(free) + owned == n, f"free {len(free)} + owned {owned} != capacity {n} (leaked slots)"
 
     def _check_owner_index(self) -> int:
         """The owner index agrees with the per-slot owners; returns how many slots are owned."""
         owned = 0
-        for s, owner in enumerate(self._owner):
+        for s, owner in self._owner.items():
             if owner is not None:
                 owned += 1
                 assert s in self._owned_by.get(owner, ()), f"slot {s} owned by {owner} is missing from its index"
@@ -624,8 +625,8 @@ class LinearStatePool:
             if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)):
                 raise TypeError(f"a slot id is an int, got {slot!r} ({type(slot).__name__})")
             slot = int(slot)
-        if not 0 <= slot < len(self._owner):
-            raise IndexError(f"slot {slot} outside [0, {len(self._owner)})")
+        if not 0 <= slot < self._capacity:
+            raise IndexError(f"slot {slot} outside [0, {self._capacity})")
         return slot
 
     def _release(self, s: int, owner: Owner) -> None:
@@ -790,12 +791,12 @@ class HostedStatePool(LinearStatePool):
         if got is None:
             raise PoolExhausted(self.capacity, int(n), owner)
         raw = [int(x) for x in got]
-        bad = [x for x in raw if not 0 <= x < len(self._owner) or x in self.reserved or self._owner[x] is not None]
+        bad = [x for x in raw if not 0 <= x < self._capacity or x in self.reserved or self._owner[x] is not None]
         if len(raw) != n or bad or len(set(raw)) != n:
             self.lender.give(raw)
             if bad:
                 x = bad[0]
-                cur = self._owner[x] if 0 <= x < len(self._owner) else None
+                cur = self._owner[x] if 0 <= x < self._capacity else None
                 why = "the host's allocator handed out a reserved or owned slot"
                 raise SlotMisuse(why, slot=x, owner=cur, actor=owner)
             raise PoolError(f"the host's allocator handed out {raw} when asked for {n} distinct slots; given back")
@@ -876,6 +877,20 @@ def _behind(after: Iterable[Fence], last_uses: Iterable[Fence]) -> list[Fence]:
 
 
 _T = TypeVar("_T")
+
+
+class _Default(dict[int, _T]):
+    """A per-slot value stored only for slots that were given one: a miss is ``default`` (not
+    stored). Hits cost a dict look-up."""
+
+    __slots__ = ("_default",)
+
+    def __init__(self, default: _T) -> None:
+        super().__init__()
+        self._default = default
+
+    def __missing__(self, slot: int) -> _T:
+        return self._default
 
 
 class _PerSlot(dict[int, _T]):
