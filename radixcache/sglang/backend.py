@@ -250,6 +250,8 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         a slot."""
         # Requests the policy heard of (admitted() once per request, however often it is matched).
         self._admitted: OrderedDict[Hashable, None] = OrderedDict()
+        if getattr(params, "enable_metrics", False):  # SGLang's --enable-metrics
+            self.init_metrics_collector()  # SGLang's radix-cache collector: evictions, load-backs
 
     @classmethod
     def from_build_context(cls, ctx: Any) -> RadixcacheHybridCache:
@@ -356,6 +358,8 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
             kv.mamba_pool_idx = got.reshape(-1)[0]
         if node.snapshot is None:
             self.stats["host_restores"] += 1
+            if self.metrics_collector is not None:  # a hit of `hit` tokens served from host memory
+                self.metrics_collector.increment_load_back_num_tokens(hit, "mamba")
         info = mgr.request_info(full, hit, session=_session(req))
         with self._lent(int(kv.mamba_pool_idx), ("sglang", req.rid)) as (slot, owner):
             mgr.restore(node, slot, dst_owner=owner, info=info)
@@ -443,8 +447,11 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
 
     def evict(self, params: EvictParams) -> EvictResult:
         """Free at least ``params.num_tokens`` KV tokens and ``params.mamba_num`` snapshots, in the
-        policy's order (or as many as are evictable)."""
+        policy's order (or as many as are evictable). With SGLang's metrics on, the KV tokens freed
+        and the pass's duration go to SGLang's eviction metrics."""
+        start = time.perf_counter()
         r = self.manager.evict(snapshots=int(params.mamba_num), kv_tokens=int(params.num_tokens))
+        self.update_eviction_metrics(r.kv_tokens, start)  # SGLang's sglang:evicted_tokens_total
         return EvictResult(num_tokens_evicted=r.kv_tokens, mamba_num_evicted=r.snapshots)
 
     def inc_lock_ref(self, node: Any) -> IncLockRefResult:

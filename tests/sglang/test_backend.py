@@ -301,10 +301,17 @@ def test_a_host_tier_keeps_what_sglangs_state_slots_cannot() -> None:
     env = H.make_env("radixcache", mamba_size=4)
     slot_bytes = env.cache.state_pool.layout.slot_bytes
     env.cache = RadixcacheHybridCache(env.cache_params, host_budget_bytes=32 * slot_bytes, clock=H.StepClock())
+    loads: list[tuple[int, str]] = []  # what SGLang's metrics collector would count (--enable-metrics)
+    env.cache.metrics_collector = SimpleNamespace(
+        increment_load_back_num_tokens=lambda n, pool: loads.append((n, pool)),
+        observe_eviction_duration=lambda s: None,
+        increment_eviction_num_tokens=lambda n: None,
+    )
     H.run_stream(env, 3, 300, concurrency=3)
     assert env.mismatches == []
     assert env.cache.stats["host_restores"] > 0 and env.cache.tree.num_host_snapshots > 0
     assert env.hit_tokens > without.hit_tokens
+    assert len(loads) == env.cache.stats["host_restores"] and all(n > 0 and p == "mamba" for n, p in loads)
 
 
 def test_the_policy_hears_of_a_request_once_however_often_it_is_matched() -> None:
@@ -447,3 +454,31 @@ def test_wrong_calls_between_a_streams_steps_raise_typed_errors_and_change_nothi
     assert not env.mismatches, env.mismatches[:3]
     assert len(seen) >= 10 and sum(seen.values()) >= 100, seen
     env.cache.sanity_check()
+
+
+def test_sglang_metrics_count_our_evictions() -> None:
+    """With SGLang's --enable-metrics the backend builds SGLang's radix-cache metrics collector, and
+    each eviction pass adds the KV tokens it freed to ``sglang:evicted_tokens_total``."""
+    from prometheus_client import REGISTRY
+
+    env = H.make_env("radixcache", kv_size=128, mamba_size=20)
+    params = env.cache_params
+    params.enable_metrics = True
+    from sglang.srt.runtime_context import get_parallel
+
+    with get_parallel().override(tp_rank=0, pp_rank=0):  # a scheduler's rank, as SGLang publishes it
+        cache = RadixcacheHybridCache(params, clock=H.StepClock())
+    assert cache.metrics_collector is not None
+    labels = {k: str(v) for k, v in cache.metrics_collector.labels.items()}
+
+    def evicted() -> float:
+        return REGISTRY.get_sample_value("sglang:evicted_tokens_total", labels) or 0.0
+
+    before = evicted()
+    for i, ids in enumerate([[1, 2, 3], [1, 2, 3, 4, 5, 6, 7], [10, 11, 12]]):
+        slot = _slot_with(env, len(ids), 100 + i)
+        cache.insert(InsertParams(key=RadixKey(ids), value=env.alloc.alloc(len(ids)), mamba_value=slot))
+        env.rtp.mamba_allocator.free(slot)
+    freed = cache.evict(EvictParams(num_tokens=4)).num_tokens_evicted
+    assert freed >= 4 and evicted() - before == freed
+    cache.sanity_check()
