@@ -59,11 +59,40 @@ def _run(kind: str, seed: int, n: int, *, host_slots: int = 0, **kw: Any) -> dic
     return out
 
 
+def _grid(n: int) -> None:
+    """The hit-token table over pool sizes (issue 33's acceptance), printed as JSON."""
+    cells: dict[str, Any] = {}
+    for slots in (10, 40, 200, 1000):
+        for seed in (0, 1):
+            row = {kind: _run(kind, seed, n, mamba_size=slots) for kind in ("builtin", "radixcache")}
+            b, r = row["builtin"]["hit_tokens"], row["radixcache"]["hit_tokens"]
+            cells[f"slots{slots}_seed{seed}"] = {
+                "builtin_hit_tokens": b,
+                "radixcache_hit_tokens": r,
+                "ratio": round(r / max(b, 1), 3),
+                "mismatches": row["builtin"]["mismatches"] + row["radixcache"]["mismatches"],
+                "raised": {k: v["raised"] for k, v in row.items() if "raised" in v},
+            }
+    ok = all(c["radixcache_hit_tokens"] >= c["builtin_hit_tokens"] and c["mismatches"] == 0 for c in cells.values())
+    print(json.dumps({"bench": "sglang_differential_grid", "requests_per_run": n, "cells": cells, "ok": ok}, indent=1))
+    if not ok:
+        raise SystemExit(1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=1000, help="requests per page-1 and page-4 run")
+    ap.add_argument(
+        "--slots-grid",
+        action="store_true",
+        help="instead: page 1 at 10, 40, 200 and 1,000 state slots, seeds 0 and 1, both caches; "
+        "ok needs our hit tokens at least the built-in's in every cell",
+    )
     args = ap.parse_args()
     n = args.requests
+    if args.slots_grid:
+        _grid(n)
+        return
     out: dict[str, Any] = {"bench": "sglang_differential", "requests_per_run": n}
     for seed in (0, 1):
         for kind in ("builtin", "radixcache"):

@@ -72,6 +72,15 @@ def _params(answer: int) -> dict[str, Any]:
     return {"temperature": 0.0, "max_new_tokens": answer, "ignore_eos": True}
 
 
+def _margin(top: list[float]) -> float:
+    """Top logprob minus the second (infinite when only one is known)."""
+    top = sorted(top, reverse=True)
+    return top[0] - top[1] if len(top) > 1 else float("inf")
+
+
+Answer = tuple[list[int], int, list[float]]  # answer ids, cached tokens, per-token margins
+
+
 def serve_engine(flags: list[str], wl: Workload) -> Served:
     """Every round of ``wl`` through SGLang's ``Engine``."""
     import sglang as sgl
@@ -80,10 +89,18 @@ def serve_engine(flags: list[str], wl: Workload) -> Served:
     out = Served()
     n = 0
 
-    async def one(req: Request, rid: str) -> tuple[list[int], int]:
+    async def one(req: Request, rid: str) -> Answer:
         if not req.abort:
-            r = await engine.async_generate(input_ids=req.prompt, sampling_params=_params(wl.answer), rid=rid)
-            return list(r["output_ids"]), int(r["meta_info"].get("cached_tokens", 0))
+            r = await engine.async_generate(
+                input_ids=req.prompt,
+                sampling_params=_params(wl.answer),
+                rid=rid,
+                return_logprob=True,
+                top_logprobs_num=2,
+            )
+            tops = r["meta_info"]["output_top_logprobs"]  # per position: [(logprob, id, text), ...]
+            margins = [_margin([t[0] for t in pos]) for pos in tops]
+            return list(r["output_ids"]), int(r["meta_info"].get("cached_tokens", 0)), margins
         gen = await engine.async_generate(
             input_ids=req.prompt, sampling_params=_params(wl.answer), rid=rid, stream=True
         )
@@ -91,14 +108,14 @@ def serve_engine(flags: list[str], wl: Workload) -> Served:
         engine.tokenizer_manager.abort_request(rid)  # after its first tokens
         async for chunk in gen:
             last = chunk
-        return list(last.get("output_ids", [])), int(last["meta_info"].get("cached_tokens", 0))
+        return list(last.get("output_ids", [])), int(last["meta_info"].get("cached_tokens", 0)), []
 
-    async def round_(batch: list[Request], base: int) -> list[tuple[list[int], int]]:
+    async def round_(batch: list[Request], base: int) -> list[Answer]:
         return list(await asyncio.gather(*(one(r, f"req-{base + i}") for i, r in enumerate(batch))))
 
     children = engine.get_all_child_pids()
 
-    async def watched(batch: list[Request], base: int) -> list[tuple[list[int], int]]:
+    async def watched(batch: list[Request], base: int) -> list[Answer]:
         """The round, failed as soon as one of the engine's processes dies (a scheduler that died
         leaves the engine waiting forever) and at the latest after ROUND_TIMEOUT_S."""
         import psutil  # type: ignore[import-untyped]
@@ -118,14 +135,15 @@ def serve_engine(flags: list[str], wl: Workload) -> Served:
         got = engine.loop.run_until_complete(watched(batch, n))
         n += len(batch)
         _record(out, batch, got)
-        wl.answered([a for a, _ in got])
+        wl.answered([a for a, _, _ in got])
         _wait_idle()
     engine.shutdown()
     return out
 
 
-def _record(out: Served, batch: list[Request], got: list[tuple[list[int], int]]) -> None:
-    for r, (answer, cached) in zip(batch, got, strict=True):
+def _record(out: Served, batch: list[Request], got: list[Answer]) -> None:
+    for r, (answer, cached, margins) in zip(batch, got, strict=True):
+        out.margins.append(margins)
         out.prompts.append(r.prompt)
         out.codewords.append(list(r.codeword))
         out.answers.append(answer)
@@ -174,31 +192,33 @@ def serve_http(flags: list[str], wl: Workload) -> Served:
                 raise TimeoutError("launch_server did not come up in 300 s")
             time.sleep(1)
 
-        def one(req: Request) -> tuple[list[int], int]:
+        def one(req: Request) -> Answer:
             body = {
                 "model": "default", "prompt": req.prompt, "max_tokens": wl.answer,
-                "temperature": 0.0, "ignore_eos": True, "stream": req.abort,
+                "temperature": 0.0, "ignore_eos": True, "stream": req.abort, "logprobs": 2,
             }  # fmt: skip
             if not req.abort:
                 r = requests.post(f"{url}/v1/completions", json=body, timeout=300)
                 r.raise_for_status()
                 js = r.json()
                 details = js["usage"].get("prompt_tokens_details") or {}
-                return _ids(js["choices"][0]["text"]), int(details.get("cached_tokens") or 0)
+                tops = js["choices"][0]["logprobs"]["top_logprobs"]  # per position: {token: logprob}
+                margins = [_margin(list(pos.values())) for pos in tops]
+                return _ids(js["choices"][0]["text"]), int(details.get("cached_tokens") or 0), margins
             with requests.post(f"{url}/v1/completions", json=body, timeout=300, stream=True) as r:
                 text = ""
                 for line in r.iter_lines():
                     if line.startswith(b"data: {"):
                         text += json.loads(line[6:])["choices"][0]["text"]
                         break  # close the stream after its first tokens: SGLang aborts the request
-            return _ids(text), 0
+            return _ids(text), 0, []
 
         out = Served()
         with ThreadPoolExecutor(max_workers=MAX_RUNNING) as pool:
             for batch in wl.plan():
                 got = list(pool.map(one, batch))
                 _record(out, batch, got)
-                wl.answered([a for a, _ in got])
+                wl.answered([a for a, _, _ in got])
                 _wait_idle()
         return out
     finally:

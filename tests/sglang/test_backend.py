@@ -33,16 +33,24 @@ def test_sglangs_plugin_loader_resolves_our_backend_name_to_our_factory() -> Non
     assert get_radix_cache_factory(BACKEND_NAME) is rc_plugin.factory
 
 
-def test_factory_refuses_what_it_does_not_serve_by_name() -> None:
-    env = H.make_env("builtin")  # pools only; the factory never reaches them when it refuses
-    ctx = SimpleNamespace(
-        params=SimpleNamespace(req_to_token_pool=env.rtp),
+def _build_context(params: Any, **server_args: Any) -> SimpleNamespace:
+    """SGLang's ``TreeCacheBuildContext`` for a hybrid model without hierarchical cache, its
+    ``server_args`` SGLang's defaults for what the factory reads, overridden by ``server_args``."""
+    sa = {"speculative_algorithm": None, "radix_eviction_policy": "lru", **server_args}
+    return SimpleNamespace(
+        params=params,
         is_hybrid_ssm=True,
         is_hybrid_swa=False,
-        enable_hierarchical_cache=True,
+        enable_hierarchical_cache=False,
         disable_radix_cache=False,
-        server_args=SimpleNamespace(speculative_algorithm="EAGLE"),
+        server_args=SimpleNamespace(**sa),
     )
+
+
+def test_factory_refuses_what_it_does_not_serve_by_name() -> None:
+    env = H.make_env("builtin")  # pools only; the factory never reaches them when it refuses
+    ctx = _build_context(SimpleNamespace(req_to_token_pool=env.rtp), speculative_algorithm="EAGLE")
+    ctx.enable_hierarchical_cache = True
     with pytest.raises(NotImplementedError, match=r"hierarchical cache.*speculative decoding"):
         rc_plugin.factory(ctx)
     ctx.enable_hierarchical_cache, ctx.server_args.speculative_algorithm, ctx.is_hybrid_ssm = False, None, False
@@ -63,15 +71,7 @@ def test_factory_refuses_what_it_does_not_serve_by_name() -> None:
 )
 def test_flags_that_bypass_the_cache_are_refused_at_start_by_name(flag: str, value: object, named: str) -> None:
     env = H.make_env("builtin")
-    sa = SimpleNamespace(**{"speculative_algorithm": None, "radix_eviction_policy": "lru", flag: value})
-    ctx = SimpleNamespace(
-        params=SimpleNamespace(req_to_token_pool=env.rtp),
-        is_hybrid_ssm=True,
-        is_hybrid_swa=False,
-        enable_hierarchical_cache=False,
-        disable_radix_cache=False,
-        server_args=sa,
-    )
+    ctx = _build_context(SimpleNamespace(req_to_token_pool=env.rtp), **{flag: value})
     with pytest.raises(NotImplementedError, match=re.escape(named)):
         rc_plugin.factory(ctx)
 
@@ -377,14 +377,7 @@ def test_register_refuses_a_foreign_factory_under_our_name_and_bad_host_budgets(
     env = H.make_env("radixcache")
     with pytest.raises(ValueError, match="host_budget_bytes must be an int >= 0, got -1"):
         RadixcacheHybridCache(env.cache_params, host_budget_bytes=-1)
-    ctx = SimpleNamespace(
-        params=env.cache_params,
-        is_hybrid_ssm=True,
-        is_hybrid_swa=False,
-        enable_hierarchical_cache=False,
-        disable_radix_cache=False,
-        server_args=SimpleNamespace(speculative_algorithm=None),
-    )
+    ctx = _build_context(env.cache_params)
     import os
 
     os.environ["RADIXCACHE_HOST_TIER_BYTES"] = "lots"

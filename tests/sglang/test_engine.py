@@ -98,12 +98,16 @@ def test_three_servers_answer_alike_with_noise_in_every_free_slot(
     builtin = _ok(serve(model, tmp, cache="builtin", mode=mode))
     ours = _ok(serve(model, tmp, cache="radixcache", mode=mode))
     assert len(truth.answers) >= MIN_REQUESTS and sum(truth.aborted) >= 3
+    ties: dict[str, list[int]] = {}
     for name, got in (("builtin", builtin), ("radixcache", ours)):
-        assert compare(truth, got) == [], f"{name} answered differently from the cold server"
+        wrong, ties[name] = compare(truth, got)
+        assert wrong == [], f"{name} answered differently from the cold server (not at a near tie)"
         assert foreign_codewords(got) == [], f"{name}: an answer holds another request's codeword"
         assert sum(got.cached) > 0, f"{name} served no cached tokens"
     assert sum(truth.cached) == 0
     assert sum(ours.cached) >= sum(builtin.cached)
+    assert ties["radixcache"] == ties["builtin"] and len(ties["radixcache"]) <= 3, ties  # float32 near ties only
+    print(f"\n{mode}: near ties {ties}; cached tokens built-in {sum(builtin.cached)}, ours {sum(ours.cached)}")
     for cache in ("none", "builtin", "radixcache"):
         noise = _RUNS[(cache, mode, "")].noise
         assert len(noise) >= 6 and all(s > 0 and r > 0 for s, r, _ in noise[1:]), noise  # every round
@@ -122,7 +126,7 @@ def test_a_backend_bug_is_caught_by_the_same_oracle(
     run = serve(model, tmp, cache="radixcache", inject=inject)
     if run.rc == 0:
         assert run.served is not None
-        assert compare(truth, run.served) != [], f"{inject}: every answer matched the cold server"
+        assert compare(truth, run.served)[0] != [], f"{inject}: every answer matched the cold server"
     else:
         assert "Traceback" in run.log, run.log  # the server failed loudly, it did not serve
 
