@@ -20,8 +20,6 @@ from typing import Any
 
 import torch
 
-from ..hybrid_weights import widen_and_remember
-
 VOCAB = 1024
 BLOCK = 640  # vLLM's hybrid block on this model (attention and state pages aligned)
 
@@ -57,7 +55,18 @@ def build_tiny_qwen3_next(out: Path, *, seed: int = 0) -> Path:
     )
     model: Any = Qwen3NextForCausalLM(cfg)
     model = model.to(torch.bfloat16)
-    widen_and_remember(model, seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.05)  # wide enough that greedy answers depend on the whole prompt
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                # Long memory: transformers draws A in (0, 16), and a GDN layer with decay
+                # exp(-A * dt) forgets its state within a few tokens, so a state restored wrong
+                # (even zeros) would barely change an answer. With A in (0.002, 0.02) a state
+                # carries over a few hundred tokens: a wrong one changes answers decisively.
+                p.copy_(torch.empty(p.shape).uniform_(0.002, 0.02, generator=gen).log())
     model.save_pretrained(out)
     return out
 
