@@ -1,5 +1,7 @@
-"""Random weights for the tiny hybrid models the engine tests build (vLLM's and SGLang's): wide
-enough that a greedy answer depends on the whole prompt, with a long linear-attention memory."""
+"""Random weights for the tiny hybrid models the engine tests build: wide enough that a greedy answer
+depends on the whole prompt, with a long linear-attention memory. Used by the SGLang tests' model;
+tests/vllm/harness.py still draws its Qwen3-Next the same way inline (the vLLM suite's exact
+figures were not re-verified with this helper on a machine where that suite passes)."""
 
 from __future__ import annotations
 
