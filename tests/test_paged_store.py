@@ -82,6 +82,26 @@ def test_a_saved_prefix_is_served_back_byte_for_byte() -> None:
     assert store.lookup("c", ids, computed=3 * B) is None, "nothing deeper than what the engine has"
 
 
+def test_only_a_hit_the_engine_loaded_counts_as_a_hit() -> None:
+    """A lookup's hit is an offer; released unloaded (the engine took none of it, or asks again
+    at a later step) it must not count, or the store's hit tokens overstate the engine's."""
+    store, eng = _store(), Engine()
+    ids = list(range(100, 100 + 3 * B))
+    eng.compute(ids, [0, 1, 2])
+    assert _save(store, eng, "a", ids, [0, 1, 2])
+    for _ in range(2):  # offered twice, not taken
+        hit = store.lookup("b", [*ids, 7], computed=B)
+        assert hit is not None
+        store.release(hit)
+    hit = store.lookup("b", [*ids, 7], computed=B)
+    assert hit is not None
+    store.release(hit, loaded=True)
+    st = store.describe()["stats"]
+    assert (st["offers"], st["offered_tokens"]) == (3, 3 * 2 * B)
+    assert (st["hits"], st["hit_tokens"]) == (1, 2 * B)
+    store.check_invariants()
+
+
 def test_a_later_save_copies_only_the_blocks_the_tree_lacks() -> None:
     store, eng = _store(), Engine()
     ids = list(range(1, 1 + 4 * B))

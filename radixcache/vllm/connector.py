@@ -364,7 +364,7 @@ class RadixcacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         while self._inflight and self._inflight[0].saved:
             meta = self._inflight.pop(0)
             for load in meta.loads:
-                self.store.release(load.hit)
+                self.store.release(load.hit, loaded=True)
             for save in meta.saves:
                 self.store.commit(save.plan)
 

@@ -152,7 +152,9 @@ class StoreStats:
     """What the store did (counts since it was built)."""
 
     lookups: int = 0
-    hits: int = 0
+    offers: int = 0  # lookups that found a verified snapshot (held for the engine)
+    offered_tokens: int = 0
+    hits: int = 0  # offers the engine loaded (released with ``loaded=True``)
     hit_tokens: int = 0
     saves: int = 0
     saved_pages: int = 0
@@ -313,6 +315,9 @@ class PagedHostStore:
     def describe(self) -> dict[str, Any]:
         """Sizes, counts and the manager's metrics, as plain data."""
         return {
+            "block_tokens": self.block,
+            "page_bytes": self.layout.page_bytes,
+            "slot_bytes": self.layout.state.slot_bytes,
             "pages": self.num_pages,
             "free_pages": self.pages.free_pages,
             "slots": self.num_slots,
@@ -320,6 +325,8 @@ class PagedHostStore:
             "snapshots": self.manager.cache.num_snapshots,
             "stats": {
                 "lookups": self.stats.lookups,
+                "offers": self.stats.offers,
+                "offered_tokens": self.stats.offered_tokens,
                 "hits": self.stats.hits,
                 "hit_tokens": self.stats.hit_tokens,
                 "saves": self.stats.saves,
@@ -383,17 +390,21 @@ class PagedHostStore:
                 self.stats.corrupt_snapshots += 1
                 self._discard(node)
                 continue
-            self.stats.hits += 1
-            self.stats.hit_tokens += d - computed
+            self.stats.offers += 1
+            self.stats.offered_tokens += d - computed
             self._held += 1
             return Hit(rid, node, computed, d, pages, slot, owner)
 
-    def release(self, hit: Hit) -> None:
-        """Let go of ``hit`` (its copy was loaded, or the engine took fewer tokens): its slot goes
-        back, its node is unlocked."""
+    def release(self, hit: Hit, *, loaded: bool = False) -> None:
+        """Let go of ``hit``: its slot goes back, its node is unlocked. ``loaded``: the engine
+        read the hit into its own blocks, and it counts in ``stats.hits`` / ``stats.hit_tokens``
+        (a hit the engine did not take, or looked up again at a later step, is an offer only)."""
         self.pool.free(hit.slot, hit.owner)
         self.manager.unlock(hit.node)
         self._held -= 1
+        if loaded:
+            self.stats.hits += 1
+            self.stats.hit_tokens += hit.end - hit.start
 
     def finished(self, rid: Hashable) -> None:
         """``rid`` ended: the next request of that id is a new request to the policy (and an
