@@ -19,7 +19,7 @@ $(CORE_STAMP): pyproject.toml Makefile
 	touch $(CORE_STAMP)
 
 $(STAMP): $(CORE_STAMP)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,dev,hf,prometheus,redis]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,dev,hf,prometheus,redis,triton]'
 	touch $(STAMP)
 
 demo: $(CORE_STAMP)

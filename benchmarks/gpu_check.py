@@ -9,7 +9,9 @@
   raw device copy of the same bytes: medians of host wall time (queue, copy, wait) and of device
   time (CUDA events around the call), and the ratios (target >= 0.8x the raw bandwidth);
 - ``fingerprint``: the slot's fingerprint against its clone (target <= 1.0x), and against one plain
-  read pass over the slot (``torch.sum`` of its words: the floor of any fingerprint);
+  read pass over the slot (``torch.sum`` of its words: the floor of any fingerprint); ``kernel``
+  says which path the pool took (``triton``: the fused kernel, when Triton imports), beside the
+  torch path's time and whether both give the same value (``equal_to_torch_path``);
 - ``hosted_stream``: an engine's own state tensors and slot list wrapped by a
   :class:`~linear_state.HostedStatePool` whose stream is the engine's forward stream
   (``CudaStream(stream=...)``, what the SGLang backend does): a long producer writes a request's
@@ -51,6 +53,7 @@ from linear_state import (
     StateLayout,
     cuda_fence_check,
 )
+from linear_state.fingerprint import SlotHasher
 from radixcache import HybridRadixCache
 from radixcache.testing.engine import EngineRequest, ReferenceEngine, generate_cold
 from radixcache.testing.hammer import HammerConfig, run_hammer
@@ -180,10 +183,24 @@ def clone_and_fingerprint(reps: int) -> tuple[dict[str, Any], dict[str, Any]]:
     def fingerprint() -> None:
         pool.fingerprint(src)
 
+    # The pool's hasher takes the fused Triton kernel on CUDA when Triton imports ("auto"); the
+    # torch path is the reference it must equal.
+    auto = SlotHasher([pool.conv, pool.recurrent])
+    reference = SlotHasher([pool.conv, pool.recurrent], kernel="torch")
+
+    def fingerprint_torch() -> None:
+        reference.fingerprint(src)
+
     def read_pass() -> None:  # the recurrent rows' words summed: one read of ~all the slot's bytes
         torch.sum(rec_words.reshape(rec_words.shape[0], -1).view(torch.int64))
 
-    fns = {"clone": clone, "raw": raw, "fingerprint": fingerprint, "read_pass": read_pass}
+    fns = {
+        "clone": clone,
+        "raw": raw,
+        "fingerprint": fingerprint,
+        "fingerprint_torch": fingerprint_torch,
+        "read_pass": read_pass,
+    }
     host: dict[str, list[float]] = {k: [] for k in fns}
     dev: dict[str, list[float]] = {k: [] for k in fns}
     for fn in fns.values():  # warm-up: kernels loaded, allocator blocks cached
@@ -214,6 +231,10 @@ def clone_and_fingerprint(reps: int) -> tuple[dict[str, Any], dict[str, Any]]:
         "device_read_pass_ms": round(d["read_pass"], 4),
         "device_fingerprint_over_clone": round(d["fingerprint"] / d["clone"], 3),
         "device_fingerprint_over_read_pass": round(d["fingerprint"] / d["read_pass"], 3),
+        "kernel": auto.kernel,
+        "equal_to_torch_path": auto.fingerprint(src) == reference.fingerprint(src) == pool.fingerprint(src),
+        "device_fingerprint_torch_ms": round(d["fingerprint_torch"], 4),
+        "device_fingerprint_torch_over_clone": round(d["fingerprint_torch"] / d["clone"], 3),
     }
     return clone_row, fingerprint_row
 

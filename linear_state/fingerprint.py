@@ -17,13 +17,18 @@ by another state, partly written or never written changes the sums of its blocks
 Cost: one read pass over the slot, on its device, as ``torch.sum`` over the innermost dimension:
 memory-bound and parallel on torch's own intra-op threads (the threads that just ran the clone), then
 a weighted sum of the ``rows x blocks`` partial sums (1/64 of the slot) and one 8-byte transfer to the
-host. ``benchmarks/bench_forensics.py`` and ``benchmarks/bench_pool.py`` measure it against a clone.
+host. On CUDA, with Triton importable, the same value comes from one fused kernel
+(:mod:`linear_state.fingerprint_triton`: read, block sums and weighted sum in one pass); the torch
+path stays the reference it is tested against. ``benchmarks/bench_forensics.py`` and
+``benchmarks/bench_pool.py`` measure it against a clone.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+from .fingerprint_triton import DEFAULT_CHUNK, TritonFingerprint, available, word_rows
 
 __all__ = ["BLOCK", "Fingerprint", "SlotHasher", "WORD_WEIGHT_SEED"]
 
@@ -65,9 +70,26 @@ class SlotHasher:
     buffer of partial sums), like the pool that owns it.
     """
 
-    def __init__(self, tensors: list[torch.Tensor], seed: int = WORD_WEIGHT_SEED) -> None:
+    def __init__(
+        self,
+        tensors: list[torch.Tensor],
+        seed: int = WORD_WEIGHT_SEED,
+        *,
+        kernel: str = "auto",
+        triton_chunk: int = DEFAULT_CHUNK,
+    ) -> None:
+        """:param kernel: ``"torch"`` (the reference: ``torch.sum`` per tensor, then the weighted
+            sum), ``"triton"`` (:mod:`linear_state.fingerprint_triton`'s fused kernel: the same
+            value bit for bit) or ``"auto"`` (Triton on CUDA when it imports and every tensor's
+            slot rows are contiguous, the torch path otherwise).
+        :param triton_chunk: blocks each program of the fused kernel reads (a power of two).
+        :raises ValueError: no tensors; an unknown ``kernel``; ``"triton"`` where Triton does not
+            import or a tensor's slot rows are not contiguous (a transposed layout).
+        """
         if not tensors:
             raise ValueError("SlotHasher needs at least one tensor")
+        if kernel not in ("auto", "torch", "triton"):
+            raise ValueError(f"kernel must be 'auto', 'torch' or 'triton', got {kernel!r}")
         gen = torch.Generator().manual_seed(seed)
         self._tensors = tensors
         self.device = tensors[0].device
@@ -80,6 +102,19 @@ class SlotHasher:
         on_cpu = self.device.type == "cpu"
         self._m_np = self._m.numpy() if on_cpu else None
         self._sums_np = self._sums.numpy() if on_cpu else None
+        self._fused: TritonFingerprint | None = None
+        if kernel == "triton" or (kernel == "auto" and self.device.type == "cuda"):
+            words_ok = all(word_rows(t, 0) is not None for t in tensors if t.shape[1])
+            if kernel == "triton" and not (available() and words_ok):
+                why = "Triton does not import" if not available() else "a tensor's slot rows are not contiguous"
+                raise ValueError(f"kernel='triton' cannot serve these tensors: {why}")
+            if kernel == "triton" or (self.device.type == "cuda" and available() and words_ok):
+                self._fused = TritonFingerprint(tensors, self._m, BLOCK, triton_chunk)
+
+    @property
+    def kernel(self) -> str:
+        """The path :meth:`fingerprint` takes: ``"triton"`` or ``"torch"``."""
+        return "torch" if self._fused is None else "triton"
 
     def fingerprint(self, slot: int) -> Fingerprint:
         """Fingerprint of ``slot`` across all tensors and layers.
@@ -87,6 +122,8 @@ class SlotHasher:
         One read pass on the tensors' device and one host transfer; O(slot bytes). Only
         meaningful once every write into the slot has landed (wait its fence first).
         """
+        if self._fused is not None:
+            return self._fused.fingerprint(slot)
         self._block_sums(slot)
         if self._m_np is not None and self._sums_np is not None:
             # numpy wraps int64 products and sums modulo 2**64 by definition

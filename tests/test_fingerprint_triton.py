@@ -1,0 +1,118 @@
+"""The fused Triton fingerprint (linear_state.fingerprint_triton) equals the torch path bit for bit.
+
+On the CPU the kernel runs through Triton's interpreter, which has to be switched on before the
+kernel is first built, so each check runs in a child process with ``TRITON_INTERPRET=1``. Slots
+hold random bytes (any bit pattern: NaNs and infinities included), every layout a supported family
+produces (transformers' configs and the model cards the docs table uses), the slot a strided row
+of a layer-major pool, and small layouts that exercise the short last block, rows narrower than a
+word and chunk sizes down to one block.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton", reason="the fused fingerprint needs Triton (pip install triton)")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_PRELUDE = """
+import json, torch
+from linear_state import StateLayout
+from linear_state.fingerprint import SlotHasher
+
+def random_pool(layout, slots, seed):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for shape, dtype in ((layout.conv_shape, layout.conv_dtype), (layout.recurrent_shape, layout.recurrent_dtype)):
+        t = torch.empty(layout.num_layers, slots, *shape, dtype=dtype)
+        raw = t.view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
+        out.append(t)
+    return out
+
+def compare(tensors, chunk, slots):
+    ref = SlotHasher(tensors, kernel="torch")
+    fused = SlotHasher(tensors, kernel="triton", triton_chunk=chunk)
+    assert fused.kernel == "triton" and ref.kernel == "torch"
+    return [(ref.fingerprint(s), fused.fingerprint(s)) for s in slots]
+"""
+
+
+def _child(body: str) -> object:
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
+    script = _PRELUDE + textwrap.dedent(body)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_the_fused_kernel_equals_the_torch_path_on_every_family_layout() -> None:
+    pytest.importorskip("transformers")
+    got = _child(
+        """
+        from linear_state.hf import FAMILIES
+        from radixcache.hf.table import real_config
+        out = {}
+        for i, fam in enumerate(FAMILIES):
+            layout = StateLayout.from_hf_config(real_config(fam))
+            pairs = compare(random_pool(layout, 2, i), 2048, [1])
+            out[fam] = [[str(a), str(b)] for a, b in pairs]
+        print(json.dumps(out))
+        """
+    )
+    assert isinstance(got, dict) and len(got) >= 13, got
+    for fam, pairs in got.items():
+        for ref, fused in pairs:
+            assert ref == fused, (fam, ref, fused)
+
+
+def test_short_blocks_narrow_rows_and_small_chunks_give_the_same_value() -> None:
+    got = _child(
+        """
+        cases = [
+            StateLayout(2, (3, 8), (2, 4, 4)),  # rows shorter than one block
+            StateLayout(3, (129, 5), (1, 65, 9), conv_dtype=torch.bfloat16),  # a short last block
+            StateLayout(2, (3,), (1,)),  # a 12-byte conv row (int32 words) and a 4-byte one
+            StateLayout(1, (5,), (3,), conv_dtype=torch.float16, recurrent_dtype=torch.float16),  # int16 words
+            StateLayout(2, (7,), (2, 3), conv_dtype=torch.float8_e4m3fn, recurrent_dtype=torch.float64),  # bytes
+        ]
+        out = []
+        for i, layout in enumerate(cases):
+            tensors = random_pool(layout, 4, 100 + i)
+            for chunk in (1, 2, 16):
+                out.extend([str(a), str(b)] for a, b in compare(tensors, chunk, range(4)))
+        # one changed byte changes the fused value too
+        tensors = random_pool(cases[1], 2, 7)
+        fused = SlotHasher(tensors, kernel="triton", triton_chunk=2)
+        before = fused.fingerprint(1)
+        tensors[1][2, 1].view(torch.uint8).view(-1)[1000] ^= 1
+        out.append([str(before != fused.fingerprint(1)), "True"])
+        print(json.dumps(out))
+        """
+    )
+    assert isinstance(got, list) and len(got) == 5 * 3 * 4 + 1
+    for ref, fused in got:
+        assert ref == fused
+
+
+def test_the_fused_kernel_refuses_what_it_cannot_read_and_auto_keeps_the_torch_path_on_the_cpu() -> None:
+    import torch
+
+    from linear_state.fingerprint import SlotHasher
+
+    conv = torch.zeros(2, 4, 3, 8).transpose(2, 3)  # a transposed window: rows not contiguous
+    rec = torch.zeros(2, 4, 2, 4)
+    with pytest.raises(ValueError, match="not contiguous"):
+        SlotHasher([conv, rec], kernel="triton")
+    with pytest.raises(ValueError, match="kernel must be"):
+        SlotHasher([rec], kernel="cuda")
+    assert SlotHasher([conv, rec]).kernel == "torch"  # auto: Triton is for CUDA tensors
