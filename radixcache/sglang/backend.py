@@ -311,18 +311,20 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         mgr = self.manager
         m = mgr.lookup(ids, namespace=ns) if not self.disable and ids.size else None
         admission = bool(params.cow_mamba) and req is not None
+        info = None  # what the policy hears of this admission: computed once, for both calls
         if admission:
             self.stats["admissions"] += 1
             if req.rid not in self._admitted:  # a request the scheduler could not add is matched again
                 self._admitted[req.rid] = None
                 if len(self._admitted) > _ADMITTED_MEMORY:
                     self._admitted.popitem(last=False)
-                mgr.admitted(mgr.request_info(full, 0 if m is None else m.cached_length, session=_session(req)))
+                info = mgr.request_info(full, 0 if m is None else m.cached_length, session=_session(req))
+                mgr.admitted(info)
         if m is None or m.cached_length == 0:
             return self._miss(ns)
         node = m.node
         if admission:
-            if not self._restore_into(req, node, full, m.cached_length):
+            if not self._restore_into(req, node, full, m.cached_length, info):
                 return self._miss(ns)
             self.stats["hit_tokens"] += m.cached_length
         n = m.cached_length
@@ -345,9 +347,10 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
             order.extend(members[j] for j in sub)
         return order
 
-    def _restore_into(self, req: Any, node: TreeNode, full: np.ndarray, hit: int) -> bool:
+    def _restore_into(self, req: Any, node: TreeNode, full: np.ndarray, hit: int, info: Any = None) -> bool:
         """Copy ``node``'s snapshot into the request's slot (allocated if it has none); the policy
-        hears of the hit of ``full`` (the request's ids) at depth ``hit``."""
+        hears of the hit of ``full`` (the request's ids) at depth ``hit`` (``info``: the
+        admission's request info of that hit, when the caller has it)."""
         kv = req.kv
         mgr = self.manager
         if not kv.holds_mamba:
@@ -360,7 +363,8 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
             self.stats["host_restores"] += 1
             if self.metrics_collector is not None:  # a hit of `hit` tokens served from host memory
                 self.metrics_collector.increment_load_back_num_tokens(hit, "mamba")
-        info = mgr.request_info(full, hit, session=_session(req))
+        if info is None:
+            info = mgr.request_info(full, hit, session=_session(req))
         with self._lent(int(kv.mamba_pool_idx), ("sglang", req.rid)) as (slot, owner):
             mgr.restore(node, slot, dst_owner=owner, info=info)
         kv.mamba_cow_src_index = None

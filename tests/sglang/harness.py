@@ -153,8 +153,17 @@ class Env:
         c.sanity_check()
 
 
-def make_env(kind: str, *, kv_size: int = 2048, mamba_size: int = 10, max_reqs: int = 8, page_size: int = 1) -> Env:
-    """``kind``: ``"builtin"`` (SGLang's UnifiedRadixCache, FULL + MAMBA) or ``"radixcache"``."""
+def make_env(
+    kind: str,
+    *,
+    kv_size: int = 2048,
+    mamba_size: int = 10,
+    max_reqs: int = 8,
+    page_size: int = 1,
+    tree_core: str = "python",
+) -> Env:
+    """``kind``: ``"builtin"`` (SGLang's UnifiedRadixCache, FULL + MAMBA, over its ``tree_core``:
+    ``"python"`` or SGLang's default ``"rust"``) or ``"radixcache"``."""
     setup_sglang(page_size)
     shape = Mamba2StateShape.create(
         tp_world_size=1, intermediate_size=16, n_groups=1, num_heads=2, head_dim=8, state_size=4, conv_kernel=4
@@ -179,7 +188,7 @@ def make_env(kind: str, *, kv_size: int = 2048, mamba_size: int = 10, max_reqs: 
         from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
         init.tree_components = (ComponentType.FULL, ComponentType.MAMBA)
-        init.tree_core_backend = "python"
+        init.tree_core_backend = tree_core
         cache: Any = UnifiedRadixCache(init)
     else:
         from radixcache.sglang.backend import RadixcacheHybridCache

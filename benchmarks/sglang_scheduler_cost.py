@@ -1,0 +1,225 @@
+"""What the scheduler's thread pays the cache per request (issue 35 item 1), as JSON: the same
+request streams through SGLang's scheduler-facing calls with the radixcache backend and with
+SGLang 0.5.23's ``UnifiedRadixCache`` (FULL + MAMBA) on its default Rust tree core, both in
+SGLang's real pools.
+
+The streams and the scheduler are the CPU differential harness's (tests/sglang/harness.py):
+SGLang's own helpers (``init_next_round_input``, ``release_kv_cache``, ``checkpoint_kv_cache``,
+``ensure_mamba_capacity``, ``release_req``) call the cache as SGLang's scheduler does. Only the
+cache's own calls are timed (the outermost call of each public method of the cache object:
+``match_prefix``, ``lock``/``unlock``, ``checkpoint``, ``insert``, ``claim_kv_row``,
+``free_kv_row``, ``on_release``, ``prefix_device_indices``, ``evict``, ...; a call made by
+another one is inside its caller's time), each call charged to the request the scheduler was
+admitting or stepping (a call outside any request, an eviction at idle, is charged to none but
+counts in the mean). SGLang's cache leaves a hit's state copy to the batch's preparation
+(``mamba_cow_src_index``); that copy is timed as its ``deferred_state_copy``, since radixcache
+makes the same copy inside ``match_prefix``.
+
+Sizes: the tree first caches ``size`` requests of the stream (untimed, nothing evicted: the pools
+hold them all), then the next ``--requests`` are timed. Per size and cache: per request (sum of
+its calls) p50, p99 and mean; per operation calls, p50, p99 and total. The two caches alternate
+within each repetition (the order flips each time); ratios ours / Rust are per repetition, the
+median reported. Both caches serve the identical stream; their hit tokens are printed beside.
+
+Runs where SGLang is importable (``make test-sglang`` builds ``.venv-sglang``)::
+
+    .venv-sglang/bin/python benchmarks/sglang_scheduler_cost.py [--sizes 10 200 10000]
+        [--requests 400] [--reps 3] [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import tests.sglang.conftest  # noqa: E402,F401  (inert stand-ins for SGLang's GPU-only imports)
+from tests.sglang import harness as H  # noqa: E402,N812
+
+# What SGLang's scheduler and its helpers call on a prefix cache (both caches answer to these).
+OPS = (
+    "match_prefix",
+    "lock",
+    "unlock",
+    "inc_lock_ref",
+    "dec_lock_ref",
+    "checkpoint",
+    "insert",
+    "cache_finished_req",
+    "cache_unfinished_req",
+    "claim_kv_row",
+    "free_kv_row",
+    "on_release",
+    "prefix_device_indices",
+    "path_device_indices",
+    "evict",
+    "evict_for_alloc",
+    "supports_mamba",
+    "swa_reprefill_tail_tokens",
+    "full_evictable_size",
+    "mamba_evictable_size",
+    "available_size",
+)
+
+
+class Meter:
+    """Wraps the cache instance's public calls: the outermost call's time, charged to the
+    request being admitted or stepped."""
+
+    def __init__(self, cache: Any, first_timed: int) -> None:
+        self.first_timed = first_timed
+        self.on = False
+        self.current: str | None = None
+        self.depth = 0
+        self.per_op: dict[str, list[int]] = defaultdict(list)
+        self.per_req: dict[str, int] = defaultdict(int)
+        self.unattributed = 0
+        for name in OPS:
+            fn = getattr(cache, name, None)
+            if callable(fn):
+                setattr(cache, name, self._wrap(name, fn))
+
+    def also(self, obj: Any, name: str, label: str) -> None:
+        """Time ``obj.name`` as the operation ``label`` too (outermost calls only)."""
+        setattr(obj, name, self._wrap(label, getattr(obj, name)))
+
+    def _wrap(self, name: str, fn: Any) -> Any:
+        clock = time.perf_counter_ns
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if self.depth or not self.on:
+                self.depth += 1
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    self.depth -= 1
+            self.depth = 1
+            t0 = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                dt = clock() - t0
+                self.depth = 0
+                self.per_op[name].append(dt)
+                if self.current is None:
+                    self.unattributed += dt
+                else:
+                    self.per_req[self.current] += dt
+
+        return timed
+
+    def enter(self, rid: str) -> None:
+        if not self.on and int(rid[1:]) >= self.first_timed:
+            self.on = True
+        self.current = rid if self.on else None
+
+    def leave(self) -> None:
+        self.current = None
+
+
+def _pct(xs: list[int], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))] / 1e3 if s else 0.0
+
+
+def _sizes(total: int, seed: int) -> tuple[int, int]:
+    """KV tokens and state slots that hold every request of the stream (nothing evicted)."""
+    toks = sum(len(p) + out for p, out, _ in H.stream(seed, total))
+    return toks + 4096, 4 * total + 64
+
+
+def run_one(kind: str, size: int, requests: int, seed: int) -> dict[str, Any]:
+    """The stream's first ``size`` requests cached untimed, the next ``requests`` timed."""
+    kv, slots = _sizes(size + requests, seed)
+    env = H.make_env(kind, kv_size=kv, mamba_size=slots, tree_core="rust")
+    meter = Meter(env.cache, size)
+    # SGLang's cache defers a hit's state copy (copy-on-write) to the batch's preparation, on the
+    # same thread; radixcache copies inside match_prefix. The deferred copy is the cache's work.
+    meter.also(env.rtp.mamba_pool, "copy_from", "deferred_state_copy")
+    orig = (H.admit, H.step)
+
+    def admit(env_: Any, run: Any, *a: Any, **k: Any) -> bool:
+        meter.enter(run.req.rid)
+        try:
+            return orig[0](env_, run, *a, **k)
+        finally:
+            meter.leave()
+
+    def step(env_: Any, run: Any, *a: Any, **k: Any) -> bool:
+        # SGLang's scheduler processes a batch's results (checkpoints, releases) inside one free
+        # group of the KV allocator: the frees are concatenated once, at the group's end.
+        env_.alloc.free_group_begin()
+        meter.enter(run.req.rid)
+        try:
+            return orig[1](env_, run, *a, **k)
+        finally:
+            meter.leave()
+            env_.alloc.free_group_end()
+
+    H.admit, H.step = admit, step  # type: ignore[assignment]  # run_stream looks them up at each call
+    try:
+        H.run_stream(env, seed, size + requests)
+    finally:
+        H.admit, H.step = orig
+    per_req = list(meter.per_req.values())
+    total_ns = sum(per_req) + meter.unattributed
+    return {
+        "cache": kind if kind == "radixcache" else "sglang-unified-rust",
+        "timed_requests": len(per_req),
+        "per_request_us": {
+            "p50": _pct(per_req, 0.5),
+            "p99": _pct(per_req, 0.99),
+            "mean": round(total_ns / max(1, len(per_req)) / 1e3, 2),
+        },
+        "unattributed_us": round(meter.unattributed / 1e3, 1),
+        "per_op": {
+            op: {"calls": len(v), "p50_us": _pct(v, 0.5), "p99_us": _pct(v, 0.99), "total_ms": round(sum(v) / 1e6, 2)}
+            for op, v in sorted(meter.per_op.items())
+        },
+        "hit_tokens": env.hit_tokens,
+        "mismatches": len(env.mismatches),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", type=int, nargs="+", default=[10, 200, 10000], help="requests cached before timing")
+    ap.add_argument("--requests", type=int, default=400, help="requests timed per run")
+    ap.add_argument("--reps", type=int, default=3, help="repetitions (the two caches alternate in each)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    out: dict[str, Any] = {"bench": "sglang_scheduler_cost", "requests_timed": args.requests, "sizes": {}}
+    for size in args.sizes:
+        runs: dict[str, list[dict[str, Any]]] = {"radixcache": [], "builtin": []}
+        for rep in range(args.reps):
+            order = ("radixcache", "builtin") if rep % 2 == 0 else ("builtin", "radixcache")
+            for kind in order:
+                runs[kind].append(run_one(kind, size, args.requests, args.seed))
+        ratios = {
+            k: statistics.median(
+                o["per_request_us"][k] / max(b["per_request_us"][k], 1e-9)
+                for o, b in zip(runs["radixcache"], runs["builtin"], strict=True)
+            )
+            for k in ("p50", "p99", "mean")
+        }
+        med = {kind: min(rs, key=lambda r: r["per_request_us"]["mean"]) for kind, rs in runs.items()}
+        out["sizes"][str(size)] = {
+            "ratio_ours_over_rust": {k: round(v, 3) for k, v in ratios.items()},
+            "per_request_us_each_rep": {kind: [r["per_request_us"] for r in rs] for kind, rs in runs.items()},
+            "fastest_rep": med,
+        }
+        print(json.dumps({str(size): out["sizes"][str(size)]["ratio_ours_over_rust"]}), file=sys.stderr)
+    out["ok"] = all(max(s["ratio_ours_over_rust"].values()) <= 0.8 for s in out["sizes"].values())
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
