@@ -38,7 +38,7 @@ def server_flags(model: Path, *, cache: str, strategy: str, page_size: int) -> l
         "--model-path", str(model), "--device", "cpu", "--attention-backend", "torch_native",
         "--dtype", "float32", "--disable-cuda-graph", "--max-total-tokens", "16384",
         "--max-running-requests", str(MAX_RUNNING), "--max-mamba-cache-size", str(STATE_SLOTS),
-        "--mem-fraction-static", "0.05", "--random-seed", "0", "--skip-server-warmup",
+        "--mem-fraction-static", "0.3", "--random-seed", "0", "--skip-server-warmup",
         "--enable-cache-report", "--page-size", str(page_size),
         "--mamba-radix-cache-strategy", strategy,
     ]  # fmt: skip
