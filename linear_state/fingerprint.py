@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .fingerprint_triton import DEFAULT_CHUNK, TritonFingerprint, available, word_rows
+from .fingerprint_triton import DEFAULT_CHUNK, TritonFingerprint, available, word_dtype, word_rows
 
 __all__ = ["BLOCK", "Fingerprint", "SlotHasher", "WORD_WEIGHT_SEED"]
 
@@ -53,14 +53,9 @@ def _odd_weights(shape: tuple[int, ...], generator: torch.Generator) -> torch.Te
 def _words(t: torch.Tensor) -> torch.Tensor:
     """The raw bytes of a contiguous tensor as int64 words (narrower words widened: still exact)."""
     flat = t.reshape(-1)
-    nbytes = flat.numel() * flat.element_size()
-    if nbytes % 8 == 0:
-        return flat.view(torch.int64)
-    if nbytes % 4 == 0:
-        return flat.view(torch.int32).to(torch.int64)
-    if nbytes % 2 == 0:
-        return flat.view(torch.int16).to(torch.int64)
-    return flat.view(torch.uint8).to(torch.int64)
+    dtype = word_dtype(flat.numel() * flat.element_size())
+    words = flat.view(dtype)
+    return words if dtype == torch.int64 else words.to(torch.int64)
 
 
 class SlotHasher:
@@ -104,12 +99,15 @@ class SlotHasher:
         self._sums_np = self._sums.numpy() if on_cpu else None
         self._fused: TritonFingerprint | None = None
         if kernel == "triton" or (kernel == "auto" and self.device.type == "cuda"):
-            words_ok = all(word_rows(t, 0) is not None for t in tensors if t.shape[1])
-            if kernel == "triton" and not (available() and words_ok):
-                why = "Triton does not import" if not available() else "a tensor's slot rows are not contiguous"
-                raise ValueError(f"kernel='triton' cannot serve these tensors: {why}")
-            if kernel == "triton" or (self.device.type == "cuda" and available() and words_ok):
+            why = None
+            if not available():
+                why = "Triton does not import"
+            elif any(word_rows(t, 0) is None for t in tensors if t.shape[1]):
+                why = "a tensor's slot rows are not contiguous"
+            if why is None:
                 self._fused = TritonFingerprint(tensors, self._m, BLOCK, triton_chunk)
+            elif kernel == "triton":
+                raise ValueError(f"kernel='triton' cannot serve these tensors: {why}")
 
     @property
     def kernel(self) -> str:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DEFAULT_CHUNK", "TritonFingerprint", "available", "word_rows"]
+__all__ = ["DEFAULT_CHUNK", "TritonFingerprint", "available", "word_dtype", "word_rows"]
 
 DEFAULT_CHUNK = 16  # blocks per program: 8 KiB read per program
 
@@ -70,11 +70,20 @@ def _kernel() -> Any:
     return fingerprint_rows
 
 
+def word_dtype(nbytes: int) -> torch.dtype:
+    """The word a row of ``nbytes`` bytes is summed in: int64 when 8 divides it, else int32, int16,
+    uint8 (narrower words are widened to int64 before summing). The one rule both fingerprint
+    paths follow: they agree bit for bit only while they cut rows into the same words."""
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        if nbytes % dtype.itemsize == 0:
+            return dtype
+    return torch.uint8
+
+
 def word_rows(t: torch.Tensor, slot: int) -> torch.Tensor | None:
-    """``t[:, slot]`` as ``[L, words]`` rows of the widest integer word its row bytes divide into
-    (int64, else int32, int16, uint8: the words :mod:`linear_state.fingerprint` sums, narrower
-    ones widened to int64 by the kernel as the torch path widens them), without a copy; ``None``
-    when a row is not contiguous in memory (such a layout takes the torch path)."""
+    """``t[:, slot]`` as ``[L, words]`` rows of :func:`word_dtype`'s words, without a copy; ``None``
+    when a row is not contiguous in memory or the rows' spacing is not a whole number of words
+    (such a layout takes the torch path)."""
     rows = t[:, slot]
     layers = rows.shape[0]
     if layers == 0 or not rows[0].is_contiguous():
@@ -82,15 +91,13 @@ def word_rows(t: torch.Tensor, slot: int) -> torch.Tensor | None:
     flat = rows.reshape(layers, -1)
     if flat.data_ptr() != rows.data_ptr() or (flat.shape[1] > 1 and flat.stride(1) != 1):
         return None
-    nbytes = flat.shape[1] * flat.element_size()
-    for dtype in (torch.int64, torch.int32, torch.int16, torch.uint8):
-        size = torch.empty(0, dtype=dtype).element_size()
-        if nbytes % size == 0 and (flat.stride(0) * flat.element_size()) % size == 0:
-            try:
-                return flat.view(dtype)
-            except RuntimeError:
-                return None
-    return None
+    dtype = word_dtype(flat.shape[1] * flat.element_size())
+    if (flat.stride(0) * flat.element_size()) % dtype.itemsize:
+        return None
+    try:
+        return flat.view(dtype)
+    except RuntimeError:
+        return None
 
 
 class TritonFingerprint:

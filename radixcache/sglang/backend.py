@@ -57,7 +57,7 @@ from ..core.events import free_kv_to
 from ..core.policy import DonationReason, Policy
 from ..core.tree import HybridRadixCache, TreeNode
 from ..manager.cache_manager import CacheManager
-from ..policies import HitDensity
+from ..policies import HitDensity, RequestInfo
 
 __all__ = ["RadixcacheHybridCache", "SGLangSlots", "sglang_state_pool"]
 
@@ -358,7 +358,9 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
             order.extend(members[j] for j in sub)
         return order
 
-    def _restore_into(self, req: Any, node: TreeNode, full: np.ndarray, hit: int, info: Any = None) -> bool:
+    def _restore_into(
+        self, req: Any, node: TreeNode, full: np.ndarray, hit: int, info: RequestInfo | None = None
+    ) -> bool:
         """Copy ``node``'s snapshot into the request's slot (allocated if it has none); the policy
         hears of the hit of ``full`` (the request's ids) at depth ``hit`` (``info``: the
         admission's request info of that hit, when the caller has it)."""
