@@ -78,13 +78,17 @@ class SlotHasher:
             value bit for bit) or ``"auto"`` (Triton on CUDA when it imports and every tensor's
             slot rows are contiguous, the torch path otherwise).
         :param triton_chunk: blocks each program of the fused kernel reads (a power of two).
-        :raises ValueError: no tensors; an unknown ``kernel``; ``"triton"`` where Triton does not
+        :raises ValueError: no tensors; an unknown ``kernel``; a ``triton_chunk`` that is not a power
+            of two; ``"triton"`` where Triton does not
             import or a tensor's slot rows are not contiguous (a transposed layout).
         """
         if not tensors:
             raise ValueError("SlotHasher needs at least one tensor")
         if kernel not in ("auto", "torch", "triton"):
             raise ValueError(f"kernel must be 'auto', 'torch' or 'triton', got {kernel!r}")
+        chunk_ok = type(triton_chunk) is int and triton_chunk >= 1 and not triton_chunk & (triton_chunk - 1)
+        if not chunk_ok:
+            raise ValueError(f"triton_chunk must be a power of two >= 1, got {triton_chunk!r}")
         gen = torch.Generator().manual_seed(seed)
         self._tensors = tensors
         self.device = tensors[0].device

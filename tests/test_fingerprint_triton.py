@@ -115,4 +115,7 @@ def test_the_fused_kernel_refuses_what_it_cannot_read_and_auto_keeps_the_torch_p
         SlotHasher([conv, rec], kernel="triton")
     with pytest.raises(ValueError, match="kernel must be"):
         SlotHasher([rec], kernel="cuda")
+    for bad in (0, 3, 2.0, True):
+        with pytest.raises(ValueError, match="triton_chunk must be"):
+            SlotHasher([rec], triton_chunk=bad)  # type: ignore[arg-type]
     assert SlotHasher([conv, rec]).kernel == "torch"  # auto: Triton is for CUDA tensors
