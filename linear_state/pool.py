@@ -141,7 +141,7 @@ class LinearStatePool:
         self._id_type: type[SlotId] | None = type(self._ids[0]) if num_slots else None
         self._last_use: _Default[Fence] = _Default(COMPLETE)
         self._owned_by: dict[Owner, set[SlotId]] = {}
-        self._hasher = SlotHasher([self.conv, self.recurrent])
+        self._hasher_made: SlotHasher | None = None  # made at the first fingerprint (see _hasher)
         # Per-slot views ([L, ...] each), made once per slot: indexing a view per copy costs more
         # than the copy of a small slot. Hot path of clone/restore; see benchmarks/bench_tree.py.
         self._conv_rows: _PerSlot[torch.Tensor] = _PerSlot(lambda i: conv[:, i])
@@ -153,6 +153,15 @@ class LinearStatePool:
         self._copy_rows: _PerSlot[tuple[torch.Tensor, torch.Tensor]] = _PerSlot(
             lambda i: (_widest(self._conv_rows[i]), _widest(self._rec_rows[i]))
         )
+
+    @property
+    def _hasher(self) -> SlotHasher:
+        """The pool's slot hasher, made at its first use: its weights cost a tenth of a millisecond,
+        which a pool that never fingerprints (forensics off) should not pay at start-up."""
+        h = self._hasher_made
+        if h is None:
+            h = self._hasher_made = SlotHasher([self.conv, self.recurrent])
+        return h
 
     # ------------------------------------------------------------------ sizes
     @property
