@@ -16,12 +16,20 @@ How it maps SGLang's calls (see docs/sglang.md):
   taken only where the state is exactly at the inserted key's end (``up_to`` on a page
   boundary): the KV of a cut tail stays the request's, and no state is ever filed at a depth it
   does not belong to.
+- The extra buffer (``--mamba-radix-cache-strategy extra_buffer``, SGLang's default with overlap
+  scheduling or pages above 1): the request's working slot runs ahead of what the scheduler has
+  processed, so ``checkpoint`` clones the state SGLang's runner left in the request's ping-pong
+  track slot instead, filed at the depth SGLang recorded for it (``mamba_last_track_seqlen``; when
+  that ran past ``up_to`` at the finish, the other track slot's earlier state, as SGLang's own
+  cache chooses), and the KV past that depth stays the request's. The runner writes the next
+  state into the other track slot, so the one cloned is not being written.
 - ``evict``: both currencies through radixcache's policy (:class:`~radixcache.CacheManager`'s
   ``evict``), KV freed through SGLang's allocator.
 
-Refused at start with a message (not served correctly yet): the mamba extra buffer (ping-pong
-tracking), speculative decoding, int8 state checkpoints, virtual mamba slot ids, SWA components,
-several conv states per layer, hierarchical cache and disabled radix cache.
+Refused at start with a message (not served correctly yet): the lazy extra buffer
+(``extra_buffer_lazy``: track slots taken on demand), speculative decoding, int8 state
+checkpoints, virtual mamba slot ids, SWA components, several conv states per layer, hierarchical
+cache and disabled radix cache.
 """
 
 from __future__ import annotations
@@ -116,8 +124,11 @@ def _refusals(params: Any) -> list[str]:
     if not isinstance(rtp, HybridReqToTokenPool):
         out.append(f"a model without linear-attention state (req_to_token_pool is {type(rtp).__name__})")
         return out
-    if getattr(rtp, "enable_mamba_extra_buffer", False):
-        out.append("the mamba extra buffer (ping-pong tracking): run with --mamba-radix-cache-strategy no_buffer")
+    if getattr(rtp, "enable_mamba_extra_buffer_lazy", False):
+        out.append(
+            "the lazy mamba extra buffer (--mamba-radix-cache-strategy extra_buffer_lazy):"
+            " run with extra_buffer or no_buffer"
+        )
     if getattr(rtp, "mamba_v2p_table", None) is not None:
         out.append("virtual mamba slot ids (a unified memory pool)")
     mp = rtp.mamba_pool
@@ -235,6 +246,8 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
         self.page_size = int(params.page_size)
         self.disable = bool(params.disable)
+        self.extra_buffer = bool(getattr(self.req_to_token_pool, "enable_mamba_extra_buffer", False))
+        """SGLang's extra buffer: snapshots come from the request's track slots (module docstring)."""
         self.clock = clock
         self.state_pool = sglang_state_pool(self.req_to_token_pool, stream=stream)
         self.tree = HybridRadixCache(self.state_pool, page_size=self.page_size, on_event=free_kv_to(self._free_kv))
@@ -427,18 +440,27 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
     def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
         """Insert ``[cache_protected_len, up_to)`` of the request's row, donating a clone of its
         state when ``up_to`` is page aligned, then repoint the row onto the tree's KV, move the
-        request's lock to the deepest snapshot it reaches and advance ``cache_protected_len``."""
+        request's lock to the deepest snapshot it reaches and advance ``cache_protected_len``.
+        With the extra buffer: the row up to the tracked state's depth (:meth:`_tracked`), with a
+        clone of that track slot; nothing when no state was tracked since the last checkpoint."""
         if self.disable:
             return
+        kvr = req.kv
+        if self.extra_buffer:
+            tracked = self._tracked(req, int(up_to))
+            if tracked is None:
+                return
+            up_to, slot = tracked
         ids = _ids(req.full_untruncated_fill_ids[:up_to])
         n = int(ids.size)
-        prot = int(req.kv.cache_protected_len)
+        prot = int(kvr.cache_protected_len)
         if n <= prot:
             return
-        row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+        row = self.req_to_token_pool.req_to_token[kvr.req_pool_idx]
         kv = row[:n]
         ns = _namespace(req.extra_key, getattr(req, "cache_salt", None))
-        slot = int(req.kv.mamba_pool_idx) if req.kv.holds_mamba and n % self.page_size == 0 else None
+        if not self.extra_buffer:
+            slot = int(kvr.mamba_pool_idx) if kvr.holds_mamba and n % self.page_size == 0 else None
         res = self._insert(ids, kv, slot, ns, ("sglang", req.rid), req)
         node = res.node
         if not (HybridRadixCache.holds_snapshot(node) or node.host is not None) or node.depth <= prot:
@@ -454,6 +476,33 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         req.lock = self.lock(node)
         req.kv.cache_protected_len = depth
         req.last_node = node
+
+    def _tracked(self, req: Any, up_to: int) -> tuple[int, int | None] | None:
+        """The extra buffer's state to file at a checkpoint up to ``up_to``: ``(depth, track slot)``,
+        or ``None`` when there is none. The latest tracked state (``mamba_last_track_seqlen``, in
+        the slot ``mamba_last_track_idx``); at the finish, when that ran past ``up_to``, the other
+        slot's earlier one (``mamba_prev_track_seqlen``), as SGLang's own cache chooses. A running
+        request's tracked depths are then cleared (SGLang's protocol): its next checkpoint files
+        only what its runner tracks after this one."""
+        kvr = req.kv
+        buf = kvr.mamba_ping_pong_track_buffer
+        last = kvr.mamba_last_track_seqlen
+        if not req.finished():
+            kvr.mamba_last_track_seqlen = None
+            kvr.mamba_prev_track_seqlen = None
+        if buf is None or last is None:
+            return None
+        keep = int(kvr.mamba_last_track_idx)
+        depth = int(last)
+        if depth > up_to:
+            prev = kvr.mamba_prev_track_seqlen
+            two = self.req_to_token_pool.mamba_ping_pong_track_buffer_size == 2
+            if not req.finished() or not two or prev is None or int(prev) > up_to:
+                return None
+            depth, keep = int(prev), 1 - keep
+        if depth % self.page_size:
+            return None  # SGLang tracks on its page grid: a state off it has no key to file under
+        return depth, int(buf[keep])
 
     def on_release(self, req: Any, *, checkpointed: bool) -> None:
         """The request's row is freed and its lock dropped: its mamba slot goes back to SGLang's

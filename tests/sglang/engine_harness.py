@@ -164,6 +164,8 @@ class Served:
     cached: list[int] = field(default_factory=list)
     margins: list[list[float]] = field(default_factory=list)
     """Per request and answer position, the top choice's logprob minus the second's (nats)."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """The server's settings as SGLang resolved them (:data:`CONFIG_KEYS`), read back from it."""
 
     def to_json(self) -> dict[str, Any]:
         """The JSON the serve script prints."""
@@ -174,6 +176,15 @@ class Served:
         """Back from :meth:`to_json`."""
         return cls(**d)
 
+
+#: The resolved server settings a run records: which strategy and scheduling SGLang actually ran.
+CONFIG_KEYS = (
+    "mamba_radix_cache_strategy",
+    "disable_overlap_schedule",
+    "page_size",
+    "radix_cache_backend",
+    "disable_radix_cache",
+)
 
 #: Two greedy runs may part where the ground truth's two best tokens are this close (nats): a prefix
 #: served from cache is computed in other chunks than a cold prefill (a decode step's recurrence,

@@ -2,7 +2,12 @@
 through SGLang's own scheduler-side helpers over a seeded request stream.
 
 The model is simulated: the state after tokens ``t[0:n]`` is a function of ``(n, H(t[0:n]))`` (a
-rolling hash), written into the request's mamba slot by each forward. Before a forward over
+rolling hash), written into the request's mamba slot by each forward. With SGLang's extra buffer
+(``make_env(extra_buffer=True)``), a forward also leaves the state at a tracking boundary it
+crossed in the request's next ping-pong track slot and records it as SGLang's runner and batch
+result processing do (``mamba_last_track_idx`` / ``_seqlen``, ``mamba_prev_track_seqlen``): a
+prefill chunk at ``start + k * grid`` (its deepest whole grid step from where it started), a
+decode step when its new length is on the grid. Before a forward over
 ``[start, end)`` the slot must hold the state of exactly ``t[0:start]``: a restored hit of the
 wrong depth or content, a slot overwritten by someone else, a snapshot filed at the wrong depth,
 all show up as a *state mismatch*. Nothing else is checked by the forward; the caller checks
@@ -11,6 +16,7 @@ SGLang's accounting when idle.
 
 from __future__ import annotations
 
+import math
 import random
 from array import array
 from collections.abc import Callable
@@ -76,6 +82,7 @@ class Env:
     alloc: TokenToKVPoolAllocator
     kv_size: int
     mamba_size: int
+    track_grid: int = 0  # the extra buffer's tracking grid (0: no extra buffer)
     mismatches: list[str] = field(default_factory=list)
     hit_tokens: int = 0
     requests: int = 0  # admissions, resumed requests included
@@ -118,6 +125,23 @@ class Env:
                 f"forward from {start} needs hash {hashes[start]}"
             )
         self.write_state(slot, end, hashes[end])
+        grid = self.track_grid
+        if grid:
+            depth = start + (end - start) // grid * grid if end - start > 1 else end - end % grid
+            if depth > start or (end - start == 1 and end % grid == 0):
+                self.track(req, depth, hashes[depth])
+
+    def track(self, req: Req, depth: int, h: int) -> None:
+        """SGLang's extra-buffer tracking of the state after ``depth`` tokens (hash ``h``): written
+        into the request's next track slot, which becomes the latest; the previous latest is kept
+        as the earlier one."""
+        kv = req.kv
+        nxt = int(kv.mamba_next_track_idx)
+        self.write_state(int(kv.mamba_ping_pong_track_buffer[nxt]), depth, h)
+        kv.mamba_prev_track_seqlen = kv.mamba_last_track_seqlen
+        kv.mamba_last_track_seqlen = depth
+        kv.mamba_last_track_idx = nxt
+        kv.mamba_next_track_idx = self.rtp.get_mamba_ping_pong_other_idx(nxt)
 
     # ---------------------------------------------------------------- accounting
     def idle_check(self) -> None:
@@ -161,9 +185,12 @@ def make_env(
     max_reqs: int = 8,
     page_size: int = 1,
     tree_core: str = "python",
+    extra_buffer: bool = False,
 ) -> Env:
     """``kind``: ``"builtin"`` (SGLang's UnifiedRadixCache, FULL + MAMBA, over its ``tree_core``:
-    ``"python"`` or SGLang's default ``"rust"``) or ``"radixcache"``."""
+    ``"python"`` or SGLang's default ``"rust"``) or ``"radixcache"``. ``extra_buffer``: SGLang's
+    extra-buffer strategy with overlap scheduling (two track slots per request, tracked on a grid
+    of ``lcm(64, page_size)`` tokens)."""
     setup_sglang(page_size)
     shape = Mamba2StateShape.create(
         tp_world_size=1, intermediate_size=16, n_groups=1, num_heads=2, head_dim=8, state_size=4, conv_kernel=4
@@ -178,11 +205,17 @@ def make_env(
         enable_memory_saver=False,
         cache_params=params,
         mamba_layer_ids=list(range(LAYERS)),
-        enable_mamba_extra_buffer=False,
-        enable_overlap_schedule=False,
+        enable_mamba_extra_buffer=extra_buffer,
+        enable_overlap_schedule=extra_buffer,
     )
     alloc = TokenToKVPoolAllocator(size=kv_size, dtype=torch.bfloat16, device="cpu", kvcache=None, need_sort=False)
-    init = CacheInitParams(req_to_token_pool=rtp, token_to_kv_pool_allocator=alloc, page_size=page_size, disable=False)
+    init = CacheInitParams(
+        req_to_token_pool=rtp,
+        token_to_kv_pool_allocator=alloc,
+        page_size=page_size,
+        disable=False,
+        enable_mamba_extra_buffer=extra_buffer,
+    )
     if kind == "builtin":
         from sglang.srt.mem_cache.unified_cache.components import ComponentType
         from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
@@ -194,7 +227,8 @@ def make_env(
         from radixcache.sglang.backend import RadixcacheHybridCache
 
         cache = RadixcacheHybridCache(init, clock=StepClock())
-    return Env(cache, init, rtp, alloc, kv_size, mamba_size)
+    grid = math.lcm(64, page_size) if extra_buffer else 0
+    return Env(cache, init, rtp, alloc, kv_size, mamba_size, grid)
 
 
 # -------------------------------------------------------------------- the request stream

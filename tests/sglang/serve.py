@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from .engine_harness import Request, Served, Workload
+from .engine_harness import CONFIG_KEYS, Request, Served, Workload
 
 MAX_RUNNING = 16
 STATE_SLOTS = 128
@@ -33,15 +33,18 @@ ROUND_TIMEOUT_S = 180
 
 def server_flags(model: Path, *, cache: str, strategy: str, page_size: int) -> list[str]:
     """``launch_server``'s flags for one of the three servers (``cache``: ``none`` disables SGLang's
-    prefix cache, ``builtin`` keeps SGLang's own, ``radixcache`` selects ours)."""
+    prefix cache, ``builtin`` keeps SGLang's own, ``radixcache`` selects ours). ``strategy``
+    ``auto`` passes no strategy flag: SGLang's default, which with overlap scheduling on (its
+    default too) resolves to ``extra_buffer``; ``no_buffer`` needs overlap scheduling off."""
     flags = [
         "--model-path", str(model), "--device", "cpu", "--attention-backend", "torch_native",
         "--dtype", "float32", "--disable-cuda-graph", "--max-total-tokens", "16384",
         "--max-running-requests", str(MAX_RUNNING), "--max-mamba-cache-size", str(STATE_SLOTS),
         "--mem-fraction-static", "0.3", "--random-seed", "0", "--skip-server-warmup",
         "--enable-cache-report", "--page-size", str(page_size),
-        "--mamba-radix-cache-strategy", strategy,
     ]  # fmt: skip
+    if strategy != "auto":
+        flags += ["--mamba-radix-cache-strategy", strategy]
     if strategy == "no_buffer":
         flags.append("--disable-overlap-schedule")
     if cache == "none":
@@ -86,7 +89,8 @@ def serve_engine(flags: list[str], wl: Workload) -> Served:
     import sglang as sgl
 
     engine = sgl.Engine(**_engine_kwargs(flags), log_level="warning")
-    out = Served()
+    resolved = engine.tokenizer_manager.server_args.resolved_dict()  # what `auto` resolved to
+    out = Served(config={k: resolved.get(k) for k in CONFIG_KEYS})
     n = 0
 
     async def one(req: Request, rid: str) -> Answer:
@@ -213,7 +217,8 @@ def serve_http(flags: list[str], wl: Workload) -> Served:
                         break  # close the stream after its first tokens: SGLang aborts the request
             return _ids(text), 0, []
 
-        out = Served()
+        info = requests.get(f"{url}/server_info", timeout=30).json()
+        out = Served(config={k: info.get(k) for k in CONFIG_KEYS})
         with ThreadPoolExecutor(max_workers=MAX_RUNNING) as pool:
             for batch in wl.plan():
                 got = list(pool.map(one, batch))
@@ -236,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--cache", choices=("none", "builtin", "radixcache"), required=True)
     ap.add_argument("--mode", choices=("engine", "http"), default="engine")
-    ap.add_argument("--strategy", choices=("no_buffer", "extra_buffer"), default="no_buffer")
+    ap.add_argument("--strategy", choices=("no_buffer", "extra_buffer", "auto"), default="no_buffer")
     ap.add_argument("--page-size", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)

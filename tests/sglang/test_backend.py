@@ -76,14 +76,70 @@ def test_flags_that_bypass_the_cache_are_refused_at_start_by_name(flag: str, val
         rc_plugin.factory(ctx)
 
 
-def test_extra_buffer_pools_are_refused_at_start() -> None:
+def test_the_lazy_extra_buffer_is_refused_at_start_by_name() -> None:
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
-    env = H.make_env("builtin")
-    env.rtp.enable_mamba_extra_buffer = True
+    env = H.make_env("builtin", extra_buffer=True)
+    env.rtp.enable_mamba_extra_buffer_lazy = True
     init = CacheInitParams(req_to_token_pool=env.rtp, token_to_kv_pool_allocator=env.alloc, page_size=1, disable=False)
-    with pytest.raises(NotImplementedError, match="--mamba-radix-cache-strategy no_buffer"):
+    with pytest.raises(NotImplementedError, match="extra_buffer_lazy"):
         RadixcacheHybridCache(init)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_extra_buffer_stream_against_sglangs_builtin_cache(page_size: int) -> None:
+    """SGLang's extra buffer (two track slots per request, the runner's tracking simulated as
+    SGLang's runner and result processing leave it): 300 seeded requests, every forward finds
+    its prefix's exact state (a snapshot filed from the working slot, which has run past the
+    tracked depth, would not be), SGLang's accounting holds when idle (track slots included),
+    hit tokens at least the built-in's, which takes the same tracked states."""
+    envs = {}
+    for kind in ("builtin", "radixcache"):
+        env = H.make_env(kind, extra_buffer=True, mamba_size=30, page_size=page_size)
+        H.run_stream(env, page_size, 300, chunk=128)
+        assert env.mismatches == [], env.mismatches[:3]
+        envs[kind] = env
+    ours, theirs = envs["radixcache"], envs["builtin"]
+    assert ours.cache.extra_buffer and ours.cache.stats["donations"] > 0
+    assert ours.requests == theirs.requests == 300
+    assert ours.hit_tokens >= theirs.hit_tokens > 0
+
+
+def _tracking(env: H.Env, *, last: int | None, prev: int | None, finished: bool) -> Any:
+    """A request holding a working slot and two track slots: slot ``buf[1]`` the latest tracked
+    state (``last`` tokens), ``buf[0]`` the earlier one (``prev``)."""
+    slots = env.rtp.mamba_allocator.alloc(3)
+    assert slots is not None
+    kv = SimpleNamespace(
+        mamba_pool_idx=slots[0],
+        mamba_ping_pong_track_buffer=slots[1:],
+        mamba_last_track_idx=1,
+        mamba_last_track_seqlen=last,
+        mamba_prev_track_seqlen=prev,
+    )
+    return SimpleNamespace(kv=kv, finished=lambda: finished)
+
+
+def test_extra_buffer_checkpoints_take_the_tracked_state_sglang_takes() -> None:
+    env = H.make_env("radixcache", extra_buffer=True, page_size=4, mamba_size=30)
+    cache = env.cache
+    req = _tracking(env, last=128, prev=64, finished=False)
+    late = int(req.kv.mamba_ping_pong_track_buffer[1])
+    assert cache._tracked(req, 130) == (128, late)  # the latest, not the working slot
+    assert req.kv.mamba_last_track_seqlen is None and req.kv.mamba_prev_track_seqlen is None  # consumed
+    assert cache._tracked(req, 130) is None  # nothing tracked since
+    req = _tracking(env, last=128, prev=64, finished=False)
+    assert cache._tracked(req, 100) is None  # ran past a running request's key: nothing
+    req = _tracking(env, last=128, prev=64, finished=True)
+    early = int(req.kv.mamba_ping_pong_track_buffer[0])
+    assert cache._tracked(req, 100) == (64, early)  # at the finish: the earlier state
+    assert req.kv.mamba_last_track_seqlen == 128  # a finished request's record is left to SGLang
+    req = _tracking(env, last=128, prev=None, finished=True)
+    assert cache._tracked(req, 100) is None
+    req = _tracking(env, last=126, prev=None, finished=True)
+    assert cache._tracked(req, 130) is None  # off the page grid: no key to file it under
+    req = _tracking(env, last=None, prev=None, finished=True)
+    assert cache._tracked(req, 130) is None
 
 
 def _slot_with(env: H.Env, n: int, h: int) -> torch.Tensor:

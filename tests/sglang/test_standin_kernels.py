@@ -45,7 +45,7 @@ def _load() -> Any:
 
 K = _load()
 ops = torch.ops.sgl_kernel
-LENS = [3, 70, 1, 17]  # one below the conv window, one across a 64-token chunk, a single token
+LENS = [3, 70, 1, 140]  # one below the conv window, two across 64-token chunks, a single token
 HK, HV, DK, DV = 2, 4, 16, 8
 
 
@@ -88,7 +88,9 @@ def test_chunk_gated_delta_rule_matches_transformers_per_sequence() -> None:
     out, finals, h = sys.modules["sgl_kernel_standin.mamba"].chunk_gated_delta_rule_cpu(
         q, k, v, gg, beta, pool, _cu(LENS), False, True, slots
     )
-    assert h is None and out.shape == (1, t, HV, DV) and finals.shape == (len(LENS), HV, DV, DK)
+    assert out.shape == (1, t, HV, DV) and finals.shape == (len(LENS), HV, DV, DK)
+    chunks = [(n + 63) // 64 for n in LENS]
+    assert h.shape == (1, sum(chunks), HV, DV, DK)
     rep = HV // HK
     start = 0
     for i, n in enumerate(LENS):
@@ -107,6 +109,23 @@ def test_chunk_gated_delta_rule_matches_transformers_per_sequence() -> None:
         torch.testing.assert_close(out[:, sl], ref, atol=TOL, rtol=0)
         torch.testing.assert_close(pool[slots[i]], ref_state[0].transpose(-1, -2), atol=TOL, rtol=0)
         torch.testing.assert_close(finals[i], pool[slots[i]])
+        for j in range(chunks[i]):  # h: the state at the start of each 64-token chunk
+            at = h[0, sum(chunks[:i]) + j]
+            if j == 0:
+                assert torch.equal(at, before[slots[i]])
+                continue
+            cut = slice(start, start + 64 * j)
+            _, ref_h = q35.torch_chunk_gated_delta_rule(
+                q[:, cut].repeat_interleave(rep, 2),
+                k[:, cut].repeat_interleave(rep, 2),
+                v[:, cut],
+                gg[:, cut],
+                beta[:, cut],
+                initial_state=init,
+                output_final_state=True,
+                use_qk_l2norm_in_kernel=True,
+            )
+            torch.testing.assert_close(at, ref_h[0].transpose(-1, -2), atol=TOL, rtol=0)
         start += n
     for untouched in (2, 4, 6):
         assert torch.equal(pool[untouched], before[untouched])
@@ -331,3 +350,40 @@ def test_an_unserved_kernel_raises_naming_itself() -> None:
         ops.flash_attn_varlen_func([torch.zeros(1)])
     with pytest.raises(NotImplementedError, match="copy_all_layer_kv_cache_cpu"):
         K.copy_all_layer_kv_cache_cpu()
+
+
+def _load_track_copy() -> Any:
+    spec = importlib.util.spec_from_file_location("track_copy_standin", STANDIN.parent / "track_copy.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("check_freed", [False, True])
+@pytest.mark.parametrize("all_layers", [False, True])
+def test_decode_track_copy_matches_the_formula(all_layers: bool, check_freed: bool) -> None:
+    """SGLang's decode-tracking copy (a Triton kernel on GPUs): rows whose mask is set copy their
+    slot's conv and SSM state into their track slot, in every layer; rows past ``batch_size``,
+    unmasked rows and (with ``check_freed_slots``) rows naming slot -1 copy nothing."""
+    track = _load_track_copy().track_mamba_states
+    g = _gen(5)
+    lead = (3,) if all_layers else ()
+    conv, ssm = _r(*lead, 12, 6, 3, g=g), _r(*lead, 12, HV, DV, DK, g=g)
+    cache_indices = torch.tensor([2, 5, 7, 1, 9])
+    track_indices = torch.tensor([10, 11, -1 if check_freed else 8, 3, 4])
+    mask = torch.tensor([True, False, True, True, True])
+    batch = 4  # row 4 is past the batch
+    want_conv, want_ssm = conv.clone(), ssm.clone()
+    for row in range(batch):
+        src, dst = int(cache_indices[row]), int(track_indices[row])
+        if not mask[row] or dst < 0:
+            continue
+        for want, pool in ((want_conv, conv), (want_ssm, ssm)):
+            if all_layers:
+                want[:, dst] = pool[:, src]
+            else:
+                want[dst] = pool[src]
+    track(conv, ssm, cache_indices, mask, track_indices, batch, all_layers=all_layers, check_freed_slots=check_freed)
+    assert torch.equal(conv, want_conv) and torch.equal(ssm, want_ssm)
+    assert not torch.equal(conv, _r(*lead, 12, 6, 3, g=_gen(5)))  # something was copied

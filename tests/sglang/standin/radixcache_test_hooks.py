@@ -1,5 +1,18 @@
 """What the SGLang engine tests switch on inside SGLang's own processes (loaded by this folder's
-``sitecustomize`` when the variables below are set; never imported by radixcache):
+``sitecustomize``; never imported by radixcache):
+
+Always: SGLang's extra-buffer strategy is let through on the CPU. SGLang 0.5.23 allows it only on
+GPU platforms (``mamba_hook._platform_supports_mamba_cache_extra_buffer``) because the CPU kernel it
+ships for the GDN prefill returns no per-chunk states, which its tracking copies into the track
+slots; the stand-in kernel returns them (``sgl_kernel/mamba.py``), so SGLang's own tracking code
+(the runner's track-slot copies, the scheduler's ping-pong bookkeeping) runs unchanged. Its decode
+step pins a host tensor unconditionally (``Tensor.pin_memory()``, which raises where there is no
+accelerator); on such a machine pinning returns the tensor itself, as a copy to the "device" (the
+CPU) needs no pinned page. Its decode tracking copies states with a Triton kernel
+(``track_mamba_states_if_needed`` / ``_all_layers``); :func:`track_mamba_states` is the torch
+copy the runner calls instead on such a machine (``track_copy.py``).
+
+When the variables below are set:
 
 ``RADIXCACHE_SGLANG_NOISE=<seed>``
     Whenever the scheduler becomes fully idle (between the tests' rounds), every free mamba state
@@ -12,7 +25,9 @@
     A bug committed in the radixcache backend on purpose, for negative controls:
     ``skip-restore`` (a hit's state is never copied into the request's slot) or ``alias``
     (radixcache's injected ownership transfer: the tree keeps the donor's own slot as its snapshot
-    instead of a private clone, see :mod:`radixcache.testing.inject`).
+    instead of a private clone, see :mod:`radixcache.testing.inject`) or ``working-slot`` (with
+    SGLang's extra buffer, a checkpoint clones the request's working slot, which the runner has
+    carried past the tracked depth, instead of the track slot holding the state at that depth).
 """
 
 from __future__ import annotations
@@ -26,16 +41,18 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from track_copy import track_mamba_states  # type: ignore[import-not-found]
 
 NOISE = os.environ.get("RADIXCACHE_SGLANG_NOISE")
 NOISE_LOG = os.environ.get("RADIXCACHE_SGLANG_NOISE_LOG")
 INJECT = os.environ.get("RADIXCACHE_SGLANG_INJECT")
-INJECTS = ("skip-restore", "alias")
+INJECTS = ("skip-restore", "alias", "working-slot")
 
 
 def _free_kv_rows(alloc: Any) -> torch.Tensor:
     """Every KV token row SGLang's token allocator holds free (pages expanded to tokens)."""
-    pages = torch.cat((alloc.free_pages, alloc.release_pages)).long()
+    parts = [p for p in (alloc.free_pages, getattr(alloc, "release_pages", None)) if p is not None]
+    pages = torch.cat(parts).long()
     size = int(getattr(alloc, "page_size", 1))
     if size == 1:
         return pages
@@ -111,9 +128,47 @@ def _patch_backend(module: types.ModuleType) -> None:
                 return make_cache("alias", pool, **kwargs)
 
         mod.HybridRadixCache = AliasTree
+    elif INJECT == "working-slot":
+        cls = mod.RadixcacheHybridCache
+        real_tracked = cls._tracked
+
+        def tracked(self: Any, req: Any, up_to: int) -> Any:
+            got = real_tracked(self, req, up_to)
+            if got is None or not req.kv.holds_mamba:
+                return got
+            return got[0], int(req.kv.mamba_pool_idx)  # BUG: the working slot, not the track slot
+
+        cls._tracked = tracked
 
 
-_AFTER_LOAD: dict[str, Callable[[types.ModuleType], None]] = {}
+def _lift_extra_buffer_gate(module: types.ModuleType) -> None:
+    mod: Any = module
+    mod._platform_supports_mamba_cache_extra_buffer = lambda: True
+
+
+def _cpu_track_copies(module: types.ModuleType) -> None:
+    mod: Any = module
+
+    def if_needed(
+        conv: Any, ssm: Any, idx: Any, mask: Any, track: Any, bs: int, check_freed_slots: bool = False
+    ) -> None:
+        track_mamba_states(conv, ssm, idx, mask, track, bs, all_layers=False, check_freed_slots=check_freed_slots)
+
+    def all_layers(
+        conv: Any, ssm: Any, idx: Any, mask: Any, track: Any, bs: int, check_freed_slots: bool = False
+    ) -> None:
+        track_mamba_states(conv, ssm, idx, mask, track, bs, all_layers=True, check_freed_slots=check_freed_slots)
+
+    mod.track_mamba_states_if_needed = if_needed
+    mod.track_mamba_states_all_layers = all_layers
+
+
+_AFTER_LOAD: dict[str, Callable[[types.ModuleType], None]] = {
+    "sglang.srt.arg_groups.mamba_hook": _lift_extra_buffer_gate,
+}
+if not torch.cuda.is_available():
+    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
+    _AFTER_LOAD["sglang.srt.layers.attention.hybrid_linear_attn_backend"] = _cpu_track_copies
 if NOISE is not None:
     _AFTER_LOAD["sglang.srt.managers.scheduler"] = _patch_scheduler
 if INJECT:

@@ -73,7 +73,4 @@ import torch  # noqa: E402
 
 torch.cpu._is_amx_tile_supported = lambda: True
 
-import os  # noqa: E402
-
-if any(os.environ.get(v) for v in ("RADIXCACHE_SGLANG_NOISE", "RADIXCACHE_SGLANG_INJECT")):
-    import radixcache_test_hooks  # type: ignore[import-not-found]  # noqa: F401  (the tests' noise and injected bugs)
+import radixcache_test_hooks  # type: ignore[import-not-found]  # noqa: E402,F401  (extra buffer on the CPU; noise, injected bugs)

@@ -64,6 +64,11 @@ def causal_conv1d_update_cpu(
     return out
 
 
+# The chunk of SGLang's GDN prefill kernels (FLA's): ``h`` holds a sequence's state at the start of each
+# of its 64-token chunks, which SGLang's extra-buffer tracking copies into its track slots.
+CHUNK = 64
+
+
 def chunk_gated_delta_rule_cpu(
     q: Tensor,
     k: Tensor,
@@ -76,12 +81,38 @@ def chunk_gated_delta_rule_cpu(
     use_qk_l2norm_in_kernel: bool = True,
     initial_state_indices: Tensor | None = None,
     **kwargs: Any,
-) -> tuple[Tensor, Tensor, None]:
-    """A prefill's gated delta rule: ``(output, final states, None)`` (no per-chunk states, as the
-    CPU kernel SGLang ships)."""
+) -> tuple[Tensor, Tensor, Tensor]:
+    """A prefill's gated delta rule: ``(output, final states, h)``. ``h`` (``[1, chunks, Hv, V, K]``,
+    the state pool's layout) holds, for each sequence in order, its state at the start of each of
+    its :data:`CHUNK`-token chunks (``ceil(length / CHUNK)`` of them; the first is the initial
+    state), as FLA's chunked kernel SGLang runs on GPUs returns them. (The CPU kernel SGLang ships
+    returns none, so SGLang's extra-buffer tracking cannot run on the CPU with it.)
+
+    Computed by running the op chunk by chunk: round ``r`` carries every sequence that has an
+    ``r``-th chunk one chunk further from the state the previous round left in its slot."""
+    n = cu_seqlens.numel() - 1
     if initial_state_indices is None:
-        initial_state_indices = torch.arange(cu_seqlens.numel() - 1, dtype=torch.int64)
-    out, final = torch.ops.sgl_kernel.chunk_gated_delta_rule_cpu(
-        q, k, v, g, beta, initial_state, True, cu_seqlens, head_first, use_qk_l2norm_in_kernel, initial_state_indices
-    )
-    return out, final, None
+        initial_state_indices = torch.arange(n, dtype=torch.int64)
+    slots = [int(x) for x in initial_state_indices.reshape(-1).tolist()]
+    if any(s < 0 for s in slots):
+        raise NotImplementedError("a sequence without a state slot is not served by the CPU stand-in")
+    loc = [int(x) for x in cu_seqlens.tolist()]
+    lens = [loc[i + 1] - loc[i] for i in range(n)]
+    chunks = [(ln + CHUNK - 1) // CHUNK for ln in lens]
+    offsets = [sum(chunks[:i]) for i in range(n)]
+    h = initial_state.new_empty((sum(chunks), *initial_state.shape[1:]))
+    out = torch.empty((1, v.shape[1], *v.shape[2:]), dtype=v.dtype)
+    for r in range(max(chunks, default=0)):
+        rows = [i for i in range(n) if chunks[i] > r]
+        pieces = [(loc[i] + r * CHUNK, min(loc[i + 1], loc[i] + (r + 1) * CHUNK)) for i in rows]
+        idx = torch.cat([torch.arange(a, b) for a, b in pieces])
+        cu = torch.tensor([0, *torch.tensor([b - a for a, b in pieces]).cumsum(0).tolist()], dtype=cu_seqlens.dtype)
+        row_slots = torch.tensor([slots[i] for i in rows], dtype=torch.int64)
+        h[torch.tensor([offsets[i] + r for i in rows])] = initial_state[row_slots]
+        o, _ = torch.ops.sgl_kernel.chunk_gated_delta_rule_cpu(
+            q[:, idx], k[:, idx], v[:, idx], g[:, idx], beta[:, idx], initial_state, True, cu,
+            head_first, use_qk_l2norm_in_kernel, row_slots,
+        )  # fmt: skip
+        out[:, idx] = o
+    final = initial_state[torch.tensor(slots, dtype=torch.int64)] if n else initial_state[:0]
+    return out, final.clone(), h.unsqueeze(0)
