@@ -2257,9 +2257,11 @@ def _request_info(
 ) -> RequestInfo:
     """What the policy hears of a request: its prompt's length, digest (of the canonical key
     bytes, so one prompt has one digest whichever front door it came through) and image starts."""
+    digest = int.from_bytes(hashlib.blake2b(kb, digest_size=8).digest(), "little")
+    if not ids.size or ids.max() < IMAGE_ID_BASE:  # text only (most prompts): one reduction
+        return RequestInfo(int(ids.size), cached_length, token_length, session, t, digest, ())
     is_img = ids >= IMAGE_ID_BASE
     starts = np.flatnonzero(is_img & ~np.concatenate([[False], is_img[:-1]]))
-    digest = int.from_bytes(hashlib.blake2b(kb, digest_size=8).digest(), "little")
     return RequestInfo(int(ids.size), cached_length, token_length, session, t, digest, tuple(int(s) for s in starts))
 
 

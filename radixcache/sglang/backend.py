@@ -173,6 +173,8 @@ def _refused_flags(server_args: Any) -> list[str]:
 # seeds 0 and 1). 300 serves at least the built-in's in every cell of that grid (docs/sglang.md).
 SGLANG_HIT_BONUS = 300.0
 
+_MAX_ID = (1 << 31) - 1  # the largest id radixcache's keys hold
+
 _ADMITTED_MEMORY = 1 << 16  # requests remembered as admitted (a bound: aborted waiters never release)
 
 
@@ -206,10 +208,16 @@ def _kv(value: Any, what: str) -> torch.Tensor:
 
 
 def _ids(tokens: Any) -> np.ndarray:
-    """Token ids as int64 numpy, without a copy for SGLang's ``array('q')``."""
+    """Token ids as numpy: uint32 (radixcache's canonical key words, so every later key
+    conversion of them is a byte copy), checked in range once here; int64 as given when an id is
+    out of range, so that radixcache's key check names it as SGLang sent it."""
     if isinstance(tokens, array) and tokens.typecode == "q":
-        return np.frombuffer(tokens, dtype=np.int64) if len(tokens) else np.zeros(0, np.int64)
-    return np.asarray(tokens, dtype=np.int64).reshape(-1)
+        arr = np.frombuffer(tokens, dtype=np.int64) if len(tokens) else np.zeros(0, np.int64)
+    else:
+        arr = np.asarray(tokens, dtype=np.int64).reshape(-1)
+    if arr.size and (arr.min() < 0 or arr.max() > _MAX_ID):
+        return arr
+    return arr.astype(np.uint32)
 
 
 class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is untyped
@@ -465,13 +473,11 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         node = res.node
         if not (HybridRadixCache.holds_snapshot(node) or node.host is not None) or node.depth <= prot:
             return  # nothing new a later request could resume from: the row stays the request's
-        new = self.tree.kv_indices(node).to(row.device)
         depth = node.depth
-        old = row[prot:depth]
-        dup = old[old != new[prot:depth]]
-        if dup.numel():
-            self._free_kv(dup)
-        row[prot:depth] = new[prot:depth].to(row.dtype)
+        if res.duplicates:  # another request filed some of this range first: take the tree's KV
+            self._free_kv(res.released)
+            row[prot:depth] = self.tree.kv_indices(node)[prot:depth].to(row.device, row.dtype)
+        # else the tree adopted the row's own indices for [prot, depth): the row already names them
         self.unlock(req.lock)
         req.lock = self.lock(node)
         req.kv.cache_protected_len = depth
