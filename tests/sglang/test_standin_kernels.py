@@ -92,11 +92,10 @@ def test_chunk_gated_delta_rule_matches_transformers_per_sequence() -> None:
     chunks = [(n + 63) // 64 for n in LENS]
     assert h.shape == (1, sum(chunks), HV, DV, DK)
     rep = HV // HK
-    start = 0
-    for i, n in enumerate(LENS):
-        sl = slice(start, start + n)
-        init = before[slots[i]].transpose(-1, -2).unsqueeze(0)  # transformers' [B, H, K, V]
-        ref, ref_state = q35.torch_chunk_gated_delta_rule(
+
+    def reference(sl: slice, init: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """transformers' chunked delta rule over tokens ``sl`` from ``init``: (output, final state)."""
+        out_ref, state = q35.torch_chunk_gated_delta_rule(
             q[:, sl].repeat_interleave(rep, 2),
             k[:, sl].repeat_interleave(rep, 2),
             v[:, sl],
@@ -106,6 +105,13 @@ def test_chunk_gated_delta_rule_matches_transformers_per_sequence() -> None:
             output_final_state=True,
             use_qk_l2norm_in_kernel=True,
         )
+        return out_ref, state
+
+    start = 0
+    for i, n in enumerate(LENS):
+        sl = slice(start, start + n)
+        init = before[slots[i]].transpose(-1, -2).unsqueeze(0)  # transformers' [B, H, K, V]
+        ref, ref_state = reference(sl, init)
         torch.testing.assert_close(out[:, sl], ref, atol=TOL, rtol=0)
         torch.testing.assert_close(pool[slots[i]], ref_state[0].transpose(-1, -2), atol=TOL, rtol=0)
         torch.testing.assert_close(finals[i], pool[slots[i]])
@@ -114,17 +120,7 @@ def test_chunk_gated_delta_rule_matches_transformers_per_sequence() -> None:
             if j == 0:
                 assert torch.equal(at, before[slots[i]])
                 continue
-            cut = slice(start, start + 64 * j)
-            _, ref_h = q35.torch_chunk_gated_delta_rule(
-                q[:, cut].repeat_interleave(rep, 2),
-                k[:, cut].repeat_interleave(rep, 2),
-                v[:, cut],
-                gg[:, cut],
-                beta[:, cut],
-                initial_state=init,
-                output_final_state=True,
-                use_qk_l2norm_in_kernel=True,
-            )
+            _, ref_h = reference(slice(start, start + 64 * j), init)
             torch.testing.assert_close(at, ref_h[0].transpose(-1, -2), atol=TOL, rtol=0)
         start += n
     for untouched in (2, 4, 6):
