@@ -474,16 +474,22 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         if not (HybridRadixCache.holds_snapshot(node) or node.host is not None) or node.depth <= prot:
             return  # nothing new a later request could resume from: the row stays the request's
         depth = node.depth
-        if res.duplicates:  # another request filed some of this range first: take the tree's KV
-            self._free_kv(res.released)
-            row[prot:depth] = self.tree.kv_indices(node)[prot:depth].to(row.device, row.dtype)
+        if res.duplicates:  # another request filed some of the key first: take the tree's KV here
+            # (only [prot, depth): duplicates past `depth`, when the donation was skipped and the
+            # node is shallower than the key, stay the row's, for SGLang's release to free)
+            new = self.tree.kv_indices(node)[prot:depth].to(row.device)
+            old = row[prot:depth]
+            dup = old[old != new]
+            if dup.numel():
+                self._free_kv(dup)
+            row[prot:depth] = new.to(row.dtype)
         # else the tree adopted the row's own indices for [prot, depth): the row already names them
         self.unlock(req.lock)
         req.lock = self.lock(node)
         req.kv.cache_protected_len = depth
         req.last_node = node
 
-    def _tracked(self, req: Any, up_to: int) -> tuple[int, int | None] | None:
+    def _tracked(self, req: Any, up_to: int) -> tuple[int, int] | None:
         """The extra buffer's state to file at a checkpoint up to ``up_to``: ``(depth, track slot)``,
         or ``None`` when there is none. The latest tracked state (``mamba_last_track_seqlen``, in
         the slot ``mamba_last_track_idx``); at the finish, when that ran past ``up_to``, the other
