@@ -454,6 +454,7 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         if self.disable:
             return
         kvr = req.kv
+        slot: int | None = None
         if self.extra_buffer:
             tracked = self._tracked(req, int(up_to))
             if tracked is None:
@@ -467,8 +468,8 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         row = self.req_to_token_pool.req_to_token[kvr.req_pool_idx]
         kv = row[:n]
         ns = _namespace(req.extra_key, getattr(req, "cache_salt", None))
-        if not self.extra_buffer:
-            slot = int(kvr.mamba_pool_idx) if kvr.holds_mamba and n % self.page_size == 0 else None
+        if not self.extra_buffer and kvr.holds_mamba and n % self.page_size == 0:
+            slot = int(kvr.mamba_pool_idx)
         res = self._insert(ids, kv, slot, ns, ("sglang", req.rid), req)
         node = res.node
         if not (HybridRadixCache.holds_snapshot(node) or node.host is not None) or node.depth <= prot:
