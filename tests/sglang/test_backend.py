@@ -251,6 +251,34 @@ def test_pages_above_one_token_never_file_a_state_at_the_wrong_depth(seed: int) 
     assert env.requests == 1000 and env.hit_tokens > 0 and env.hit_tokens % 4 == 0
 
 
+def test_a_skipped_donation_over_another_requests_prefix_frees_each_duplicate_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Request b computed a prefix request a filed first (b was admitted before a's checkpoints).
+    b's first checkpoint (64 tokens) finds no slot for its clone, so the tree files no snapshot and
+    the deepest snapshot it reaches is a's at 48: b's KV for [0, 48) are duplicates freed now and
+    the row takes the tree's; b's [48, 64) stay b's (freed when b's later checkpoint or release
+    replaces them). Freeing those here too would free them twice: SGLang's idle accounting fails."""
+    env = H.make_env("radixcache")
+    rng = random.Random(0)
+    prompt = [rng.randrange(1, 30000) for _ in range(150)]
+    a = H.new_request("a", [*prompt, 7, 7, 7], 2, False, rng)
+    b = H.new_request("b", [*prompt, 9, 9, 9], 2, False, rng)
+    assert H.admit(env, b, chunk=64) and H.admit(env, a, chunk=48)
+    while H.step(env, a, 48):  # a files snapshots at 48, 96, 144 and finishes
+        pass
+    skipped = env.cache.stats["skipped_donations"]
+    with monkeypatch.context() as m:
+        m.setattr(env.cache.manager, "make_room", lambda *args, **kwargs: False)
+        assert H.step(env, b, 64)
+    assert env.cache.stats["skipped_donations"] == skipped + 1
+    assert int(b.req.kv.cache_protected_len) == 48  # moved onto a's snapshot, not past it
+    while H.step(env, b, 64):
+        pass
+    assert env.mismatches == []
+    env.idle_check()
+
+
 def test_no_assert_under_slot_pressure() -> None:
     """Four state slots for three requests in flight. SGLang 0.5.23's built-in cache dies on
     "Can not alloc mamba cache" (sglang#36770) on this stream; ours evicts through its policy or
