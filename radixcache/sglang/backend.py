@@ -62,6 +62,7 @@ from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
 from linear_state import HostedStatePool, RequestOwner, SlotId, StateLayout, Stream
 
 from ..core.events import free_kv_to
+from ..core.keys import MAX_ID
 from ..core.policy import DonationReason, Policy
 from ..core.tree import HybridRadixCache, TreeNode
 from ..manager.cache_manager import CacheManager
@@ -173,8 +174,6 @@ def _refused_flags(server_args: Any) -> list[str]:
 # seeds 0 and 1). 300 serves at least the built-in's in every cell of that grid (docs/sglang.md).
 SGLANG_HIT_BONUS = 300.0
 
-_MAX_ID = (1 << 31) - 1  # the largest id radixcache's keys hold
-
 _ADMITTED_MEMORY = 1 << 16  # requests remembered as admitted (a bound: aborted waiters never release)
 
 
@@ -215,7 +214,7 @@ def _ids(tokens: Any) -> np.ndarray:
         arr = np.frombuffer(tokens, dtype=np.int64) if len(tokens) else np.zeros(0, np.int64)
     else:
         arr = np.asarray(tokens, dtype=np.int64).reshape(-1)
-    if arr.size and (arr.min() < 0 or arr.max() > _MAX_ID):
+    if arr.size and (arr.min() < 0 or arr.max() >= MAX_ID):
         return arr
     return arr.astype(np.uint32)
 
@@ -487,7 +486,7 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         # else the tree adopted the row's own indices for [prot, depth): the row already names them
         self.unlock(req.lock)
         req.lock = self.lock(node)
-        req.kv.cache_protected_len = depth
+        kvr.cache_protected_len = depth
         req.last_node = node
 
     def _tracked(self, req: Any, up_to: int) -> tuple[int, int] | None:
@@ -498,6 +497,7 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         request's tracked depths are then cleared (SGLang's protocol): its next checkpoint files
         only what its runner tracks after this one."""
         kvr = req.kv
+        pool = self.req_to_token_pool
         buf = kvr.mamba_ping_pong_track_buffer
         last = kvr.mamba_last_track_seqlen
         if not req.finished():
@@ -509,10 +509,10 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         depth = int(last)
         if depth > up_to:
             prev = kvr.mamba_prev_track_seqlen
-            two = self.req_to_token_pool.mamba_ping_pong_track_buffer_size == 2
+            two = pool.mamba_ping_pong_track_buffer_size == 2
             if not req.finished() or not two or prev is None or int(prev) > up_to:
                 return None
-            depth, keep = int(prev), 1 - keep
+            depth, keep = int(prev), pool.get_mamba_ping_pong_other_idx(keep)
         if depth % self.page_size:
             return None  # SGLang tracks on its page grid: a state off it has no key to file under
         return depth, int(buf[keep])

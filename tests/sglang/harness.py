@@ -127,8 +127,9 @@ class Env:
         self.write_state(slot, end, hashes[end])
         grid = self.track_grid
         if grid:
+            # a prefill chunk: its deepest whole grid step from its start; a decode step: its new length on the grid
             depth = start + (end - start) // grid * grid if end - start > 1 else end - end % grid
-            if depth > start or (end - start == 1 and end % grid == 0):
+            if depth > start:
                 self.track(req, depth, hashes[depth])
 
     def track(self, req: Req, depth: int, h: int) -> None:

@@ -32,6 +32,7 @@ When the variables below are set:
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.machinery
 import os
@@ -148,19 +149,8 @@ def _lift_extra_buffer_gate(module: types.ModuleType) -> None:
 
 def _cpu_track_copies(module: types.ModuleType) -> None:
     mod: Any = module
-
-    def if_needed(
-        conv: Any, ssm: Any, idx: Any, mask: Any, track: Any, bs: int, check_freed_slots: bool = False
-    ) -> None:
-        track_mamba_states(conv, ssm, idx, mask, track, bs, all_layers=False, check_freed_slots=check_freed_slots)
-
-    def all_layers(
-        conv: Any, ssm: Any, idx: Any, mask: Any, track: Any, bs: int, check_freed_slots: bool = False
-    ) -> None:
-        track_mamba_states(conv, ssm, idx, mask, track, bs, all_layers=True, check_freed_slots=check_freed_slots)
-
-    mod.track_mamba_states_if_needed = if_needed
-    mod.track_mamba_states_all_layers = all_layers
+    mod.track_mamba_states_if_needed = functools.partial(track_mamba_states, all_layers=False)
+    mod.track_mamba_states_all_layers = functools.partial(track_mamba_states, all_layers=True)
 
 
 _AFTER_LOAD: dict[str, Callable[[types.ModuleType], None]] = {
