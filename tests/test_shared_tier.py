@@ -601,13 +601,19 @@ def test_a_published_prefix_is_found_behind_many_deeper_depths_of_other_prompts(
     assert tier._keys(request, None, depths) == [tier.key(request[:d], None) for d in depths]
 
 
-def test_keys_separate_models_namespaces_and_prefixes() -> None:
+def _two_model_tiers() -> list[SharedTier]:
+    """Tiers of two models ("m1", "m2") bound to one layout."""
     layout = StateLayout(2, (4, 3), (2, 4, 4))
     tiers = []
     for model_id in ("m1", "m2"):
         t = SharedTier(MemoryStore(), model=model_id, kv=_NoKV())
         t.bind(layout)
         tiers.append(t)
+    return tiers
+
+
+def test_keys_separate_models_namespaces_and_prefixes() -> None:
+    tiers = _two_model_tiers()
     ids = np.arange(64, dtype=np.int64)
     keys = {
         tiers[0].key(ids, None),
@@ -617,6 +623,16 @@ def test_keys_separate_models_namespaces_and_prefixes() -> None:
     }
     assert len(keys) == 4
     assert tiers[0].key(ids, None) == tiers[0].key(ids.copy(), None)  # content addressed
+
+
+def test_depth_indexes_separate_models_and_namespaces_equal_values_of_other_types_included() -> None:
+    a, b = _two_model_tiers()
+    # True == 1 and hash alike in Python, but they are other names: other indexes (as their keys)
+    names = [a.index(ns) for ns in (None, 1, True, "1", b"1")] + [b.index(None)]
+    assert len(set(names)) == len(names), names
+    assert a.index(True) == a.index(True) and a.index(1) == a.index(1)  # remembered, the same name
+    with pytest.raises(TypeError, match="namespaces that are None, str, int or bytes"):
+        a.index([1])  # unhashable: the tier's own error, not the memo's
 
 
 # -------------------------------------------------------------- default host tier

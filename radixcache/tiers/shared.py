@@ -203,8 +203,11 @@ def _check_ids(ids: object) -> None:
         raise TypeError(f"ids must be an integer numpy array, got {kind}")
     if ids.ndim != 1:
         raise ValueError(f"ids must be 1-D, got shape {ids.shape}")
-    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= MAX_ID):
-        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+    if not ids.size:
+        return
+    low = 0 if ids.dtype.kind == "u" else int(ids.min())  # unsigned ids cannot go below: one reduction
+    if low < 0 or int(ids.max()) >= MAX_ID:
+        bad = low if low < 0 else int(ids.max())
         raise ValueError(f"cache id {bad} is outside [0, 2**31)")
 
 
@@ -339,6 +342,8 @@ class SharedTier:
         # (reason, key, depth, publisher, details) and keys fetched. Under _lock.
         self._deferred: list[tuple[RejectReason, str, int, str, dict[str, object]] | str] = []
         self._trimmed_at: dict[str, float] = {}
+        # (model digest, namespace) -> index name: a hash per admission saved on the scheduler's thread
+        self._indexes: dict[tuple[str, type, Hashable], str] = {}
 
     # ----------------------------------------------------------------- set-up
     def bind(self, layout: StateLayout, *, client: object | None = None) -> None:
@@ -423,9 +428,20 @@ class SharedTier:
             )
 
     def index(self, namespace: Hashable) -> str:
-        """The store's index of published depths for ``namespace``."""
-        ns = hashlib.blake2b(_ns_name(namespace).encode(), digest_size=8).hexdigest()
-        return f"{self.namespace}:{self._id_digest}:depths:{ns}"
+        """The store's index of published depths for ``namespace``.
+
+        :raises TypeError: a namespace the tier cannot address (see :meth:`addressable`)."""
+        if not self.addressable(namespace):
+            _ns_name(namespace)  # raises, naming it
+        memo = (self._id_digest, type(namespace), namespace)  # the type: True == 1, but not as a name
+        got = self._indexes.get(memo)
+        if got is None:
+            ns = hashlib.blake2b(_ns_name(namespace).encode(), digest_size=8).hexdigest()
+            got = f"{self.namespace}:{self._id_digest}:depths:{ns}"
+            if len(self._indexes) >= _DONE_CAP:
+                self._indexes.clear()
+            self._indexes[memo] = got
+        return got
 
     # ----------------------------------------------------------- store calls
     @property
