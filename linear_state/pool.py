@@ -150,8 +150,12 @@ class LinearStatePool:
         # (one per layer), so a copy runs an element-wise kernel, and on a GPU 16-byte elements
         # move ~1.4x the bytes per second of 4-byte ones (benchmarks/gpu_check.py: 0.63x -> 0.87x
         # of a contiguous copy of the same bytes). Same speed on the CPU.
+        # Widened once for the whole pool (views, O(1)): a slot's copy rows are then one index away
+        # (per slot, the first copy of each of 1,062 fresh slots cost ~15 us in the SGLang scheduler
+        # benchmark), and every slot has the same word, so a copy between two slots never converts.
+        wide_conv, wide_rec = _widest_slots(conv), _widest_slots(recurrent)
         self._copy_rows: _PerSlot[tuple[torch.Tensor, torch.Tensor]] = _PerSlot(
-            lambda i: (_widest(self._conv_rows[i]), _widest(self._rec_rows[i]))
+            lambda i: (wide_conv[:, i], wide_rec[:, i])
         )
 
     @property
@@ -917,27 +921,32 @@ class _PerSlot(dict[int, _T]):
         return value
 
 
-def _widest(rows: torch.Tensor) -> torch.Tensor:
-    """``rows`` (``[L, ...]``) viewed as ``[L, n]`` words of 16 or 8 bytes when each layer's dims are
-    contiguous and its bytes and the view's start allow it; else unchanged. A bit-exact alias for
-    copies: it reads and writes the same bytes."""
+def _widest_slots(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (``[L, S, ...]``) viewed as ``[L, S, n]`` words of 16 or 8 bytes when every slot's rows
+    allow it (each layer's dims contiguous; the row's bytes, the view's start and both leading
+    strides multiples of the word); else ``t`` unchanged, whose slot rows copy element-wise. A
+    bit-exact alias for copies: ``result[:, i]`` reads and writes the bytes of ``t[:, i]``, in one
+    word for every slot of the pool."""
     try:
-        flat = rows.view(rows.shape[0], -1)  # only where each layer's dims are contiguous
+        flat = t.view(t.shape[0], t.shape[1], -1)
     except RuntimeError:
         # Not a view (SGLang's AMX layout stores a slot's conv window transposed): a reshape would
-        # copy, and a copy into the copy would be lost. Element-wise copies of ``rows`` are right.
-        return rows
-    row_bytes = flat.shape[1] * flat.element_size()
-    start = flat.storage_offset() * flat.element_size()
+        # copy, and a copy into the copy would be lost. Element-wise copies of the rows are right.
+        return t
+    e = flat.element_size()
+    row_bytes = flat.shape[2] * e
+    start = flat.storage_offset() * e
     for wide, size in ((torch.complex128, 16), (torch.int64, 8)):
+        w = size // e
         if (
-            flat.element_size() < size
+            e < size
             and row_bytes % size == 0
             and start % size == 0
-            and flat.stride(0) % (size // flat.element_size()) == 0
+            and flat.stride(0) % w == 0
+            and flat.stride(1) % w == 0
         ):
             return flat.view(wide)
-    return rows
+    return t
 
 
 def _check_owner(owner: object) -> None:

@@ -289,3 +289,35 @@ def test_clone_restore_and_host_copies_of_a_transposed_conv_layout_keep_every_va
     conv[:, h2] = 0.0
     pool.copy_from(host, parked, s2)
     assert torch.equal(conv[:, h2], want_conv)
+
+
+PADDED_LAYOUT = StateLayout(2, (2, 4), (2, 2))  # 16 bytes of conv window per layer and slot
+
+
+def test_slots_of_a_padded_layout_copy_in_one_word_and_keep_every_value() -> None:
+    # An engine whose slots are padded to 24 bytes: slot 0's rows start 16-byte aligned, slot 1's
+    # 8 past it. Every slot must be copied in the same word (a copy between a 16-byte and an
+    # 8-byte view of the same bytes would convert values, or fail on the shapes).
+    assert PADDED_LAYOUT.conv_dtype.itemsize == 2
+    base = torch.zeros((2, S, 12), dtype=PADDED_LAYOUT.conv_dtype)
+    conv = base[:, :, :8].unflatten(2, (2, 4))
+    rec = torch.zeros((2, S, 2, 2), dtype=PADDED_LAYOUT.recurrent_dtype)
+    pool = HostedStatePool(PADDED_LAYOUT, conv, rec, ListLender(), reserved=(0,))
+    words = {pool._copy_rows[i][0].dtype for i in range(S)}  # the copy views themselves
+    assert len(words) == 1, f"slots copied in different words: {words}"
+    for k in range(2):  # an odd and an even slot: their rows start at other alignments
+        h = pool.lender.take(1)[0]  # type: ignore[index]
+        want = torch.arange(16, dtype=conv.dtype).view(2, 2, 4) + 20 * k
+        conv[:, h] = want
+        s = pool.lend(h, A)
+        snap = pool.clone(s, NodeOwner(h)).slot
+        assert torch.equal(conv[:, snap], want)
+        pool.reclaim(s, A)
+        h2 = pool.lender.take(1)[0]  # type: ignore[index]
+        s2 = pool.lend(h2, RequestOwner("B"))
+        pool.copy(snap, s2)
+        assert torch.equal(conv[:, h2], want)
+        pool.reclaim(s2, RequestOwner("B"))
+        pool.free(snap, NodeOwner(h))
+    assert base[:, :, 8:].eq(0).all(), "the padding between slots was written"
+    pool.check_invariants()
