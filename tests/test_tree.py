@@ -297,6 +297,59 @@ def test_bad_keys_raise_and_change_nothing(key: object, error: type[Exception], 
     cache.check_invariants()
 
 
+@pytest.mark.parametrize("known", [0, 2, 3, 4, 5, 6])
+def test_a_known_prefix_is_not_compared_and_everything_past_it_is(known: int) -> None:
+    # The tree holds [1, 2, 3] (KV 0-2) and [1, 2, 3, 4, 5] (KV 6-7 past it): two nodes on the
+    # path. The caller sends other indices (50-54) for all five tokens: past `known`, each is a
+    # duplicate; before it, the caller says they are the tree's own (SGLang's prev_prefix_len).
+    cache, freed = make_cache()
+    insert_with_state(cache, [1, 2, 3])
+    insert_with_state(cache, [1, 2, 3, 4, 5], kv_start=3)
+    assert cache.match([1, 2, 3, 4, 5]).kv_indices.tolist() == [0, 1, 2, 6, 7]
+    freed.clear()  # the second insert's duplicates (3-5)
+    key = [1, 2, 3, 4, 5, 6, 7]
+    slot = state_for(cache, R, key)
+    res = cache.insert(key, kv(50, 7), state_slot=slot, known_prefix=known, release_duplicates=False)
+    assert res.prefix_length == 5 and res.snapshot_created
+    assert res.released.tolist() == list(range(50 + min(known, 5), 55)), "exactly the duplicates past known"
+    assert res.duplicates == max(0, 5 - known) and freed == []
+    assert cache.match(key).kv_indices.tolist() == [0, 1, 2, 6, 7, 55, 56]
+    cache.pool.free(slot, R)
+    cache.check_invariants()
+
+
+def test_a_known_prefix_cut_inside_a_split_edge_compares_from_there() -> None:
+    cache, _ = make_cache()
+    insert_with_state(cache, [1, 2, 3, 4, 5, 6])  # one edge; the new key leaves it after 4 tokens
+    key = [1, 2, 3, 4, 9]
+    slot = state_for(cache, R, key)
+    res = cache.insert(key, kv(50, 5), state_slot=slot, known_prefix=3, release_duplicates=False)
+    assert res.prefix_length == 4 and res.released.tolist() == [53]
+    cache.pool.free(slot, R)
+    cache.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("known", "error", "message"),
+    [
+        (-1, ValueError, r"known_prefix -1 is outside \[0, 4\]"),
+        (5, ValueError, r"known_prefix 5 is outside \[0, 4\]"),
+        (1.5, TypeError, "known_prefix must be an int, got 1.5"),
+        (True, TypeError, "known_prefix must be an int, got True"),
+    ],
+)
+def test_a_bad_known_prefix_raises_and_changes_nothing(known: object, error: type[Exception], message: str) -> None:
+    cache, freed = make_cache()
+    insert_with_state(cache, [1, 2, 3])
+    before = (cache.num_nodes, cache.total_kv_tokens, cache.pool.num_free)
+    slot = state_for(cache, R, [1, 2, 3, 4])
+    with pytest.raises(error, match=message):
+        cache.insert([1, 2, 3, 4], kv(50, 4), state_slot=slot, known_prefix=known)  # type: ignore[arg-type]
+    cache.pool.free(slot, R)
+    assert (cache.num_nodes, cache.total_kv_tokens, cache.pool.num_free) == before and freed == []
+    cache.check_invariants()
+
+
 def test_bad_insert_arguments_change_nothing() -> None:
     cache, freed = make_cache(slots=3)
     insert_with_state(cache, [1, 2, 3])

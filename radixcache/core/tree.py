@@ -650,6 +650,7 @@ class HybridRadixCache:
         ready: Fence | None = None,
         namespace: Hashable = None,
         release_duplicates: bool = True,
+        known_prefix: int = 0,
     ) -> InsertResult:
         """Insert ``key`` with its KV indices, and optionally donate the state after it.
 
@@ -665,14 +666,18 @@ class HybridRadixCache:
         ``prefix_length`` tokens already cached, any caller index that differs from the tree's is
         a duplicate and is released as a ``KV_FREED`` event (or, with ``release_duplicates=False``,
         handed back in ``result.released``: the caller keeps it); use :meth:`kv_indices` of
-        ``result.node`` to get the tree's indices.
+        ``result.node`` to get the tree's indices. ``known_prefix``: the caller's first
+        ``known_prefix`` indices are the tree's own (it took them from a match of this key and
+        holds a lock at or below that depth), so they are not compared (SGLang's
+        ``prev_prefix_len``); an index there that is not the tree's would never be released.
 
         O(nodes on the path + key length / page size) plus one clone.
 
-        :raises ValueError: a bad key, ``kv_indices`` not 1-D integers of the key's length, or
-            ``ready`` without ``state_slot``. Nothing changed.
+        :raises ValueError: a bad key, ``kv_indices`` not 1-D integers of the key's length,
+            ``ready`` without ``state_slot``, or ``known_prefix`` outside ``[0, len(key)]``.
+            Nothing changed.
         :raises TypeError: a key or namespace of the wrong type, ``ready`` not a fence, a slot id
-            that is not an int. Nothing changed.
+            or ``known_prefix`` that is not an int. Nothing changed.
         :raises linear_state.SlotMisuse: ``state_slot`` is free, or is a tree snapshot (a snapshot
             is never a donor). Nothing changed.
         :raises linear_state.PoolExhausted: no free slot for the clone (evict snapshots first).
@@ -683,6 +688,7 @@ class HybridRadixCache:
         # NOTE: a numpy view of CPU indices: slicing and comparing through it costs a third of
         # torch's per-op overhead on this hot path (benchmarks/bench_tree.py).
         kvn = kv.numpy() if kv.is_cpu else None
+        _check_known_prefix(known_prefix, kv.numel())
         if ready is not None and state_slot is None:
             raise ValueError("ready was given without a state_slot to donate")
         if ready is not None and not isinstance(ready, Fence):
@@ -705,7 +711,7 @@ class HybridRadixCache:
         prefix_len = pos // TOKEN_BYTES
         if state_slot is None or end == 0:
             # No snapshot to attach: a new leaf could never serve a hit, a split would add nothing.
-            dups = self._duplicates(kv, kvn, path, split_child, split_at)
+            dups = self._duplicates(kv, kvn, path, split_child, split_at, known_prefix)
             self._touch(path)
             return InsertResult(prefix_len, prefix_len, node, False, *self._hand_out(dups, release_duplicates, node))
         grows = pos < end  # a new leaf is needed
@@ -724,7 +730,7 @@ class HybridRadixCache:
         # Phase 2: mutate. Nothing below raises.
         if fresh_root:
             self._roots[namespace] = root
-        dups = self._duplicates(kv, kvn, path, split_child, split_at)
+        dups = self._duplicates(kv, kvn, path, split_child, split_at, known_prefix)
         if split_child is not None:
             node = self._split(split_child, split_at)
             path.append(node)
@@ -778,17 +784,25 @@ class HybridRadixCache:
         path: list[TreeNode],
         split_child: TreeNode | None,
         split_at: int,
+        known: int = 0,
     ) -> torch.Tensor | None:
         """The caller's KV indices that duplicate ones the tree holds (same tokens, other index),
-        or None. An index equal to the tree's is the tree's own (the caller got it from ``match``)."""
-        spans = [(n.value, n.value_np, n.value.numel()) for n in path]
+        or None. An index equal to the tree's is the tree's own (the caller got it from ``match``);
+        the first ``known`` are not compared (see :meth:`insert`'s ``known_prefix``)."""
+        spans = [(n.value, n.value_np, n.value.numel()) for n in path if n.depth > known]
+        start = path[-1].depth if path else 0
+        start -= sum(k for _, _, k in spans)  # the first compared span's start
         if split_child is not None:
             k = split_at // TOKEN_BYTES
             c_np = split_child.value_np
             spans.append((split_child.value[:k], None if c_np is None else c_np[:k], k))
+        if known > start and spans:  # the first span starts inside the known prefix: cut it
+            theirs, theirs_np, k = spans[0]
+            cut = min(known - start, k)
+            spans[0] = (theirs[cut:], None if theirs_np is None else theirs_np[cut:], k - cut)
+            start += cut
         parts: list[torch.Tensor] = []
-        start = 0
-        for theirs, theirs_np, k in spans:  # spans are consecutive from depth 0
+        for theirs, theirs_np, k in spans:  # spans are consecutive from ``start``
             if kvn is not None and theirs_np is not None:
                 mine_np = kvn[start : start + k]
                 differ = np.not_equal(mine_np, theirs_np)
@@ -1299,6 +1313,14 @@ def _snap_candidate(e: tuple[float, int, TreeNode]) -> bool:
 def _host_candidate(e: tuple[float, int, TreeNode]) -> bool:
     n = e[2]
     return n.parent is not None and n.host is not None and not n.snap_lock and n.last_access == e[0]
+
+
+def _check_known_prefix(known: object, n_tokens: int) -> None:
+    """:raises TypeError: not an int. :raises ValueError: outside ``[0, n_tokens]``."""
+    if isinstance(known, bool) or not isinstance(known, (int, np.integer)):
+        raise TypeError(f"known_prefix must be an int, got {known!r}")
+    if not 0 <= known <= n_tokens:
+        raise ValueError(f"known_prefix {known} is outside [0, {n_tokens}] for a key of {n_tokens} tokens")
 
 
 def _as_kv(kv: torch.Tensor | np.ndarray | list[int], n_tokens: int) -> torch.Tensor:

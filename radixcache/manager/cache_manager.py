@@ -1758,15 +1758,16 @@ class CacheManager:
             raise TypeError(f"keep must be a TreeNode (lookup returns one), got {type(keep).__name__}")
         if keep is not None and keep.cache is not self.cache:
             raise ForeignObjectError(f"keep is node {keep.id} of another tree")
-        if self.pool.num_free == 0:
-            t = self._now(now)
+        if self.pool.num_free:  # NOTE: one count when there is room (a host allocator's call each)
+            return True
+        t = self._now(now)
+        if keep is not None:
+            self.cache.lock(keep)
+        try:
+            self._evict_snapshots(1, t, EvictionReason.HOST)
+        finally:
             if keep is not None:
-                self.cache.lock(keep)
-            try:
-                self._evict_snapshots(1, t, EvictionReason.HOST)
-            finally:
-                if keep is not None:
-                    self.cache.unlock(keep)
+                self.cache.unlock(keep)
         return self.pool.num_free > 0
 
     def request_info(
@@ -1851,6 +1852,7 @@ class CacheManager:
         session: Hashable | None = None,
         now: float | None = None,
         release_duplicates: bool = False,
+        known_prefix: int = 0,
     ) -> InsertResult:
         """File a prefix a host that keeps its own slots computed: ``cache_ids`` with their KV, and,
         with ``state_slot`` (the state after the page-cut key, owned by the caller; lend the host's
@@ -1860,14 +1862,17 @@ class CacheManager:
         (counted as a donation skipped for want of a slot). A new snapshot is announced to the
         policy (``reason``), recorded by forensics (``donor``) and queued for the shared tier.
         Duplicates of KV the tree holds go back as ``KV_FREED`` events (see ``kv=``), or, with
-        ``release_duplicates=False``, back to the caller in ``result.released``. O(key).
+        ``release_duplicates=False``, back to the caller in ``result.released``. ``known_prefix``:
+        the first ``known_prefix`` indices are the tree's own, not compared (as
+        :meth:`HybridRadixCache.insert`). O(key).
 
-        :raises TypeError, ValueError: bad ids, KV or slot (as :meth:`HybridRadixCache.insert`).
-            Nothing changed.
+        :raises TypeError, ValueError: bad ids, KV, slot or ``known_prefix`` (as
+            :meth:`HybridRadixCache.insert`). Nothing changed.
         """
         return self._file(
-            cache_ids, kv_indices, state_slot, ready, namespace, donor, reason, session, now, release_duplicates, False
-        )
+            cache_ids, kv_indices, state_slot, ready, namespace, donor, reason, session, now, release_duplicates, False,
+            known_prefix,
+        )  # fmt: skip
 
     def _file(
         self,
@@ -1882,6 +1887,7 @@ class CacheManager:
         now: float | None,
         release_duplicates: bool,
         shared: bool,
+        known_prefix: int = 0,
     ) -> InsertResult:
         """:meth:`checkpoint`'s work; ``shared``: the host says the prefix is shared (a warm-up's
         system prompt), so the policy hears of it as a branch point."""
@@ -1894,6 +1900,7 @@ class CacheManager:
                 ready=ready,
                 namespace=namespace,
                 release_duplicates=release_duplicates,
+                known_prefix=known_prefix,
             )
         except PoolExhausted:
             # Everything was validated and nothing changed: only the clone lacks a slot. One
@@ -1909,6 +1916,7 @@ class CacheManager:
                 ready=ready,
                 namespace=namespace,
                 release_duplicates=release_duplicates,
+                known_prefix=known_prefix,
             )
         if state_slot is None:
             return res

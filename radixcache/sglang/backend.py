@@ -416,8 +416,9 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         _, ids, ns = _key(params.key)
         kv = _kv(params.value, "insert's value")
         slot = None if params.mamba_value is None else int(params.mamba_value.reshape(-1)[0])
-        res = self._insert(ids, kv, slot, ns, ("sglang-insert", id(params)), None)
-        p, prev = res.prefix_length, int(params.prev_prefix_len)
+        prev = min(int(params.prev_prefix_len), int(ids.size))
+        res = self._insert(ids, kv, slot, ns, ("sglang-insert", id(params)), None, prev)
+        p = res.prefix_length
         if p > prev:
             mine = kv[prev:p]
             dup = mine[mine != self.tree.kv_prefix(ids[:p], namespace=ns)[prev:p]]
@@ -426,20 +427,23 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         return InsertResult(prefix_len=p, total_len=int(ids.size), last_device_node=res.node, mamba_exist=True)
 
     def _insert(
-        self, ids: np.ndarray, kv: torch.Tensor, slot: int | None, ns: Hashable, rid: Hashable, req: Any
+        self, ids: np.ndarray, kv: torch.Tensor, slot: int | None, ns: Hashable, rid: Hashable, req: Any, known: int
     ) -> Any:
         """Insert with ``slot`` lent for the clone and reclaimed after; no free slot for the
-        clone even after evicting one through the policy: insert without a snapshot."""
+        clone even after evicting one through the policy: insert without a snapshot. The first
+        ``known`` indices are the tree's own (SGLang's contract: not compared)."""
         kv = kv.to(torch.int64).cpu()
         mgr = self.manager
         if slot is not None and not mgr.make_room():
             self.stats["skipped_donations"] += 1
             slot = None
         if slot is None:
-            return mgr.checkpoint(ids, kv, namespace=ns)
+            return mgr.checkpoint(ids, kv, namespace=ns, known_prefix=known)
         reason = DonationReason.FINISH if req is not None and req.finished() else DonationReason.CAPTURE
         with self._lent(slot, rid) as (s, _):
-            res = mgr.checkpoint(ids, kv, state_slot=s, namespace=ns, donor=rid, reason=reason, session=_session(req))
+            res = mgr.checkpoint(
+                ids, kv, state_slot=s, namespace=ns, donor=rid, reason=reason, session=_session(req), known_prefix=known
+            )
         if res.snapshot_created:
             self.stats["donations"] += 1
         return res
@@ -469,7 +473,9 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         ns = _namespace(req.extra_key, getattr(req, "cache_salt", None))
         if not self.extra_buffer and kvr.holds_mamba and n % self.page_size == 0:
             slot = int(kvr.mamba_pool_idx)
-        res = self._insert(ids, kv, slot, ns, ("sglang", req.rid), req)
+        # [0, prot) of the row is the tree's own KV (the admission's match or the last checkpoint's
+        # repointing; the request's lock keeps it): not compared again
+        res = self._insert(ids, kv, slot, ns, ("sglang", req.rid), req, prot)
         node = res.node
         if not (HybridRadixCache.holds_snapshot(node) or node.host is not None) or node.depth <= prot:
             return  # nothing new a later request could resume from: the row stays the request's

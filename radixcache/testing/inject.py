@@ -262,6 +262,7 @@ class _KVViewTree(HybridRadixCache):
         ready: Fence | None = None,
         namespace: Hashable = None,
         release_duplicates: bool = True,
+        known_prefix: int = 0,
     ) -> InsertResult:
         res = super().insert(
             key,
@@ -270,6 +271,7 @@ class _KVViewTree(HybridRadixCache):
             ready=ready,
             namespace=namespace,
             release_duplicates=release_duplicates,
+            known_prefix=known_prefix,
         )
         if isinstance(kv_indices, torch.Tensor) and kv_indices.dtype == torch.int64 and res.length > res.prefix_length:
             node = res.node  # BUG: the new edge aliases the caller's tensor instead of a copy
