@@ -278,7 +278,8 @@ def test_no_progress_in_the_environment_silences_the_bars(
     [
         ({"clock": 5}, TypeError, "clock"),
         ({"stream": object()}, TypeError, "stream"),
-        ({"forensics": "on"}, TypeError, "forensics"),
+        ({"forensics": "on"}, ValueError, "forensics"),
+        ({"forensics": 1}, TypeError, "forensics"),
         ({"kv_bytes_per_token": 0}, ValueError, "kv_bytes_per_token"),
         ({"host_tier": "auto", "host_budget_bytes": 2**60}, ValueError, "memory"),
     ],

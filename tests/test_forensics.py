@@ -4,9 +4,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from linear_state import LinearStatePool, StateLayout
-from radixcache import Forensics, Ledger, SnapshotCorruption, read_ledger
+from linear_state import COMPLETE, LinearStatePool, RequestOwner, StateLayout
+from radixcache import CacheManager, Forensics, Ledger, SnapshotCorruption, read_ledger
 from radixcache.cli import main
+from radixcache.forensics import HOLDERS_KEPT, SAMPLED
 from radixcache.testing.hammer import HammerConfig, run_hammer
 from radixcache.testing.model import HybridConfig, HybridModel
 
@@ -211,3 +212,86 @@ def test_manager_invariants_cover_the_forensics_bookkeeping(tmp_path: Path) -> N
     fx._snaps[node].slot += 1000  # tracked at a slot the tree does not hold
     with pytest.raises(AssertionError):
         h.mgr.check_invariants()
+
+
+# ------------------------------------------------------------ sampled forensics
+def test_the_manager_watches_a_sample_of_donations_by_default_and_warns_once_per_kind() -> None:
+    h = Host(slots=64)  # a manager built without saying: forensics="sampled"
+    fx = h.mgr.forensics
+    assert isinstance(fx, Forensics) and (fx.sample, fx.mode, fx.warn) == (SAMPLED, "record", True)
+    for i in range(120):
+        run(h, f"r{i}", tokens(70, seed=i))
+    assert fx.donations_seen >= 120
+    assert 0.03 * fx.donations_seen < fx.donations_watched < 0.25 * fx.donations_seen, (
+        fx.donations_watched,
+        fx.donations_seen,
+    )
+    live = [n for n in h.cache.iter_nodes() if n.snapshot is not None]
+    for n in live:
+        h.pool.recurrent[0, n.snapshot, 0, 0] += 1.0  # a stray kernel writes every snapshot
+    with pytest.warns(RuntimeWarning, match="snapshot changed") as caught:
+        checked = h.mgr.verify_all()
+    assert checked > 0 and {f.kind for f in fx.findings} == {"changed"}
+    # the watched device snapshots are found (the host tier's copies were not written); the others
+    # were never fingerprinted, so nothing is said of them
+    assert 0 < len(fx.findings) < len(live), (len(fx.findings), len(live))
+    assert {f.node for f in fx.findings} <= {n.id for n in live}
+    assert len([w for w in caught if issubclass(w.category, RuntimeWarning)]) == 1, "one warning per kind"
+    h.mgr.check_invariants()
+
+
+def test_a_sample_of_one_watches_every_donation_and_none_turns_forensics_off() -> None:
+    assert Forensics(Host().pool).sample == 1.0
+    h = Host()
+    h.mgr.forensics = Forensics(h.pool, mode="record")
+    for i in range(10):
+        run(h, f"r{i}", tokens(70, seed=i))
+    assert h.mgr.forensics.donations_watched == h.mgr.forensics.donations_seen > 0
+    off = Host()
+    off_mgr = CacheManager(off.cache.__class__(off.pool), forensics=None)
+    assert off_mgr.forensics is None
+
+
+def test_the_sample_is_drawn_per_donation_not_by_stride() -> None:
+    # Two donations per request (a capture and a final state, say): a stride of two at sample=0.5
+    # would watch only one kind. The draw watches both, about half of each.
+    pool = LinearStatePool(StateLayout(1, (2, 2), (2,)), 4)
+    slot = pool.alloc(RequestOwner("x"))
+    pool.recurrent[:, slot] = 1.0
+    fx = Forensics(pool, sample=0.5, seed=3)
+    watched = []
+    for i in range(400):
+        before = fx.donations_watched
+        fx.donated(i, 10 + i, b"k%d" % i, slot, "d", COMPLETE, None, 0)
+        watched.append(fx.donations_watched > before)
+        fx.snapshot_freed(i, slot)
+    even, odd = sum(watched[0::2]), sum(watched[1::2])
+    assert 60 < even < 140 and 60 < odd < 140, (even, odd)
+    again = Forensics(pool, sample=0.5, seed=3)
+    for i in range(400):
+        again.donated(i, 10 + i, b"k%d" % i, slot, "d", COMPLETE, None, 0)
+        again.snapshot_freed(i, slot)
+    assert again.donations_watched == fx.donations_watched, "seeded: the same draw"
+
+
+@pytest.mark.parametrize("sample", [0, 0.0, -0.1, 1.5, True, "0.5", float("nan")])
+def test_a_bad_sample_is_refused(sample: object) -> None:
+    with pytest.raises(ValueError, match="sample must be a fraction in"):
+        Forensics(Host().pool, sample=sample)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("value", "error"), [("all", ValueError), (3, TypeError)])
+def test_a_bad_forensics_argument_is_refused(value: object, error: type[Exception]) -> None:
+    h = Host()
+    with pytest.raises(error, match="forensics must be a Forensics, 'sampled' or None"):
+        CacheManager(h.cache.__class__(h.pool), forensics=value)  # type: ignore[arg-type]
+
+
+def test_the_holders_of_a_slot_are_bounded() -> None:
+    pool = LinearStatePool(StateLayout(1, (2, 2), (2,)), 4)
+    fx = Forensics(pool)
+    for i in range(3 * HOLDERS_KEPT):
+        fx.request_slots(f"r{i}", [1])
+        fx.request_freed(f"r{i}", [1])
+    spans = fx._holds[1].spans
+    assert len(spans) == HOLDERS_KEPT and spans[-1][2] == f"r{3 * HOLDERS_KEPT - 1}", "the latest are kept"

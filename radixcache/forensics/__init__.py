@@ -2,10 +2,12 @@
 at donation, verify before restore) and the report that reads a ledger back."""
 
 from .ledger import Ledger, read_ledger
-from .recorder import Forensics, SnapshotCorruption, key_digest
+from .recorder import HOLDERS_KEPT, SAMPLED, Forensics, SnapshotCorruption, key_digest
 from .report import ForensicsReport, analyze, format_forensics
 
 __all__ = [
+    "HOLDERS_KEPT",
+    "SAMPLED",
     "Forensics",
     "ForensicsReport",
     "Ledger",

@@ -1,9 +1,12 @@
 """Slot-checksum forensics: fingerprint every snapshot at donation, verify before every restore,
 and say which branch was poisoned, when, and which requests could have written it.
 
-Turn it on with ``CacheManager(..., forensics=Forensics(pool, ledger=Ledger(path)))``. Off, the
-manager pays nothing. On, each donation costs one fingerprint of the snapshot (taken once its
-clone fence completed), each hit restore one more, and each event one buffered ledger line.
+A :class:`~radixcache.CacheManager` watches a sample of its donations by default
+(``forensics="sampled"``: one in ten, :data:`SAMPLED`, findings recorded and warned about once per
+kind). Watch every one with ``CacheManager(..., forensics=Forensics(pool, ledger=Ledger(path)))``;
+``forensics=None`` turns it off (the manager then pays nothing). Each watched donation costs one
+fingerprint of the snapshot (taken once its clone fence completed), each of its restores one more,
+and each event one buffered ledger line.
 
 Findings (:class:`SnapshotCorruption`):
 
@@ -26,7 +29,10 @@ or the last passing verification), in the order they took it, then the last hold
 from __future__ import annotations
 
 import hashlib
+import random
 import time
+import warnings
+from collections import deque
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -35,7 +41,7 @@ from linear_state import Fence, LinearStatePool
 
 from .ledger import Ledger
 
-__all__ = ["Forensics", "SnapshotCorruption", "fingerprint_text", "key_digest"]
+__all__ = ["HOLDERS_KEPT", "SAMPLED", "Forensics", "SnapshotCorruption", "fingerprint_text", "key_digest"]
 
 Mode = Literal["raise", "record"]
 
@@ -120,9 +126,23 @@ class _Snap:
     host: LinearStatePool | None = None  # the host tier's pool once demoted (``slot`` is its slot)
 
 
+SAMPLED = 0.1
+"""The fraction of donations :class:`~radixcache.CacheManager` watches by default
+(``forensics="sampled"``). A watched snapshot costs a fingerprint at donation and one per restore,
+each about 0.5x the copy it checks on a 2-core CPU (``benchmarks/bench_forensics.py``: 0.495x to
+0.516x): one in ten adds about 5% to the cost of the state copies. On a GPU the torch fingerprint
+took 2.3x the clone (H200, before the fused Triton kernel): 23% there until the fused kernel's cost
+is measured (``benchmarks/gpu_check.py``)."""
+
+HOLDERS_KEPT = 64
+"""Holders remembered per slot (the most recent): what a long-running server's suspects are drawn
+from, bounded so that the record does not grow with every request served."""
+
+
 @dataclass
 class _Holds:
-    spans: list[tuple[int, int | None, Hashable]] = field(default_factory=list)  # (from, to, rid)
+    # (from, to, rid), the latest HOLDERS_KEPT
+    spans: deque[tuple[int, int | None, Hashable]] = field(default_factory=lambda: deque(maxlen=HOLDERS_KEPT))
 
 
 class Forensics:
@@ -130,15 +150,45 @@ class Forensics:
 
     :param mode: ``"raise"`` raises :class:`SnapshotCorruption` at detection; ``"record"``
         appends it to :attr:`findings` and goes on.
+    :param sample: the fraction of donations watched, in ``(0, 1]`` (default 1: all). A watched
+        snapshot is fingerprinted at donation and verified before each of its restores, at its
+        slot's events and by :meth:`verify_all`; the others cost nothing and are not checked.
+        Drawn at random per donation (``seed``): a host whose donations come in a fixed pattern
+        (two per request, say) is still sampled across the pattern. A corruption that hits every
+        slot it touches is caught at about ``sample`` of its restores; one that hits a single
+        snapshot, with that chance. :data:`SAMPLED` is the fraction chosen from the measured cost.
+    :param seed: of the draw.
+    :param warn: in ``"record"`` mode, also warn (``RuntimeWarning``) at the first finding of each
+        kind, so that a host that never reads :attr:`findings` still hears of them.
+    :raises TypeError: a bad pool or ledger. :raises ValueError: a bad mode or ``sample``.
     """
 
-    def __init__(self, pool: LinearStatePool, *, ledger: Ledger | None = None, mode: Mode = "raise") -> None:
+    def __init__(
+        self,
+        pool: LinearStatePool,
+        *,
+        ledger: Ledger | None = None,
+        mode: Mode = "raise",
+        sample: float = 1.0,
+        seed: int = 0,
+        warn: bool = False,
+    ) -> None:
         if not isinstance(pool, LinearStatePool):
             raise TypeError(f"Forensics watches a LinearStatePool, got {type(pool).__name__}")
         if ledger is not None and not isinstance(ledger, Ledger):
             raise TypeError(f"ledger must be a Ledger or None, got {type(ledger).__name__}")
         if mode not in ("raise", "record"):
             raise ValueError(f"mode must be 'raise' or 'record', got {mode!r}")
+        if isinstance(sample, bool) or not isinstance(sample, (int, float)) or not (0.0 < sample <= 1.0):
+            raise ValueError(f"sample must be a fraction in (0, 1], got {sample!r}")
+        self.sample = float(sample)
+        self.warn = bool(warn)
+        self._warned: set[str] = set()
+        self._draw = random.Random(seed).random
+        self.donations_seen = 0
+        """Donations the manager reported, watched or not."""
+        self.donations_watched = 0
+        """Donations fingerprinted (about ``sample`` of :attr:`donations_seen`)."""
         self.pool = pool
         self.ledger = ledger
         self.mode: Mode = mode
@@ -195,8 +245,13 @@ class Forensics:
         parent_depth: int,
     ) -> None:
         """The tree took a snapshot at ``node`` (its nearest snapshot ancestor: ``parent`` at
-        ``parent_depth``); its fingerprint is taken once ``fence`` completed."""
+        ``parent_depth``); its fingerprint is taken once ``fence`` completed, when it is drawn
+        into the sample (always at ``sample=1``)."""
         self.step += 1
+        self.donations_seen += 1
+        if self.sample < 1.0 and self._draw() >= self.sample:
+            return  # not watched: its restores are not verified
+        self.donations_watched += 1
         snap = _Snap(node, depth, key_digest(key), slot, donor, fence, self.step, parent, parent_depth)
         self._check_slot(slot)
         self._snaps[node] = snap
@@ -408,3 +463,11 @@ class Forensics:
         if self.mode == "raise":
             self.flush()
             raise finding
+        if self.warn and kind not in self._warned:
+            self._warned.add(kind)
+            warnings.warn(
+                f"radixcache forensics: {finding} (recorded in forensics.findings; later {kind!r} findings "
+                "are recorded without a warning)",
+                RuntimeWarning,
+                stacklevel=2,
+            )

@@ -69,7 +69,7 @@ from ..core.keys import IMAGE_ID_BASE, MAX_ID, KeyLike, key_bytes
 from ..core.kv import KVAllocator, KVExhausted
 from ..core.policy import DonationReason, Policy, RequestInfo, default_policy
 from ..core.tree import EvictResult, HybridRadixCache, InsertResult, MatchResult, TreeNode
-from ..forensics.recorder import Forensics, SnapshotCorruption
+from ..forensics.recorder import SAMPLED, Forensics, SnapshotCorruption
 from ..tiers.host import auto_host_pool
 from ..tiers.shared import Fetched, Rejection, SharedTier
 from .metrics import EvictionReason, ManagerMetrics, MetricsCounters, SkipReason
@@ -371,8 +371,11 @@ class CacheManager:
     :param barrier: ``"fence"`` orders donate and restore by fences only; ``"device"`` also runs a
         full device synchronize at donation and hit admission (defence in depth).
     :param stream: stream for restores and clones (default: the tree's).
-    :param forensics: fingerprint every donation and verify every restore (see
-        :mod:`radixcache.forensics`); ``None`` (default) costs nothing.
+    :param forensics: fingerprint donations and verify their restores (see
+        :mod:`radixcache.forensics`): ``"sampled"`` (default) watches one donation in ten
+        (:data:`~radixcache.forensics.SAMPLED`, chosen from the measured cost), records findings in
+        ``manager.forensics.findings`` and warns once per kind; a :class:`Forensics` of your own
+        (every donation by default, a ledger, ``mode="raise"``); ``None``: off, costs nothing.
     :param kv_bytes_per_token: the host's KV bytes per token; given, the policy weighs snapshots
         (the pool's slot bytes) against KV in bytes.
     :param clock: seconds for the policy's notion of time when a call passes no ``now``
@@ -415,7 +418,7 @@ class CacheManager:
         track_slots: int = 2,
         barrier: Barrier = "fence",
         stream: Stream | None = None,
-        forensics: Forensics | None = None,
+        forensics: Forensics | Literal["sampled"] | None = "sampled",
         kv_bytes_per_token: int | None = None,
         clock: Callable[[], float] = time.monotonic,
         shared: SharedTier | None = None,
@@ -451,9 +454,11 @@ class CacheManager:
             raise ValueError(f"barrier must be 'fence' or 'device', got {barrier!r}")
         if stream is not None and not isinstance(stream, Stream):
             raise TypeError(f"stream must be a linear_state Stream or None, got {type(stream).__name__}")
-        if forensics is not None and not isinstance(forensics, Forensics):
-            raise TypeError(f"forensics must be a Forensics or None, got {type(forensics).__name__}")
-        if forensics is not None and forensics.pool is not cache.pool:
+        if forensics is not None and not isinstance(forensics, (Forensics, str)):
+            raise TypeError(f"forensics must be a Forensics, 'sampled' or None, got {type(forensics).__name__}")
+        if isinstance(forensics, str) and forensics != "sampled":
+            raise ValueError(f"forensics must be a Forensics, 'sampled' or None, got {forensics!r}")
+        if isinstance(forensics, Forensics) and forensics.pool is not cache.pool:
             raise ValueError("forensics must watch the cache's own pool")
         if kv_bytes_per_token is not None and (
             isinstance(kv_bytes_per_token, bool) or not isinstance(kv_bytes_per_token, int) or kv_bytes_per_token < 1
@@ -501,7 +506,9 @@ class CacheManager:
         self.track_slots = track_slots
         self.barrier: Barrier = barrier
         self.stream = stream
-        self.forensics = forensics
+        if forensics == "sampled":
+            forensics = Forensics(cache.pool, mode="record", sample=SAMPLED, warn=True)
+        self.forensics: Forensics | None = forensics
         self.clock = clock
         self.shared = shared
         if shared is not None:

@@ -219,7 +219,9 @@ def replay(
     shared = SharedTier(MemoryStore(), model=preset.name, kv=codec) if shared_gbps else None
     # NOTE: the replay runs no forward, so no slot is ever written: the write checks (which would
     # find every snapshot unwritten) are off; what it measures is the policy's hit tokens.
-    mgr = CacheManager(cache, policy, track_slots=_WINDOW_CAPTURES, shared=shared, host_tier=None, write_checks=False)
+    mgr = CacheManager(
+        cache, policy, track_slots=_WINDOW_CAPTURES, shared=shared, host_tier=None, write_checks=False, forensics=None
+    )
     res = ReplayResult(policy.name, preset.name, budget, 0, 0, 0, 0.0, 0.0, 0, 0, 0, 0.0, 0, 0.0)
     res.host_budget_bytes = host_slots * preset.snapshot_bytes
     computed: list[int] = []

@@ -123,7 +123,7 @@ class HFEngine(ServingQueue):
             clock=self.step_clock if policy_clock == "steps" else time.monotonic,
         )
         self.host_pool = self.cache.host_pool
-        self.forensics = None
+        self.forensics = self.manager.forensics  # the manager's default: sampled
         self.max_running, self.chunk = max_running, chunk
         self.waiting: deque[EngineRequest] = deque()
         self.running: dict[Hashable, Any] = {}
