@@ -601,6 +601,48 @@ def test_a_published_prefix_is_found_behind_many_deeper_depths_of_other_prompts(
     assert tier._keys(request, None, depths) == [tier.key(request[:d], None) for d in depths]
 
 
+class _CountingStore(MemoryStore):
+    """A memory store that records how many keys each existence check asked about."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[int] = []
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        self.asked.append(len(keys))
+        return super().exists(keys)
+
+
+@pytest.mark.parametrize(
+    ("deeper", "real", "asked"),
+    [
+        (30, True, [31]),  # every candidate in the first round trip
+        (100, True, [64, 37]),  # the prefix in the second batch, the rest never hashed
+        (1100, False, [64, 128, 256, 512, 64]),  # a miss: max_probes (1,024) in 5 round trips
+    ],
+)
+def test_a_probe_checks_the_deepest_candidates_first_in_doubling_batches(
+    deeper: int, real: bool, asked: list[int]
+) -> None:
+    store = _CountingStore()
+    layout = StateLayout(2, (4, 3), (2, 4, 4))
+    pool = LinearStatePool(layout, 2)
+    slot = pool.alloc(RequestOwner("r"))
+    tier = SharedTier(store, model="m", kv=_NoKV())
+    tier.bind(layout)
+    rng = np.random.default_rng(1)
+    prefix = rng.integers(0, 1000, 100)
+    if real:
+        assert tier.publish(prefix, None, pool, slot, torch.arange(100), None)
+    for d in range(101, 101 + deeper):  # other prompts published deeper in the same namespace
+        store.add_depth(tier.index(None), d)
+    request = np.concatenate([prefix, rng.integers(0, 1000, deeper + 10)])
+    store.asked.clear()
+    got = tier.fetch(request, None, 0)
+    assert (got is not None and got.depth == 100) if real else got is None
+    assert store.asked == asked
+
+
 def _two_model_tiers() -> list[SharedTier]:
     """Tiers of two models ("m1", "m2") bound to one layout."""
     layout = StateLayout(2, (4, 3), (2, 4, 4))

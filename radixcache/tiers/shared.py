@@ -36,8 +36,8 @@ while the server is down and uses it again once it is back.
 
 Costs: a publication reads the snapshot (and its KV) back to the host once its fences completed
 (the manager defers it until then and publishes at its next call), plus one store round trip; a
-probe is one round trip for the published depths and one for the blobs' existence, a fetch one
-more. Probes happen only when the local match is shorter than the request.
+probe is one round trip for the published depths and one for the blobs' existence (per batch of
+candidates, deepest first: 64, then 128, ...), a fetch one more. Probes happen only when the local match is shorter than the request.
 
 With ``background=True`` a publication's fingerprint, encoding and store round trip (the upload is
 the slowest part with a remote store and a large state) run on one writer thread of the tier's
@@ -78,6 +78,7 @@ __all__ = [
     "SharedTier",
 ]
 
+_FIRST_BATCH = 64  # candidate depths checked in a probe's first round trip (deepest first)
 _DONE_CAP = 65536  # keys published or fetched here, remembered (oldest forgotten first)
 
 
@@ -236,7 +237,8 @@ class SharedTier:
     :param namespace: the deployment's namespace in the store (a key prefix).
     :param publisher: this replica's name, written into its blobs (default: host and process id).
     :param max_probes: the deepest this many depths published in the request's namespace (past its
-        local match, up to its length) are checked per probe, in one round trip. The index lists
+        local match, up to its length) are checked per probe, deepest first, in round trips of 64,
+        128, 256, ... depths (the first present one is fetched). The index lists
         the depths of every prefix published in the namespace, most of them other prefixes': too
         small a number misses a published prefix that many deeper depths of other prompts hide.
     :param retry_s: after a failed store call, no call is made for this long.
@@ -667,29 +669,37 @@ class SharedTier:
         if not ok or not got:
             return None
         assert isinstance(got, list)
-        depths = [d for d in got if d % page == 0][-self.max_probes :]
-        if not depths:
-            return None
-        keys = self._keys(ids, namespace, depths, keep_state)[::-1]  # deepest first
-        depths.reverse()
-        ok, there = self._guarded(lambda: self.store.exists(keys))
-        if not ok:
-            return None
-        assert isinstance(there, list)
-        for d, k, present in zip(depths, keys, there, strict=True):
-            if not present:
-                continue
-            ok, blob = self._guarded(lambda k=k: self.store.get(k))  # type: ignore[misc]
+        # page 1: every depth is whole (no Python pass over a busy index's 2,048 depths)
+        depths = (got if page == 1 else [d for d in got if d % page == 0])[-self.max_probes :]
+        # Deepest first, in batches that double (64, 128, ...): the prefix a request finds is
+        # nearly always among the deepest candidates (its own end, or its shared prompt's), so its
+        # keys are the only ones hashed; 1,024 candidates cost at most 5 round trips. NOTE: one
+        # round trip for all 1,024 hashed every key first (about 2 ms of Python per probe, on the
+        # fetcher thread the scheduler's thread then waits on; benchmarks/bench_shared_probe.py).
+        batch, end = _FIRST_BATCH, len(depths)
+        while end > 0:
+            start = max(0, end - batch)
+            part = depths[start:end]
+            keys = self._keys(ids, namespace, part, keep_state)[::-1]  # deepest first
+            ok, there = self._guarded(lambda keys=keys: self.store.exists(keys))  # type: ignore[misc]
             if not ok:
                 return None
-            if blob is None:  # deleted in between
-                continue
-            assert isinstance(blob, bytes)
-            got_blob = self._verify(blob, k, d, stage, slot, owner, keep_state)
-            if got_blob is None:
-                self._guarded(lambda k=k: self.store.delete(k))  # type: ignore[misc]
-                return None
-            return got_blob
+            assert isinstance(there, list)
+            for d, k, present in zip(part[::-1], keys, there, strict=True):
+                if not present:
+                    continue
+                ok, blob = self._guarded(lambda k=k: self.store.get(k))  # type: ignore[misc]
+                if not ok:
+                    return None
+                if blob is None:  # deleted in between
+                    continue
+                assert isinstance(blob, bytes)
+                got_blob = self._verify(blob, k, d, stage, slot, owner, keep_state)
+                if got_blob is None:
+                    self._guarded(lambda k=k: self.store.delete(k))  # type: ignore[misc]
+                    return None
+                return got_blob
+            end, batch = start, 2 * batch
         return None
 
     def _trim(self, index: str) -> None:
