@@ -580,13 +580,19 @@ def test_bad_publish_fetch_and_flush_arguments_raise_typed_errors_and_change_not
     assert tier.close()
 
 
-def test_a_published_prefix_is_found_behind_many_deeper_depths_of_other_prompts() -> None:
-    store = MemoryStore()
+def _probe_tier(store: MemoryStore) -> tuple[SharedTier, LinearStatePool, int]:
+    """A tier over ``store`` bound to a small layout, and a pool with one request slot to publish."""
     layout = StateLayout(2, (4, 3), (2, 4, 4))
     pool = LinearStatePool(layout, 2)
     slot = pool.alloc(RequestOwner("r"))
     tier = SharedTier(store, model="m", kv=_NoKV())
     tier.bind(layout)
+    return tier, pool, slot
+
+
+def test_a_published_prefix_is_found_behind_many_deeper_depths_of_other_prompts() -> None:
+    store = MemoryStore()
+    tier, pool, slot = _probe_tier(store)
     rng = np.random.default_rng(0)
     prefix = rng.integers(0, 1000, 100)
     assert tier.publish(prefix, None, pool, slot, torch.arange(100), None)
@@ -625,11 +631,7 @@ def test_a_probe_checks_the_deepest_candidates_first_in_doubling_batches(
     deeper: int, real: bool, asked: list[int]
 ) -> None:
     store = _CountingStore()
-    layout = StateLayout(2, (4, 3), (2, 4, 4))
-    pool = LinearStatePool(layout, 2)
-    slot = pool.alloc(RequestOwner("r"))
-    tier = SharedTier(store, model="m", kv=_NoKV())
-    tier.bind(layout)
+    tier, pool, slot = _probe_tier(store)
     rng = np.random.default_rng(1)
     prefix = rng.integers(0, 1000, 100)
     if real:

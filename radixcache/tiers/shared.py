@@ -37,7 +37,8 @@ while the server is down and uses it again once it is back.
 Costs: a publication reads the snapshot (and its KV) back to the host once its fences completed
 (the manager defers it until then and publishes at its next call), plus one store round trip; a
 probe is one round trip for the published depths and one for the blobs' existence (per batch of
-candidates, deepest first: 64, then 128, ...), a fetch one more. Probes happen only when the local match is shorter than the request.
+candidates, deepest first: 64, then 128, ...), a fetch one more. Probes happen only when the
+local match is shorter than the request.
 
 With ``background=True`` a publication's fingerprint, encoding and store round trip (the upload is
 the slowest part with a remote store and a large state) run on one writer thread of the tier's
