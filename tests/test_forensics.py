@@ -1,4 +1,5 @@
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -295,3 +296,25 @@ def test_the_holders_of_a_slot_are_bounded() -> None:
         fx.request_freed(f"r{i}", [1])
     spans = fx._holds[1].spans
     assert len(spans) == HOLDERS_KEPT and spans[-1][2] == f"r{3 * HOLDERS_KEPT - 1}", "the latest are kept"
+
+
+def test_an_unwatched_donation_into_a_watched_snapshots_slot_is_still_a_finding() -> None:
+    # Aliasing: the tree hands a slot a watched snapshot still holds to a new donation. Whether
+    # that donation is drawn into the sample or not, the watched one was overwritten.
+    seed = next(s for s in range(1000) if _first_two_draws_below(s, 0.5) == [True, False])
+    pool = LinearStatePool(StateLayout(1, (2, 2), (2,)), 4)
+    slot = pool.alloc(RequestOwner("x"))
+    pool.recurrent[:, slot] = 1.0
+    fx = Forensics(pool, mode="record", sample=0.5, seed=seed)
+    fx.donated(1, 10, b"a", slot, "first", COMPLETE, None, 0)  # watched
+    assert fx.donations_watched == 1 and not fx.findings
+    pool.recurrent[:, slot] = 2.0  # the second donation's clone lands in the same slot
+    fx.donated(2, 20, b"b", slot, "second", COMPLETE, None, 0)  # not watched
+    assert fx.donations_watched == 1
+    assert [(f.kind, f.node) for f in fx.findings] == [("changed", 1)]
+
+
+def _first_two_draws_below(seed: int, sample: float) -> list[bool]:
+    """Whether Forensics(sample=, seed=seed) watches its first two donations."""
+    rng = random.Random(seed)
+    return [rng.random() < sample for _ in range(2)]

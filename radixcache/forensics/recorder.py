@@ -249,11 +249,12 @@ class Forensics:
         into the sample (always at ``sample=1``)."""
         self.step += 1
         self.donations_seen += 1
+        self._check_slot(slot)  # watched or not: a watched snapshot that still claims it was overwritten
         if self.sample < 1.0 and self._draw() >= self.sample:
+            self._settle()
             return  # not watched: its restores are not verified
         self.donations_watched += 1
         snap = _Snap(node, depth, key_digest(key), slot, donor, fence, self.step, parent, parent_depth)
-        self._check_slot(slot)
         self._snaps[node] = snap
         self._by_slot.setdefault(slot, set()).add(node)
         self._pending.append(snap)
