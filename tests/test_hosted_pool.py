@@ -300,7 +300,7 @@ def test_slots_of_a_padded_layout_copy_in_one_word_and_keep_every_value() -> Non
     # 8-byte view of the same bytes would convert values, or fail on the shapes).
     assert PADDED_LAYOUT.conv_dtype.itemsize == 2
     base = torch.zeros((2, S, 12), dtype=PADDED_LAYOUT.conv_dtype)
-    conv = base[:, :, :8].unflatten(2, (2, 4))
+    conv = base.as_strided((2, S, 2, 4), (S * 12, 12, 4, 1))  # each slot's first 16 bytes, as [2, 4]
     rec = torch.zeros((2, S, 2, 2), dtype=PADDED_LAYOUT.recurrent_dtype)
     pool = HostedStatePool(PADDED_LAYOUT, conv, rec, ListLender(), reserved=(0,))
     words = {pool._copy_rows[i][0].dtype for i in range(S)}  # the copy views themselves

@@ -676,7 +676,7 @@ def test_depth_indexes_separate_models_and_namespaces_equal_values_of_other_type
     assert len(set(names)) == len(names), names
     assert a.index(True) == a.index(True) and a.index(1) == a.index(1)  # remembered, the same name
     with pytest.raises(TypeError, match="namespaces that are None, str, int or bytes"):
-        a.index([1])  # unhashable: the tier's own error, not the memo's
+        a.index([1])  # type: ignore[arg-type]  # unhashable: the tier's own error, not the memo's
 
 
 # -------------------------------------------------------------- default host tier
