@@ -34,6 +34,7 @@ from linear_state import COMPLETE, LinearStatePool, NodeOwner, PoolError, Reques
 
 from ..core.errors import RadixCacheError
 from ..core.tree import HybridRadixCache, TreeNode
+from ..forensics.recorder import Forensics
 from ..manager.cache_manager import CacheManager, WindowPlan
 from ..tiers.shared import SharedTier
 from ..tiers.store import MemoryStore, RedisStore
@@ -162,6 +163,10 @@ class MisuseMachine(HostMachine):
             Misuse("manager: kv_bytes_per_token 0", lambda: CacheManager(cache, kv_bytes_per_token=0)),
             Misuse("manager: kv that is not an allocator", lambda: CacheManager(cache, kv=_wrong([0, 1, 2]))),
             Misuse("manager: write_checks not a bool", lambda: CacheManager(cache, write_checks=_wrong("yes"))),
+            Misuse(
+                "manager: forensics neither one nor 'sampled'", lambda: CacheManager(cache, forensics=_wrong("all"))
+            ),
+            Misuse("forensics: a sample outside (0, 1]", lambda: Forensics(pool, sample=_wrong(0.0))),
             Misuse("admit: max_new_tokens without kv=", lambda: mgr.admit(fresh, [1, 2], max_new_tokens=4)),
             Misuse("admit: max_new_tokens negative", lambda: mgr.admit(fresh, [1, 2], max_new_tokens=_wrong(-1))),
             Misuse(
@@ -184,6 +189,11 @@ class MisuseMachine(HostMachine):
             Misuse("admitted: not a RequestInfo", lambda: mgr.admitted(_wrong("info"))),
             Misuse("checkpoint: ids not a sequence", lambda: mgr.checkpoint(_wrong("12"), torch.tensor([0, 1]))),
             Misuse("checkpoint: KV of the wrong length", lambda: mgr.checkpoint([5, 6], torch.tensor([0]))),
+            Misuse(
+                "checkpoint: known_prefix past the key",
+                lambda: mgr.checkpoint([5, 6], torch.tensor([0, 1]), known_prefix=_wrong(3)),
+            ),
+            Misuse("tree insert: known_prefix a float", lambda: cache.insert([4, 4], [0, 1], known_prefix=_wrong(1.5))),
             Misuse("evict: float", lambda: mgr.evict(kv_tokens=_wrong(1.5))),
             Misuse("tree evict: bool", lambda: cache.evict(snapshots=_wrong(True))),
             Misuse("tree match: unhashable namespace", lambda: cache.match([1, 2], namespace=_wrong([1]))),
