@@ -594,9 +594,7 @@ class CacheManager:
 
     # ------------------------------------------------------------------- admit
     def _ids(self, rid: Hashable, cache_ids: KeyLike) -> tuple[bytes, np.ndarray]:
-        kb = key_bytes(cache_ids)
-        if not kb:
-            raise ValueError(f"request {rid!r} has no ids")
+        kb = _request_key(rid, cache_ids)
         return kb, np.frombuffer(kb, dtype=np.uint32).astype(np.int64)
 
     def _match(self, ids: np.ndarray, namespace: Hashable) -> MatchResult:
@@ -987,9 +985,7 @@ class CacheManager:
 
         :raises TypeError, ValueError: bad ids, namespace or ``limit``. Nothing changed.
         """
-        kb = key_bytes(cache_ids)
-        if not kb:
-            raise ValueError(f"request {rid!r} has no ids")
+        kb = _request_key(rid, cache_ids)
         # NOTE: a view of the canonical bytes (checked in range), not an int64 copy: the tree's
         # match takes uint32 ids as a byte copy, and the tier widens them on its fetcher thread.
         # The arrival call went from ~90 to ~40 us for a 2,100-id list (benchmarks/bench_shared_probe.py).
@@ -2258,6 +2254,14 @@ class CacheManager:
         assert self.pool.num_free + tree_n + req_n == self.pool.capacity, (
             f"free {self.pool.num_free} + tree {tree_n} + requests {req_n} != capacity {self.pool.capacity}"
         )
+
+
+def _request_key(rid: Hashable, cache_ids: KeyLike) -> bytes:
+    """A request's canonical key bytes. :raises ValueError: no ids (or as :func:`key_bytes`)."""
+    kb = key_bytes(cache_ids)
+    if not kb:
+        raise ValueError(f"request {rid!r} has no ids")
+    return kb
 
 
 def _depth_limit(ids: np.ndarray, limit: object, default: int) -> int:

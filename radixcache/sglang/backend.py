@@ -418,13 +418,11 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         slot = None if params.mamba_value is None else int(params.mamba_value.reshape(-1)[0])
         prev = min(int(params.prev_prefix_len), int(ids.size))
         res = self._insert(ids, kv, slot, ns, ("sglang-insert", id(params)), None, prev)
-        p = res.prefix_length
-        if p > prev:
-            mine = kv[prev:p]
-            dup = mine[mine != self.tree.kv_prefix(ids[:p], namespace=ns)[prev:p]]
-            if dup.numel():
-                self._free_kv(dup)
-        return InsertResult(prefix_len=p, total_len=int(ids.size), last_device_node=res.node, mamba_exist=True)
+        if res.duplicates:  # the tree compared [prev, prefix_length) and handed the differing ones back
+            self._free_kv(res.released)
+        return InsertResult(
+            prefix_len=res.prefix_length, total_len=int(ids.size), last_device_node=res.node, mamba_exist=True
+        )
 
     def _insert(
         self, ids: np.ndarray, kv: torch.Tensor, slot: int | None, ns: Hashable, rid: Hashable, req: Any, known: int
