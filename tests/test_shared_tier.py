@@ -27,7 +27,7 @@ from radixcache.testing.model import HybridConfig, HybridModel
 from radixcache.tiers.blob import BLOB_MAGIC, encode_blob
 from radixcache.tiers.host import HOST_TIER_FACTOR, auto_host_pool
 from radixcache.tiers.shared import SharedTier
-from radixcache.tiers.store import MemoryStore, RedisStore, SharedStore, SharedStoreError
+from radixcache.tiers.store import MemoryStore, RedisStore, SharedStore, SharedStoreError, deepest_of
 
 from .redis_server import RedisServer
 from .tree_helpers import scribble
@@ -580,7 +580,7 @@ def test_bad_publish_fetch_and_flush_arguments_raise_typed_errors_and_change_not
     assert tier.close()
 
 
-def _probe_tier(store: MemoryStore) -> tuple[SharedTier, LinearStatePool, int]:
+def _probe_tier(store: SharedStore) -> tuple[SharedTier, LinearStatePool, int]:
     """A tier over ``store`` bound to a small layout, and a pool with one request slot to publish."""
     layout = StateLayout(2, (4, 3), (2, 4, 4))
     pool = LinearStatePool(layout, 2)
@@ -608,29 +608,52 @@ def test_a_published_prefix_is_found_behind_many_deeper_depths_of_other_prompts(
 
 
 class _CountingStore(MemoryStore):
-    """A memory store that records how many keys each existence check asked about."""
+    """A memory store that records how many keys each existence check asked about (and, having no
+    ``deepest``, answers a probe's batches from one ``depths`` call: counted too)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.asked: list[int] = []
+        self.ranges = 0
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         self.asked.append(len(keys))
         return super().exists(keys)
 
+    def depths(self, index: str, lo: int, hi: int) -> list[int]:
+        self.ranges += 1
+        return super().depths(index, lo, hi)
 
-@pytest.mark.parametrize(
-    ("deeper", "real", "asked"),
-    [
-        (30, True, [31]),  # every candidate in the first round trip
-        (100, True, [64, 37]),  # the prefix in the second batch, the rest never hashed
-        (1100, False, [64, 128, 256, 512, 64]),  # a miss: max_probes (1,024) in 5 round trips
-    ],
-)
-def test_a_probe_checks_the_deepest_candidates_first_in_doubling_batches(
-    deeper: int, real: bool, asked: list[int]
-) -> None:
-    store = _CountingStore()
+
+class _CountingRedisStore(RedisStore):
+    """A Redis store that records the keys asked per existence check and the depths each
+    ``deepest`` call answered with."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.asked: list[int] = []
+        self.answered: list[int] = []
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        self.asked.append(len(keys))
+        return super().exists(keys)
+
+    def deepest(self, index: str, lo: int, hi: int, count: int) -> list[int]:
+        out = super().deepest(index, lo, hi, count)
+        self.answered.append(len(out))
+        return out
+
+
+_BATCHES = [
+    (30, True, [31]),  # every candidate in the first round trip
+    (100, True, [64, 37]),  # the prefix in the second batch, the rest never hashed
+    (1100, False, [64, 128, 256, 512, 64]),  # a miss: max_probes (1,024) in 5 round trips
+]
+
+
+def _probe_batches(store: _CountingStore | _CountingRedisStore, deeper: int, real: bool) -> None:
+    """Publish a 100-token prefix (``real``) behind ``deeper`` depths of other prompts, then fetch a
+    request that extends it: the prefix found (or not)."""
     tier, pool, slot = _probe_tier(store)
     rng = np.random.default_rng(1)
     prefix = rng.integers(0, 1000, 100)
@@ -642,7 +665,53 @@ def test_a_probe_checks_the_deepest_candidates_first_in_doubling_batches(
     store.asked.clear()
     got = tier.fetch(request, None, 0)
     assert (got is not None and got.depth == 100) if real else got is None
+
+
+@pytest.mark.parametrize(("deeper", "real", "asked"), _BATCHES)
+def test_a_probe_checks_the_deepest_candidates_first_in_doubling_batches(
+    deeper: int, real: bool, asked: list[int]
+) -> None:
+    store = _CountingStore()
+    _probe_batches(store, deeper, real)
     assert store.asked == asked
+    assert store.ranges == 1, "a store without deepest(): its depth range read once per probe"
+
+
+@pytest.mark.parametrize(("deeper", "real", "asked"), _BATCHES)
+def test_a_probe_on_redis_reads_only_the_batches_it_checks(
+    deeper: int, real: bool, asked: list[int], redis_server: RedisServer
+) -> None:
+    store = _CountingRedisStore(redis_server.url)
+    _probe_batches(store, deeper, real)
+    assert store.asked == asked
+    assert store.answered == asked  # what the server sent: each batch checked, never the whole range
+    store.close()
+
+
+def test_redis_deepest_answers_as_the_depths_it_cuts_from(redis_server: RedisServer) -> None:
+    import redis
+
+    store, mem = RedisStore(redis_server.url), MemoryStore()
+    rng = np.random.default_rng(3)
+    for d in rng.choice(np.arange(1, 400), 150, replace=False):
+        store.add_depth("ix", int(d))
+        mem.add_depth("ix", int(d))
+    fallback = deepest_of(mem)
+    assert deepest_of(store) == store.deepest  # the store's own, one round trip
+    for lo, hi, count in [(0, 400, 64), (0, 400, 1000), (10, 200, 7), (200, 100, 5), (0, 400, 0), (399, 400, 3)]:
+        want = sorted((d for d in mem.depths("ix", 0, 10**6) if lo < d <= hi), reverse=True)[:count]
+        assert store.deepest("ix", lo, hi, count) == want == deepest_of(mem)("ix", lo, hi, count)
+    # one fallback, batches of ever shallower ranges of one probe: the same answers
+    assert fallback("ix", 0, 400, 10) + fallback("ix", 0, fallback("ix", 0, 400, 10)[-1] - 1, 10) == (
+        store.deepest("ix", 0, 400, 20)
+    )
+    assert store.deepest("absent", 0, 10, 5) == []
+    r = redis.Redis.from_url(redis_server.url)
+    r.zadd("bad", {"not-a-depth": 5, "7": 7})
+    with pytest.raises(SharedStoreError, match="non-integer member"):
+        store.deepest("bad", 0, 10, 5)
+    r.close()
+    store.close()
 
 
 def _two_model_tiers() -> list[SharedTier]:

@@ -28,7 +28,7 @@ import torch
 from linear_state import Fence
 
 from ..tiers.shared import KVCodec
-from ..tiers.store import MemoryStore, SharedStore, SharedStoreError
+from ..tiers.store import MemoryStore, SharedStore, SharedStoreError, deepest_of
 
 __all__ = ["FUZZ_STORE_FAULTS", "FaultRates", "FaultyCodec", "FaultyStore", "StoreFaults"]
 
@@ -226,6 +226,11 @@ class FaultyStore:
         """See :class:`~radixcache.tiers.shared.SharedStore`."""
         self._tick("depths", f"{index} {lo} {hi}")
         return self.inner.depths(self.prefix + index, lo, hi)
+
+    def deepest(self, index: str, lo: int, hi: int, count: int) -> list[int]:
+        """See :func:`~radixcache.tiers.store.deepest_of` (the inner store's, or cut from its depths)."""
+        self._tick("deepest", f"{index} {lo} {hi} {count}")
+        return deepest_of(self.inner)(self.prefix + index, lo, hi, count)
 
 
 class FaultyCodec:

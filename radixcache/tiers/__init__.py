@@ -6,7 +6,7 @@ module implementing :class:`SharedStore`."""
 from .blob import BLOB_MAGIC, DIGEST_BYTES, blob_digest, encode_blob
 from .host import HOST_TIER_FACTOR, auto_host_pool
 from .shared import Fetched, KVCodec, Rejection, RejectReason, SharedStats, SharedTier
-from .store import REDIS_URL_SCHEMES, MemoryStore, RedisStore, SharedStore, SharedStoreError
+from .store import REDIS_URL_SCHEMES, MemoryStore, RedisStore, SharedStore, SharedStoreError, deepest_of
 
 __all__ = [
     "BLOB_MAGIC",
@@ -25,5 +25,6 @@ __all__ = [
     "SharedTier",
     "auto_host_pool",
     "blob_digest",
+    "deepest_of",
     "encode_blob",
 ]

@@ -68,7 +68,7 @@ from linear_state import Fence, LinearStatePool, RequestOwner, StateLayout
 
 from ..core.keys import MAX_ID
 from .blob import DIGEST_BYTES, blob_digest, bytes_tensor, encode_blob, parse_blob, tensor_bytes
-from .store import SharedStore, SharedStoreError, finite_seconds
+from .store import SharedStore, SharedStoreError, deepest_of, finite_seconds
 
 __all__ = [
     "Fetched",
@@ -666,27 +666,32 @@ class SharedTier:
         with self._lock:
             self.stats.probes += 1
         self._trim(index)
-        ok, got = self._guarded(lambda: self.store.depths(index, local, n))
-        if not ok or not got:
-            return None
-        assert isinstance(got, list)
-        # page 1: every depth is whole (no Python pass over a busy index's 2,048 depths)
-        depths = (got if page == 1 else [d for d in got if d % page == 0])[-self.max_probes :]
-        # Deepest first, in batches that double (64, 128, ...): the prefix a request finds is
-        # nearly always among the deepest candidates (its own end, or its shared prompt's), so its
-        # keys are the only ones hashed; 1,024 candidates cost at most 5 round trips. NOTE: one
-        # round trip for all 1,024 hashed every key first (about 2 ms of Python per probe, on the
-        # fetcher thread the scheduler's thread then waits on; benchmarks/bench_shared_probe.py).
-        batch, end = _FIRST_BATCH, len(depths)
-        while end > 0:
-            start = max(0, end - batch)
-            part = depths[start:end]
-            keys = self._keys(ids, namespace, part, keep_state)[::-1]  # deepest first
-            ok, there = self._guarded(lambda keys=keys: self.store.exists(keys))  # type: ignore[misc]
+        # Deepest first, in batches that double (64, 128, ...), each asked of the store's index and
+        # checked in one round trip each: the prefix a request finds is nearly always among the
+        # deepest candidates (its own end, or its shared prompt's), so its keys are the only ones
+        # hashed; max_probes (1,024) candidates cost at most 5 batches. NOTE: reading the whole
+        # range first (2,048 depths on a busy index) cost the fetcher thread 0.6 ms of CPU per
+        # probe, and hashing every key before one check about 2 ms (benchmarks/bench_shared_probe.py).
+        deepest = deepest_of(self.store)
+        hi, batch, left = n, _FIRST_BATCH, self.max_probes
+        while left > 0:
+            ask = min(batch, left)
+            ok, got = self._guarded(lambda hi=hi, ask=ask: deepest(index, local, hi, ask))  # type: ignore[misc]
+            if not ok or not isinstance(got, list):
+                return None
+            # what the store answered, as the protocol says: in (local, hi], deepest first, once each
+            # (a key hashed for a depth out of order would name another prefix's blob)
+            raw = sorted({int(d) for d in got if isinstance(d, (int, np.integer)) and local < d <= hi}, reverse=True)
+            if not raw:
+                return None
+            part = (raw if page == 1 else [d for d in raw if d % page == 0])[:left]
+            left -= len(part)
+            keys = self._keys(ids, namespace, part[::-1], keep_state)[::-1]  # deepest first
+            ok, there = self._guarded(lambda keys=keys: self.store.exists(keys) if keys else [])  # type: ignore[misc]
             if not ok:
                 return None
             assert isinstance(there, list)
-            for d, k, present in zip(part[::-1], keys, there, strict=True):
+            for d, k, present in zip(part, keys, there, strict=True):
                 if not present:
                     continue
                 ok, blob = self._guarded(lambda k=k: self.store.get(k))  # type: ignore[misc]
@@ -700,7 +705,9 @@ class SharedTier:
                     self._guarded(lambda k=k: self.store.delete(k))  # type: ignore[misc]
                     return None
                 return got_blob
-            end, batch = start, 2 * batch
+            if len(got) < ask:  # the index has nothing shallower
+                return None
+            hi, batch = raw[-1] - 1, 2 * batch
         return None
 
     def _trim(self, index: str) -> None:

@@ -9,6 +9,7 @@ directory, an object store) is one new module implementing :class:`SharedStore`.
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -16,7 +17,15 @@ from typing import Protocol, runtime_checkable
 
 from ..core.errors import RadixCacheError
 
-__all__ = ["REDIS_URL_SCHEMES", "MemoryStore", "RedisStore", "SharedStore", "SharedStoreError", "finite_seconds"]
+__all__ = [
+    "REDIS_URL_SCHEMES",
+    "MemoryStore",
+    "RedisStore",
+    "SharedStore",
+    "SharedStoreError",
+    "deepest_of",
+    "finite_seconds",
+]
 
 REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://")
 """The URLs :class:`RedisStore` takes (redis-py's ``from_url``)."""
@@ -61,6 +70,27 @@ class SharedStore(Protocol):
     def depths(self, index: str, lo: int, hi: int) -> list[int]:
         """Depths recorded under ``index`` in ``(lo, hi]``, ascending."""
         ...
+
+
+def deepest_of(store: SharedStore) -> Callable[[str, int, int, int], list[int]]:
+    """``store.deepest(index, lo, hi, count)``: the ``count`` deepest depths recorded under
+    ``index`` in ``(lo, hi]``, deepest first, in one round trip (an optional method of a store:
+    :class:`RedisStore` has it). For a store without it (:class:`MemoryStore`), the same answers
+    cut from :meth:`SharedStore.depths`, asked once per ``(index, lo)`` for the widest ``hi`` seen:
+    make one per probe (a probe asks for ever shallower batches of one range)."""
+    deepest = getattr(store, "deepest", None)
+    if deepest is not None:
+        return deepest  # type: ignore[no-any-return]
+    seen: dict[tuple[str, int], tuple[int, list[int]]] = {}
+
+    def from_depths(index: str, lo: int, hi: int, count: int) -> list[int]:
+        top, got = seen.get((index, lo), (lo, []))
+        if hi > top or (index, lo) not in seen:
+            top, got = seen[(index, lo)] = (hi, list(store.depths(index, lo, hi)))
+        j = bisect.bisect_right(got, hi)
+        return got[max(bisect.bisect_right(got, lo), j - max(count, 0)) : j][::-1]
+
+    return from_depths
 
 
 class MemoryStore:
@@ -224,8 +254,24 @@ class RedisStore:
     def depths(self, index: str, lo: int, hi: int) -> list[int]:
         """See :class:`SharedStore`."""
         out = self._call("ZRANGEBYSCORE", lambda: self._r.zrangebyscore(index, f"({int(lo)}", int(hi)))
-        assert isinstance(out, list)
+        return self._ints(index, out)
+
+    def deepest(self, index: str, lo: int, hi: int, count: int) -> list[int]:
+        """See :func:`deepest_of`: ``ZREVRANGEBYSCORE`` with a ``LIMIT``. NOTE: a probe used to
+        read the whole range (2,048 members parsed and converted on the fetcher thread, 0.6 ms of
+        CPU per probe, up to 2.4 ms holding the interpreter lock); its first batch is 64 deep."""
+        if count <= 0:
+            return []
+        out = self._call(
+            "ZREVRANGEBYSCORE", lambda: self._r.zrevrangebyscore(index, int(hi), f"({int(lo)}", start=0, num=int(count))
+        )
+        return self._ints(index, out)
+
+    def _ints(self, index: str, members: object) -> list[int]:
+        """An index's members as ints. :raises SharedStoreError: one is not an integer (somebody
+        else wrote this index: the store is out of protocol)."""
+        assert isinstance(members, list)
         try:
-            return list(map(int, out))  # NOTE: half a list comprehension's time for 2,048 depths
-        except (TypeError, ValueError) as e:  # somebody else wrote this index: the store is out of protocol
+            return list(map(int, members))  # NOTE: half a list comprehension's time for 2,048 depths
+        except (TypeError, ValueError) as e:
             raise SharedStoreError(f"redis at {self.url}: depth index {index!r} holds a non-integer member: {e}") from e
