@@ -6,15 +6,18 @@ the answer with one dictionary look-up), on a real redis-server.
 The store's depth index of the namespace first gets ``--depths`` depths (1 to ``--depths``), as a
 busy deployment's would: most are other prompts' (the probe checks this prompt's key at each, and
 finds none). A publisher engine (the reference engine) serves ``--prompts`` prompts of
-``--tokens`` tokens sharing a system prompt and publishes their snapshots. Then two fresh
+``--tokens`` tokens sharing a system prompt and publishes their snapshots. Then three fresh
 replicas serve the same stream of ``--requests`` requests (those prompts again and new ones of the
-same system prompt): one fetching at admission, one prefetching at submission, and one prefetching
-at submission that starts serving once every prefetch was answered (the calls' own cost, without the
-fetcher thread competing for the interpreter lock on the scheduler's). Every shared-tier
-call made on the scheduler's thread is timed (``fetch``; ``prefetch`` and ``take``); the replicas
-take turns ``--reps`` times, each on a fresh key space. Hit tokens of both are reported: the
-prefetching replica holds a request back until its prefetch is answered (at most 1 s; the time it
-waited is reported too: latency, not scheduler-thread work).
+same system prompt), each from the same store (flushed and published again before each): one
+fetching at admission, one prefetching at submission (all requests arrive at once, while the
+fetcher thread works through their probes), and one prefetching at submission with the fetcher
+thread held in its store until every request arrived and serving started once every prefetch was
+answered ("alone": the calls' own cost, nothing competing with the scheduler's thread). Every
+shared-tier call made on the scheduler's thread is timed (``fetch``, ``take``, ``cancel`` at
+admission; the manager's ``prefetch``, its tree match included, at arrival); the replicas take
+turns ``--reps`` times. Hit tokens are reported: the prefetching replica holds a request back
+until its prefetch is answered (at most 1 s; the time it waited is latency, not scheduler-thread
+work).
 
 The server: ``--redis-url``, or a redis-server of the benchmark's own on a free loopback port
 (tests/redis_server.py: the binary from the distribution's packages). Prints one JSON object.
@@ -30,8 +33,9 @@ import json
 import random
 import statistics
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +45,27 @@ from radixcache.testing.engine import EngineRequest, ReferenceEngine
 from radixcache.testing.model import HybridConfig, HybridModel
 from radixcache.tiers.shared import SharedTier
 from radixcache.tiers.store import RedisStore
+
+
+class _GatedStore(RedisStore):
+    """A Redis store whose reads wait until ``gate`` opens: the fetcher thread sleeps in its first
+    call (holding neither the interpreter lock nor a core) while the requests arrive."""
+
+    def __init__(self, url: str, gate: threading.Event) -> None:
+        super().__init__(url, timeout_s=5.0)
+        self.gate = gate
+
+    def deepest(self, index: str, lo: int, hi: int, count: int) -> list[int]:
+        self.gate.wait()
+        return super().deepest(index, lo, hi, count)
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        self.gate.wait()
+        return super().exists(keys)
+
+    def get(self, key: str) -> bytes | None:
+        self.gate.wait()
+        return super().get(key)
 
 
 def _timed(fn: Callable[..., Any], bucket: list[float]) -> Callable[..., Any]:
@@ -71,9 +96,14 @@ def run_replica(
     model: HybridModel, url: str, stream: list[list[int]], prefetch: bool, tag: str, settle: bool = False
 ) -> dict[str, float]:
     """One replica serving ``stream``; its scheduler-thread time in the shared tier. With
-    ``settle``, serving starts once every prefetch was answered (the calls' own cost, without the
-    fetcher thread competing for the interpreter lock)."""
-    eng = ReferenceEngine(model, shared_store=RedisStore(url, timeout_s=5.0), publisher=tag, shared_prefetch=prefetch)
+    ``settle``, the calls' own cost: the fetcher thread waits in its store while every request
+    arrives, and serving starts once every prefetch was answered (nothing competes with the
+    scheduler's thread for the interpreter lock or a core)."""
+    gate = threading.Event()
+    if not settle:
+        gate.set()
+    store = _GatedStore(url, gate)
+    eng = ReferenceEngine(model, shared_store=store, publisher=tag, shared_prefetch=prefetch)
     tier = eng.shared
     assert isinstance(tier, SharedTier)
     at_admission: list[float] = []
@@ -95,6 +125,7 @@ def run_replica(
     eng.manager.shared_pending = timed_pending  # type: ignore[method-assign]
     for i, p in enumerate(stream):
         eng.submit(EngineRequest(f"{tag}-{i}", p, 2))
+    gate.set()
     if settle:
         deadline = time.monotonic() + 60
         while any(pending(f"{tag}-{i}") for i in range(len(stream))) and time.monotonic() < deadline:
@@ -154,13 +185,13 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tests.redis_server import redis_url
 
-    runs: dict[str, list[dict[str, float]]] = {"at_admission": [], "prefetched": [], "prefetched_settled": []}
+    runs: dict[str, list[dict[str, float]]] = {"at_admission": [], "prefetched": [], "prefetched_alone": []}
     with redis_url(args.redis_url) as url:
         for r in range(reps):
             prompts = _prompts(n_prompts, tokens, seed=r)
             more = _prompts(requests, tokens, seed=r)  # same system prompt (same seed), other tails
             stream = [prompts[i % n_prompts] if i % 2 == 0 else more[i] for i in range(requests)]
-            order = ["at_admission", "prefetched", "prefetched_settled"]
+            order = ["at_admission", "prefetched", "prefetched_alone"]
             for mode in order if r % 2 == 0 else order[::-1]:
                 # Each replica finds the same store: the publisher's snapshots alone (a replica
                 # publishes what it computes, and the next one would find more: 43,980 shared hit
@@ -168,7 +199,7 @@ def main() -> None:
                 redis.Redis.from_url(url).flushall()
                 _publish(model, url, prompts, depths, f"pub{r}{mode}")
                 pre = mode != "at_admission"
-                runs[mode].append(run_replica(model, url, stream, pre, f"{mode}{r}", mode == "prefetched_settled"))
+                runs[mode].append(run_replica(model, url, stream, pre, f"{mode}{r}", mode == "prefetched_alone"))
     out: dict[str, Any] = {
         "bench": "shared_probe",
         "depths": depths,

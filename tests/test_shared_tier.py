@@ -1307,6 +1307,43 @@ def test_prefetches_are_bounded_cancelled_and_validated() -> None:
     tier.check_invariants()
 
 
+def _fetcher_threads() -> int:
+    return sum(t.name == "radixcache-shared-fetcher" for t in threading.enumerate())
+
+
+def test_a_host_starts_the_fetcher_at_set_up_not_at_the_first_arrival(model: HybridModel) -> None:
+    store = _SlowStore()
+    tier = SharedTier(store, model="m", kv=_NoKV())
+    with pytest.raises(RuntimeError, match="before bind"):
+        tier.start_prefetching()
+    assert not tier.prefetching
+    tier.bind(StateLayout(2, (4, 3), (2, 4, 4)))
+    before = _fetcher_threads()
+    tier.start_prefetching()
+    tier.start_prefetching()  # idempotent: one thread
+    assert tier.prefetching and _fetcher_threads() == before + 1
+    store.gate.clear()  # the fetcher's first probe waits: r1 in the store, r2 queued behind it
+    ids = np.arange(50, dtype=np.int64)
+    assert tier.prefetch("r1", ids, None, 0) and tier.prefetch("r2", ids, None, 0)
+    assert _fetcher_threads() == before + 1, "the first prefetch used the thread started at set-up"
+    tier.check_invariants()
+    assert tier.close(timeout_s=0.2)  # the fetcher is still in the store: closed anyway
+    assert not tier.prefetching and tier.stats.prefetch_dropped == 2, "the two out, never answered"
+    assert tier.take("r2", ids, None, 0) == (False, None)
+    tier.check_invariants()  # NOTE: before 2026-12-04 a closed tier kept them listed, cancelled
+    store.gate.set()
+    with pytest.raises(RuntimeError, match="after close"):
+        tier.start_prefetching()
+    tier.check_invariants()
+    # the hosts that prefetch start it when they are built
+    eng = ReferenceEngine(model, shared_store=MemoryStore(), publisher="A", shared_prefetch=True)
+    assert eng.shared is not None and eng.shared.prefetching
+    eng.close()
+    plain = ReferenceEngine(model, shared_store=MemoryStore(), publisher="B")
+    assert plain.shared is not None and not plain.shared.prefetching
+    plain.close()
+
+
 def test_the_depth_index_forgets_depths_whose_blobs_expired(redis_server: RedisServer) -> None:
     layout = StateLayout(2, (4, 3), (2, 4, 4))
     pool = LinearStatePool(layout, 2)

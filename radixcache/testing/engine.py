@@ -335,6 +335,8 @@ class ReferenceEngine(ServingQueue):
         self._stage = torch.empty(0, dtype=torch.int64)  # warm()'s KV staging buffer, reused
         self.shared_prefetch = shared_prefetch
         self.prefetch_wait_s = prefetch_wait_s
+        if shared_prefetch and self.manager.shared is not None:
+            self.manager.shared.start_prefetching()  # not on the first request's arrival
 
     # ---------------------------------------------------------------- public
     def submit(self, req: EngineRequest, *, front: bool = False) -> None:

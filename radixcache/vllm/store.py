@@ -292,6 +292,8 @@ class PagedHostStore:
             shared=tier,
         )
         self.shared = tier
+        if tier is not None:
+            tier.start_prefetching()  # the connector prefetches at arrival: not on the first one's
         self.verify = verify
         self._kv_hasher = SlotHasher([self.kv]) if verify else None
         self._kv_fp: list[int | None] = [None] * n_pages
