@@ -706,6 +706,8 @@ def test_redis_deepest_answers_as_the_depths_it_cuts_from(redis_server: RedisSer
         store.deepest("ix", 0, 400, 20)
     )
     assert store.deepest("absent", 0, 10, 5) == []
+    with pytest.raises(TypeError, match="must be a SharedStore, got int"):
+        deepest_of(5)  # type: ignore[arg-type]
     r = redis.Redis.from_url(redis_server.url)
     r.zadd("bad", {"not-a-depth": 5, "7": 7})
     with pytest.raises(SharedStoreError, match="non-integer member"):

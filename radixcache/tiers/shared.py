@@ -775,8 +775,8 @@ class SharedTier:
                 _, old = self._prefetches.popitem(last=False)
                 old.cancelled = True
                 self.stats.prefetch_dropped += 1
-        if self._fetcher is None:  # a host that did not call start_prefetching(): started here
-            self._fetcher = _Fetcher(self)
+        self.start_prefetching()  # a host that did not call it at set-up: started here
+        assert self._fetcher is not None
         self._fetcher.submit(job)
         return True
 

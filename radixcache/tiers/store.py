@@ -77,18 +77,24 @@ def deepest_of(store: SharedStore) -> Callable[[str, int, int, int], list[int]]:
     ``index`` in ``(lo, hi]``, deepest first, in one round trip (an optional method of a store:
     :class:`RedisStore` has it). For a store without it (:class:`MemoryStore`), the same answers
     cut from :meth:`SharedStore.depths`, asked once per ``(index, lo)`` for the widest ``hi`` seen:
-    make one per probe (a probe asks for ever shallower batches of one range)."""
+    make one per probe (a probe asks for ever shallower batches of one range).
+
+    :raises TypeError: ``store`` is not a :class:`SharedStore`.
+    """
+    if not isinstance(store, SharedStore):
+        raise TypeError(f"store must be a SharedStore, got {type(store).__name__}")
     deepest = getattr(store, "deepest", None)
     if deepest is not None:
         return deepest  # type: ignore[no-any-return]
-    seen: dict[tuple[str, int], tuple[int, list[int]]] = {}
+    read: dict[tuple[str, int], tuple[int, list[int]]] = {}  # (index, lo) -> (hi read up to, depths)
 
     def from_depths(index: str, lo: int, hi: int, count: int) -> list[int]:
-        top, got = seen.get((index, lo), (lo, []))
-        if hi > top or (index, lo) not in seen:
-            top, got = seen[(index, lo)] = (hi, list(store.depths(index, lo, hi)))
+        top = read.get((index, lo))
+        if top is None or hi > top[0]:
+            top = read[(index, lo)] = (hi, list(store.depths(index, lo, hi)))
+        got = top[1]  # all in (lo, top's hi], ascending
         j = bisect.bisect_right(got, hi)
-        return got[max(bisect.bisect_right(got, lo), j - max(count, 0)) : j][::-1]
+        return got[max(0, j - max(count, 0)) : j][::-1]
 
     return from_depths
 
