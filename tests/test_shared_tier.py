@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from linear_state import LinearStatePool, RequestOwner, StateLayout
-from radixcache import Admission, CacheManager, HybridRadixCache
+from radixcache import Admission, CacheManager, HybridRadixCache, ProtocolError
 from radixcache.forensics import analyze, format_forensics
 from radixcache.testing.engine import EngineRequest, ReferenceEngine, generate_cold
 from radixcache.testing.model import HybridConfig, HybridModel
@@ -430,8 +430,13 @@ def test_bad_tier_arguments_raise_typed_errors() -> None:
     tier = SharedTier(store, model="m", kv=_NoKV())
     CacheManager(HybridRadixCache(pool), shared=tier)
     other = LinearStatePool(StateLayout(3, (4, 3), (2, 4, 4)), 4)
-    with pytest.raises(RuntimeError, match="another manager"):
+    with pytest.raises(ProtocolError, match="another manager"):
         CacheManager(HybridRadixCache(other), shared=tier)
+    with pytest.raises(ProtocolError, match="another manager"):
+        tier.bind(layout, client=object())
+    with pytest.raises(ProtocolError, match="another layout"):
+        tier.bind(other.layout)
+    assert tier.layout == layout
 
 
 def test_bad_background_arguments_raise_typed_errors() -> None:
@@ -533,10 +538,13 @@ def test_bad_publish_fetch_and_flush_arguments_raise_typed_errors_and_change_not
     pool = LinearStatePool(layout, 2)
     slot = pool.alloc(RequestOwner("r"))
     tier = SharedTier(store, model="m", kv=_NoKV(), background=background)
-    with pytest.raises(RuntimeError, match="before bind"):
+    with pytest.raises(ProtocolError, match=r"SharedTier\.publish before bind"):
         tier.publish(np.arange(3), None, pool, slot, torch.arange(3), None)
-    with pytest.raises(RuntimeError, match="before bind"):
-        tier.fetch(np.arange(3), None, 0)
+    for call in (tier.fetch, tier.take, tier.prefetch):
+        args = (np.arange(3), None, 0) if call == tier.fetch else ("r", np.arange(3), None, 0)
+        with pytest.raises(ProtocolError, match=rf"SharedTier\.{call.__name__} before bind"):
+            call(*args)  # type: ignore[operator]
+    assert not tier.prefetching and tier.layout is None
     tier.bind(layout)
     ids, kv = np.arange(6), torch.arange(6)
     assert tier.publish(ids, None, pool, slot, kv, None)
@@ -1316,7 +1324,7 @@ def _fetcher_threads() -> int:
 def test_a_host_starts_the_fetcher_at_set_up_not_at_the_first_arrival(model: HybridModel) -> None:
     store = _SlowStore()
     tier = SharedTier(store, model="m", kv=_NoKV())
-    with pytest.raises(RuntimeError, match="before bind"):
+    with pytest.raises(ProtocolError, match="before bind"):
         tier.start_prefetching()
     assert not tier.prefetching
     tier.bind(StateLayout(2, (4, 3), (2, 4, 4)))
@@ -1334,7 +1342,7 @@ def test_a_host_starts_the_fetcher_at_set_up_not_at_the_first_arrival(model: Hyb
     assert tier.take("r2", ids, None, 0) == (False, None)
     tier.check_invariants()  # NOTE: before 2026-12-04 a closed tier kept them listed, cancelled
     store.gate.set()
-    with pytest.raises(RuntimeError, match="after close"):
+    with pytest.raises(ProtocolError, match="after close"):
         tier.start_prefetching()
     tier.check_invariants()
     # the hosts that prefetch start it when they are built

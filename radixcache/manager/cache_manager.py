@@ -447,7 +447,7 @@ class CacheManager:
         if shared is not None and not isinstance(shared, SharedTier):
             raise TypeError(f"shared must be a SharedTier, got {type(shared).__name__}")
         if shared is not None and shared.client is not None:
-            raise RuntimeError("this SharedTier serves another manager already (one tier per manager)")
+            raise ProtocolError("this SharedTier serves another manager already (one tier per manager)")
         if isinstance(track_slots, bool) or not isinstance(track_slots, int) or track_slots < 1:
             raise ValueError(f"track_slots must be an int >= 1, got {track_slots!r}")
         if barrier not in ("fence", "device"):
@@ -467,7 +467,7 @@ class CacheManager:
         if not callable(clock):
             raise TypeError(f"clock must be a callable returning seconds, got {clock!r}")
         if shared is not None and shared.layout is not None and shared.layout != cache.pool.layout:
-            raise RuntimeError("this SharedTier serves another layout already (one tier per manager)")
+            raise ProtocolError("this SharedTier serves another layout already (one tier per manager)")
         if type(write_checks) is not bool:
             raise ValueError(f"write_checks must be a bool, got {write_checks!r}")
         if kv is not None and not isinstance(kv, KVAllocator):

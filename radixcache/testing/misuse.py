@@ -55,6 +55,9 @@ MISUSE_ERRORS: tuple[type[BaseException], ...] = (
 )
 """What a refused call may raise: typed errors that name the cause."""
 
+_OTHER_LAYOUT = StateLayout(1, (2, 3), (2, 2))
+"""A layout other than the fuzz pools' (the default dtypes): a pool or bridge of another model."""
+
 
 def _wrong(value: object) -> Any:
     """A deliberately wrong argument (typed ``Any`` so the call type-checks)."""
@@ -98,13 +101,18 @@ class _NoKV:
 
 
 class _Tier:
-    """A shared tier over an in-memory store holding one published blob, and a pool slot to
-    publish from: the target of the shared tier's wrong calls."""
+    """A shared tier over an in-memory store holding one published blob (bound, this object its
+    client), a pool slot to publish from, a tier never bound and one closed: the targets of the
+    shared tier's wrong calls."""
 
     def __init__(self) -> None:
         self.store = MemoryStore()
         self.tier = SharedTier(self.store, model="misuse", kv=_NoKV(), publisher="misuse")
-        self.tier.bind(FUZZ_LAYOUT)
+        self.tier.bind(FUZZ_LAYOUT, client=self)
+        self.unbound = SharedTier(self.store, model="misuse", kv=_NoKV(), publisher="unbound")
+        self.closed = SharedTier(self.store, model="misuse", kv=_NoKV(), publisher="closed")
+        self.closed.bind(FUZZ_LAYOUT)
+        self.closed.close()
         self.pool = LinearStatePool(FUZZ_LAYOUT, 2)
         self.slot = self.pool.alloc(RequestOwner("publisher"))
         self.ids = np.arange(1, 9, dtype=np.int64)
@@ -119,6 +127,10 @@ class _Tier:
             self.pool.owner_of(self.slot),
             self.tier.layout,
             self.tier.client,
+            self.tier.prefetching,
+            self.unbound.layout,
+            self.unbound.client,
+            self.closed.prefetching,
         )
 
 
@@ -289,6 +301,14 @@ class MisuseMachine(HostMachine):
             Misuse("tier publish: not a fence", lambda: tier.publish(ids, None, pool, slot, kv, _wrong("x"))),
             Misuse("tier flush: negative timeout", lambda: tier.flush(-1)),
             Misuse("tier bind: not a layout", lambda: tier.bind(_wrong("layout"))),
+            Misuse("tier bind: another layout", lambda: tier.bind(_OTHER_LAYOUT)),
+            Misuse("tier bind: another client", lambda: tier.bind(FUZZ_LAYOUT, client=object())),
+            Misuse("tier fetch before bind", lambda: sh.unbound.fetch(np.arange(12), None, 0)),
+            Misuse("tier prefetch before bind", lambda: sh.unbound.prefetch("r", np.arange(12), None, 0)),
+            Misuse("tier take before bind", lambda: sh.unbound.take("r", np.arange(12), None, 0)),
+            Misuse("tier publish before bind", lambda: sh.unbound.publish(ids, None, pool, slot, kv, None)),
+            Misuse("tier start_prefetching before bind", lambda: sh.unbound.start_prefetching()),
+            Misuse("tier start_prefetching after close", lambda: sh.closed.start_prefetching()),
             Misuse("tier: an empty model", lambda: SharedTier(sh.store, model="", kv=_NoKV())),
             Misuse("tier: retry_s a string", lambda: SharedTier(sh.store, model="m", kv=_NoKV(), retry_s=_wrong("1"))),
             Misuse("tier: an empty secret", lambda: SharedTier(sh.store, model="m", kv=_NoKV(), secret=b"")),
@@ -413,7 +433,7 @@ def _hf_catalogue() -> list[Misuse]:
     from ..hf import HFStateBridge
     from .hf_engine import HFEngine
 
-    other = StateLayout(1, (2, 3), (2, 2))
+    other = _OTHER_LAYOUT
     return [
         Misuse("hf bridge: on_narrowing unknown", lambda: HFStateBridge(cfg, on_narrowing=_wrong("ignore"))),
         Misuse("hf bridge: an unknown device", lambda: HFStateBridge(cfg, device="tpu")),

@@ -66,6 +66,7 @@ import torch
 
 from linear_state import Fence, LinearStatePool, RequestOwner, StateLayout
 
+from ..core.errors import ProtocolError
 from ..core.keys import MAX_ID
 from .blob import DIGEST_BYTES, blob_digest, bytes_tensor, encode_blob, parse_blob, tensor_bytes
 from .store import SharedStore, SharedStoreError, deepest_of, finite_seconds
@@ -354,16 +355,17 @@ class SharedTier:
         tier serves one layout and one manager; binding again with the same layout and no other
         client changes nothing.
 
-        :raises TypeError: ``layout`` not a StateLayout. :raises RuntimeError: bound already to
-            another layout or another client. Nothing changes when it raises.
+        :raises TypeError: ``layout`` not a StateLayout. :raises ProtocolError: (a
+            ``RuntimeError``) bound already to another layout or another client. Nothing changes
+            when it raises.
         """
         if not isinstance(layout, StateLayout):
             raise TypeError(f"layout must be a StateLayout, got {type(layout).__name__}")
         if client is not None and self._client is not None and self._client is not client:
-            raise RuntimeError("this SharedTier serves another manager already (one tier per manager)")
+            raise ProtocolError("this SharedTier serves another manager already (one tier per manager)")
         if self._layout is not None:
             if self._layout != layout:
-                raise RuntimeError("this SharedTier serves another layout already (one tier per manager)")
+                raise ProtocolError("this SharedTier serves another layout already (one tier per manager)")
             self._client = self._client if client is None else client
             return
         self._client = client
@@ -493,13 +495,13 @@ class SharedTier:
         (with ``background``: handed to the writer, which stores it unless the store fails).
         A key this tier published or fetched before is not published again.
 
-        :raises RuntimeError: the tier was never bound. :raises TypeError: ``ids`` not an integer
-            numpy array, ``pool`` not a pool, ``kv_indices`` not an integer tensor, ``kv_after``
+        :raises ProtocolError: (a ``RuntimeError``) the tier was never bound. :raises TypeError:
+            ``ids`` not an integer numpy array, ``pool`` not a pool, ``kv_indices`` not an integer tensor, ``kv_after``
             not a fence, a namespace the tier cannot address. :raises ValueError: ``ids`` not 1-D,
             or ``kv_indices`` not one index per id. Nothing changes when it raises.
         """
         if self._layout is None:
-            raise RuntimeError("SharedTier.publish before bind (give the tier to a CacheManager)")
+            raise ProtocolError("SharedTier.publish before bind (give the tier to a CacheManager)")
         _check_ids(ids)
         if not isinstance(pool, LinearStatePool):
             raise TypeError(f"pool must be a LinearStatePool, got {type(pool).__name__}")
@@ -605,12 +607,14 @@ class SharedTier:
             self._done.popitem(last=False)
 
     # --------------------------------------------------------------- fetch
-    def _fetch_args(self, ids: np.ndarray, local: int, page: int, limit: int | None, *, scan: bool = True) -> int:
-        """Check a fetch's arguments (as :meth:`fetch` documents); the depth limit. Without
-        ``scan`` the ids' values are not range-checked (:meth:`take` only compares them with the
-        prefetch's, which were)."""
+    def _fetch_args(
+        self, call: str, ids: np.ndarray, local: int, page: int, limit: int | None, *, scan: bool = True
+    ) -> int:
+        """Check the arguments of ``call`` (:meth:`fetch`, :meth:`prefetch` or :meth:`take`, as
+        :meth:`fetch` documents them); the depth limit. Without ``scan`` the ids' values are not
+        range-checked (:meth:`take` only compares them with the prefetch's, which were)."""
         if self._layout is None:
-            raise RuntimeError("SharedTier.fetch before bind (give the tier to a CacheManager)")
+            raise ProtocolError(f"SharedTier.{call} before bind (give the tier to a CacheManager)")
         if scan:
             _check_ids(ids)
         elif not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.dtype.kind not in "iu":
@@ -638,12 +642,12 @@ class SharedTier:
         ``on_reject`` heard why and the blob was deleted). On the caller's thread: up to three
         store round trips (see :meth:`prefetch` for the way off it).
 
-        :raises RuntimeError: the tier was never bound. :raises TypeError: ``ids`` not an integer
-            numpy array, ``local``, ``page`` or ``limit`` not ints, a namespace the tier cannot
+        :raises ProtocolError: (a ``RuntimeError``) the tier was never bound. :raises TypeError:
+            ``ids`` not an integer numpy array, ``local``, ``page`` or ``limit`` not ints, a namespace the tier cannot
             address. :raises ValueError: ``ids`` not 1-D, ``local`` outside ``[0, len(ids)]``,
             ``page`` < 1, ``limit`` outside ``[0, len(ids)]``. Nothing changes when it raises.
         """
-        n = self._fetch_args(ids, local, page, limit)
+        n = self._fetch_args("fetch", ids, local, page, limit)
         index = self.index(namespace)  # an unaddressable namespace: a TypeError before anything is counted
         self._drain_deferred()
         if n <= local:
@@ -757,7 +761,7 @@ class SharedTier:
         :raises: as :meth:`fetch` for bad arguments; :raises TypeError: an unhashable ``rid``.
             Nothing changes when it raises.
         """
-        n = self._fetch_args(ids, local, page, limit)
+        n = self._fetch_args("prefetch", ids, local, page, limit)
         if not self.addressable(namespace):
             return False
         index = self.index(namespace)
@@ -786,13 +790,13 @@ class SharedTier:
         not pay for them (0.5 to 2.5 ms on the scheduler's thread, measured on a 2-core CPU).
         Without it the first :meth:`prefetch` starts them. Idempotent.
 
-        :raises RuntimeError: the tier was never bound (a :class:`CacheManager` binds it), or it
-            is closed. Nothing changes when it raises.
+        :raises ProtocolError: (a ``RuntimeError``) the tier was never bound (a
+            :class:`CacheManager` binds it), or it is closed. Nothing changes when it raises.
         """
         if self._layout is None:
-            raise RuntimeError("SharedTier.start_prefetching before bind (give the tier to a CacheManager)")
+            raise ProtocolError("SharedTier.start_prefetching before bind (give the tier to a CacheManager)")
         if self._closed:
-            raise RuntimeError("SharedTier.start_prefetching after close")
+            raise ProtocolError("SharedTier.start_prefetching after close")
         if self._fetcher is None:
             self._fetcher = _Fetcher(self)
 
@@ -835,7 +839,7 @@ class SharedTier:
 
         :raises: as :meth:`fetch` for bad arguments. Nothing changes when it raises.
         """
-        n = self._fetch_args(ids, local, page, limit, scan=False)
+        n = self._fetch_args("take", ids, local, page, limit, scan=False)
         with self._lock:
             job = self._prefetches.pop(rid, None)
             if job is None:
