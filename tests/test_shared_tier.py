@@ -540,10 +540,14 @@ def test_bad_publish_fetch_and_flush_arguments_raise_typed_errors_and_change_not
     tier = SharedTier(store, model="m", kv=_NoKV(), background=background)
     with pytest.raises(ProtocolError, match=r"SharedTier\.publish before bind"):
         tier.publish(np.arange(3), None, pool, slot, torch.arange(3), None)
-    for call in (tier.fetch, tier.take, tier.prefetch):
-        args = (np.arange(3), None, 0) if call == tier.fetch else ("r", np.arange(3), None, 0)
-        with pytest.raises(ProtocolError, match=rf"SharedTier\.{call.__name__} before bind"):
-            call(*args)  # type: ignore[operator]
+    unbound: list[tuple[str, Callable[[], object]]] = [
+        ("fetch", lambda: tier.fetch(np.arange(3), None, 0)),
+        ("take", lambda: tier.take("r", np.arange(3), None, 0)),
+        ("prefetch", lambda: tier.prefetch("r", np.arange(3), None, 0)),
+    ]
+    for name, early in unbound:
+        with pytest.raises(ProtocolError, match=rf"SharedTier\.{name} before bind"):
+            early()
     assert not tier.prefetching and tier.layout is None
     tier.bind(layout)
     ids, kv = np.arange(6), torch.arange(6)
