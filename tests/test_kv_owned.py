@@ -3,6 +3,9 @@ write and what to read, commit takes no indices, and every index returns by ``kv
 
 from __future__ import annotations
 
+import random
+from collections import deque
+
 import pytest
 import torch
 
@@ -266,3 +269,74 @@ def test_free_list_contract() -> None:
     with pytest.raises(ValueError, match="num_tokens"):
         KVFreeList(-2)
     kv.check_invariants()
+
+
+def test_free_list_hands_out_in_the_order_freed_across_the_rings_end() -> None:
+    """The free list against a deque model: 400 seeded steps of allocations and frees (in shuffled
+    order, across the ring's end many times) hand out the same indices, in the same order."""
+    rng = random.Random(0)
+    kv, model = KVFreeList(37), deque(range(37))
+    held: list[int] = []
+    for _ in range(400):
+        if held and rng.random() < 0.5:
+            rng.shuffle(held)
+            k = rng.randint(1, len(held))
+            back, held = held[:k], held[k:]
+            kv.free(torch.tensor(back))
+            model.extend(back)
+        else:
+            n = rng.randint(0, 12)
+            got = kv.alloc(n)
+            if n > len(model):
+                assert got is None
+                continue
+            assert got is not None and got.dtype == torch.int64
+            want = [model.popleft() for _ in range(n)]
+            assert got.tolist() == want
+            held += want
+        assert kv.num_free == len(model)
+        kv.check_invariants()
+
+
+def test_a_refused_free_names_the_first_bad_index_and_takes_nothing_back() -> None:
+    kv = KVFreeList(8)
+    idx = kv.alloc(6)
+    assert idx is not None
+    kv.free(idx[:1])  # 0 is free again
+    for bad, error, match in (
+        ([3, 9, 0], ValueError, "KV index 9 is outside"),
+        ([3, 0, 9], RuntimeError, "KV index 0 freed twice"),
+        ([3, 4, 3], RuntimeError, "KV index 3 freed twice"),
+        ([-1, 3], ValueError, "KV index -1 is outside"),
+        ([9], ValueError, "KV index 9 is outside"),
+        ([0], RuntimeError, "KV index 0 freed twice"),
+    ):
+        with pytest.raises(error, match=match):
+            kv.free(torch.tensor(bad))
+        assert kv.num_free == 3
+        kv.check_invariants()
+    with pytest.raises(TypeError, match="integer tensor"):
+        kv.free(torch.tensor([1.0]))
+    kv.free(torch.tensor([5, 1]))
+    assert kv.alloc(5) is not None and kv.alloc(1) is None  # 6, 7, 0, 5, 1
+    kv.check_invariants()
+    # the same refusals for many indices at once (numpy's checks)
+    big = KVFreeList(64)
+    held = big.alloc(40)
+    assert held is not None
+    big.free(held[:10])  # 0..9 free again
+    run = list(range(20, 40))
+    for bad, error, match in (
+        ([*run[:-1], 64], ValueError, "KV index 64 is outside"),
+        ([*run[:5], 3, *run[5:]], RuntimeError, "KV index 3 freed twice"),
+        ([*run[:-1], 25], RuntimeError, "KV index 25 freed twice"),
+    ):
+        with pytest.raises(error, match=match):
+            big.free(torch.tensor(bad))
+        assert big.num_free == 34
+        big.check_invariants()
+    with pytest.raises(TypeError, match="integer tensor"):
+        big.free(torch.tensor(run, dtype=torch.float32))
+    big.free(torch.tensor(run).reshape(4, 5))  # any shape: its indices
+    assert big.num_free == 54
+    big.check_invariants()
