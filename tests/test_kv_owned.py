@@ -3,6 +3,7 @@ write and what to read, commit takes no indices, and every index returns by ``kv
 
 from __future__ import annotations
 
+import copy
 import random
 from collections import deque
 
@@ -296,6 +297,11 @@ def test_free_list_hands_out_in_the_order_freed_across_the_rings_end() -> None:
             held += want
         assert kv.num_free == len(model)
         kv.check_invariants()
+    twin = copy.deepcopy(kv)  # a copy is a list of its own: its numpy views are not the original's
+    got = twin.alloc(twin.num_free)
+    assert got is not None and got.tolist() == list(model) and kv.num_free == len(model)
+    kv.check_invariants()
+    twin.check_invariants()
 
 
 def test_a_refused_free_names_the_first_bad_index_and_takes_nothing_back() -> None:

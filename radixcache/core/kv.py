@@ -82,30 +82,31 @@ class KVFreeList:
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
             raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
         self.capacity = num_tokens
-        # NOTE: a ring of free indices and a flag per index, in numpy: a deque and a Python loop
-        # per index cost 0.36 ms to allocate and free 2,000 indices (a 2,000-token admission).
-        # The free ones: _count of them from _head on. Each buffer twice: a Python one for a few
-        # indices at a time (an array's and a bytearray's item steps cost a fraction of a numpy
-        # scalar's) and a numpy view of the same memory for many.
-        self._ring_items = array("q")
-        self._ring_items.frombytes(np.arange(num_tokens, dtype=np.int64).tobytes())
-        self._ring = np.frombuffer(self._ring_items, dtype=np.int64)
+        # NOTE: a ring of the free indices (_count of them from _head on) and a flag per index, in
+        # Python buffers whose items a few indices step through (a fraction of a numpy scalar's
+        # cost), viewed as numpy arrays for many at once. A deque and a Python step per index
+        # cost 0.36 ms to allocate and free 2,000 indices (a 2,000-token admission).
+        self._ring = array("q")
+        self._ring.frombytes(np.arange(num_tokens, dtype=np.int64).tobytes())
         self._head = 0
         self._count = num_tokens
         self._flags = bytearray(b"\x01") * num_tokens
-        self._is_free = np.frombuffer(self._flags, dtype=bool)
+
+    def _views(self) -> tuple[np.ndarray, np.ndarray]:
+        """The ring and the free flags as numpy arrays over the same memory (writable)."""
+        return np.frombuffer(self._ring, dtype=np.int64), np.frombuffer(self._flags, dtype=bool)
 
     @property
     def num_free(self) -> int:
         """Indices not allocated. O(1)."""
         return self._count
 
-    def _span(self, start: int, n: int) -> np.ndarray:
-        """The ring's ``n`` entries from ``start`` on (wrapping), a copy."""
+    def _span(self, ring: np.ndarray, start: int, n: int) -> np.ndarray:
+        """``ring``'s ``n`` entries from ``start`` on (wrapping), a copy."""
         end = start + n
         if end <= self.capacity:
-            return self._ring[start:end].copy()
-        return np.concatenate((self._ring[start:], self._ring[: end - self.capacity]))
+            return ring[start:end].copy()
+        return np.concatenate((ring[start:], ring[: end - self.capacity]))
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """``n`` indices, or None (nothing taken) when fewer are free. O(n) in numpy.
@@ -122,17 +123,18 @@ class KVFreeList:
         self._head = (h + n) % self.capacity
         self._count -= n
         if n == 1:  # a decode step's token
-            i = self._ring_items[h]
+            i = self._ring[h]
             self._flags[i] = 0
             return torch.tensor((i,), dtype=torch.int64)
         if n <= _FEW:  # Python's scalar steps beat numpy's fixed costs
-            ring, cap, flags = self._ring_items, self.capacity, self._flags
+            ring, cap, flags = self._ring, self.capacity, self._flags
             few = [ring[(h + j) % cap] for j in range(n)]
             for i in few:
                 flags[i] = 0
             return torch.tensor(few, dtype=torch.int64)
-        out = self._span(h, n)
-        self._is_free[out] = False
+        ring_np, is_free = self._views()
+        out = self._span(ring_np, h, n)
+        is_free[out] = False
         return torch.from_numpy(out)
 
     def free(self, indices: torch.Tensor, after: Fence = COMPLETE) -> None:
@@ -152,24 +154,25 @@ class KVFreeList:
             return
         if indices.dtype.is_floating_point or indices.dtype.is_complex:
             raise TypeError(f"indices must be an integer tensor, got {indices.dtype}")
-        ids = indices.detach().reshape(-1).to("cpu", torch.int64).numpy()
+        ids = indices.detach().to("cpu", torch.int64).numpy()
         n = int(ids.size)
-        bad = int(ids.min()) < 0 or int(ids.max()) >= self.capacity or bool(self._is_free[ids].any())
-        if not bad and n > 1:
+        ring, is_free = self._views()
+        bad = int(ids.min()) < 0 or int(ids.max()) >= self.capacity or bool(is_free[ids].any())
+        if not bad:
             s = np.sort(ids)
             bad = bool((s[1:] == s[:-1]).any())
         if bad:
             self._refuse(ids.tolist())
-        self._is_free[ids] = True
+        is_free[ids] = True
         tail = (self._head + self._count) % self.capacity
         first = min(n, self.capacity - tail)
-        self._ring[tail : tail + first] = ids[:first]
-        self._ring[: n - first] = ids[first:]
+        ring[tail : tail + first] = ids[:first]
+        ring[: n - first] = ids[first:]
         self._count += n
 
     def _free_few(self, ids: list[int], dtype: torch.dtype) -> None:
         """:meth:`free` of a few indices (``dtype``: the tensor's), a Python step each."""
-        cap, flags, ring = self.capacity, self._flags, self._ring_items
+        cap, flags, ring = self.capacity, self._flags, self._ring
         if len(ids) == 1:  # a decode step's token
             i = ids[0]
             if type(i) is not int:  # a float or complex tensor's item (a bool's is an int to Python)
@@ -201,17 +204,18 @@ class KVFreeList:
         for i in ids:
             if not 0 <= i < self.capacity:
                 raise ValueError(f"KV index {i} is outside [0, {self.capacity})")
-            if self._is_free[i] or i in seen:
+            if self._flags[i] or i in seen:
                 raise RuntimeError(f"KV index {i} freed twice")
             seen.add(i)
         raise AssertionError("free() found a bad index that _refuse did not")  # pragma: no cover
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` when the free list and the free flags disagree. O(capacity)."""
-        listed = self._span(self._head, self._count) if self._count else np.zeros(0, dtype=np.int64)
-        assert self._count == int(self._is_free.sum()), (self._count, int(self._is_free.sum()))
+        ring, is_free = self._views()
+        listed = self._span(ring, self._head, self._count) if self._count else np.zeros(0, dtype=np.int64)
+        assert self._count == int(is_free.sum()), (self._count, int(is_free.sum()))
         assert np.unique(listed).size == listed.size, "an index is on the free list twice"
-        assert bool(self._is_free[listed].all()), "a listed index is not marked free"
+        assert bool(is_free[listed].all()), "a listed index is not marked free"
 
 
 class KVPageList:
