@@ -300,6 +300,7 @@ def test_free_list_hands_out_in_the_order_freed_across_the_rings_end() -> None:
     twin = copy.deepcopy(kv)  # a copy is a list of its own: its numpy views are not the original's
     got = twin.alloc(twin.num_free)
     assert got is not None and got.tolist() == list(model) and kv.num_free == len(model)
+    twin.free(got[:1])  # one index by the scalar path: it sees what the array path marked
     kv.check_invariants()
     twin.check_invariants()
 
