@@ -44,7 +44,7 @@ class _BytesKV:
     def export_kv(self, kv_indices: torch.Tensor, after: object) -> bytes:
         return bytes(self.bytes_per_token * int(kv_indices.numel()))
 
-    def import_kv(self, data: bytes, num_tokens: int) -> torch.Tensor | None:
+    def import_kv(self, data: bytes | memoryview, num_tokens: int) -> torch.Tensor | None:
         return torch.arange(num_tokens)
 
 

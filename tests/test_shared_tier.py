@@ -407,7 +407,7 @@ class _NoKV:
     def export_kv(self, kv_indices: torch.Tensor, after: object) -> bytes:
         return b""
 
-    def import_kv(self, data: bytes, num_tokens: int) -> torch.Tensor | None:
+    def import_kv(self, data: bytes | memoryview, num_tokens: int) -> torch.Tensor | None:
         return torch.arange(num_tokens)
 
 
@@ -617,6 +617,46 @@ def test_a_published_prefix_is_found_behind_many_deeper_depths_of_other_prompts(
     # the keys a probe computes in one pass are the keys publish used
     depths = [1, 50, 100, 1150]
     assert tier._keys(request, None, depths) == [tier.key(request[:d], None) for d in depths]
+
+
+class _IndexKV:
+    """A KV codec whose bytes are the indices themselves (int64): what a fetch hands back is
+    checkable."""
+
+    identity = "index-kv"
+
+    def export_kv(self, kv_indices: torch.Tensor, after: object) -> bytes:
+        return kv_indices.to(torch.int64).numpy().tobytes()
+
+    def import_kv(self, data: bytes | memoryview, num_tokens: int) -> torch.Tensor | None:
+        return torch.frombuffer(bytearray(data), dtype=torch.int64)
+
+
+def test_a_fetched_blobs_kv_is_a_view_of_the_stores_reply_not_a_copy() -> None:
+    store = MemoryStore()
+    layout = StateLayout(2, (4, 3), (2, 4, 4))
+    pool = LinearStatePool(layout, 2)
+    slot = pool.alloc(RequestOwner("r"))
+    tier = SharedTier(store, model="m", kv=_IndexKV())
+    tier.bind(layout)
+    ids, kv = np.arange(40), torch.arange(100, 140)
+    assert tier.publish(ids, None, pool, slot, kv, None)
+    request = np.arange(50)
+    got = tier.fetch(request, None, 0)
+    assert got is not None and got.depth == 40
+    assert isinstance(got.kv, memoryview) and got.kv.readonly
+    assert got.kv.obj is store.blobs[tier.key(ids, None)], "a view of the blob the store answered"
+    assert bytes(got.kv) == kv.numpy().tobytes()
+    back = tier.kv.import_kv(got.kv, 40)  # the codec reads it as it read bytes
+    assert back is not None and torch.equal(back, kv)
+    assert tier.prefetch("r", request, None, 0)
+    deadline = time.monotonic() + 10
+    while tier.prefetch_pending("r") and time.monotonic() < deadline:
+        time.sleep(0.001)
+    taken, pre = tier.take("r", request, None, 0)
+    assert taken and pre is not None and isinstance(pre.kv, memoryview) and bytes(pre.kv) == bytes(got.kv)
+    tier.close()
+    tier.check_invariants()
 
 
 class _CountingStore(MemoryStore):

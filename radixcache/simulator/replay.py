@@ -86,7 +86,7 @@ class _ReplayKV:
     def export_kv(self, kv_indices: torch.Tensor, after: object) -> bytes:
         return b""
 
-    def import_kv(self, data: bytes, num_tokens: int) -> torch.Tensor:
+    def import_kv(self, data: bytes | memoryview, num_tokens: int) -> torch.Tensor:
         out = torch.arange(self.next_kv, self.next_kv + num_tokens)
         self.next_kv += num_tokens
         return out

@@ -177,7 +177,7 @@ class AdapterKV:
         """8 zero bytes per token."""
         return bytes(8 * kv_indices.numel())
 
-    def import_kv(self, data: bytes, num_tokens: int) -> torch.Tensor | None:
+    def import_kv(self, data: bytes | memoryview, num_tokens: int) -> torch.Tensor | None:
         """``num_tokens`` fresh indices; None when ``data`` is not 8 bytes a token."""
         if len(data) != 8 * num_tokens:
             return None

@@ -103,7 +103,7 @@ class EngineKVCodec:
         v = self.kv_pool.v[:, idx].cpu().contiguous()
         return k.view(torch.uint8).numpy().tobytes() + v.view(torch.uint8).numpy().tobytes()
 
-    def import_kv(self, data: bytes, num_tokens: int) -> torch.Tensor | None:
+    def import_kv(self, data: bytes | memoryview, num_tokens: int) -> torch.Tensor | None:
         """Allocate ``num_tokens`` indices and write ``data`` into them on the forward stream (so
         every later forward reads it). None: the bytes do not fit the layout, or no room."""
         if len(data) != num_tokens * self.bytes_per_token:

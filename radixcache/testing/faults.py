@@ -258,7 +258,7 @@ class FaultyCodec:
             raise RuntimeError("faulty codec: export_kv raised on purpose")
         return self.inner.export_kv(kv_indices, after)
 
-    def import_kv(self, data: bytes, num_tokens: int) -> torch.Tensor | None:
+    def import_kv(self, data: bytes | memoryview, num_tokens: int) -> torch.Tensor | None:
         """The inner codec's, or one of its faults."""
         if not (self.p and self.rng.random() < self.p):
             return self.inner.import_kv(data, num_tokens)

@@ -96,7 +96,7 @@ class _NoKV:
     def export_kv(self, kv_indices: torch.Tensor, after: object) -> bytes:
         return b""
 
-    def import_kv(self, data: bytes, num_tokens: int) -> torch.Tensor | None:
+    def import_kv(self, data: bytes | memoryview, num_tokens: int) -> torch.Tensor | None:
         return torch.zeros(num_tokens, dtype=torch.int64)
 
 

@@ -184,7 +184,7 @@ class PagedKVCodec:
         pages = self._store.pages.pages(kv_indices)
         return self._store.kv[:, pages].contiguous().numpy().tobytes()
 
-    def import_kv(self, data: bytes, num_tokens: int) -> torch.Tensor | None:
+    def import_kv(self, data: bytes | memoryview, num_tokens: int) -> torch.Tensor | None:
         """Pages for ``num_tokens`` tokens (a whole number of blocks) holding ``data``, their
         fingerprints recorded (with ``verify``); ``None`` when no page is free for them.
 
