@@ -499,9 +499,10 @@ class SharedTier:
         A key this tier published or fetched before is not published again.
 
         :raises ProtocolError: (a ``RuntimeError``) the tier was never bound. :raises TypeError:
-            ``ids`` not an integer numpy array, ``pool`` not a pool, ``kv_indices`` not an integer tensor, ``kv_after``
-            not a fence, a namespace the tier cannot address. :raises ValueError: ``ids`` not 1-D,
-            or ``kv_indices`` not one index per id. Nothing changes when it raises.
+            ``ids`` not an integer numpy array, ``pool`` not a pool, ``kv_indices`` not an integer
+            tensor, ``kv_after`` not a fence, a namespace the tier cannot address. :raises
+            ValueError: ``ids`` not 1-D, or ``kv_indices`` not one index per id. Nothing changes
+            when it raises.
         """
         if self._layout is None:
             raise ProtocolError("SharedTier.publish before bind (give the tier to a CacheManager)")
@@ -646,9 +647,10 @@ class SharedTier:
         store round trips (see :meth:`prefetch` for the way off it).
 
         :raises ProtocolError: (a ``RuntimeError``) the tier was never bound. :raises TypeError:
-            ``ids`` not an integer numpy array, ``local``, ``page`` or ``limit`` not ints, a namespace the tier cannot
-            address. :raises ValueError: ``ids`` not 1-D, ``local`` outside ``[0, len(ids)]``,
-            ``page`` < 1, ``limit`` outside ``[0, len(ids)]``. Nothing changes when it raises.
+            ``ids`` not an integer numpy array, ``local``, ``page`` or ``limit`` not ints, a
+            namespace the tier cannot address. :raises ValueError: ``ids`` not 1-D, ``local``
+            outside ``[0, len(ids)]``, ``page`` < 1, ``limit`` outside ``[0, len(ids)]``. Nothing
+            changes when it raises.
         """
         n = self._fetch_args("fetch", ids, local, page, limit)
         index = self.index(namespace)  # an unaddressable namespace: a TypeError before anything is counted
