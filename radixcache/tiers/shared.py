@@ -598,10 +598,9 @@ class SharedTier:
         self._closed = True
         if self._fetcher is not None:
             self._fetcher.close(timeout_s)
-        with self._lock:  # the prefetches still out will not be answered: forgotten, counted dropped
+        with self._lock:  # the prefetches still out will not be answered
             for job in self._prefetches.values():
-                self.stats.prefetch_dropped += not job.done
-                job.cancelled = True
+                self._forget(job)
             self._prefetches.clear()
         return True if self._writer is None else self._writer.close(timeout_s)
 
@@ -822,8 +821,13 @@ class SharedTier:
         with self._lock:
             job = self._prefetches.pop(rid, None)
             if job is not None:
-                job.cancelled = True
-                self.stats.prefetch_dropped += not job.done
+                self._forget(job)
+
+    def _forget(self, job: _Prefetch) -> None:
+        """A prefetch no one will take (the caller holds the lock and unlists it): the fetcher
+        skips it, and it counts as dropped when it was not answered."""
+        job.cancelled = True
+        self.stats.prefetch_dropped += not job.done
 
     def take(
         self,
