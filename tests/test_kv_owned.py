@@ -305,6 +305,20 @@ def test_free_list_hands_out_in_the_order_freed_across_the_rings_end() -> None:
     twin.check_invariants()
 
 
+def test_the_free_lists_invariants_catch_a_flag_or_a_ring_entry_out_of_step() -> None:
+    kv = KVFreeList(8)
+    held = kv.alloc(3)
+    assert held is not None
+    kv.check_invariants()
+    kv._flags[0] = 1  # an allocated index marked free
+    with pytest.raises(AssertionError):
+        kv.check_invariants()
+    kv._flags[0] = 0
+    kv._ring[kv._head] = kv._ring[kv._head + 1]  # one free index listed twice, another lost
+    with pytest.raises(AssertionError, match="twice"):
+        kv.check_invariants()
+
+
 def test_a_refused_free_names_the_first_bad_index_and_takes_nothing_back() -> None:
     kv = KVFreeList(8)
     idx = kv.alloc(6)
