@@ -279,6 +279,37 @@ def test_a_skipped_donation_over_another_requests_prefix_frees_each_duplicate_on
     env.idle_check()
 
 
+def test_a_checkpoint_over_another_requests_prefix_repoints_the_row_onto_the_trees_kv() -> None:
+    """Request b computed the 48 tokens request a filed first: b's checkpoint at 64 frees b's own
+    indices for [0, 48) (duplicates), each once, and its row names the tree's from then on (the
+    freed indices may be handed to another request next); [48, 64) the tree adopted from b's row."""
+    env = H.make_env("radixcache")
+    rng = random.Random(1)
+    prompt = [rng.randrange(1, 30000) for _ in range(150)]
+    a = H.new_request("a", [*prompt, 7, 7, 7], 2, False, rng)
+    b = H.new_request("b", [*prompt, 9, 9, 9], 2, False, rng)
+    assert H.admit(env, b, chunk=64) and H.admit(env, a, chunk=48)
+    assert H.step(env, a, 48)  # a files its snapshot at 48
+    row = env.rtp.req_to_token[b.req.kv.req_pool_idx]
+    assert b.first_kv is not None
+    mine = b.first_kv.clone()  # b's own indices for [0, 64), written into its row by its step
+    free_before = env.alloc.available_size()
+    assert H.step(env, b, 64)
+    node = b.req.last_node
+    assert int(b.req.kv.cache_protected_len) == node.depth == 64
+    tree_kv = env.cache.tree.kv_indices(node)
+    assert torch.equal(row[:64].to(torch.int64), tree_kv)  # the row names the tree's KV
+    assert torch.equal(tree_kv[48:], mine[48:].to(torch.int64))  # adopted from b's row
+    assert not bool((tree_kv[:48] == mine[:48].to(torch.int64)).any())  # a's, not b's
+    assert env.alloc.available_size() - free_before == 48  # b's 48 duplicates, freed once
+    while H.step(env, b, 64):
+        pass
+    while H.step(env, a, 48):
+        pass
+    assert env.mismatches == []
+    env.idle_check()
+
+
 def test_no_assert_under_slot_pressure() -> None:
     """Four state slots for three requests in flight. SGLang 0.5.23's built-in cache dies on
     "Can not alloc mamba cache" (sglang#36770) on this stream; ours evicts through its policy or
