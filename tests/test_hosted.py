@@ -11,9 +11,11 @@ import pytest
 import torch
 
 from linear_state import LinearStatePool, RequestOwner, SlotId
-from radixcache import Admission, CacheManager, HybridRadixCache, LockError
+from radixcache import Admission, CacheManager, Forensics, HybridRadixCache, LockError
+from radixcache.core.keys import key_bytes
 from radixcache.core.kv import KVFreeList
 from radixcache.core.policy import DonationReason, RequestInfo
+from radixcache.forensics import key_digest
 from radixcache.policies import FixedPoints
 from radixcache.testing.adapter import FUZZ_LAYOUT
 
@@ -249,3 +251,21 @@ def test_discard_drops_a_snapshot_never_demoted_and_kv_prefix_reads_the_path() -
     with pytest.raises(ValueError, match="holds no snapshot"):
         mgr.discard(deep)
     mgr.check_invariants()
+
+
+def test_a_checkpoints_snapshot_is_known_to_forensics_by_its_own_prefix() -> None:
+    """A checkpoint's key is longer than the page-cut prefix its snapshot holds: forensics files
+    the snapshot under that prefix's digest, which a finding about it names."""
+    pool = LinearStatePool(FUZZ_LAYOUT, 8)
+    fx = Forensics(pool, mode="record")  # every donation watched
+    mgr = CacheManager(HybridRadixCache(pool, page_size=4), FixedPoints(align=4), host_tier=None, forensics=fx)
+    ids = [1, 2, 3, 4, 5, 6]
+    slot, owner = donor(mgr, ids[:4])
+    res = mgr.checkpoint(ids, torch.arange(6), state_slot=slot, donor="h")
+    mgr.pool.free(slot, owner)
+    assert res.snapshot_created and res.node.depth == 4
+    pool.recurrent[:, res.node.snapshot] += 1.0  # the snapshot changes behind the tree's back
+    dst_owner = RequestOwner("reader")
+    dst = pool.alloc(dst_owner)
+    mgr.restore(res.node, dst, dst_owner=dst_owner, info=mgr.request_info(ids, 4)).wait()
+    assert [(f.kind, f.key) for f in fx.findings] == [("changed", key_digest(key_bytes(ids[:4])))]
