@@ -48,6 +48,27 @@ def test_engine_serves_identical_prompts_with_a_hit_and_the_same_answer() -> Non
     engine.manager.check_invariants()
 
 
+@pytest.mark.parametrize(
+    ("prompt", "error", "message"),
+    [
+        ([1, -2, 3], ValueError, "key id -2 at position 1"),
+        ([1, 2**31], ValueError, "outside"),
+        ([1, 2.5], TypeError, "2.5"),
+    ],
+)
+def test_submit_refuses_ids_the_cache_cannot_key_and_queues_nothing(
+    prompt: list[int], error: type[Exception], message: str
+) -> None:
+    engine = ReferenceEngine(MODEL)
+    with pytest.raises(error, match=message):
+        engine.submit(EngineRequest("bad", prompt, 1))
+    assert not engine.waiting and engine.run() == []
+    engine.submit(EngineRequest("good", [1, 2, 3], 1))  # the ids are checked once, at submit
+    (done,) = engine.run()
+    assert done.rid == "good" and len(done.output) == 1
+    engine.manager.check_invariants()
+
+
 def test_kv_allocator_refuses_double_free() -> None:
     kv = KVFreeList(4)
     idx = kv.alloc(3)

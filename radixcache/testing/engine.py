@@ -30,6 +30,7 @@ import torch
 
 from linear_state import CudaStream, DeferredStream, Fence, ImmediateStream, LinearStatePool, RequestOwner, Stream
 
+from ..core.keys import key_bytes
 from ..core.kv import KVFreeList
 from ..core.multimodal import image_cache_ids
 from ..core.tree import HybridRadixCache
@@ -331,7 +332,7 @@ class ReferenceEngine(ServingQueue):
         self.running: dict[Hashable, Any] = {}
         self.finished: list[EngineRequest] = []
         self._progress = 0  # requests admitted and ended so far (see ``progress``)
-        self._ids: dict[Hashable, np.ndarray | list[int]] = {}  # cache ids of requests not yet ended
+        self._ids: dict[Hashable, np.ndarray] = {}  # cache ids of requests not yet ended
         self._stage = torch.empty(0, dtype=torch.int64)  # warm()'s KV staging buffer, reused
         self.shared_prefetch = shared_prefetch
         self.prefetch_wait_s = prefetch_wait_s
@@ -342,8 +343,11 @@ class ReferenceEngine(ServingQueue):
     def submit(self, req: EngineRequest, *, front: bool = False) -> None:
         """Queue a request (at the head of the queue with ``front``).
 
-        :raises ValueError: its placeholder runs and images cannot be paired."""
-        self._ids[req.rid] = req.cache_ids(self.model.cfg.placeholder_id)
+        :raises ValueError: its placeholder runs and images cannot be paired, or an id is outside
+            ``[0, 2**31)``. :raises TypeError: ids that are not integers."""
+        # Checked and converted once, here: the manager's calls (prefetch, admit) then take the
+        # canonical uint32 words as a byte copy (~1 us for 2,100 ids against ~12 us for a list).
+        self._ids[req.rid] = np.frombuffer(key_bytes(req.cache_ids(self.model.cfg.placeholder_id)), dtype=np.uint32)
         req.t_submit = time.perf_counter()
         if self.shared_prefetch:
             self.manager.prefetch(req.rid, self._ids[req.rid], namespace=req.namespace)
