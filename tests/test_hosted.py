@@ -28,6 +28,7 @@ class Recording(FixedPoints):
     def __init__(self) -> None:
         super().__init__(align=8)
         self.heard: list[tuple[str, object, object]] = []
+        self.infos: list[RequestInfo] = []  # what donated heard of each donor
 
     def admitted(self, req: RequestInfo) -> None:
         self.heard.append(("admitted", req, None))
@@ -39,6 +40,7 @@ class Recording(FixedPoints):
 
     def donated(self, node, req, reason, now):  # type: ignore[no-untyped-def]
         self.heard.append(("donated", node, reason))
+        self.infos.append(req)
         super().donated(node, req, reason, now)
 
 
@@ -269,3 +271,14 @@ def test_a_checkpoints_snapshot_is_known_to_forensics_by_its_own_prefix() -> Non
     dst = pool.alloc(dst_owner)
     mgr.restore(res.node, dst, dst_owner=dst_owner, info=mgr.request_info(ids, 4)).wait()
     assert [(f.kind, f.key) for f in fx.findings] == [("changed", key_digest(key_bytes(ids[:4])))]
+
+
+def test_a_checkpoint_tells_the_policy_of_its_key_without_a_prompt_digest() -> None:
+    """A checkpoint's key is not a prompt: the policy hears its length, no digest (an admission's
+    request info carries one)."""
+    mgr, pol = make()
+    file(mgr, [1, 2, 3, 4])
+    heard = [h for h in pol.heard if h[0] == "donated"]
+    assert len(heard) == 1
+    assert mgr.request_info([1, 2, 3, 4], 0).prompt_digest is not None
+    assert pol.infos[-1].prompt_len == 4 and pol.infos[-1].prompt_digest is None

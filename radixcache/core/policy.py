@@ -170,7 +170,9 @@ class Policy(ABC):
         return False
 
     def donated(self, node: TreeNode, req: RequestInfo, reason: DonationReason, now: float) -> None:  # noqa: B027
-        """``node`` now holds a snapshot ``req`` donated."""
+        """``node`` now holds a snapshot ``req`` donated. A host's checkpoint
+        (:meth:`CacheManager.checkpoint`) describes its key, not a prompt: ``req.prompt_digest``
+        is ``None`` there."""
 
     def touched(self, node: TreeNode, req: RequestInfo, now: float) -> None:  # noqa: B027
         """``node`` served a hit for ``req``."""

@@ -1940,7 +1940,7 @@ class CacheManager:
         # the policy hears of the donor's key (its whole ids, the page-cut tail included); a
         # shared prefix as a branch point: other sequences go on past it
         branch = node.depth if shared else 0
-        self.policy.donated(node, _request_info(kb, ids, 0, branch, session, t), reason, t)
+        self.policy.donated(node, _request_info(kb, ids, 0, branch, session, t, prompt=False), reason, t)
         return res
 
     @_exclusive
@@ -2280,11 +2280,20 @@ def _depth_limit(ids: np.ndarray, limit: object, default: int) -> int:
 
 
 def _request_info(
-    kb: bytes, ids: np.ndarray, cached_length: int, token_length: int, session: Hashable | None, t: float
+    kb: bytes,
+    ids: np.ndarray,
+    cached_length: int,
+    token_length: int,
+    session: Hashable | None,
+    t: float,
+    *,
+    prompt: bool = True,
 ) -> RequestInfo:
     """What the policy hears of a request: its prompt's length, digest (of the canonical key
-    bytes, so one prompt has one digest whichever front door it came through) and image starts."""
-    digest = int.from_bytes(hashlib.blake2b(kb, digest_size=8).digest(), "little")
+    bytes, so one prompt has one digest whichever front door it came through) and image starts.
+    Without ``prompt`` (``ids`` are a checkpoint's key, not a prompt) no digest: NOTE: hashing a
+    2,000-id key cost ~10 us of every checkpoint, for a digest no policy reads there."""
+    digest = int.from_bytes(hashlib.blake2b(kb, digest_size=8).digest(), "little") if prompt else None
     if not ids.size or ids.max() < IMAGE_ID_BASE:  # text only (most prompts): one reduction
         return RequestInfo(int(ids.size), cached_length, token_length, session, t, digest, ())
     is_img = ids >= IMAGE_ID_BASE
