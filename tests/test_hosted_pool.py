@@ -2,6 +2,7 @@
 
 from collections.abc import Sequence
 
+import numpy as np
 import pytest
 import torch
 
@@ -12,6 +13,7 @@ from linear_state import (
     PoolError,
     PoolExhausted,
     RequestOwner,
+    SlotId,
     SlotMisuse,
     StateLayout,
 )
@@ -114,6 +116,38 @@ def test_a_corrupt_host_allocator_is_refused_and_its_slots_given_back(hand: list
     with pytest.raises(err, match=match):
         pool.alloc_many(NodeOwner(1), n)
     assert lender.given == hand and pool.num_owned_by(NodeOwner) == 0
+    pool.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("hand", "err", "match"),
+    [
+        ([0], SlotMisuse, "reserved or owned slot: slot 0"),
+        ([S], SlotMisuse, f"reserved or owned slot: slot {S}"),
+        ([-1], SlotMisuse, "reserved or owned slot: slot -1"),
+        ([2, 3], PoolError, r"\[2, 3\] when asked for 1"),
+        ([], PoolError, "1 distinct"),
+    ],
+)
+def test_alloc_of_one_slot_refuses_what_a_corrupt_allocator_hands_out(hand: list[int], err: type, match: str) -> None:
+    lender = BadLender(hand)
+    conv, rec = host_tensors()
+    pool = HostedStatePool(LAYOUT, conv, rec, lender, reserved=(0,))
+    with pytest.raises(err, match=match):
+        pool.alloc(NodeOwner(1))
+    assert lender.given == hand and pool.num_owned_by(NodeOwner) == 0
+    pool.check_invariants()
+
+
+def test_alloc_of_one_slot_takes_a_numpy_index_as_its_int() -> None:
+    class NumpyLender(ListLender):  # an engine's allocator answering with an array
+        def take(self, n: int) -> Sequence[int] | None:
+            got = super().take(n)
+            return None if got is None else np.asarray(got, dtype=np.int64)  # type: ignore[return-value]
+
+    pool, _ = make(NumpyLender())
+    s = pool.alloc(NodeOwner(1))
+    assert s == 1 and isinstance(s, SlotId) and s.pool_id == pool.pool_id and pool.owner_of(1) == NodeOwner(1)
     pool.check_invariants()
 
 
