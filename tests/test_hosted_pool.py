@@ -101,40 +101,28 @@ class BadLender(ListLender):
 
 
 @pytest.mark.parametrize(
-    ("hand", "err", "match"),
+    ("hand", "n", "err", "match"),
     [
-        ([0], SlotMisuse, "reserved or owned slot: slot 0"),
-        ([4, 4], PoolError, r"\[4, 4\]"),
-        ([], PoolError, "1 distinct"),
+        ([0], 1, SlotMisuse, "reserved or owned slot: slot 0"),
+        ([S], 1, SlotMisuse, f"reserved or owned slot: slot {S}"),
+        ([-1], 1, SlotMisuse, "reserved or owned slot: slot -1"),
+        ([2, 3], 1, PoolError, r"\[2, 3\] when asked for 1"),
+        ([4, 4], 2, PoolError, r"\[4, 4\]"),
+        ([], 1, PoolError, "1 distinct"),
     ],
 )
-def test_a_corrupt_host_allocator_is_refused_and_its_slots_given_back(hand: list[int], err: type, match: str) -> None:
-    lender = BadLender(hand)
-    conv, rec = host_tensors()
-    pool = HostedStatePool(LAYOUT, conv, rec, lender, reserved=(0,))
-    n = 2 if len(hand) == 2 else 1
-    with pytest.raises(err, match=match):
-        pool.alloc_many(NodeOwner(1), n)
-    assert lender.given == hand and pool.num_owned_by(NodeOwner) == 0
-    pool.check_invariants()
-
-
-@pytest.mark.parametrize(
-    ("hand", "err", "match"),
-    [
-        ([0], SlotMisuse, "reserved or owned slot: slot 0"),
-        ([S], SlotMisuse, f"reserved or owned slot: slot {S}"),
-        ([-1], SlotMisuse, "reserved or owned slot: slot -1"),
-        ([2, 3], PoolError, r"\[2, 3\] when asked for 1"),
-        ([], PoolError, "1 distinct"),
-    ],
-)
-def test_alloc_of_one_slot_refuses_what_a_corrupt_allocator_hands_out(hand: list[int], err: type, match: str) -> None:
+@pytest.mark.parametrize("one", [True, False], ids=["alloc", "alloc_many"])
+def test_a_corrupt_host_allocator_is_refused_and_its_slots_given_back(
+    hand: list[int], n: int, err: type, match: str, one: bool
+) -> None:
     lender = BadLender(hand)
     conv, rec = host_tensors()
     pool = HostedStatePool(LAYOUT, conv, rec, lender, reserved=(0,))
     with pytest.raises(err, match=match):
-        pool.alloc(NodeOwner(1))
+        if one and n == 1:  # alloc's own path for one slot
+            pool.alloc(NodeOwner(1))
+        else:
+            pool.alloc_many(NodeOwner(1), n)
     assert lender.given == hand and pool.num_owned_by(NodeOwner) == 0
     pool.check_invariants()
 

@@ -251,6 +251,18 @@ def test_pages_above_one_token_never_file_a_state_at_the_wrong_depth(seed: int) 
     assert env.requests == 1000 and env.hit_tokens > 0 and env.hit_tokens % 4 == 0
 
 
+def _b_admitted_before_a_files(seed: int) -> tuple[Any, Any, Any]:
+    """Requests a and b over one 150-token prompt, b admitted (64-token chunks) before a (48):
+    b computes the prefix a files first."""
+    env = H.make_env("radixcache")
+    rng = random.Random(seed)
+    prompt = [rng.randrange(1, 30000) for _ in range(150)]
+    a = H.new_request("a", [*prompt, 7, 7, 7], 2, False, rng)
+    b = H.new_request("b", [*prompt, 9, 9, 9], 2, False, rng)
+    assert H.admit(env, b, chunk=64) and H.admit(env, a, chunk=48)
+    return env, a, b
+
+
 def test_a_skipped_donation_over_another_requests_prefix_frees_each_duplicate_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -259,12 +271,7 @@ def test_a_skipped_donation_over_another_requests_prefix_frees_each_duplicate_on
     the deepest snapshot it reaches is a's at 48: b's KV for [0, 48) are duplicates freed now and
     the row takes the tree's; b's [48, 64) stay b's (freed when b's later checkpoint or release
     replaces them). Freeing those here too would free them twice: SGLang's idle accounting fails."""
-    env = H.make_env("radixcache")
-    rng = random.Random(0)
-    prompt = [rng.randrange(1, 30000) for _ in range(150)]
-    a = H.new_request("a", [*prompt, 7, 7, 7], 2, False, rng)
-    b = H.new_request("b", [*prompt, 9, 9, 9], 2, False, rng)
-    assert H.admit(env, b, chunk=64) and H.admit(env, a, chunk=48)
+    env, a, b = _b_admitted_before_a_files(0)
     while H.step(env, a, 48):  # a files snapshots at 48, 96, 144 and finishes
         pass
     skipped = env.cache.stats["skipped_donations"]
@@ -283,12 +290,7 @@ def test_a_checkpoint_over_another_requests_prefix_repoints_the_row_onto_the_tre
     """Request b computed the 48 tokens request a filed first: b's checkpoint at 64 frees b's own
     indices for [0, 48) (duplicates), each once, and its row names the tree's from then on (the
     freed indices may be handed to another request next); [48, 64) the tree adopted from b's row."""
-    env = H.make_env("radixcache")
-    rng = random.Random(1)
-    prompt = [rng.randrange(1, 30000) for _ in range(150)]
-    a = H.new_request("a", [*prompt, 7, 7, 7], 2, False, rng)
-    b = H.new_request("b", [*prompt, 9, 9, 9], 2, False, rng)
-    assert H.admit(env, b, chunk=64) and H.admit(env, a, chunk=48)
+    env, a, b = _b_admitted_before_a_files(1)
     assert H.step(env, a, 48)  # a files its snapshot at 48
     row = env.rtp.req_to_token[b.req.kv.req_pool_idx]
     assert b.first_kv is not None
