@@ -1930,7 +1930,7 @@ class CacheManager:
             self._counters.donations_skipped[SkipReason.HELD.value] += 1
             return res
         node = res.node
-        kb = key_bytes(cache_ids)  # the tree checked them: a byte copy
+        kb = key_bytes(cache_ids)  # again (the tree converted them too): a byte copy for uint32 ids
         ids = np.frombuffer(kb, dtype=np.uint32)
         self._counters.donations[reason.value] += 1
         if self.forensics is not None:
