@@ -39,7 +39,7 @@ import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -233,8 +233,13 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         and still serves hits, restored into the request's slot (docs/host_tier.md). ``None``
         (default): no host tier; SGLang sizes host memory itself, so the plugin takes none unless
         asked (the factory reads ``RADIXCACHE_HOST_TIER_BYTES``).
+    :param forensics: ``"sampled"`` (default: one donation in ten fingerprinted and its restores
+        verified, findings in ``manager.forensics``; :class:`~radixcache.CacheManager`'s
+        ``forensics``) or ``None`` (off: about 6% of the cache's time in SGLang's scheduler,
+        docs/sglang.md). The factory reads ``RADIXCACHE_FORENSICS`` (``sampled`` or ``off``).
     :raises NotImplementedError: a configuration listed in the module's docstring, each named.
-    :raises ValueError: a negative ``host_budget_bytes``.
+    :raises ValueError: a negative ``host_budget_bytes``; a ``forensics`` other than
+        ``"sampled"`` or ``None``.
     """
 
     def __init__(
@@ -245,7 +250,10 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         stream: Stream | None = None,
         clock: Any = time.monotonic,
         host_budget_bytes: int | None = None,
+        forensics: Literal["sampled"] | None = "sampled",
     ) -> None:
+        if forensics not in ("sampled", None):
+            raise ValueError(f"forensics must be 'sampled' or None, got {forensics!r}")
         refused = _refusals(params)
         if refused:
             raise NotImplementedError("the radixcache backend does not serve " + "; ".join(refused) + " yet")
@@ -262,10 +270,15 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         if policy is None:
             policy = HitDensity(hit_bonus=SGLANG_HIT_BONUS)
         if host_budget_bytes is None:
-            self.manager = CacheManager(self.tree, policy, host_tier=None, clock=clock)
+            self.manager = CacheManager(self.tree, policy, host_tier=None, clock=clock, forensics=forensics)
         else:
             self.manager = CacheManager(
-                self.tree, policy, host_tier="auto", host_budget_bytes=host_budget_bytes, clock=clock
+                self.tree,
+                policy,
+                host_tier="auto",
+                host_budget_bytes=host_budget_bytes,
+                clock=clock,
+                forensics=forensics,
             )
         self.policy = self.manager.policy
         self.stats = {
@@ -290,6 +303,8 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
 
         :raises NotImplementedError: a hierarchical cache, a disabled radix cache, a model that is
             not hybrid, or a configuration listed in the module's docstring.
+        :raises ValueError: ``RADIXCACHE_HOST_TIER_BYTES`` not a byte count, or
+            ``RADIXCACHE_FORENSICS`` not ``sampled`` or ``off``.
         """
         refused = []
         if not ctx.is_hybrid_ssm:
@@ -318,7 +333,12 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
             host_bytes = None if not host else int(host)
         except ValueError:
             raise ValueError(f"RADIXCACHE_HOST_TIER_BYTES must be a byte count, got {host!r}") from None
-        return cls(ctx.params, stream=stream, host_budget_bytes=host_bytes)
+        fx = os.environ.get("RADIXCACHE_FORENSICS", "sampled")
+        if fx not in ("sampled", "off"):
+            raise ValueError(f"RADIXCACHE_FORENSICS must be 'sampled' or 'off', got {fx!r}")
+        return cls(
+            ctx.params, stream=stream, host_budget_bytes=host_bytes, forensics="sampled" if fx == "sampled" else None
+        )
 
     # ------------------------------------------------------------------ SGLang's interface
     def reset(self) -> None:

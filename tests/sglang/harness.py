@@ -187,11 +187,13 @@ def make_env(
     page_size: int = 1,
     tree_core: str = "python",
     extra_buffer: bool = False,
+    cache_kwargs: dict[str, Any] | None = None,
 ) -> Env:
     """``kind``: ``"builtin"`` (SGLang's UnifiedRadixCache, FULL + MAMBA, over its ``tree_core``:
     ``"python"`` or SGLang's default ``"rust"``) or ``"radixcache"``. ``extra_buffer``: SGLang's
     extra-buffer strategy with overlap scheduling (two track slots per request, tracked on a grid
-    of ``lcm(64, page_size)`` tokens)."""
+    of ``lcm(64, page_size)`` tokens). ``cache_kwargs``: more keyword arguments for radixcache's
+    backend (``policy``, ``forensics``)."""
     setup_sglang(page_size)
     shape = Mamba2StateShape.create(
         tp_world_size=1, intermediate_size=16, n_groups=1, num_heads=2, head_dim=8, state_size=4, conv_kernel=4
@@ -227,7 +229,7 @@ def make_env(
     else:
         from radixcache.sglang.backend import RadixcacheHybridCache
 
-        cache = RadixcacheHybridCache(init, clock=StepClock())
+        cache = RadixcacheHybridCache(init, clock=StepClock(), **(cache_kwargs or {}))
     grid = math.lcm(64, page_size) if extra_buffer else 0
     return Env(cache, init, rtp, alloc, kv_size, mamba_size, grid)
 

@@ -528,6 +528,46 @@ def test_register_refuses_a_foreign_factory_under_our_name_and_bad_host_budgets(
     env.cache.sanity_check()
 
 
+@pytest.mark.parametrize(("env_value", "watched"), [(None, True), ("sampled", True), ("off", False)])
+def test_forensics_is_sampled_by_default_and_off_when_asked(env_value: str | None, watched: bool) -> None:
+    """``RADIXCACHE_FORENSICS`` (the factory) and ``forensics=`` (the constructor) choose whether
+    the manager watches donations; a stream served either way answers like SGLang's cache."""
+    import os
+
+    env = H.make_env("radixcache")
+    ctx = _build_context(env.cache_params)
+    if env_value is not None:
+        os.environ["RADIXCACHE_FORENSICS"] = env_value
+    try:
+        cache = rc_plugin.factory(ctx)
+    finally:
+        os.environ.pop("RADIXCACHE_FORENSICS", None)
+    assert (cache.manager.forensics is not None) is watched
+    env.cache = cache
+    H.run_stream(env, 0, 40)
+    assert env.mismatches == []
+    fx = cache.manager.forensics
+    if watched:
+        assert fx.donations_seen == cache.stats["donations"] > 0
+    cache.sanity_check()
+
+
+def test_forensics_values_other_than_sampled_or_off_are_refused_by_name() -> None:
+    import os
+
+    env = H.make_env("radixcache")
+    with pytest.raises(ValueError, match="forensics must be 'sampled' or None, got 'all'"):
+        RadixcacheHybridCache(env.cache_params, forensics="all")  # type: ignore[arg-type]
+    ctx = _build_context(env.cache_params)
+    os.environ["RADIXCACHE_FORENSICS"] = "Off"
+    try:
+        with pytest.raises(ValueError, match="RADIXCACHE_FORENSICS must be 'sampled' or 'off', got 'Off'"):
+            rc_plugin.factory(ctx)
+    finally:
+        del os.environ["RADIXCACHE_FORENSICS"]
+    env.cache.sanity_check()
+
+
 def test_wrong_calls_between_a_streams_steps_raise_typed_errors_and_change_nothing() -> None:
     """The misuse fuzzer's rule on the SGLang backend: after every scheduler step of a seeded
     stream, one wrong call drawn at random (KV indices that are floats, 2-D, negative or of the
