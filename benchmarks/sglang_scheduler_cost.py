@@ -17,14 +17,21 @@ makes the same copy inside ``match_prefix``.
 
 Sizes: the tree first caches ``size`` requests of the stream (untimed, nothing evicted: the pools
 hold them all), then the next ``--requests`` are timed. Per size and cache: per request (sum of
-its calls) p50, p99 and mean; per operation calls, p50, p99 and total. The two caches alternate
-within each repetition (the order flips each time); ratios ours / Rust are per repetition, the
-median reported. Both caches serve the identical stream; their hit tokens are printed beside.
+its calls) p50, p99 and mean; per operation calls, p50, p99 and total. Each run is a fresh
+interpreter (runs in one process paid for each other's garbage: :func:`run_isolated`); the two
+caches alternate within each repetition (the order flips each time); ratios ours / Rust are per
+repetition, the median reported. Both caches serve the identical stream; their hit tokens are printed beside.
+
+``--ablate``: radixcache also runs without its optional layers, in the same alternation, to say
+what each costs the scheduler: ``no-forensics`` (``forensics=None``), ``lru-policy`` (the tree's
+LRU through :class:`~radixcache.policies.SglangLike` instead of HitDensity) and ``core`` (both):
+per variant, its per-request mean in each repetition and the medians of its ratio over radixcache
+as configured by default and over the Rust core.
 
 Runs where SGLang is importable (``make test-sglang`` builds ``.venv-sglang``)::
 
     .venv-sglang/bin/python benchmarks/sglang_scheduler_cost.py [--sizes 10 200 10000]
-        [--requests 400] [--reps 3] [--seed 0]
+        [--requests 400] [--reps 3] [--seed 0] [--ablate]
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -136,10 +144,28 @@ def _sizes(total: int, seed: int) -> tuple[int, int]:
     return toks + 4096, 4 * total + 64
 
 
-def run_one(kind: str, size: int, requests: int, seed: int) -> dict[str, Any]:
-    """The stream's first ``size`` requests cached untimed, the next ``requests`` timed."""
+def _variant_kwargs(variant: str) -> dict[str, Any]:
+    """The backend's keyword arguments for an ablation variant (a fresh policy per cache)."""
+    from radixcache.policies import SglangLike
+
+    table: dict[str, dict[str, Any]] = {
+        "default": {},
+        "no-forensics": {"forensics": None},
+        "lru-policy": {"policy": SglangLike()},
+        "core": {"forensics": None, "policy": SglangLike()},
+    }
+    return table[variant]
+
+
+ABLATIONS = ("no-forensics", "lru-policy", "core")
+
+
+def run_one(kind: str, size: int, requests: int, seed: int, variant: str = "default") -> dict[str, Any]:
+    """The stream's first ``size`` requests cached untimed, the next ``requests`` timed;
+    ``variant``: radixcache's ablation (``default``: as the plugin builds it)."""
     kv, slots = _sizes(size + requests, seed)
-    env = H.make_env(kind, kv_size=kv, mamba_size=slots, tree_core="rust")
+    extra = _variant_kwargs(variant) if kind == "radixcache" else None
+    env = H.make_env(kind, kv_size=kv, mamba_size=slots, tree_core="rust", cache_kwargs=extra)
     meter = Meter(env.cache, size)
     # SGLang's cache defers a hit's state copy (copy-on-write) to the batch's preparation, on the
     # same thread; radixcache copies inside match_prefix. The deferred copy is the cache's work.
@@ -189,20 +215,45 @@ def run_one(kind: str, size: int, requests: int, seed: int) -> dict[str, Any]:
     }
 
 
+def run_isolated(kind: str, size: int, requests: int, seed: int, variant: str = "default") -> dict[str, Any]:
+    """:func:`run_one` in a fresh interpreter. NOTE: runs in one process were not independent:
+    a run's timed window paid for what earlier runs left behind (a full garbage collection of
+    their trees, ~0.25 s; at 10,000 cached requests, a heap after SGLang's allocator had
+    concatenated its 1.5M-entry free list at every free: checkpoints 3x slower, in one variant
+    and not another, by the order of the runs)."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--one", kind, variant]
+    cmd += ["--sizes", str(size), "--requests", str(requests), "--seed", str(seed)]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    out: dict[str, Any] = json.loads(done.stdout)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", type=int, nargs="+", default=[10, 200, 10000], help="requests cached before timing")
     ap.add_argument("--requests", type=int, default=400, help="requests timed per run")
     ap.add_argument("--reps", type=int, default=3, help="repetitions (the two caches alternate in each)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ablate", action="store_true", help="also radixcache without forensics / HitDensity")
+    ap.add_argument("--one", nargs=2, metavar=("KIND", "VARIANT"), help=argparse.SUPPRESS)  # one run, its JSON
     args = ap.parse_args()
+    if args.one:
+        print(json.dumps(run_one(args.one[0], args.sizes[0], args.requests, args.seed, args.one[1])))
+        return
+    variants = ABLATIONS if args.ablate else ()
     out: dict[str, Any] = {"bench": "sglang_scheduler_cost", "requests_timed": args.requests, "sizes": {}}
     for size in args.sizes:
         runs: dict[str, list[dict[str, Any]]] = {"radixcache": [], "builtin": []}
+        ablated: dict[str, list[float]] = {v: [] for v in variants}
         for rep in range(args.reps):
             order = ("radixcache", "builtin") if rep % 2 == 0 else ("builtin", "radixcache")
             for kind in order:
-                runs[kind].append(run_one(kind, size, args.requests, args.seed))
+                runs[kind].append(run_isolated(kind, size, args.requests, args.seed))
+            for v in variants if rep % 2 == 0 else variants[::-1]:
+                one = run_isolated("radixcache", size, args.requests, args.seed, v)
+                ablated[v].append(one["per_request_us"]["mean"])
         ratios = {
             k: statistics.median(
                 o["per_request_us"][k] / max(b["per_request_us"][k], 1e-9)
@@ -216,6 +267,17 @@ def main() -> None:
             "per_request_us_each_rep": {kind: [r["per_request_us"] for r in rs] for kind, rs in runs.items()},
             "fastest_rep": med,
         }
+        if variants:
+            mine = [r["per_request_us"]["mean"] for r in runs["radixcache"]]
+            rust = [r["per_request_us"]["mean"] for r in runs["builtin"]]
+            out["sizes"][str(size)]["ablation"] = {
+                v: {
+                    "per_request_mean_us_each_rep": ms,
+                    "ratio_over_default": round(statistics.median(m / d for m, d in zip(ms, mine, strict=True)), 3),
+                    "ratio_over_rust": round(statistics.median(m / b for m, b in zip(ms, rust, strict=True)), 3),
+                }
+                for v, ms in ablated.items()
+            }
         print(json.dumps({str(size): out["sizes"][str(size)]["ratio_ours_over_rust"]}), file=sys.stderr)
     out["ok"] = all(max(s["ratio_ours_over_rust"].values()) <= 0.8 for s in out["sizes"].values())
     print(json.dumps(out, indent=1))
