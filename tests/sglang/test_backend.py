@@ -502,7 +502,7 @@ def test_bad_calls_raise_typed_errors_and_change_nothing() -> None:
     cache.sanity_check()
 
 
-def test_register_refuses_a_foreign_factory_under_our_name_and_bad_host_budgets() -> None:
+def test_register_refuses_a_foreign_factory_under_our_name_and_bad_constructor_arguments() -> None:
     from sglang.srt.mem_cache import registry
 
     saved = dict(registry._RADIX_CACHE_REGISTRY)
@@ -516,32 +516,39 @@ def test_register_refuses_a_foreign_factory_under_our_name_and_bad_host_budgets(
     env = H.make_env("radixcache")
     with pytest.raises(ValueError, match="host_budget_bytes must be an int >= 0, got -1"):
         RadixcacheHybridCache(env.cache_params, host_budget_bytes=-1)
-    ctx = _build_context(env.cache_params)
-    import os
+    with pytest.raises(ValueError, match="forensics must be 'sampled' or None, got 'all'"):
+        RadixcacheHybridCache(env.cache_params, forensics="all")  # type: ignore[arg-type]
+    env.cache.sanity_check()
 
-    os.environ["RADIXCACHE_HOST_TIER_BYTES"] = "lots"
-    try:
-        with pytest.raises(ValueError, match="RADIXCACHE_HOST_TIER_BYTES must be a byte count, got 'lots'"):
-            rc_plugin.factory(ctx)
-    finally:
-        del os.environ["RADIXCACHE_HOST_TIER_BYTES"]
+
+@pytest.mark.parametrize(
+    ("var", "value", "message"),
+    [
+        ("RADIXCACHE_HOST_TIER_BYTES", "lots", "RADIXCACHE_HOST_TIER_BYTES must be a byte count, got 'lots'"),
+        ("RADIXCACHE_FORENSICS", "Off", "RADIXCACHE_FORENSICS must be 'sampled' or 'off', got 'Off'"),
+    ],
+)
+def test_the_factory_refuses_bad_environment_values_by_name(
+    monkeypatch: pytest.MonkeyPatch, var: str, value: str, message: str
+) -> None:
+    env = H.make_env("radixcache")
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError, match=message):
+        rc_plugin.factory(_build_context(env.cache_params))
     env.cache.sanity_check()
 
 
 @pytest.mark.parametrize(("env_value", "watched"), [(None, True), ("sampled", True), ("off", False)])
-def test_forensics_is_sampled_by_default_and_off_when_asked(env_value: str | None, watched: bool) -> None:
+def test_forensics_is_sampled_by_default_and_off_when_asked(
+    monkeypatch: pytest.MonkeyPatch, env_value: str | None, watched: bool
+) -> None:
     """``RADIXCACHE_FORENSICS`` (the factory) and ``forensics=`` (the constructor) choose whether
     the manager watches donations; a stream served either way answers like SGLang's cache."""
-    import os
-
     env = H.make_env("radixcache")
-    ctx = _build_context(env.cache_params)
+    monkeypatch.delenv("RADIXCACHE_FORENSICS", raising=False)
     if env_value is not None:
-        os.environ["RADIXCACHE_FORENSICS"] = env_value
-    try:
-        cache = rc_plugin.factory(ctx)
-    finally:
-        os.environ.pop("RADIXCACHE_FORENSICS", None)
+        monkeypatch.setenv("RADIXCACHE_FORENSICS", env_value)
+    cache = rc_plugin.factory(_build_context(env.cache_params))
     assert (cache.manager.forensics is not None) is watched
     env.cache = cache
     H.run_stream(env, 0, 40)
@@ -550,22 +557,6 @@ def test_forensics_is_sampled_by_default_and_off_when_asked(env_value: str | Non
     if watched:
         assert fx.donations_seen == cache.stats["donations"] > 0
     cache.sanity_check()
-
-
-def test_forensics_values_other_than_sampled_or_off_are_refused_by_name() -> None:
-    import os
-
-    env = H.make_env("radixcache")
-    with pytest.raises(ValueError, match="forensics must be 'sampled' or None, got 'all'"):
-        RadixcacheHybridCache(env.cache_params, forensics="all")  # type: ignore[arg-type]
-    ctx = _build_context(env.cache_params)
-    os.environ["RADIXCACHE_FORENSICS"] = "Off"
-    try:
-        with pytest.raises(ValueError, match="RADIXCACHE_FORENSICS must be 'sampled' or 'off', got 'Off'"):
-            rc_plugin.factory(ctx)
-    finally:
-        del os.environ["RADIXCACHE_FORENSICS"]
-    env.cache.sanity_check()
 
 
 def test_wrong_calls_between_a_streams_steps_raise_typed_errors_and_change_nothing() -> None:
