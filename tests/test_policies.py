@@ -255,11 +255,13 @@ def test_ours_leads_every_baseline_at_the_tightest_budget(shape: str, budget: in
 class _Tree:
     """A tree whose sequences are distinct 64-token keys under an optional shared prefix."""
 
-    def __init__(self) -> None:
+    def __init__(self, host_slots: int = 0) -> None:
+        """``host_slots``: a host tier of that many slots (a leaf's eviction for slots demotes)."""
         self.pool = LinearStatePool(StateLayout(1, (1, 1), (1,)), 64)
         self.listeners: list[Policy] = []
         # As a manager would: every policy bound here hears what the tree does.
-        self.cache = HybridRadixCache(self.pool, on_event=self.hear)
+        host = LinearStatePool(self.pool.layout, host_slots) if host_slots else None
+        self.cache = HybridRadixCache(self.pool, on_event=self.hear, host_pool=host)
         self.slot = self.pool.alloc(RequestOwner("donor"))
         self.rng = np.random.default_rng(0)
 
@@ -701,10 +703,14 @@ def test_ours_batched_eviction_falls_back_to_the_exact_scan_when_all_it_draws_is
     assert pol.draws == 3
 
 
-def test_ours_estimates_are_its_densities_while_paths_stand_still() -> None:
+@pytest.mark.parametrize("host_slots", [0, 4])
+def test_ours_estimates_are_its_densities_while_paths_stand_still(host_slots: int) -> None:
     """The batched estimate of each snapshot equals its exact density when nothing changed its path
-    since its last event: every kind, final states ranked by think time, hits, anchors, leaves."""
-    t = _Tree()
+    since its last event: every kind, final states ranked by think time, hits, anchors, leaves;
+    with a host tier that would take a leaf's snapshot (an eviction for slots frees the slot
+    alone, one for KV the leaf's path) and without one."""
+    t = _Tree(host_slots)
+    assert t.cache.demotes is (host_slots > 0)
     pol = t.policy(HitDensity(exact_below=0))
     pol.costs(snapshot_bytes=500, kv_bytes_per_token=3)
     _think(pol, [5.0 + 55.0 * i / 19 for i in range(20)])

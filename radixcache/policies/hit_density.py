@@ -374,7 +374,9 @@ class HitDensity(Policy):
         node = e.node
         if self.cache.holds_snapshot(node):
             drop = self.freed_bytes(node, demote=False)
-            keep = self.freed_bytes(node, demote=True) if drop > self.snapshot_bytes else drop
+            # a leaf's slot alone when the host tier would take it; without room there (or no
+            # tier, SGLang's default) the same cascade as ``drop``: not walked twice
+            keep = self.freed_bytes(node, demote=True) if drop > self.snapshot_bytes and self.cache.demotes else drop
         else:  # a hit served from the host tier: not a device snapshot to evict (yet)
             drop = keep = self.snapshot_bytes
         leaf = not node.children
