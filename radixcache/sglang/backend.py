@@ -235,8 +235,8 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         asked (the factory reads ``RADIXCACHE_HOST_TIER_BYTES``).
     :param forensics: ``"sampled"`` (default: one donation in ten fingerprinted and its restores
         verified, findings in ``manager.forensics``; :class:`~radixcache.CacheManager`'s
-        ``forensics``) or ``None`` (off: about 6% of the cache's time in SGLang's scheduler,
-        docs/sglang.md). The factory reads ``RADIXCACHE_FORENSICS`` (``sampled`` or ``off``).
+        ``forensics``) or ``None`` (off: 3-7% of the cache's time in SGLang's scheduler on the CPU
+        harness, docs/sglang.md). The factory reads ``RADIXCACHE_FORENSICS`` (``sampled`` or ``off``).
     :raises NotImplementedError: a configuration listed in the module's docstring, each named.
     :raises ValueError: a negative ``host_budget_bytes``; a ``forensics`` other than
         ``"sampled"`` or ``None``.
@@ -269,17 +269,14 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         # The manager serves eviction through the policy; SGLang's scheduler drives the requests.
         if policy is None:
             policy = HitDensity(hit_bonus=SGLANG_HIT_BONUS)
-        if host_budget_bytes is None:
-            self.manager = CacheManager(self.tree, policy, host_tier=None, clock=clock, forensics=forensics)
-        else:
-            self.manager = CacheManager(
-                self.tree,
-                policy,
-                host_tier="auto",
-                host_budget_bytes=host_budget_bytes,
-                clock=clock,
-                forensics=forensics,
-            )
+        self.manager = CacheManager(
+            self.tree,
+            policy,
+            host_tier=None if host_budget_bytes is None else "auto",
+            host_budget_bytes=host_budget_bytes,
+            clock=clock,
+            forensics=forensics,
+        )
         self.policy = self.manager.policy
         self.stats = {
             "admissions": 0,
