@@ -13,6 +13,7 @@ replay, report) and ``testing`` (reference engine, hammer, fuzzing kit).
 from .core import (
     IMAGE_ID_BASE,
     MAX_ID,
+    CacheKey,
     ConcurrentUseError,
     EvictResult,
     ForeignObjectError,
@@ -72,6 +73,7 @@ __all__ = [
     "POLICIES",
     "Admission",
     "AdmissionCheck",
+    "CacheKey",
     "CacheManager",
     "Capture",
     "DecodeBatchPlan",

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from linear_state import LinearStatePool, RequestOwner, SlotId
-from radixcache import Admission, CacheManager, Forensics, HybridRadixCache, LockError
+from radixcache import Admission, CacheKey, CacheManager, Forensics, HybridRadixCache, LockError
 from radixcache.core.keys import key_bytes
 from radixcache.core.kv import KVFreeList
 from radixcache.core.policy import DonationReason, RequestInfo
@@ -109,6 +109,8 @@ def test_request_info_is_the_one_admit_gives_the_policy() -> None:
     assert (got.prompt_len, got.prompt_digest, got.session) == (seen.prompt_len, seen.prompt_digest, seen.session)
     with pytest.raises(ValueError, match="cached_length must be an int in"):
         mgr.request_info(ids, 5)
+    with pytest.raises(ValueError, match="cached_length must be an int in"):
+        mgr.request_info(CacheKey(ids), 5)
     with pytest.raises(TypeError, match="RequestInfo"):
         mgr.admitted("a")  # type: ignore[arg-type]
     mgr.abort("a")
@@ -282,3 +284,22 @@ def test_a_checkpoint_tells_the_policy_of_its_key_without_a_prompt_digest() -> N
     assert len(heard) == 1
     assert mgr.request_info([1, 2, 3, 4], 0).prompt_digest is not None
     assert pol.infos[-1].prompt_len == 4 and pol.infos[-1].prompt_digest is None
+
+
+def test_a_cache_key_is_heard_as_its_ids() -> None:
+    """The same request info and the same filed prefix whether the host passes ids or a
+    :class:`CacheKey` of them, image spans included (the key's own image check, not the ids')."""
+    img = 2**30
+    ids = [1, 2, img, img + 1, 3, img + 2]
+    mgr, _ = make()
+    for key in (ids, CacheKey(ids), CacheKey(torch.tensor(ids)), CacheKey([*ids, 4, 5]).prefix(6)):
+        got = mgr.request_info(key, 2, session="s")
+        assert (got.prompt_len, got.image_starts, got.cached_length) == (6, (2, 5), 2)
+        assert got.prompt_digest == mgr.request_info(ids, 2, session="s").prompt_digest
+    assert mgr.request_info(CacheKey(ids).prefix(2), 0).image_starts == ()
+    slot, owner = donor(mgr, [1, 2, 3, 4])
+    res = mgr.checkpoint(CacheKey([1, 2, 3, 4]), torch.arange(4), state_slot=slot, donor="h")
+    mgr.pool.free(slot, owner)
+    assert res.snapshot_created
+    assert mgr.lookup([1, 2, 3, 4]).node is res.node and mgr.lookup(CacheKey([1, 2, 3, 4])).cached_length == 4
+    mgr.check_invariants()

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from linear_state import COMPLETE, DeferredStream, NodeOwner, PoolExhausted, RequestOwner, SlotMisuse
-from radixcache import HybridRadixCache, TreeNode
+from radixcache import CacheKey, HybridRadixCache, TreeNode, key_bytes
 
 from .tree_helpers import make_cache, prefix_value, restored_value, state_for
 
@@ -248,6 +248,8 @@ def test_key_types_are_equivalent() -> None:
         np.array([3, 1, 4, 1, 5], dtype=np.int32),
         np.array([3, 1, 4, 1, 5]),
         torch.tensor([3, 1, 4, 1, 5]),
+        CacheKey([3, 1, 4, 1, 5]),
+        CacheKey(np.array([3, 1, 4, 1, 5, 9])).prefix(5),
     ):
         assert cache.match(key).cached_length == 5
 
@@ -293,6 +295,8 @@ def test_bad_keys_raise_and_change_nothing(key: object, error: type[Exception], 
         cache.match(key)  # type: ignore[arg-type]
     with pytest.raises(error, match=message):
         cache.insert(key, kv(0, 3), state_slot=slot)  # type: ignore[arg-type]
+    with pytest.raises(error, match=message):
+        CacheKey(key)  # type: ignore[arg-type]
     assert (cache.num_nodes, cache.total_kv_tokens, cache.pool.num_free) == before and freed == []
     cache.check_invariants()
 
@@ -485,8 +489,6 @@ def test_check_invariants_detects(kind: str) -> None:
 
 
 def test_key_bytes_of_strided_and_narrow_arrays() -> None:
-    from radixcache import key_bytes
-
     want = key_bytes([0, 2, 4, 6, 8])
     assert key_bytes(np.arange(10, dtype=np.int32)[::2]) == want
     assert key_bytes(np.arange(10, dtype=np.int64)[::2]) == want
@@ -599,3 +601,48 @@ def test_kv_prefix_refuses_a_bad_key_and_changes_nothing() -> None:
         cache.kv_prefix([1, -2])
     assert cache.describe() == before
     cache.check_invariants()
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [
+        [7, 0, 2**31 - 1],
+        np.array([7, 0, 2**31 - 1], dtype=np.int64),
+        np.array([7, 0, 2**31 - 1], dtype=np.uint32),
+        np.array([7, 0, 2**31 - 1], dtype=">i4"),
+        torch.tensor([7, 0, 2**31 - 1]),
+    ],
+)
+def test_a_cache_key_holds_the_canonical_bytes_and_is_taken_as_is(ids: object) -> None:
+    key = CacheKey(ids)  # type: ignore[arg-type]
+    assert key.data == key_bytes(ids) and len(key) == 3  # type: ignore[arg-type]
+    assert key_bytes(key) is key.data  # not converted again
+    assert CacheKey(key) == key and hash(CacheKey(key)) == hash(key)
+    assert key.ids.tolist() == [7, 0, 2**31 - 1] and not key.ids.flags.writeable
+    assert key.has_images and not key.prefix(2).has_images
+    assert key.prefix(5) is key and key.prefix(0) == CacheKey([]) and key != key.data
+    assert CacheKey.frombytes(key.data) == key and "len=3" in repr(key)
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.uint64, np.int32, np.int16])
+def test_a_cache_key_says_whether_it_holds_image_ids(dtype: type) -> None:
+    """``has_images`` from the construction's reduction (8-byte ids) or one of its own, and a
+    prefix's from its own ids: a text prefix of a key that ends in image ids has none."""
+    top = 2**30 + 3 if np.dtype(dtype).itemsize >= 4 else 2**15 - 1
+    ids: np.ndarray = np.array([5, 6, top, 9], dtype=dtype)
+    key = CacheKey(ids)
+    assert key.has_images == (top >= 2**30)
+    assert not key.prefix(2).has_images and key.prefix(3).has_images == (top >= 2**30)
+    text = CacheKey(np.array([5, 6, 7], dtype=dtype))
+    assert not text.has_images and not text.prefix(2).has_images
+
+
+def test_a_cache_key_from_bytes_is_checked() -> None:
+    with pytest.raises(TypeError, match="must be bytes"):
+        CacheKey.frombytes(bytearray(8))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="6 bytes are not a whole number"):
+        CacheKey.frombytes(bytes(6))
+    with pytest.raises(ValueError, match="position 1"):
+        CacheKey.frombytes(np.array([1, 2**31], dtype=np.uint32).tobytes())
+    with pytest.raises(ValueError, match=">= 0"):
+        CacheKey([1]).prefix(-1)

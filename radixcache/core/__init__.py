@@ -11,7 +11,7 @@ from .errors import (
     UnknownRequest,
 )
 from .events import TreeEvent, TreeEventKind, TreeListener, free_kv_to
-from .keys import IMAGE_ID_BASE, MAX_ID, KeyLike, key_bytes
+from .keys import IMAGE_ID_BASE, MAX_ID, CacheKey, KeyLike, key_bytes
 from .kv import KVAllocator, KVExhausted, KVFreeList, KVPageList
 from .lazy_heap import LazyHeap
 from .multimodal import MMWindow, image_cache_ids, image_runs, mm_window
@@ -20,6 +20,7 @@ from .tree import EvictResult, HybridRadixCache, InsertResult, MatchResult, Tree
 __all__ = [
     "IMAGE_ID_BASE",
     "MAX_ID",
+    "CacheKey",
     "ConcurrentUseError",
     "EvictResult",
     "ForeignObjectError",

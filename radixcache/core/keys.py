@@ -17,6 +17,11 @@ The key contract (``match``, ``insert``, ``admit``, ``can_admit``, ``plan_decode
 
 Keys are stored as native ``uint32`` bytes, so the tree compares edges with ``memcmp`` and
 indexes children by the bytes of their first page.
+
+A :class:`CacheKey` is a key checked and converted once: every call that takes a key takes it as
+it is, without checking or converting its ids again. A host that hands the same ids to several
+calls (a lookup, then the policy's request info; a checkpoint that the tree files and the policy
+and forensics hear of) builds one at its boundary.
 """
 
 from __future__ import annotations
@@ -24,15 +29,15 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Sequence
-from typing import TypeAlias
+from typing import TypeAlias, final
 
 import numpy as np
 import torch
 
-__all__ = ["KeyLike", "MAX_ID", "IMAGE_ID_BASE", "key_bytes", "TOKEN_BYTES"]
+__all__ = ["CacheKey", "KeyLike", "MAX_ID", "IMAGE_ID_BASE", "key_bytes", "TOKEN_BYTES"]
 
-KeyLike: TypeAlias = "Sequence[int] | np.ndarray | torch.Tensor"
-"""What the tree accepts as a key: list, tuple, numpy or torch 1-D integer ids."""
+KeyLike: TypeAlias = "CacheKey | Sequence[int] | np.ndarray | torch.Tensor"
+"""What the tree accepts as a key: a :class:`CacheKey`, or list, tuple, numpy or torch 1-D integer ids."""
 
 MAX_ID = 2**31
 """Ids must be below this."""
@@ -60,7 +65,8 @@ def _in_range(b: bytes) -> bool:
     return b[3::4].isascii() if _LITTLE else b[0::4].isascii()
 
 
-def _from_array(arr: np.ndarray) -> bytes:
+def _from_array(arr: np.ndarray) -> tuple[bytes, int]:
+    """``arr``'s canonical bytes and its largest id when that was computed on the way (-1: not)."""
     kind = arr.dtype.kind
     if kind not in "iu":
         raise TypeError(f"key ids must be integers, got dtype {arr.dtype}")
@@ -72,18 +78,40 @@ def _from_array(arr: np.ndarray) -> bytes:
         b = arr.tobytes()  # int32 or uint32 in range: these are the canonical bytes
         if not _in_range(b):
             raise _bad_position(arr)
-        return b
+        return b, -1
+    top = -1
     if arr.size:
-        # int32 cannot exceed the bound, unsigned cannot go below it: one reduction each.
-        if kind == "i" and arr.min() < 0:
-            raise _bad_position(arr)
-        if not (kind == "i" and arr.itemsize <= 4) and arr.max() >= MAX_ID:
-            raise _bad_position(arr)
-    return arr.astype(np.uint32).tobytes()
+        if arr.itemsize == 8:
+            # NOTE: one reduction for both bounds: a negative int64 read as uint64 is above the
+            # bound too (SGLang's ids are int64: one reduction per checkpoint instead of two).
+            top = int(arr.view(np.uint64).max())
+            if top >= MAX_ID:
+                raise _bad_position(arr)
+        else:
+            # int16/int8 cannot exceed the bound, unsigned cannot go below it: one reduction each.
+            if kind == "i" and arr.min() < 0:
+                raise _bad_position(arr)
+            if not (kind == "i" and arr.itemsize <= 4) and arr.max() >= MAX_ID:
+                raise _bad_position(arr)
+    return arr.astype(np.uint32).tobytes(), top
+
+
+def _canonical(key: KeyLike) -> tuple[bytes, int]:
+    """:func:`key_bytes` and the key's largest id when it was computed on the way (-1: not)."""
+    if type(key) is CacheKey:
+        return key.data, key._top
+    if isinstance(key, np.ndarray):
+        return _from_array(key)
+    if isinstance(key, torch.Tensor):
+        if key.dtype.is_floating_point or key.dtype.is_complex or key.dtype == torch.bool:
+            raise TypeError(f"key ids must be integers, got dtype {key.dtype}")
+        return _from_array(key.detach().cpu().numpy())
+    return _from_sequence(key), -1
 
 
 def key_bytes(key: KeyLike) -> bytes:
-    """Validate ``key`` and return its canonical bytes (native uint32 per token). O(len(key)).
+    """Validate ``key`` and return its canonical bytes (native uint32 per token). O(len(key));
+    O(1) for a :class:`CacheKey` (checked when it was built).
 
     >>> len(key_bytes([1, 2, 3]))
     12
@@ -92,12 +120,12 @@ def key_bytes(key: KeyLike) -> bytes:
         docstring). :raises ValueError: not 1-D, or an id outside ``[0, 2**31)`` (the message names
         the first bad position and the value as given).
     """
-    if isinstance(key, np.ndarray):
-        return _from_array(key)
-    if isinstance(key, torch.Tensor):
-        if key.dtype.is_floating_point or key.dtype.is_complex or key.dtype == torch.bool:
-            raise TypeError(f"key ids must be integers, got dtype {key.dtype}")
-        return _from_array(key.detach().cpu().numpy())
+    if type(key) is CacheKey:
+        return key.data
+    return _canonical(key)[0]
+
+
+def _from_sequence(key: object) -> bytes:
     if not isinstance(key, Sequence) or isinstance(key, (str, bytes, bytearray)):
         raise TypeError(
             f"a key is an ordered sequence of token ids (list, tuple, numpy array or torch tensor), "
@@ -118,7 +146,89 @@ def key_bytes(key: KeyLike) -> bytes:
         raise
     b = raw.tobytes()
     if raw.itemsize != TOKEN_BYTES:  # pragma: no cover - platforms where unsigned int is not 32-bit
-        return _from_array(np.asarray(raw, dtype=np.int64))
+        return _from_array(np.asarray(raw, dtype=np.int64))[0]
     if not _in_range(b):
         raise _bad_position(np.frombuffer(b, dtype=np.uint32))
     return b
+
+
+@final
+class CacheKey:
+    """A key checked and converted once (see the module docstring): its canonical bytes, the
+    same ids every call that takes a key would compute. Immutable; equal keys (same ids) are
+    equal and hash alike.
+
+    >>> k = CacheKey([1, 2, 3])
+    >>> len(k), k.prefix(2) == CacheKey([1, 2]), k.has_images
+    (3, True, False)
+
+    :param ids: any key (:data:`KeyLike`); a ``CacheKey`` is taken as it is.
+    :raises TypeError, ValueError: as :func:`key_bytes`.
+    """
+
+    # _top: -1 (not known), the largest id, or a bound below IMAGE_ID_BASE (a prefix's)
+    __slots__ = ("_top", "data")
+
+    data: bytes
+    """The canonical bytes (native uint32 per token), what :func:`key_bytes` returns."""
+
+    def __init__(self, ids: KeyLike) -> None:
+        self.data, self._top = _canonical(ids)
+
+    @classmethod
+    def frombytes(cls, data: bytes) -> CacheKey:
+        """The key whose canonical bytes are ``data`` (as :attr:`data` or :func:`key_bytes` gave
+        them; not copied). One pass over the bytes checks the ids' range.
+
+        :raises TypeError: ``data`` is not ``bytes``. :raises ValueError: its length is not a
+            whole number of ids, or an id is outside ``[0, 2**31)``."""
+        if type(data) is not bytes:
+            raise TypeError(f"data must be bytes, got {type(data).__name__}")
+        if len(data) % TOKEN_BYTES:
+            raise ValueError(f"{len(data)} bytes are not a whole number of {TOKEN_BYTES}-byte ids")
+        if not _in_range(data):
+            raise _bad_position(np.frombuffer(data, dtype=np.uint32))
+        key = cls.__new__(cls)
+        key.data, key._top = data, -1
+        return key
+
+    def __len__(self) -> int:
+        return len(self.data) // TOKEN_BYTES
+
+    @property
+    def ids(self) -> np.ndarray:
+        """The ids, a read-only ``uint32`` view of :attr:`data` (no copy)."""
+        return np.frombuffer(self.data, dtype=np.uint32)
+
+    def prefix(self, n: int) -> CacheKey:
+        """The key of the first ``n`` ids (all of them when ``n`` is past the end). O(n), nothing checked again.
+
+        :raises ValueError: ``n`` is negative."""
+        if n < 0:
+            raise ValueError(f"a prefix length must be >= 0, got {n}")
+        if n >= len(self.data) // TOKEN_BYTES:
+            return self
+        key = CacheKey.__new__(CacheKey)
+        key.data = self.data[: n * TOKEN_BYTES]
+        # a bound below IMAGE_ID_BASE still holds for a prefix; a largest id above may be past it
+        key._top = self._top if self._top < IMAGE_ID_BASE else -1
+        return key
+
+    @property
+    def has_images(self) -> bool:
+        """Whether an id is an image-derived cache id (``>= IMAGE_ID_BASE``). One reduction at
+        the first ask, none when the key's construction already found its largest id."""
+        if self._top < 0:
+            self._top = int(np.frombuffer(self.data, dtype=np.uint32).max()) if self.data else 0
+        return self._top >= IMAGE_ID_BASE
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is CacheKey and other.data == self.data
+
+    def __hash__(self) -> int:
+        return hash(self.data)
+
+    def __repr__(self) -> str:
+        ids = self.ids
+        shown = ", ".join(str(int(i)) for i in ids[:8])
+        return f"CacheKey([{shown}{', ...' if ids.size > 8 else ''}], len={ids.size})"

@@ -65,7 +65,7 @@ from ..core.errors import (
     UnknownRequest,
 )
 from ..core.events import TreeEvent, TreeEventKind
-from ..core.keys import IMAGE_ID_BASE, MAX_ID, TOKEN_BYTES, KeyLike, key_bytes
+from ..core.keys import IMAGE_ID_BASE, MAX_ID, TOKEN_BYTES, CacheKey, KeyLike, key_bytes
 from ..core.kv import KVAllocator, KVExhausted
 from ..core.policy import DonationReason, Policy, RequestInfo, default_policy
 from ..core.tree import EvictResult, HybridRadixCache, InsertResult, MatchResult, TreeNode
@@ -593,9 +593,9 @@ class CacheManager:
         return float(t)
 
     # ------------------------------------------------------------------- admit
-    def _ids(self, rid: Hashable, cache_ids: KeyLike) -> tuple[bytes, np.ndarray]:
-        kb = _request_key(rid, cache_ids)
-        return kb, np.frombuffer(kb, dtype=np.uint32).astype(np.int64)
+    def _ids(self, rid: Hashable, cache_ids: KeyLike) -> tuple[CacheKey, np.ndarray]:
+        ck = _request_key(rid, cache_ids)
+        return ck, ck.ids.astype(np.int64)
 
     def _match(self, ids: np.ndarray, namespace: Hashable) -> MatchResult:
         """The admission's dry-run match: all ids but the last (a request always computes at least
@@ -666,7 +666,7 @@ class CacheManager:
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
         if max_new_tokens and self.kv is None:
             raise ValueError("max_new_tokens reserves KV: it needs CacheManager(kv=...)")
-        kb, ids = self._ids(rid, cache_ids)
+        ck, ids = self._ids(rid, cache_ids)
         t = self._now(now)
         if self._to_publish:
             self._publish_ready(False)
@@ -732,7 +732,7 @@ class CacheManager:
                 fresh = kv.alloc(n_kv)
                 if fresh is None:
                     raise RuntimeError(f"the KV allocator refused {n_kv} indices that its num_free promised")
-            info = _request_info(kb, ids, m.cached_length, m.token_length, session, t)
+            info = _request_info(ck, m.cached_length, m.token_length, session, t)
             # The policy hears of the admission before the live slot is written: a policy that
             # raises then leaves the slot's contents as they were (nothing to take back).
             self.policy.admitted(info)
@@ -927,7 +927,7 @@ class CacheManager:
         :raises TypeError, ValueError: bad ids, namespace or ``limit`` (outside ``[0, len(ids)]``).
             Nothing changed.
         """
-        kb, ids = self._ids("(fetch_shared)", cache_ids)
+        ck, ids = self._ids("(fetch_shared)", cache_ids)
         key = ids[: _depth_limit(ids, limit, ids.size)]
         m = self.cache.match(key, namespace=namespace, touch=False)
         shared = self.shared
@@ -956,7 +956,7 @@ class CacheManager:
             if self.forensics is not None:
                 self._record_donation(f"shared:{got.publisher}", res.node, ids[:d])
             # the policy hears of it as of a capture (the admission path's fetched hit does too)
-            self.policy.donated(res.node, _request_info(kb, ids, 0, 0, None, t), DonationReason.CAPTURE, t)
+            self.policy.donated(res.node, _request_info(ck, 0, 0, None, t), DonationReason.CAPTURE, t)
         shared.counted_hit(got, d - m.cached_length)
         return self.cache.match(key, namespace=namespace)
 
@@ -985,11 +985,10 @@ class CacheManager:
 
         :raises TypeError, ValueError: bad ids, namespace or ``limit``. Nothing changed.
         """
-        kb = _request_key(rid, cache_ids)
         # NOTE: a view of the canonical bytes (checked in range), not an int64 copy: the tree's
         # match takes uint32 ids as a byte copy, and the tier widens them on its fetcher thread.
         # The arrival call went from ~90 to ~40 us for a 2,100-id list (benchmarks/bench_shared_probe.py).
-        ids = np.frombuffer(kb, dtype=np.uint32)
+        ids = _request_key(rid, cache_ids).ids
         n = _depth_limit(ids, limit, ids.size - 1)
         shared = self.shared
         if shared is None or not shared.addressable(namespace):
@@ -1785,12 +1784,11 @@ class CacheManager:
 
         :raises TypeError, ValueError: bad ids, a ``cached_length`` outside ``[0, len(ids)]``.
         """
-        kb = key_bytes(cache_ids)
-        ids = np.frombuffer(kb, dtype=np.uint32).astype(np.int64)
+        ck = CacheKey(cache_ids)
         n = cached_length
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= ids.size:
-            raise ValueError(f"cached_length must be an int in [0, {ids.size}], got {n!r}")
-        return _request_info(kb, ids, int(n), int(n), session, self._now(now))
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= len(ck):
+            raise ValueError(f"cached_length must be an int in [0, {len(ck)}], got {n!r}")
+        return _request_info(ck, int(n), int(n), session, self._now(now))
 
     @_exclusive
     def admitted(self, info: RequestInfo) -> None:
@@ -1897,10 +1895,12 @@ class CacheManager:
     ) -> InsertResult:
         """:meth:`checkpoint`'s work; ``shared``: the host says the prefix is shared (a warm-up's
         system prompt), so the policy hears of it as a branch point."""
+        # checked and converted once: the tree, forensics and the policy take it as it is
+        ck = cache_ids if type(cache_ids) is CacheKey else CacheKey(cache_ids)
         t = self._now(now)
         try:
             res = self.cache.insert(
-                cache_ids,
+                ck,
                 kv_indices,
                 state_slot=state_slot,
                 ready=ready,
@@ -1916,7 +1916,7 @@ class CacheManager:
                 self._counters.donations_skipped[SkipReason.NO_SLOT.value] += 1
                 state_slot = ready = None
             res = self.cache.insert(
-                cache_ids,
+                ck,
                 kv_indices,
                 state_slot=state_slot,
                 ready=ready,
@@ -1930,17 +1930,15 @@ class CacheManager:
             self._counters.donations_skipped[SkipReason.HELD.value] += 1
             return res
         node = res.node
-        kb = key_bytes(cache_ids)  # again (the tree converted them too): a byte copy for uint32 ids
-        ids = np.frombuffer(kb, dtype=np.uint32)
         self._counters.donations[reason.value] += 1
         if self.forensics is not None:
-            self._record_donation(donor, node, kb[: node.depth * TOKEN_BYTES])
+            self._record_donation(donor, node, ck.data[: node.depth * TOKEN_BYTES])
         if self.shared is not None:
-            self._queue_publication(node, ids[: node.depth].astype(np.int64), namespace, ready)
+            self._queue_publication(node, ck.ids[: node.depth].astype(np.int64), namespace, ready)
         # the policy hears of the donor's key (its whole ids, the page-cut tail included); a
         # shared prefix as a branch point: other sequences go on past it
         branch = node.depth if shared else 0
-        self.policy.donated(node, _request_info(kb, ids, 0, branch, session, t, prompt=False), reason, t)
+        self.policy.donated(node, _request_info(ck, 0, branch, session, t, prompt=False), reason, t)
         return res
 
     @_exclusive
@@ -2258,12 +2256,12 @@ class CacheManager:
         )
 
 
-def _request_key(rid: Hashable, cache_ids: KeyLike) -> bytes:
-    """A request's canonical key bytes. :raises ValueError: no ids (or as :func:`key_bytes`)."""
-    kb = key_bytes(cache_ids)
-    if not kb:
+def _request_key(rid: Hashable, cache_ids: KeyLike) -> CacheKey:
+    """A request's key. :raises ValueError: no ids (or as :func:`key_bytes`)."""
+    ck = CacheKey(cache_ids)
+    if not ck.data:
         raise ValueError(f"request {rid!r} has no ids")
-    return kb
+    return ck
 
 
 def _depth_limit(ids: np.ndarray, limit: object, default: int) -> int:
@@ -2280,8 +2278,7 @@ def _depth_limit(ids: np.ndarray, limit: object, default: int) -> int:
 
 
 def _request_info(
-    kb: bytes,
-    ids: np.ndarray,
+    key: CacheKey,
     cached_length: int,
     token_length: int,
     session: Hashable | None,
@@ -2291,14 +2288,15 @@ def _request_info(
 ) -> RequestInfo:
     """What the policy hears of a request: its prompt's length, digest (of the canonical key
     bytes, so one prompt has one digest whichever front door it came through) and image starts.
-    Without ``prompt`` (``ids`` are a checkpoint's key, not a prompt) no digest: NOTE: hashing a
+    Without ``prompt`` (``key`` is a checkpoint's, not a prompt) no digest: NOTE: hashing a
     2,000-id key cost ~10 us of every checkpoint, for a digest no policy reads there."""
-    digest = int.from_bytes(hashlib.blake2b(kb, digest_size=8).digest(), "little") if prompt else None
-    if not ids.size or ids.max() < IMAGE_ID_BASE:  # text only (most prompts): one reduction
-        return RequestInfo(int(ids.size), cached_length, token_length, session, t, digest, ())
-    is_img = ids >= IMAGE_ID_BASE
+    digest = int.from_bytes(hashlib.blake2b(key.data, digest_size=8).digest(), "little") if prompt else None
+    n = len(key)
+    if not key.has_images:  # text only (most prompts): at most one reduction, none when the key knows
+        return RequestInfo(n, cached_length, token_length, session, t, digest, ())
+    is_img = key.ids >= IMAGE_ID_BASE
     starts = np.flatnonzero(is_img & ~np.concatenate([[False], is_img[:-1]]))
-    return RequestInfo(int(ids.size), cached_length, token_length, session, t, digest, tuple(int(s) for s in starts))
+    return RequestInfo(n, cached_length, token_length, session, t, digest, tuple(int(s) for s in starts))
 
 
 def _check_fence(ready: object) -> None:

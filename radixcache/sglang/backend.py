@@ -61,7 +61,7 @@ from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
 from linear_state import HostedStatePool, RequestOwner, StateLayout, Stream
 
 from ..core.events import free_kv_to
-from ..core.keys import MAX_ID
+from ..core.keys import CacheKey
 from ..core.policy import DonationReason, Policy
 from ..core.tree import HybridRadixCache, TreeNode
 from ..manager.cache_manager import CacheManager
@@ -180,14 +180,14 @@ def _namespace(extra_key: Any, cache_salt: Any) -> Hashable:
     return None if extra_key is None and cache_salt is None else (extra_key, cache_salt)
 
 
-def _key(key: Any) -> tuple[np.ndarray, np.ndarray, Hashable]:
+def _key(key: Any) -> tuple[CacheKey, CacheKey, Hashable]:
     """A ``RadixKey``'s whole ids, the ids within its ``limit``, and its namespace.
 
     :raises TypeError: not a ``RadixKey`` (no ``token_ids`` and ``extra_key``)."""
     if not (hasattr(key, "token_ids") and hasattr(key, "extra_key")):
         raise TypeError(f"key must be SGLang's RadixKey, got {type(key).__name__}")
     full = _ids(key.token_ids)
-    ids = full[: len(key)] if getattr(key, "limit", None) is not None else full
+    ids = full.prefix(len(key)) if getattr(key, "limit", None) is not None else full
     return full, ids, _namespace(key.extra_key, getattr(key, "cache_salt", None))
 
 
@@ -205,18 +205,18 @@ def _kv(value: Any, what: str) -> torch.Tensor:
     return value.to(torch.int64).cpu()
 
 
-def _ids(tokens: Any) -> np.ndarray:
-    """Token ids as numpy: uint32 (radixcache's canonical key words, so every later key
-    conversion of them is a byte copy), checked in range once here; int64 as given when an id is
-    out of range, so that radixcache's key check names it as SGLang sent it."""
+def _ids(tokens: Any) -> CacheKey:
+    """Token ids as radixcache's key, checked and converted once here (one reduction for SGLang's
+    int64 ids) and taken as they are by every later call of the request's admission or
+    checkpoint (the lookup, the policy's request info, the tree's insert, forensics).
+
+    :raises TypeError, ValueError: as :func:`radixcache.key_bytes` (an id out of range is named
+        as SGLang sent it)."""
     if isinstance(tokens, array) and tokens.typecode == "q":
         arr = np.frombuffer(tokens, dtype=np.int64) if len(tokens) else np.zeros(0, np.int64)
     else:
         arr = np.asarray(tokens, dtype=np.int64).reshape(-1)
-    # one reduction: a negative id read as unsigned is above MAX_ID too
-    if arr.size and arr.view(np.uint64).max() >= MAX_ID:
-        return arr
-    return arr.astype(np.uint32)
+    return CacheKey(arr)
 
 
 class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is untyped
@@ -355,9 +355,9 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         full, ids, ns = _key(params.key)
         req = params.req
         if req is not None and hasattr(req, "_compute_max_prefix_len"):
-            ids = ids[: req._compute_max_prefix_len(int(full.size))]
+            ids = ids.prefix(req._compute_max_prefix_len(len(full)))
         mgr = self.manager
-        m = mgr.lookup(ids, namespace=ns) if not self.disable and ids.size else None
+        m = mgr.lookup(ids, namespace=ns) if not self.disable and len(ids) else None
         admission = bool(params.cow_mamba) and req is not None
         info = None  # what the policy hears of this admission: computed once, for both calls
         if admission:
@@ -396,7 +396,7 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         return order
 
     def _restore_into(
-        self, req: Any, node: TreeNode, full: np.ndarray, hit: int, info: RequestInfo | None = None
+        self, req: Any, node: TreeNode, full: CacheKey, hit: int, info: RequestInfo | None = None
     ) -> bool:
         """Copy ``node``'s snapshot into the request's slot (allocated if it has none); the policy
         hears of the hit of ``full`` (the request's ids) at depth ``hit`` (``info``: the
@@ -437,16 +437,16 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         _, ids, ns = _key(params.key)
         kv = _kv(params.value, "insert's value")
         slot = None if params.mamba_value is None else int(params.mamba_value.reshape(-1)[0])
-        prev = min(int(params.prev_prefix_len), int(ids.size))
+        prev = min(int(params.prev_prefix_len), len(ids))
         res = self._insert(ids, kv, slot, ns, ("sglang-insert", id(params)), None, prev)
         if res.duplicates:  # the tree compared [prev, prefix_length) and handed the differing ones back
             self._free_kv(res.released)
         return InsertResult(
-            prefix_len=res.prefix_length, total_len=int(ids.size), last_device_node=res.node, mamba_exist=True
+            prefix_len=res.prefix_length, total_len=len(ids), last_device_node=res.node, mamba_exist=True
         )
 
     def _insert(
-        self, ids: np.ndarray, kv: torch.Tensor, slot: int | None, ns: Hashable, rid: Hashable, req: Any, known: int
+        self, ids: CacheKey, kv: torch.Tensor, slot: int | None, ns: Hashable, rid: Hashable, req: Any, known: int
     ) -> Any:
         """Insert with ``slot`` lent for the clone and reclaimed after; no free slot for the
         clone even after evicting one through the policy: insert without a snapshot. The first
@@ -487,7 +487,7 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
                 return
             up_to, slot = tracked
         ids = _ids(req.full_untruncated_fill_ids[:up_to])
-        n = int(ids.size)
+        n = len(ids)
         prot = int(kvr.cache_protected_len)
         if n <= prot:
             return
