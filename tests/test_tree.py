@@ -1,3 +1,4 @@
+from array import array
 from collections.abc import Callable
 
 import numpy as np
@@ -271,6 +272,10 @@ def test_image_ids_are_valid_keys() -> None:
         (np.array([1.0, 2.0]), TypeError, "integers"),
         (np.array([3, -7]), ValueError, "-7 at position 1"),
         (np.array([5, 2**64 - 1], dtype=np.uint64), ValueError, "18446744073709551615 at position 1"),
+        (np.array([5, 2**32 + 1]), ValueError, "4294967297 at position 1"),  # a high word, the low in range
+        (array("q", [4, 5, -3]), ValueError, "-3 at position 2"),
+        (array("q", [2**31]), ValueError, "2147483648 at position 0"),
+        (array("Q", [1, 2**64 - 1]), ValueError, "18446744073709551615 at position 1"),
         (torch.tensor([1.0]), TypeError, "integers"),
         (torch.tensor([True]), TypeError, "integers"),
         (torch.tensor([5, 2**31]), ValueError, "position 1"),
@@ -607,7 +612,9 @@ def test_kv_prefix_refuses_a_bad_key_and_changes_nothing() -> None:
     "ids",
     [
         [7, 0, 2**31 - 1],
+        array("q", [7, 0, 2**31 - 1]),
         np.array([7, 0, 2**31 - 1], dtype=np.int64),
+        np.array([7, 1, 0, 1, 2**31 - 1, 1], dtype=np.int64)[::2],  # strided
         np.array([7, 0, 2**31 - 1], dtype=np.uint32),
         np.array([7, 0, 2**31 - 1], dtype=">i4"),
         torch.tensor([7, 0, 2**31 - 1]),

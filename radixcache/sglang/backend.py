@@ -212,11 +212,9 @@ def _ids(tokens: Any) -> CacheKey:
 
     :raises TypeError, ValueError: as :func:`radixcache.key_bytes` (an id out of range is named
         as SGLang sent it)."""
-    if isinstance(tokens, array) and tokens.typecode == "q":
-        arr = np.frombuffer(tokens, dtype=np.int64) if len(tokens) else np.zeros(0, np.int64)
-    else:
-        arr = np.asarray(tokens, dtype=np.int64).reshape(-1)
-    return CacheKey(arr)
+    if type(tokens) is array:  # SGLang's array("q"): read as a buffer, no numpy on the way
+        return CacheKey(tokens)
+    return CacheKey(np.asarray(tokens, dtype=np.int64).reshape(-1))
 
 
 class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is untyped
