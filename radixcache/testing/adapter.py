@@ -21,7 +21,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from linear_state import DeferredStream, Fence, LinearStatePool, StateLayout
+from linear_state import DeferredStream, Fence, LinearStatePool, RequestOwner, StateLayout
 
 from ..core.events import free_kv_to
 from ..core.keys import IMAGE_ID_BASE
@@ -391,6 +391,16 @@ class ManagerAdapter:
         r.ids.append(token)
         self._window(r, plan, self.alloc_kv(1), work, f"decode {rid}")
 
+    def _owned_when_written(self, rid: int, slots: list[int]) -> None:
+        """The oracle of a late write: when a forward runs, the slots it writes are still its
+        request's. A manager frees a request's slots only after waiting its forwards' fences; one
+        that does not (the ``free-before-fence`` bug) lets this forward land in a slot that is free
+        or another owner's now, raised here at once instead of only when the late state happens
+        to be read (a copy into a later snapshot or request)."""
+        owner = RequestOwner(rid)
+        for s in slots:
+            self.pool.check_writable(s, owner)
+
     def _prefill_work(self, rid: int, start: int, end: int, caps: dict[int, int]) -> Callable[[], None]:
         """The forward of prompt tokens ``[start, end)``: the model on the live slot's rows, each
         capture's slot written with the state after exactly its depth."""
@@ -398,6 +408,7 @@ class ManagerAdapter:
         pool, live, ids, salt = self.pool, r.adm.live_slot, r.ids, r.salt
 
         def forward_pass() -> None:
+            self._owned_when_written(rid, [live, *caps.values()])
             conv, rec = pool.conv[:, live], pool.recurrent[:, live]
             for i in range(start, end):
                 advance(conv, rec, ids[i], salt)
@@ -413,6 +424,7 @@ class ManagerAdapter:
         pool, live, salt = self.pool, r.adm.live_slot, r.salt
 
         def forward_pass() -> None:
+            self._owned_when_written(rid, [live, *caps])
             advance(pool.conv[:, live], pool.recurrent[:, live], token, salt)
             for t in caps:
                 pool.conv[:, t].copy_(pool.conv[:, live])
@@ -530,6 +542,7 @@ class BridgedAdapter(ManagerAdapter):
         live, ids, salt = r.adm.live_slot, r.ids, r.salt
 
         def forward_pass() -> None:
+            self._owned_when_written(rid, [live, *caps.values()])
             for i in range(start, end):
                 self._advance(cache, ids[i], salt)
                 if i + 1 in caps:
@@ -543,6 +556,7 @@ class BridgedAdapter(ManagerAdapter):
         live, salt = r.adm.live_slot, r.salt
 
         def forward_pass() -> None:
+            self._owned_when_written(rid, [live, *caps])
             self._advance(cache, token, salt)
             for t in [*caps, live]:
                 self._put(cache, t)
