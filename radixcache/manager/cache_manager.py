@@ -1895,8 +1895,7 @@ class CacheManager:
     ) -> InsertResult:
         """:meth:`checkpoint`'s work; ``shared``: the host says the prefix is shared (a warm-up's
         system prompt), so the policy hears of it as a branch point."""
-        # checked and converted once: the tree, forensics and the policy take it as it is
-        ck = cache_ids if type(cache_ids) is CacheKey else CacheKey(cache_ids)
+        ck = CacheKey(cache_ids)  # checked and converted once: the tree, forensics and policy take it as is
         t = self._now(now)
         try:
             res = self.cache.insert(

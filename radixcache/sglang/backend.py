@@ -206,13 +206,13 @@ def _kv(value: Any, what: str) -> torch.Tensor:
 
 
 def _ids(tokens: Any) -> CacheKey:
-    """Token ids as radixcache's key, checked and converted once here (one reduction for SGLang's
-    int64 ids) and taken as they are by every later call of the request's admission or
-    checkpoint (the lookup, the policy's request info, the tree's insert, forensics).
+    """Token ids as radixcache's key, checked and converted once here (SGLang's ``array("q")`` read
+    as a buffer, without numpy) and taken as they are by every later call of the request's
+    admission or checkpoint (the lookup, the policy's request info, the tree's insert, forensics).
 
     :raises TypeError, ValueError: as :func:`radixcache.key_bytes` (an id out of range is named
         as SGLang sent it)."""
-    if type(tokens) is array:  # SGLang's array("q"): read as a buffer, no numpy on the way
+    if type(tokens) is array:  # key_bytes reads an 8-byte array as a buffer, other typecodes as ids
         return CacheKey(tokens)
     return CacheKey(np.asarray(tokens, dtype=np.int64).reshape(-1))
 
