@@ -547,6 +547,25 @@ def test_the_tree_keeps_its_own_copy_of_kv_indices() -> None:
     cache.check_invariants()
 
 
+def test_kv_indices_from_a_start_depth_reads_only_the_edges_below_it() -> None:
+    """``kv_indices(node, start=d)`` is ``kv_indices(node)[d:]`` for every depth on the path (an
+    edge cut part-way included); a start outside ``[0, depth]`` or not an int is refused."""
+    cache, _ = make_cache()
+    slot = state_for(cache, R, [1])
+    cache.insert([1, 2, 3], torch.arange(100, 103), state_slot=slot)
+    cache.insert([1, 2, 3, 4, 5], torch.arange(100, 105), state_slot=slot)
+    node = cache.insert([1, 2, 3, 4, 5, 6, 7, 8], torch.arange(100, 108), state_slot=slot).node
+    whole = cache.kv_indices(node)
+    assert whole.tolist() == list(range(100, 108))
+    for d in range(9):
+        assert torch.equal(cache.kv_indices(node, start=d), whole[d:]), d
+    for bad, err in ((9, ValueError), (-1, ValueError), (1.5, TypeError), (0.0, TypeError), (True, TypeError)):
+        with pytest.raises(err, match="start"):
+            cache.kv_indices(node, start=bad)  # type: ignore[arg-type]
+    cache.pool.free(slot, R)
+    cache.check_invariants()
+
+
 def test_what_policies_read_about_eviction_costs_follows_the_shape() -> None:
     """cascade_stop, cost_dependent and cost_dependents name the snapshots whose eviction_cost a
     shape change moved: checked against eviction_cost itself before and after each change."""

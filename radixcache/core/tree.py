@@ -578,17 +578,30 @@ class HybridRadixCache:
             n = p
         return EvictResult(tokens, 1, removed)
 
-    def kv_indices(self, node: TreeNode) -> torch.Tensor:
-        """KV indices from the root to the end of ``node`` (1-D int64). O(depth).
-        :raises ForeignObjectError: ``node`` is another cache's."""
+    def kv_indices(self, node: TreeNode, *, start: int = 0) -> torch.Tensor:
+        """KV indices of the tokens ``[start, node.depth)`` of ``node``'s path (1-D int64; from the
+        root by default). Only the edges below ``start`` are read: O(nodes below ``start``).
+
+        :raises ForeignObjectError: ``node`` is another cache's. :raises TypeError, ValueError:
+            ``start`` is not an int in ``[0, node.depth]``."""
         self._own(node)
+        if start or type(start) is not int:
+            if isinstance(start, bool) or not isinstance(start, (int, np.integer)):
+                raise TypeError(f"start must be an int, got {start!r}")
+            if not 0 <= start <= node.depth:
+                raise ValueError(f"start {start} is outside [0, {node.depth}] (node {node.id}'s depth)")
         parts: list[torch.Tensor] = []
         n: TreeNode | None = node
-        while n is not None and n.depth > 0:
+        top = node
+        while n is not None and n.depth > start:
             parts.append(n.value)
+            top = n
             n = n.parent
         if not parts:
             return _EMPTY_KV
+        cut = start - (top.depth - top.num_tokens)  # the top edge starts above ``start``: cut it
+        if cut > 0:
+            parts[-1] = parts[-1][cut:]
         parts.reverse()
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 

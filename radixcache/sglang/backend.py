@@ -502,9 +502,18 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
             return  # nothing new a later request could resume from: the row stays the request's
         depth = node.depth
         if res.duplicates:  # another request filed some of the key first: take the tree's KV here
-            # (only [prot, depth): duplicates past `depth`, when the donation was skipped and the
-            # node is shallower than the key, stay the row's, for SGLang's release to free)
-            self._repoint(row, self.tree.kv_indices(node)[prot:depth], prot, depth)
+            tree_kv = self.tree.kv_indices(node, start=prot)
+            if res.prefix_length <= depth:
+                # The tree compared [prot, prefix_length) and handed back exactly the row's indices
+                # there that differ from its own: free those (first: they may be a view of the
+                # row), and the row names the tree's KV.
+                self._free_kv(res.released)
+                _write_row(row, tree_kv, prot, depth)
+            else:
+                # The donation was skipped and the node is shallower than the key: duplicates past
+                # `depth` stay the row's, for SGLang's release to free; those before it are found
+                # by comparing.
+                self._repoint(row, tree_kv, prot, depth)
         # else the tree adopted the row's own indices for [prot, depth): the row already names them
         self.unlock(req.lock)
         req.lock = self.lock(node)
@@ -653,6 +662,15 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
 
     def _free_kv(self, kv: torch.Tensor) -> None:
         self.token_to_kv_pool_allocator.free(kv.to(self.token_to_kv_pool_allocator.device))
+
+
+def _write_row(row: torch.Tensor, kv: torch.Tensor, start: int, end: int) -> None:
+    """``row[start:end] = kv`` (int64 on the CPU) in the row's dtype and on its device; a CPU row
+    through numpy views (one call, no tensor slice)."""
+    if row.device.type == "cpu":
+        row.numpy()[start:end] = kv.numpy()
+    else:
+        row[start:end] = kv.to(row.device, row.dtype)
 
 
 def _session(req: Any) -> Hashable | None:
