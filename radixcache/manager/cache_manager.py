@@ -597,10 +597,11 @@ class CacheManager:
         ck = _request_key(rid, cache_ids)
         return ck, ck.ids.astype(np.int64)
 
-    def _match(self, ids: np.ndarray, namespace: Hashable) -> MatchResult:
+    def _match(self, ck: CacheKey, namespace: Hashable) -> MatchResult:
         """The admission's dry-run match: all ids but the last (a request always computes at least
-        one token), in the request's namespace. Changes nothing."""
-        return self.cache.match(ids[:-1], namespace=namespace, touch=False)
+        one token), in the request's namespace; the key as it is, not converted again. Changes
+        nothing."""
+        return self.cache.match(ck.prefix(len(ck) - 1), namespace=namespace, touch=False)
 
     def _available(self, hit: TreeNode, length: int) -> int:
         """Slots an admission locking ``hit`` could get: free ones plus evictable snapshots."""
@@ -614,8 +615,7 @@ class CacheManager:
 
         :raises ValueError: bad or empty ids.
         """
-        _, ids = self._ids("(dry run)", cache_ids)
-        m = self._match(ids, namespace)
+        m = self._match(_request_key("(dry run)", cache_ids), namespace)
         need = 1 + self.track_slots
         avail = self._available(m.node, m.cached_length)
         return AdmissionCheck(avail >= need, m.cached_length, m.token_length, need, avail)
@@ -671,7 +671,7 @@ class CacheManager:
         if self._to_publish:
             self._publish_ready(False)
         need = 1 + self.track_slots
-        m = self._match(ids, namespace)
+        m = self._match(ck, namespace)
         node = m.node
         avail = self._available(node, m.cached_length)
         if avail < need:
@@ -1638,7 +1638,7 @@ class CacheManager:
                 raise ValueError(f"evict {name} must be an int >= 0, got {v!r}")
         hold: TreeNode | None = None
         if keep is not None:
-            m = self._match(self._ids("(evict keep)", keep)[1], namespace)
+            m = self._match(_request_key("(evict keep)", keep), namespace)
             hold = m.node if m.cached_length else None
         t = self._now(now)
         if hold is not None:

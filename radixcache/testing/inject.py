@@ -102,7 +102,7 @@ from linear_state import (
 )
 
 from ..core.events import TreeEvent, TreeEventKind, TreeListener
-from ..core.keys import KeyLike
+from ..core.keys import CacheKey, KeyLike
 from ..core.policy import DonationReason, RequestInfo
 from ..core.tree import HybridRadixCache, InsertResult, MatchResult, TreeNode
 from ..manager.cache_manager import Admission, CacheManager, Refusal, WindowPlan, WindowResult, _Request
@@ -288,8 +288,8 @@ class _NamespaceBlindTree(HybridRadixCache):
 
 
 class _FullHitManager(CacheManager):
-    def _match(self, ids: np.ndarray, namespace: Hashable) -> MatchResult:
-        return self.cache.match(ids, namespace=namespace, touch=False)  # BUG: all ids, the last too
+    def _match(self, ck: CacheKey, namespace: Hashable) -> MatchResult:
+        return self.cache.match(ck, namespace=namespace, touch=False)  # BUG: all ids, the last too
 
 
 @contextlib.contextmanager
