@@ -20,7 +20,9 @@ hold them all), then the next ``--requests`` are timed. Per size and cache: per 
 its calls) p50, p99 and mean; per operation calls, p50, p99 and total. Each run is a fresh
 interpreter (runs in one process paid for each other's garbage: :func:`run_isolated`); the two
 caches alternate within each repetition (the order flips each time); ratios ours / Rust are per
-repetition, the median reported. Both caches serve the identical stream; their hit tokens are printed beside.
+repetition, the median reported. Both caches serve the identical stream; their hit tokens are printed beside,
+and the states each copies per request (``state_copies_per_request``: SGLang's cache hands a
+finished request's slot to its tree, radixcache clones it, so the two do not do the same work).
 
 ``--ablate``: radixcache also runs without its optional layers, in the same alternation, to say
 what each costs the scheduler: ``no-forensics`` (``forensics=None``), ``lru-policy`` (the tree's
@@ -167,6 +169,7 @@ def run_one(kind: str, size: int, requests: int, seed: int, variant: str = "defa
     extra = _variant_kwargs(variant) if kind == "radixcache" else None
     env = H.make_env(kind, kv_size=kv, mamba_size=slots, tree_core="rust", cache_kwargs=extra)
     meter = Meter(env.cache, size)
+    copies = _count_state_copies(env, meter)
     # SGLang's cache defers a hit's state copy (copy-on-write) to the batch's preparation, on the
     # same thread; radixcache copies inside match_prefix. The deferred copy is the cache's work.
     meter.also(env.rtp.mamba_pool, "copy_from", "deferred_state_copy")
@@ -210,9 +213,46 @@ def run_one(kind: str, size: int, requests: int, seed: int, variant: str = "defa
             op: {"calls": len(v), "p50_us": _pct(v, 0.5), "p99_us": _pct(v, 0.99), "total_ms": round(sum(v) / 1e6, 2)}
             for op, v in sorted(meter.per_op.items())
         },
+        "state_copies_per_request": round(copies() / max(1, len(per_req)), 2),
         "hit_tokens": env.hit_tokens,
         "mismatches": len(env.mismatches),
     }
+
+
+def _count_state_copies(env: Any, meter: Meter) -> Any:
+    """A counter of the linear states each cache copies while the meter is on (a callable giving
+    the count so far). SGLang's cache copies through its mamba pool's ``copy_from`` (a running
+    request's fork at a checkpoint, a hit's deferred copy; a finished request's slot is handed to
+    the tree, not copied); radixcache clones into the tree (the backend's ``donations``) and
+    restores a hit into the request's slot (``restores``)."""
+    if "donations" in getattr(env.cache, "stats", {}):
+        stats: dict[str, int] = env.cache.stats
+        at_start: list[int] = []
+
+        def ours() -> int:
+            return stats["donations"] + stats["restores"] - (at_start[0] if at_start else 0)
+
+        enter = meter.enter
+
+        def enter_and_mark(rid: str) -> None:
+            was = meter.on
+            enter(rid)
+            if meter.on and not was:
+                at_start.append(stats["donations"] + stats["restores"])
+
+        meter.enter = enter_and_mark  # type: ignore[method-assign]
+        return ours
+    pool = env.rtp.mamba_pool
+    copy_from = pool.copy_from
+    n = [0]
+
+    def counted(src: Any, dst: Any) -> Any:
+        if meter.on:
+            n[0] += int(src.numel())
+        return copy_from(src, dst)
+
+    pool.copy_from = counted
+    return lambda: n[0]
 
 
 def run_isolated(kind: str, size: int, requests: int, seed: int, variant: str = "default") -> dict[str, Any]:
