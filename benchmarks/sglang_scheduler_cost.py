@@ -24,6 +24,11 @@ repetition, the median reported. Both caches serve the identical stream; their h
 and the states each copies per request (``state_copies_per_request``: SGLang's cache hands a
 finished request's slot to its tree, radixcache clones it, so the two do not do the same work).
 
+``--equal-work``: SGLang's cache also runs made to clone a finished request's state into a fresh
+slot and free the request's slot, as radixcache's copy-on-donate does, instead of handing the
+request's slot to its tree (not SGLang's behaviour: the comparison for the same copies), right
+after each repetition's pair; ``equal_work`` gives ours over it.
+
 ``--ablate``: radixcache also runs without its optional layers, in the same alternation, to say
 what each costs the scheduler: ``no-forensics`` (``forensics=None``), ``lru-policy`` (the tree's
 LRU through :class:`~radixcache.policies.SglangLike` instead of HitDensity) and ``core`` (both):
@@ -33,7 +38,7 @@ as configured by default and over the Rust core.
 Runs where SGLang is importable (``make test-sglang`` builds ``.venv-sglang``)::
 
     .venv-sglang/bin/python benchmarks/sglang_scheduler_cost.py [--sizes 10 200 10000]
-        [--requests 400] [--reps 3] [--seed 0] [--ablate]
+        [--requests 400] [--reps 3] [--seed 0] [--ablate] [--equal-work]
 """
 
 from __future__ import annotations
@@ -162,12 +167,50 @@ def _variant_kwargs(variant: str) -> dict[str, Any]:
 ABLATIONS = ("no-forensics", "lru-policy", "core")
 
 
+def _clone_at_finish(env: Any) -> None:
+    """Make SGLang's cache of ``env`` clone a finished request's state into a fresh slot of its
+    mamba pool and free the request's slot, as radixcache does (copy-on-donate), instead of
+    handing the request's slot to its tree: the ``--equal-work`` comparison. Not SGLang's
+    behaviour; the harness's state check and idle census still hold it to the same results."""
+    rtp = env.rtp
+    (comp,) = [c for c in env.cache.components.values() if type(c).__name__ == "MambaComponent"]
+    prepare, cleanup = comp.prepare_for_caching_req, comp.cleanup_after_caching_req
+    cloned: dict[int, Any] = {}  # id(insert_params) -> the fresh slot its insert was given
+
+    def prepare_cloning(req: Any, insert_params: Any, token_ids_len: int, is_finished: bool) -> Any:
+        out = prepare(req=req, insert_params=insert_params, token_ids_len=token_ids_len, is_finished=is_finished)
+        if is_finished and insert_params.mamba_value is not None:
+            dst = rtp.mamba_allocator.alloc(1)
+            if dst is not None:  # no free slot: the request's own, as SGLang does
+                rtp.mamba_pool.copy_from(insert_params.mamba_value.reshape(1), dst.reshape(1))
+                insert_params.mamba_value = dst.reshape(1).clone()
+                cloned[id(insert_params)] = insert_params.mamba_value
+        return out
+
+    def cleanup_cloning(req: Any, is_finished: bool, insert_result: Any = None, insert_params: Any = None) -> None:
+        dst = cloned.pop(id(insert_params), None) if insert_params is not None else None
+        inserted = insert_result is not None and not insert_result.mamba_exist
+        cleanup(req, is_finished=is_finished, insert_result=insert_result, insert_params=insert_params)
+        if dst is None:
+            return
+        if inserted:
+            rtp.free_mamba_cache(req)  # the tree took the clone: the request's slot goes back
+        else:
+            rtp.mamba_allocator.free(dst)  # the tree held that state already: the clone goes back
+
+    comp.prepare_for_caching_req = prepare_cloning
+    comp.cleanup_after_caching_req = cleanup_cloning
+
+
 def run_one(kind: str, size: int, requests: int, seed: int, variant: str = "default") -> dict[str, Any]:
     """The stream's first ``size`` requests cached untimed, the next ``requests`` timed;
-    ``variant``: radixcache's ablation (``default``: as the plugin builds it)."""
+    ``variant``: radixcache's ablation (``default``: as the plugin builds it), or for SGLang's
+    cache ``clone-at-finish`` (:func:`_clone_at_finish`)."""
     kv, slots = _sizes(size + requests, seed)
     extra = _variant_kwargs(variant) if kind == "radixcache" else None
     env = H.make_env(kind, kv_size=kv, mamba_size=slots, tree_core="rust", cache_kwargs=extra)
+    if kind == "builtin" and variant == "clone-at-finish":
+        _clone_at_finish(env)
     meter = Meter(env.cache, size)
     copies = _count_state_copies(env, meter)
     # SGLang's cache defers a hit's state copy (copy-on-write) to the batch's preparation, on the
@@ -277,6 +320,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="repetitions (the two caches alternate in each)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ablate", action="store_true", help="also radixcache without forensics / HitDensity")
+    ap.add_argument(
+        "--equal-work",
+        action="store_true",
+        help="also SGLang's cache made to clone a finished request's state as radixcache does",
+    )
     ap.add_argument("--one", nargs=2, metavar=("KIND", "VARIANT"), help=argparse.SUPPRESS)  # one run, its JSON
     args = ap.parse_args()
     if args.one:
@@ -287,10 +335,13 @@ def main() -> None:
     for size in args.sizes:
         runs: dict[str, list[dict[str, Any]]] = {"radixcache": [], "builtin": []}
         ablated: dict[str, list[float]] = {v: [] for v in variants}
+        cloning: list[dict[str, Any]] = []
         for rep in range(args.reps):
             order = ("radixcache", "builtin") if rep % 2 == 0 else ("builtin", "radixcache")
             for kind in order:
                 runs[kind].append(run_isolated(kind, size, args.requests, args.seed))
+            if args.equal_work:
+                cloning.append(run_isolated("builtin", size, args.requests, args.seed, "clone-at-finish"))
             for v in variants if rep % 2 == 0 else variants[::-1]:
                 one = run_isolated("radixcache", size, args.requests, args.seed, v)
                 ablated[v].append(one["per_request_us"]["mean"])
@@ -307,6 +358,21 @@ def main() -> None:
             "per_request_us_each_rep": {kind: [r["per_request_us"] for r in rs] for kind, rs in runs.items()},
             "fastest_rep": med,
         }
+        if cloning:
+            out["sizes"][str(size)]["equal_work"] = {
+                "builtin_clone_at_finish_per_request_us_each_rep": [r["per_request_us"] for r in cloning],
+                "state_copies_per_request": [r["state_copies_per_request"] for r in cloning],
+                "ratio_ours_over_it": {
+                    k: round(
+                        statistics.median(
+                            o["per_request_us"][k] / max(c["per_request_us"][k], 1e-9)
+                            for o, c in zip(runs["radixcache"], cloning, strict=True)
+                        ),
+                        3,
+                    )
+                    for k in ("p50", "p99", "mean")
+                },
+            }
         if variants:
             mine = [r["per_request_us"]["mean"] for r in runs["radixcache"]]
             rust = [r["per_request_us"]["mean"] for r in runs["builtin"]]
