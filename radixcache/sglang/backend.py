@@ -505,15 +505,15 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
             tree_kv = self.tree.kv_indices(node, start=prot)
             if res.prefix_length <= depth:
                 # The tree compared [prot, prefix_length) and handed back exactly the row's indices
-                # there that differ from its own: free those (first: they may be a view of the
-                # row), and the row names the tree's KV.
+                # there that differ from its own.
                 self._free_kv(res.released)
-                _write_row(row, tree_kv, prot, depth)
             else:
                 # The donation was skipped and the node is shallower than the key: duplicates past
                 # `depth` stay the row's, for SGLang's release to free; those before it are found
                 # by comparing.
-                self._repoint(row, tree_kv, prot, depth)
+                self._free_differing(row, tree_kv, prot, depth)
+            # freed first (they may be a view of the row): the row names the tree's KV from here on
+            _write_row(row, tree_kv, prot, depth)
         # else the tree adopted the row's own indices for [prot, depth): the row already names them
         self.unlock(req.lock)
         req.lock = self.lock(node)
@@ -640,25 +640,22 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         root = self.manager.lookup([], namespace=ns, touch=False).node
         return MatchResult(0, root, root, root, cache_protected_len=0)
 
-    def _repoint(self, row: torch.Tensor, tree_kv: torch.Tensor, start: int, end: int) -> None:
-        """Point ``row[start:end]`` at the tree's KV ``tree_kv`` (int64, on the CPU), freeing the
-        row's indices there that differ (duplicates the tree did not adopt). A CPU row is
-        compared and written through numpy views: NOTE: the torch masked select and slice write
-        cost ~15 us of a checkpoint's ~250 in the SGLang scheduler benchmark."""
+    def _free_differing(self, row: torch.Tensor, tree_kv: torch.Tensor, start: int, end: int) -> None:
+        """Free the row's indices in ``[start, end)`` that differ from the tree's KV ``tree_kv``
+        (int64, on the CPU): duplicates the tree did not adopt. A CPU row is compared through
+        numpy views: NOTE: the torch masked select cost ~15 us of a checkpoint's ~250 in the SGLang
+        scheduler benchmark. The differing indices are copied out (a mask), so the row may be
+        rewritten after."""
         if row.device.type == "cpu":
             old = row.numpy()[start:end]
-            new = tree_kv.numpy()
-            differ = old != new
+            differ = old != tree_kv.numpy()
             if differ.any():
                 self._free_kv(torch.from_numpy(old[differ].astype(np.int64, copy=False)))
-            old[:] = new
             return
-        new_dev = tree_kv.to(row.device)
         cur = row[start:end]
-        dup = cur[cur != new_dev]
+        dup = cur[cur != tree_kv.to(row.device)]
         if dup.numel():
             self._free_kv(dup)
-        row[start:end] = new_dev.to(row.dtype)
 
     def _free_kv(self, kv: torch.Tensor) -> None:
         self.token_to_kv_pool_allocator.free(kv.to(self.token_to_kv_pool_allocator.device))
