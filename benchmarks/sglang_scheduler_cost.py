@@ -51,6 +51,7 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -97,6 +98,7 @@ class Meter:
         self.per_op: dict[str, list[int]] = defaultdict(list)
         self.per_req: dict[str, int] = defaultdict(int)
         self.unattributed = 0
+        self.on_start: list[Callable[[], None]] = []  # called once, when the first timed request enters
         for name in OPS:
             fn = getattr(cache, name, None)
             if callable(fn):
@@ -134,6 +136,8 @@ class Meter:
     def enter(self, rid: str) -> None:
         if not self.on and int(rid[1:]) >= self.first_timed:
             self.on = True
+            for hook in self.on_start:
+                hook()
         self.current = rid if self.on else None
 
     def leave(self) -> None:
@@ -277,15 +281,7 @@ def _count_state_copies(env: Any, meter: Meter) -> Any:
         def ours() -> int:
             return stats["donations"] + stats["restores"] - (at_start[0] if at_start else 0)
 
-        enter = meter.enter
-
-        def enter_and_mark(rid: str) -> None:
-            was = meter.on
-            enter(rid)
-            if meter.on and not was:
-                at_start.append(stats["donations"] + stats["restores"])
-
-        meter.enter = enter_and_mark  # type: ignore[method-assign]
+        meter.on_start.append(lambda: at_start.append(stats["donations"] + stats["restores"]))
         return ours
     pool = env.rtp.mamba_pool
     copy_from = pool.copy_from
