@@ -296,6 +296,9 @@ def test_a_cache_key_is_heard_as_its_ids() -> None:
         got = mgr.request_info(key, 2, session="s")
         assert (got.prompt_len, got.image_starts, got.cached_length) == (6, (2, 5), 2)
         assert got.prompt_digest == mgr.request_info(ids, 2, session="s").prompt_digest
+    # another prompt (one id changed, or one id fewer) has another digest
+    others = ([1, 2, img, img + 1, 3, img + 3], ids[:-1], [*ids, 0])
+    assert len({mgr.request_info(k, 0).prompt_digest for k in (ids, *others)}) == 4
     assert mgr.request_info(CacheKey(ids).prefix(2), 0).image_starts == ()
     slot, owner = donor(mgr, [1, 2, 3, 4])
     res = mgr.checkpoint(CacheKey([1, 2, 3, 4]), torch.arange(4), state_slot=slot, donor="h")

@@ -85,8 +85,9 @@ class RequestInfo:
         the tree, where it leaves the tree: its branch point (``Admission.token_length``);
     :ivar session: the conversation the host says the request belongs to (``None``: unknown);
     :ivar ts: arrival time in seconds (the manager's clock unless the host passes ``now``);
-    :ivar prompt_digest: a hash of the prompt's ids (equal digests: identical prompts;
-        ``None``: unknown);
+    :ivar prompt_digest: a hash of the prompt's ids (equal digests: identical prompts; the
+        manager's are Python's hash of the key, so compare them within one process; ``None``:
+        unknown);
     :ivar image_starts: depths where image spans start in the prompt.
     """
 

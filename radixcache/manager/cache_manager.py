@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import hashlib
 import math
 import threading
 import time
@@ -2285,11 +2284,13 @@ def _request_info(
     *,
     prompt: bool = True,
 ) -> RequestInfo:
-    """What the policy hears of a request: its prompt's length, digest (of the canonical key
-    bytes, so one prompt has one digest whichever front door it came through) and image starts.
+    """What the policy hears of a request: its prompt's length, digest (the hash of the canonical
+    key bytes, so one prompt has one digest whichever front door it came through) and image starts.
     Without ``prompt`` (``key`` is a checkpoint's, not a prompt) no digest: NOTE: hashing a
-    2,000-id key cost ~10 us of every checkpoint, for a digest no policy reads there."""
-    digest = int.from_bytes(hashlib.blake2b(key.data, digest_size=8).digest(), "little") if prompt else None
+    2,000-id key cost ~10 us of every checkpoint, for a digest no policy reads there. NOTE: the
+    interpreter's own 64-bit hash of the bytes, not blake2b: 2.0 against 9.3 us for an 8 KB prompt
+    (at every SGLang admission); a policy compares digests only within its own process."""
+    digest = hash(key) if prompt else None
     n = len(key)
     if not key.has_images:  # text only (most prompts): at most one reduction, none when the key knows
         return RequestInfo(n, cached_length, token_length, session, t, digest, ())
