@@ -10,11 +10,12 @@ from .fencecheck import FenceCheck, cuda_fence_check
 from .fingerprint import Fingerprint
 from .layout import StateLayout
 from .owners import NodeOwner, Owner, RequestOwner, SlotId
-from .pool import HostedStatePool, LinearStatePool, SlotLender, SlotWrite
+from .pool import SLOT_VIEWS_KEPT, HostedStatePool, LinearStatePool, SlotLender, SlotWrite
 from .stream import COMPLETE, CudaStream, DeferredStream, Fence, ImmediateStream, Stream, device_synchronize
 
 __all__ = [
     "COMPLETE",
+    "SLOT_VIEWS_KEPT",
     "CudaStream",
     "DeferredStream",
     "DeviceUnavailable",

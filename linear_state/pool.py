@@ -29,13 +29,17 @@ from .layout import StateLayout
 from .owners import NodeOwner, Owner, RequestOwner, SlotId
 from .stream import COMPLETE, Fence, ImmediateStream, Stream
 
-__all__ = ["PROBES_PER_ROW", "HostedStatePool", "LinearStatePool", "SlotLender", "SlotWrite"]
+__all__ = ["PROBES_PER_ROW", "SLOT_VIEWS_KEPT", "HostedStatePool", "LinearStatePool", "SlotLender", "SlotWrite"]
 
 _POOL_IDS = itertools.count(1)  # process-unique pool identities; 0 marks a slot id built by hand
 PROBES_PER_ROW = 4
 """Probe elements per layer and state kind (:meth:`LinearStatePool.mark_unwritten`): spread over
 the row so that a writer covering part of a layer's state (its conv window alone, the first heads
 alone) leaves one behind."""
+SLOT_VIEWS_KEPT = 4096
+"""Slots whose row views a pool keeps, for each kind of view (about 1.3 KB a slot for the copy rows):
+past it the views are dropped and made again at their next use (~1.3 us each), so a pool of
+hundreds of thousands of slots that an engine hands out in turn holds a bounded number of them."""
 _PROBE_COLS: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
@@ -148,8 +152,11 @@ class LinearStatePool:
         # than the copy of a small slot. Hot path of clone/restore; see benchmarks/bench_tree.py.
         # NOTE: ``select`` makes a view in ~1.3 us against ~6.4 for ``t[:, i]`` (the indexing
         # machinery): a fresh slot's first copy is that much cheaper (SGLang scheduler benchmark).
-        self._conv_rows: _PerSlot[torch.Tensor] = _PerSlot(functools.partial(torch.select, conv, 1))
-        self._rec_rows: _PerSlot[torch.Tensor] = _PerSlot(functools.partial(torch.select, recurrent, 1))
+        # Kept for at most SLOT_VIEWS_KEPT slots (~1.3 KB a slot): an engine that hands its slots out
+        # in turn (SGLang's allocator is first in, first out) would otherwise have every slot's.
+        kept = SLOT_VIEWS_KEPT
+        self._conv_rows: _PerSlot[torch.Tensor] = _PerSlot(functools.partial(torch.select, conv, 1), kept)
+        self._rec_rows: _PerSlot[torch.Tensor] = _PerSlot(functools.partial(torch.select, recurrent, 1), kept)
         # The same rows as the widest words their bytes allow, for copies: a slot's rows are strided
         # (one per layer), so a copy runs an element-wise kernel, and on a GPU 16-byte elements
         # move ~1.4x the bytes per second of 4-byte ones (benchmarks/gpu_check.py: 0.63x -> 0.87x
@@ -159,7 +166,7 @@ class LinearStatePool:
         # benchmark), and every slot has the same word, so a copy between two slots never converts.
         wide_conv, wide_rec = _widest_slots(conv), _widest_slots(recurrent)
         self._copy_rows: _PerSlot[tuple[torch.Tensor, torch.Tensor]] = _PerSlot(
-            lambda i: (wide_conv.select(1, i), wide_rec.select(1, i))
+            lambda i: (wide_conv.select(1, i), wide_rec.select(1, i)), kept
         )
 
     @property
@@ -882,9 +889,8 @@ class HostedStatePool(LinearStatePool):
             raise SlotMisuse(why, slot=s, owner=cur, actor=owner)
         self._lent.discard(s)
         self._last_use[s].wait()
-        self._last_use[s] = COMPLETE
         self._release_owner_entry(s, cur)
-        self._owner[s] = None
+        self._forget(s)
 
     def check_invariants(self) -> None:
         """Ownership bookkeeping as :meth:`LinearStatePool.check_invariants`, with the free slots
@@ -903,9 +909,19 @@ class HostedStatePool(LinearStatePool):
 
     def _release(self, s: int, owner: Owner) -> None:
         self._release_owner_entry(s, owner)
-        self._owner[s] = None
+        self._forget(s)  # free() waited its last use
         self._lent.discard(s)
         self.lender.give([s])
+
+    def _forget(self, s: int) -> None:
+        """Slot ``s`` is the host's again, its last use complete: its owner, last use and id go, so
+        the pool keeps records only of the slots it holds. NOTE: an engine's allocator may hand
+        out every slot in turn (SGLang's is first in, first out): kept, they were ~1.5 KB and 4
+        tracked objects for every slot ever used (0.57 GB at SGLang's 374,391 CPU slots); made
+        again, an id costs ~0.3 us at the slot's next use."""
+        self._owner.pop(s, None)
+        self._last_use.pop(s, None)
+        self._ids.pop(s, None)
 
 
 def _behind(after: Iterable[Fence], last_uses: Iterable[Fence]) -> list[Fence]:
@@ -932,15 +948,20 @@ class _Default(dict[int, _T]):
 
 class _PerSlot(dict[int, _T]):
     """Per-slot objects made on first use and kept (``d[slot]``): a dict whose misses call
-    ``make(slot)``. Hits cost a dict look-up."""
+    ``make(slot)``. Hits cost a dict look-up. With ``limit``, objects of at most that many slots
+    are kept: a miss with ``limit`` slots kept empties the dict first (``make`` gives the same
+    object again, so only the time to remake them is lost)."""
 
-    __slots__ = ("_make",)
+    __slots__ = ("_limit", "_make")
 
-    def __init__(self, make: Callable[[int], _T]) -> None:
+    def __init__(self, make: Callable[[int], _T], limit: int = 0) -> None:
         super().__init__()
         self._make = make
+        self._limit = limit
 
     def __missing__(self, slot: int) -> _T:
+        if self._limit and len(self) >= self._limit:
+            self.clear()
         value = self[slot] = self._make(slot)
         return value
 
