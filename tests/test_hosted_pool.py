@@ -298,8 +298,14 @@ def test_a_pool_keeps_records_of_the_slots_it_holds_not_of_every_slot_it_ever_us
     snap = pool.clone(src, snap_owner).slot  # the tree's snapshot, held throughout
     gc.collect()
     before = len(gc.get_objects())
+
+    def engine_alloc() -> int:
+        got = lender.take(1)
+        assert got is not None
+        return got[0]
+
     for i in range(rounds):
-        host_slot = lender.take(1)[0]  # the engine allocates a request's slot ...
+        host_slot = engine_alloc()  # the engine allocates a request's slot ...
         req, node = RequestOwner(i), NodeOwner(i + 1)
         s = pool.lend(host_slot, req)  # ... and lends it: a hit restored into it,
         pool.copy(snap, s, dst_owner=req)
@@ -313,7 +319,7 @@ def test_a_pool_keeps_records_of_the_slots_it_holds_not_of_every_slot_it_ever_us
     assert len(pool._copy_rows) <= SLOT_VIEWS_KEPT and len(pool._conv_rows) <= SLOT_VIEWS_KEPT
     assert len(pool._owner) == 2 and len(pool._last_use) <= 2 and len(pool._ids) <= 3  # src, snap (slot 0)
     last = RequestOwner("last")
-    s = pool.lend(lender.take(1)[0], last)
+    s = pool.lend(engine_alloc(), last)
     pool.copy(snap, s, dst_owner=last).wait()
     assert torch.equal(conv[:, s], c) and torch.equal(rec[:, s], r)
     assert pool.fingerprint(s) == pool.fingerprint(src)
