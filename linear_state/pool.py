@@ -916,9 +916,9 @@ class HostedStatePool(LinearStatePool):
     def _forget(self, s: int) -> None:
         """Slot ``s`` is the host's again, its last use complete: its owner, last use and id go, so
         the pool keeps records only of the slots it holds. NOTE: an engine's allocator may hand
-        out every slot in turn (SGLang's is first in, first out): kept, they were ~1.5 KB and 4
-        tracked objects for every slot ever used (0.57 GB at SGLang's 374,391 CPU slots); made
-        again, an id costs ~0.3 us at the slot's next use."""
+        out every slot in turn (SGLang's is first in, first out): kept, with the slot's views (now
+        bounded by SLOT_VIEWS_KEPT), they were ~1.5 KB and 4 tracked objects for every slot ever
+        used (0.57 GB at SGLang's 374,391 CPU slots); made again, an id costs ~0.3 us."""
         self._owner.pop(s, None)
         self._last_use.pop(s, None)
         self._ids.pop(s, None)
@@ -949,8 +949,8 @@ class _Default(dict[int, _T]):
 class _PerSlot(dict[int, _T]):
     """Per-slot objects made on first use and kept (``d[slot]``): a dict whose misses call
     ``make(slot)``. Hits cost a dict look-up. With ``limit``, objects of at most that many slots
-    are kept: a miss with ``limit`` slots kept empties the dict first (``make`` gives the same
-    object again, so only the time to remake them is lost)."""
+    are kept: a miss with ``limit`` slots kept empties the dict first (``make`` makes an equal
+    object again: only the time to remake them is lost)."""
 
     __slots__ = ("_limit", "_make")
 
