@@ -894,11 +894,17 @@ class HostedStatePool(LinearStatePool):
 
     def check_invariants(self) -> None:
         """Ownership bookkeeping as :meth:`LinearStatePool.check_invariants`, with the free slots
-        the host's: no reserved slot owned, the owner index agrees with the per-slot owners, and
-        owned + the lender's available <= capacity. O(capacity)."""
+        the host's: no reserved slot owned, the owner index agrees with the per-slot owners,
+        owned + the lender's available <= capacity, and records (owner, last use, id) are kept
+        only of the slots the pool holds (slot 0's id aside: the pool's id class is read from
+        it). O(capacity)."""
         assert not self._free, f"a hosted pool keeps no free list, found {self._free}"
         for r in sorted(self.reserved):
             assert self._owner[r] is None, f"reserved slot {r} is owned by {self._owner[r]}"
+        held = {s for s, o in self._owner.items() if o is not None}
+        stale = sorted(self._owner.keys() - held) + sorted(self._last_use.keys() - held)
+        stale += sorted(self._ids.keys() - held - {0})
+        assert not stale, f"slots {stale[:8]} the host holds again keep records in the pool"
         owned = self._check_owner_index()
         for s in sorted(self._lent):
             assert isinstance(self._owner[s], RequestOwner), f"lent slot {s} is owned by {self._owner[s]}"
