@@ -129,6 +129,26 @@ def test_a_lock_protects_the_hit_from_eviction_and_unlock_is_checked() -> None:
     assert mgr.evict(snapshots=1).snapshots == 1
 
 
+def test_relock_moves_a_hold_to_the_newer_snapshot_and_a_bad_move_changes_nothing() -> None:
+    mgr, _ = make()
+    short = file(mgr, [1, 2]).node  # type: ignore[attr-defined]
+    mgr.lock(short)
+    deep = file(mgr, [1, 2, 3, 4]).node  # type: ignore[attr-defined]
+    mgr.relock(short, deep)  # a request's hold following its checkpoint
+    assert (short.snap_lock, deep.snap_lock) == (0, 1)
+    with pytest.raises(LockError):  # short's lock moved: it holds none to move again
+        mgr.relock(short, deep)
+    with pytest.raises(TypeError):
+        mgr.relock(deep, "node")  # type: ignore[arg-type]
+    assert (short.snap_lock, deep.snap_lock) == (0, 1)
+    mgr.check_invariants()
+    assert mgr.evict(snapshots=5, kv_tokens=5).snapshots == 1  # short's snapshot only: deep is held
+    assert mgr.lookup([1, 2, 3, 4]).cached_length == 4
+    mgr.unlock(deep)
+    mgr.check_invariants()
+    assert mgr.evict(snapshots=1).snapshots == 1
+
+
 def test_make_room_evicts_through_the_policy_but_keeps_the_hit() -> None:
     mgr, _ = make(slots=4)
     a = file(mgr, [1, 2]).node  # type: ignore[attr-defined]

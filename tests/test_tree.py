@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from linear_state import COMPLETE, DeferredStream, NodeOwner, PoolExhausted, RequestOwner, SlotMisuse
-from radixcache import CacheKey, HybridRadixCache, TreeNode, key_bytes
+from radixcache import CacheKey, ForeignObjectError, HybridRadixCache, TreeNode, key_bytes
 
 from .tree_helpers import make_cache, prefix_value, restored_value, state_for
 
@@ -201,6 +201,96 @@ def test_nested_locks_and_unlock_misuse() -> None:
     assert cache.evict(snapshots=1).snapshots == 1
     with pytest.raises(ValueError, match="evicted"):
         cache.lock(res.node)
+
+
+def _lock_state(cache: HybridRadixCache) -> tuple[object, ...]:
+    """Every count a lock moves: the cache's totals and each node's lock counters."""
+    nodes: list[tuple[object, int, bytes, int, int]] = []
+    for ns in (None, "b"):
+        stack = [cache.match([], namespace=ns).node]
+        while stack:
+            n = stack.pop()
+            nodes.append((ns, n.depth, n.key, n.kv_lock, n.snap_lock))
+            stack.extend(n.children.values())
+    totals = (cache.protected_kv_tokens, cache.evictable_kv_tokens, cache.protected_snapshots)
+    return totals, sorted(nodes, key=repr)
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ([1, 2], [1, 2, 3, 4]),  # down the path: a checkpoint's hold moving to its new snapshot
+        ([1, 2, 3, 4], [1, 2]),  # up the path
+        ([1, 2, 3, 4], [1, 2, 5, 6]),  # across a branch
+        ([1, 2], [1, 2]),  # onto itself
+        ([1, 2, 3, 4], [9, 9]),  # no common node but the root
+        ([1, 2, 3, 4], None),  # into another namespace's tree: no common node at all
+    ],
+)
+@pytest.mark.parametrize("holders", [1, 2])  # a second holder keeps ``old``'s path locked
+def test_relock_leaves_what_lock_then_unlock_leaves(old: list[int], new: list[int] | None, holders: int) -> None:
+    states = []
+    for moved in (False, True):
+        cache, _ = make_cache()
+        for key in ([1, 2], [1, 2, 3, 4], [1, 2, 5, 6], [9, 9]):
+            insert_with_state(cache, key)
+        insert_with_state(cache, [7, 7], namespace="b")
+        a = cache.match(old).node
+        b = cache.match([7, 7], namespace="b").node if new is None else cache.match(new).node
+        for _ in range(holders):
+            cache.lock(a)
+        cache.match(old)  # touched while locked: only the release queues it for eviction again
+        if moved:
+            cache.relock(a, b)
+        else:
+            cache.lock(b)
+            cache.unlock(a)
+        cache.check_invariants()
+        states.append(_lock_state(cache))
+        if holders == 1:  # what the move let go is evictable now, and found by eviction
+            assert cache.evict(kv_tokens=100, snapshots=100).snapshots >= 1 or a is b
+            cache.check_invariants()
+            states.append(_lock_state(cache))
+        else:
+            cache.unlock(a)
+        cache.unlock(b)
+        cache.check_invariants()
+        assert cache.protected_kv_tokens == 0
+        cache.evict(kv_tokens=100, snapshots=100)
+        assert cache.num_snapshots == cache.total_kv_tokens == 0
+    half = len(states) // 2
+    assert states[:half] == states[half:]
+
+
+def test_relock_refuses_what_lock_and_unlock_refuse_and_changes_nothing() -> None:
+    cache, _ = make_cache()
+    insert_with_state(cache, [1, 2, 3])
+    insert_with_state(cache, [1, 2, 4])
+    held = cache.match([1, 2, 3]).node
+    inner = held.parent
+    assert isinstance(inner, TreeNode)
+    other, _ = make_cache()
+    foreign = insert_with_state(other, [1, 2]).node
+    cache.lock(held)
+    before = _lock_state(cache)
+    with pytest.raises(ValueError, match="no snapshot"):
+        cache.relock(held, inner)
+    with pytest.raises(RuntimeError, match="holds no lock"):
+        cache.relock(cache.match([1, 2, 4]).node, held)
+    with pytest.raises(ForeignObjectError):
+        cache.relock(held, foreign)
+    with pytest.raises(TypeError):
+        cache.relock(held, "node")  # type: ignore[arg-type]
+    assert _lock_state(cache) == before
+    cache.check_invariants()
+    keep = cache.match([1, 2, 4]).node
+    cache.relock(held, keep)
+    assert cache.evict(kv_tokens=100, snapshots=100).snapshots == 1  # held's leaf goes whole
+    before = _lock_state(cache)
+    with pytest.raises(ValueError, match="evicted"):
+        cache.relock(keep, held)
+    assert _lock_state(cache) == before
+    cache.check_invariants()
 
 
 def test_lock_requires_a_snapshot_node() -> None:

@@ -164,6 +164,22 @@ class TreeMachine(RuleBasedStateMachine):
         self.cache.unlock(node)
         self.locks[prefix] -= 1
 
+    @precondition(lambda self: bool(self.locked_nodes))
+    @rule(data=st.data(), key=keys, ns=st.sampled_from(NAMESPACES))
+    def relock(self, data: st.DataObject, key: list[int], ns: Hashable) -> None:
+        """A held lock moves to what a match returns (a request's hold following its newest
+        snapshot): the invariants check every count lock then unlock would have left."""
+        res = self.cache.match(key, namespace=ns, touch=False)
+        if res.cached_length == 0:
+            return
+        i = data.draw(st.integers(0, len(self.locked_nodes) - 1))
+        prefix, node = self.locked_nodes[i]
+        self.cache.relock(node, res.node)
+        self.locks[prefix] -= 1
+        moved = (ns, self.cut(key)[: res.cached_length])
+        self.locks[moved] += 1
+        self.locked_nodes[i] = (moved, res.node)
+
     @rule(kv_tokens=st.integers(0, 12), snapshots=st.integers(0, 4))
     def evict(self, kv_tokens: int, snapshots: int) -> None:
         before_kv = self.cache.evictable_kv_tokens

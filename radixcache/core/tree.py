@@ -954,6 +954,62 @@ class HybridRadixCache:
             self._evictable_kv += moved
             self._protected_kv -= moved
 
+    def relock(self, old: TreeNode, new: TreeNode) -> None:
+        """Move one lock from ``old`` to ``new``: the same as :meth:`lock` of ``new`` then
+        :meth:`unlock` of ``old``, walking only the nodes where their paths differ (a request's
+        lock moving down to its newest snapshot touches the nodes below the old one, not the
+        path above it twice). O(nodes between the two and their deepest common ancestor).
+
+        :raises ValueError: ``new`` was removed or holds no snapshot. :raises LockError: ``old``
+            is not locked. :raises ForeignObjectError: either is another cache's. Nothing changed.
+        """
+        self._own(old)
+        self._own(new)
+        if new.parent is None and new.depth > 0:
+            raise ValueError(f"node {new.id} was evicted; it cannot be locked")
+        if new.snapshot is None and new.host is None and new.depth > 0:
+            raise ValueError(f"node {new.id} at depth {new.depth} holds no snapshot; lock a node match returned")
+        if old.snap_lock <= 0:
+            raise LockError(f"unlock of node {old.id} at depth {old.depth}, which holds no lock")
+        if old is new:
+            return
+        # the snapshot locks, as lock(new) then unlock(old) move them
+        if new.snap_lock == 0 and new.snapshot is not None:
+            self._protected_snapshots += 1
+        if new.snap_lock == 0 and new.host is not None:
+            self._protected_host += 1
+        new.snap_lock += 1
+        old.snap_lock -= 1
+        if old.snap_lock == 0 and old.snapshot is not None:
+            self._protected_snapshots -= 1
+            self._snap_heap.push(old.last_access, old)
+        if old.snap_lock == 0 and old.host is not None:
+            self._protected_host -= 1
+            self._host_heap.push(old.last_access, old)
+        # The path locks: up from both ends to their deepest common ancestor (None across two
+        # namespaces' trees), each step from the deeper end (a parent is always shallower). Above
+        # it lock and unlock would cancel out; locked there by ``old``, nothing would change state.
+        gained = lost = 0  # KV that becomes protected / evictable, in key bytes
+        a: TreeNode | None = new
+        b: TreeNode | None = old
+        while a is not b:
+            if b is None or (a is not None and a.depth >= b.depth):
+                assert a is not None
+                if a.kv_lock == 0:
+                    gained += len(a.key)
+                a.kv_lock += 1
+                a = a.parent
+            else:
+                b.kv_lock -= 1
+                if b.kv_lock == 0 and b.depth > 0:
+                    lost += len(b.key)
+                    if not b.children:
+                        self._kv_heap.push(b.last_access, b)
+                b = b.parent
+        moved = (gained - lost) // TOKEN_BYTES
+        self._evictable_kv -= moved
+        self._protected_kv += moved
+
     # --------------------------------------------------------------- eviction
     def evict(self, *, kv_tokens: int = 0, snapshots: int = 0) -> EvictResult:
         """Free at least ``kv_tokens`` KV tokens and ``snapshots`` snapshots, least recently used

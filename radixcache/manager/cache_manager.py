@@ -834,8 +834,7 @@ class CacheManager:
         if res.snapshot_created and self.forensics is not None:
             self._record_donation(f"shared:{got.publisher}", node, key)
         hit = MatchResult(d, max(d, m.token_length), self.cache.kv_indices(node), node, node.snapshot)
-        self.cache.lock(node)  # the lock moves last: the caller's undo unlocks the node it was told of
-        self.cache.unlock(m.node)
+        self.cache.relock(m.node, node)  # the lock moves last: the caller's undo unlocks the node it was told of
         shared.counted_hit(got, d - m.cached_length)
         # The tree's clone reads ``live`` after the copy: the host's first forward, which waits the
         # admission's fence alone, must wait the clone too, or it writes the slot before the clone
@@ -1554,8 +1553,7 @@ class CacheManager:
         else:
             self._counters.donations_skipped[SkipReason.HELD.value] += 1
         if node.depth > rec.lock.depth:
-            self.cache.lock(node)
-            self.cache.unlock(rec.lock)
+            self.cache.relock(rec.lock, node)
             rec.lock = node
         rec.kv_held = max(rec.kv_held, depth)
         if rec.kv_full is not None:  # the tree's pages, then the request's own and its reservation
@@ -1719,6 +1717,17 @@ class CacheManager:
             Nothing changed.
         """
         self.cache.unlock(node)
+
+    @_exclusive
+    def relock(self, old: TreeNode, new: TreeNode) -> None:
+        """Move one lock from ``old`` to ``new`` (:meth:`lock` of ``new``, then :meth:`unlock` of
+        ``old``, in one walk: a request's hold moving to the snapshot its checkpoint filed), as
+        :meth:`HybridRadixCache.relock`.
+
+        :raises ValueError: ``new`` was evicted or holds no snapshot. :raises LockError: ``old`` is
+            not locked. :raises ForeignObjectError: another tree's node. Nothing changed.
+        """
+        self.cache.relock(old, new)
 
     @_exclusive
     def kv_prefix(self, cache_ids: KeyLike, *, namespace: Hashable = None) -> torch.Tensor:
