@@ -54,6 +54,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     InsertResult,
     MatchPrefixParams,
     MatchResult,
+    TreeLock,
     _dfs_weight_order,
 )
 from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
@@ -65,6 +66,7 @@ from ..core.keys import CacheKey
 from ..core.policy import DonationReason, Policy
 from ..core.tree import HybridRadixCache, TreeNode
 from ..manager.cache_manager import CacheManager
+from ..manager.metrics import SkipReason
 from ..policies import HitDensity, RequestInfo
 
 __all__ = ["RadixcacheHybridCache", "SGLangSlots", "sglang_state_pool"]
@@ -276,21 +278,19 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
             forensics=forensics,
         )
         self.policy = self.manager.policy
-        self.stats = {
-            "admissions": 0,
-            "hit_tokens": 0,
-            "restores": 0,
-            "host_restores": 0,
-            "donations": 0,
-            "skipped_donations": 0,
-        }
-        """Counters: admissions (matches with copy-on-write), hit tokens they served, restores
-        (of which from the host tier), donations (snapshots cloned), donations skipped for want of
-        a slot."""
+        self._stats = dict.fromkeys(("admissions", "hit_tokens", "restores", "host_restores", "donations"), 0)
         # Requests the policy heard of (admitted() once per request, however often it is matched).
         self._admitted: OrderedDict[Hashable, None] = OrderedDict()
         if getattr(params, "enable_metrics", False):  # SGLang's --enable-metrics
             self.init_metrics_collector()  # SGLang's radix-cache collector: evictions, load-backs
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """The backend's counters, as of now (a new dict per read): admissions (matches with
+        copy-on-write), hit tokens they served, restores (of which from the host tier), donations
+        (snapshots cloned), donations skipped for want of a slot (the manager's count)."""
+        skipped = self.manager.metrics().donations_skipped[SkipReason.NO_SLOT.value]
+        return {**self._stats, "skipped_donations": skipped}
 
     @classmethod
     def from_build_context(cls, ctx: Any) -> RadixcacheHybridCache:
@@ -359,7 +359,7 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         admission = bool(params.cow_mamba) and req is not None
         info = None  # what the policy hears of this admission: computed once, for both calls
         if admission:
-            self.stats["admissions"] += 1
+            self._stats["admissions"] += 1
             if req.rid not in self._admitted:  # a request the scheduler could not add is matched again
                 self._admitted[req.rid] = None
                 if len(self._admitted) > _ADMITTED_MEMORY:
@@ -372,7 +372,7 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         if admission:
             if not self._restore_into(req, node, full, m.cached_length, info):
                 return self._miss(ns)
-            self.stats["hit_tokens"] += m.cached_length
+            self._stats["hit_tokens"] += m.cached_length
         n = m.cached_length
         return MatchResult(n, node, node, node, cache_protected_len=n, full_kv_hit_length=n)
 
@@ -402,13 +402,16 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         kv = req.kv
         mgr = self.manager
         if not kv.holds_mamba:
-            mgr.make_room(keep=node)  # the hit survives the eviction that makes room
-            got = self.req_to_token_pool.mamba_allocator.alloc(1)
+            alloc = self.req_to_token_pool.mamba_allocator.alloc
+            got = alloc(1)
+            if got is None:  # none free: one snapshot goes through the policy, the hit kept
+                mgr.make_room(keep=node)
+                got = alloc(1)
             if got is None:
                 return False
             kv.mamba_pool_idx = got.reshape(-1)[0]
         if node.snapshot is None:
-            self.stats["host_restores"] += 1
+            self._stats["host_restores"] += 1
             if self.metrics_collector is not None:  # a hit of `hit` tokens served from host memory
                 self.metrics_collector.increment_load_back_num_tokens(hit, "mamba")
         if info is None:
@@ -421,7 +424,7 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
             self.state_pool.reclaim(slot, owner)
         kv.mamba_cow_src_index = None
         kv.mamba_needs_clear = False
-        self.stats["restores"] += 1
+        self._stats["restores"] += 1
         return True
 
     def insert(self, params: InsertParams) -> InsertResult:
@@ -451,9 +454,9 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         ``known`` indices are the tree's own (SGLang's contract: not compared)."""
         kv = kv.to(torch.int64).cpu()
         mgr = self.manager
-        if slot is not None and not mgr.make_room():
-            self.stats["skipped_donations"] += 1
-            slot = None
+        # NOTE: no make_room first: a clone that finds no slot makes the manager evict one snapshot
+        # through the policy, or file the KV alone (counted as skipped for want of a slot), and a
+        # donation the tree already holds takes no slot, so evicts nothing
         if slot is None:
             return mgr.checkpoint(ids, kv, namespace=ns, known_prefix=known)
         reason = DonationReason.FINISH if req is not None and req.finished() else DonationReason.CAPTURE
@@ -466,7 +469,7 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         finally:  # SGLang's slot again, whatever happened
             self.state_pool.reclaim(s, owner)
         if res.snapshot_created:
-            self.stats["donations"] += 1
+            self._stats["donations"] += 1
         return res
 
     def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
@@ -515,8 +518,12 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
             # freed first (they may be a view of the row): the row names the tree's KV from here on
             _write_row(row, tree_kv, prot, depth)
         # else the tree adopted the row's own indices for [prot, depth): the row already names them
-        self.unlock(req.lock)
-        req.lock = self.lock(node)
+        old = req.lock
+        if old is None:
+            req.lock = self.lock(node)
+        else:  # SGLang's unlock then lock, in one walk of the paths where the two nodes differ
+            self.manager.relock(old.node, node)
+            req.lock = TreeLock(node, _locked(node).to_dec_params())
         kvr.cache_protected_len = depth
         req.last_node = node
 
@@ -567,7 +574,7 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
     def inc_lock_ref(self, node: Any) -> IncLockRefResult:
         """Lock ``node`` (its snapshot and its path's KV)."""
         self.manager.lock(node)
-        return IncLockRefResult(delta=0, node_id=node.id)
+        return _locked(node)
 
     def dec_lock_ref(self, node: Any, params: DecLockRefParams | None = None) -> DecLockRefResult:
         """Undo one :meth:`inc_lock_ref` of ``node``."""
@@ -673,3 +680,8 @@ def _write_row(row: torch.Tensor, kv: torch.Tensor, start: int, end: int) -> Non
 def _session(req: Any) -> Hashable | None:
     """The conversation SGLang says ``req`` continues (its ``session_id``), if any."""
     return getattr(req, "session_id", None) if req is not None else None
+
+
+def _locked(node: TreeNode) -> IncLockRefResult:
+    """SGLang's receipt of a lock on ``node`` (one pool of KV: nothing to replay but the node)."""
+    return IncLockRefResult(delta=0, node_id=node.id)

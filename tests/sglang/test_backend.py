@@ -263,22 +263,30 @@ def _b_admitted_before_a_files(seed: int) -> tuple[Any, Any, Any]:
     return env, a, b
 
 
-def test_a_skipped_donation_over_another_requests_prefix_frees_each_duplicate_once(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_skipped_donation_over_another_requests_prefix_frees_each_duplicate_once() -> None:
     """Request b computed a prefix request a filed first (b was admitted before a's checkpoints).
-    b's first checkpoint (64 tokens) finds no slot for its clone, so the tree files no snapshot and
+    b's first checkpoint (64 tokens) finds no slot for its clone (SGLang's allocator has none and
+    every snapshot is held, so none can be evicted), so the tree files no snapshot and
     the deepest snapshot it reaches is a's at 48: b's KV for [0, 48) are duplicates freed now and
     the row takes the tree's; b's [48, 64) stay b's (freed when b's later checkpoint or release
     replaces them). Freeing those here too would free them twice: SGLang's idle accounting fails."""
     env, a, b = _b_admitted_before_a_files(0)
-    while H.step(env, a, 48):  # a files snapshots at 48, 96, 144 and finishes
+    while H.step(env, a, 48):  # a files snapshots at 48, 96, 144 and its final state
         pass
     skipped = env.cache.stats["skipped_donations"]
-    with monkeypatch.context() as m:
-        m.setattr(env.cache.manager, "make_room", lambda *args, **kwargs: False)
-        assert H.step(env, b, 64)
+    tree, mgr, alloc = env.cache.tree, env.cache.manager, env.rtp.mamba_allocator
+    held = list(tree.snapshots_below(tree.match([]).node, through=lambda n: True))
+    assert sorted(n.depth for n in held)[:3] == [48, 96, 144]  # and a's final state
+    for n in held:
+        mgr.lock(n)
+    taken = alloc.alloc(alloc.available_size())
+    assert alloc.available_size() == 0
+    assert H.step(env, b, 64)
+    alloc.free(taken)
+    for n in held:
+        mgr.unlock(n)
     assert env.cache.stats["skipped_donations"] == skipped + 1
+    assert tree.num_snapshots == len(held)  # nothing was evicted for the clone that could not be made
     assert int(b.req.kv.cache_protected_len) == 48  # moved onto a's snapshot, not past it
     while H.step(env, b, 64):
         pass
