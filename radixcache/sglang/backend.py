@@ -278,19 +278,16 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
             forensics=forensics,
         )
         self.policy = self.manager.policy
-        self._stats = dict.fromkeys(("admissions", "hit_tokens", "restores", "host_restores", "donations"), 0)
+        self.stats = dict.fromkeys(
+            ("admissions", "hit_tokens", "restores", "host_restores", "donations", "skipped_donations"), 0
+        )
+        """Counters, kept current (hold the dict and read it later): admissions (matches with
+        copy-on-write), hit tokens they served, restores (of which from the host tier), donations
+        (snapshots cloned), donations skipped for want of a slot (the manager's count)."""
         # Requests the policy heard of (admitted() once per request, however often it is matched).
         self._admitted: OrderedDict[Hashable, None] = OrderedDict()
         if getattr(params, "enable_metrics", False):  # SGLang's --enable-metrics
             self.init_metrics_collector()  # SGLang's radix-cache collector: evictions, load-backs
-
-    @property
-    def stats(self) -> dict[str, int]:
-        """The backend's counters, as of now (a new dict per read): admissions (matches with
-        copy-on-write), hit tokens they served, restores (of which from the host tier), donations
-        (snapshots cloned), donations skipped for want of a slot (the manager's count)."""
-        skipped = self.manager.metrics().donations_skipped[SkipReason.NO_SLOT.value]
-        return {**self._stats, "skipped_donations": skipped}
 
     @classmethod
     def from_build_context(cls, ctx: Any) -> RadixcacheHybridCache:
@@ -359,7 +356,7 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         admission = bool(params.cow_mamba) and req is not None
         info = None  # what the policy hears of this admission: computed once, for both calls
         if admission:
-            self._stats["admissions"] += 1
+            self.stats["admissions"] += 1
             if req.rid not in self._admitted:  # a request the scheduler could not add is matched again
                 self._admitted[req.rid] = None
                 if len(self._admitted) > _ADMITTED_MEMORY:
@@ -372,7 +369,7 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         if admission:
             if not self._restore_into(req, node, full, m.cached_length, info):
                 return self._miss(ns)
-            self._stats["hit_tokens"] += m.cached_length
+            self.stats["hit_tokens"] += m.cached_length
         n = m.cached_length
         return MatchResult(n, node, node, node, cache_protected_len=n, full_kv_hit_length=n)
 
@@ -411,7 +408,7 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
                 return False
             kv.mamba_pool_idx = got.reshape(-1)[0]
         if node.snapshot is None:
-            self._stats["host_restores"] += 1
+            self.stats["host_restores"] += 1
             if self.metrics_collector is not None:  # a hit of `hit` tokens served from host memory
                 self.metrics_collector.increment_load_back_num_tokens(hit, "mamba")
         if info is None:
@@ -424,7 +421,7 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
             self.state_pool.reclaim(slot, owner)
         kv.mamba_cow_src_index = None
         kv.mamba_needs_clear = False
-        self._stats["restores"] += 1
+        self.stats["restores"] += 1
         return True
 
     def insert(self, params: InsertParams) -> InsertResult:
@@ -469,7 +466,9 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         finally:  # SGLang's slot again, whatever happened
             self.state_pool.reclaim(s, owner)
         if res.snapshot_created:
-            self._stats["donations"] += 1
+            self.stats["donations"] += 1
+        else:  # held already, or no slot even after an eviction: the manager counted which
+            self.stats["skipped_donations"] = mgr.metrics().donations_skipped[SkipReason.NO_SLOT.value]
         return res
 
     def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
