@@ -4,6 +4,9 @@
    the clone of the same slot, interleaved.
 2. The hammer's serving throughput (requests per second, ground truth off) with forensics off
    and on, alternating runs.
+3. The CPU fingerprint's two paths on the same slots, interleaved: torch's sums (the reference)
+   and numpy's (what ``auto`` takes up to ``NUMPY_MAX_SLOT_BYTES``), from a 576-byte slot (the
+   SGLang harness's) to 16 MB, with the value checked equal.
 
     python benchmarks/bench_forensics.py [--reps 20] [--requests 300] [--rounds 2] [--quick]
 """
@@ -17,7 +20,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from linear_state import LinearStatePool, NodeOwner, RequestOwner, StateLayout
+from linear_state.fingerprint import NUMPY_MAX_SLOT_BYTES, SlotHasher
 from radixcache.testing.hammer import HammerConfig, run_hammer
 from radixcache.testing.model import HybridConfig, HybridModel
 
@@ -49,6 +55,35 @@ def slot_costs(reps: int, layers: int) -> dict[str, float]:
     }
 
 
+def fingerprint_paths(reps: int, sizes: list[int]) -> dict[str, object]:
+    """Median µs of a fingerprint by each CPU path, per slot size (bytes, float32 states over 4
+    layers in two tensors), the two interleaved on the same slot; the values must agree."""
+    rows: list[dict[str, float]] = []
+    for size in sizes:
+        words = max(1, size // 4 // 4 // 2)  # float32 elements per layer row of each tensor
+        tensors = [torch.randn(4, 3, words), torch.randn(4, 3, words)]
+        paths = {k: SlotHasher(tensors, kernel=k) for k in ("torch", "numpy")}
+        took: dict[str, list[float]] = {k: [] for k in paths}
+        n = max(5, min(2000, (reps * 100 * 65536) // max(size, 1)))
+        for i in range(n + 2):
+            for k, h in paths.items():
+                t0 = time.perf_counter()
+                fp = h.fingerprint(1)
+                if i >= 2:
+                    took[k].append(time.perf_counter() - t0)
+                assert fp == paths["torch"].fingerprint(1), f"the {k} path disagrees at {size} bytes"
+        t, p = statistics.median(took["torch"]), statistics.median(took["numpy"])
+        rows.append(
+            {
+                "slot_bytes": 2 * 4 * words * 4,
+                "torch_us": round(t * 1e6, 1),
+                "numpy_us": round(p * 1e6, 1),
+                "numpy_over_torch": round(p / t, 3),
+            }
+        )
+    return {"fingerprint_paths": rows, "numpy_max_slot_bytes": NUMPY_MAX_SLOT_BYTES}
+
+
 def hammer_throughput(requests: int, rounds: int) -> dict[str, float]:
     model = HybridModel(HybridConfig())
     off: list[float] = []
@@ -76,9 +111,14 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smoke size for CI")
     args = ap.parse_args()
     if args.quick:
-        out = {**slot_costs(2, 4), **hammer_throughput(20, 1)}
+        out = {**slot_costs(2, 4), **fingerprint_paths(1, [576, 1 << 16]), **hammer_throughput(20, 1)}
     else:
-        out = {**slot_costs(args.reps, 36), **hammer_throughput(args.requests, args.rounds)}
+        sizes = [576, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24]
+        out = {
+            **slot_costs(args.reps, 36),
+            **fingerprint_paths(args.reps, sizes),
+            **hammer_throughput(args.requests, args.rounds),
+        }
     print(json.dumps({"bench": "forensics", **out}, indent=2))
 
 

@@ -30,7 +30,7 @@ import torch
 
 from .fingerprint_triton import DEFAULT_CHUNK, TritonFingerprint, available, word_dtype, word_rows
 
-__all__ = ["BLOCK", "Fingerprint", "SlotHasher", "WORD_WEIGHT_SEED"]
+__all__ = ["BLOCK", "NUMPY_MAX_SLOT_BYTES", "Fingerprint", "SlotHasher", "WORD_WEIGHT_SEED"]
 
 Fingerprint = int
 """A 64-bit fingerprint, as a non-negative Python int."""
@@ -38,6 +38,12 @@ Fingerprint = int
 WORD_WEIGHT_SEED = 0x5EED_F1A9
 BLOCK = 64  # words per block: 512 bytes, an inner reduction that runs at memory speed
 _MASK = (1 << 64) - 1
+NUMPY_MAX_SLOT_BYTES = 1 << 18
+"""CPU slots up to this size (256 KiB) are summed through numpy views made once (the ``"numpy"``
+path): no torch dispatch per tensor, and no wait for torch's intra-op threads, which a busy host
+keeps from running (see :class:`SlotHasher`). Larger slots take torch's parallel sums, faster from
+about 1 MiB on (``benchmarks/bench_forensics.py``: numpy 0.39x torch's time at 576 bytes, 0.78x at
+256 KiB, 1.8x at 1 MiB on an idle 2-core CPU)."""
 
 # NOTE: a weight per word (sum_j r[j] * words[j], as an earlier version did) needs a 64-bit
 # multiply per word. On a CPU that ran single-core bound (numpy einsum, ~24 GB/s per core) and its
@@ -75,17 +81,21 @@ class SlotHasher:
     ) -> None:
         """:param kernel: ``"torch"`` (the reference: ``torch.sum`` per tensor, then the weighted
             sum), ``"triton"`` (:mod:`linear_state.fingerprint_triton`'s fused kernel: the same
-            value bit for bit) or ``"auto"`` (Triton on CUDA when it imports and every tensor's
-            slot rows are contiguous, the torch path otherwise).
+            value bit for bit), ``"numpy"`` (CPU tensors: the same sums through numpy views of the
+            tensors made here, the same value bit for bit) or ``"auto"`` (Triton on CUDA when it
+            imports and every tensor's slot rows are contiguous; numpy on the CPU for slots of at
+            most :data:`NUMPY_MAX_SLOT_BYTES` whose tensors are contiguous; the torch path
+            otherwise).
         :param triton_chunk: blocks each program of the fused kernel reads (a power of two).
         :raises ValueError: no tensors; an unknown ``kernel``; a ``triton_chunk`` that is not a power
             of two; ``"triton"`` where Triton does not
-            import or a tensor's slot rows are not contiguous (a transposed layout).
+            import or a tensor's slot rows are not contiguous (a transposed layout); ``"numpy"``
+            for a tensor that is not a contiguous CPU tensor.
         """
         if not tensors:
             raise ValueError("SlotHasher needs at least one tensor")
-        if kernel not in ("auto", "torch", "triton"):
-            raise ValueError(f"kernel must be 'auto', 'torch' or 'triton', got {kernel!r}")
+        if kernel not in ("auto", "torch", "triton", "numpy"):
+            raise ValueError(f"kernel must be 'auto', 'torch', 'triton' or 'numpy', got {kernel!r}")
         chunk_ok = type(triton_chunk) is int and triton_chunk >= 1 and not triton_chunk & (triton_chunk - 1)
         if not chunk_ok:
             raise ValueError(f"triton_chunk must be a power of two >= 1, got {triton_chunk!r}")
@@ -112,11 +122,24 @@ class SlotHasher:
                 self._fused = TritonFingerprint(tensors, self._m, BLOCK, triton_chunk)
             elif kernel == "triton":
                 raise ValueError(f"kernel='triton' cannot serve these tensors: {why}")
+        # NOTE: numpy for small CPU slots: a torch.sum per tensor costs ~5 us of dispatch, and on a
+        # host whose cores are busy its intra-op threads were measured waiting milliseconds for a
+        # core (benchmarks/bench_forensics.py); numpy sums on the calling thread.
+        self._np_words: list[np.ndarray] | None = None
+        if kernel == "numpy" or (kernel == "auto" and on_cpu):
+            views = [_numpy_words(t) for t in tensors]
+            slot_bytes = sum(t[:, 0].numel() * t.element_size() for t in tensors if t.shape[1])
+            if all(v is not None for v in views) and (kernel == "numpy" or slot_bytes <= NUMPY_MAX_SLOT_BYTES):
+                self._np_words = [v for v in views if v is not None]
+            elif kernel == "numpy":
+                raise ValueError("kernel='numpy' needs contiguous CPU tensors of at least one slot")
 
     @property
     def kernel(self) -> str:
-        """The path :meth:`fingerprint` takes: ``"triton"`` or ``"torch"``."""
-        return "torch" if self._fused is None else "triton"
+        """The path :meth:`fingerprint` takes: ``"triton"``, ``"numpy"`` or ``"torch"``."""
+        if self._fused is not None:
+            return "triton"
+        return "torch" if self._np_words is None else "numpy"
 
     def fingerprint(self, slot: int) -> Fingerprint:
         """Fingerprint of ``slot`` across all tensors and layers.
@@ -126,7 +149,10 @@ class SlotHasher:
         """
         if self._fused is not None:
             return self._fused.fingerprint(slot)
-        self._block_sums(slot)
+        if self._np_words is not None:
+            self._block_sums_numpy(slot)
+        else:
+            self._block_sums(slot)
         if self._m_np is not None and self._sums_np is not None:
             # numpy wraps int64 products and sums modulo 2**64 by definition
             return int(np.einsum("lb,lb->", self._sums_np, self._m_np)) & _MASK
@@ -151,6 +177,38 @@ class SlotHasher:
                 torch.sum(words[:, full * BLOCK :], dim=1, out=out[:, full])
             row += layers
 
+    def _block_sums_numpy(self, slot: int) -> None:
+        """:meth:`_block_sums` through the numpy views: the same words, the same sums (int64
+        addition wraps modulo 2**64 in numpy as in torch)."""
+        assert self._np_words is not None and self._sums_np is not None
+        row = 0
+        for w in self._np_words:
+            words = w[:, slot]
+            layers, n = words.shape
+            full = n // BLOCK
+            out = self._sums_np[row : row + layers]
+            # dtype=int64: narrower words are widened as _words widens them (int16 and int32 keep
+            # their sign, bytes do not), without a copy
+            if full:
+                blocks = words[:, : full * BLOCK].reshape(layers, full, BLOCK)
+                np.sum(blocks, axis=2, dtype=np.int64, out=out[:, :full])
+            if full * BLOCK < n:
+                np.sum(words[:, full * BLOCK :], axis=1, dtype=np.int64, out=out[:, full])
+            row += layers
+
     def _combine_torch(self) -> Fingerprint:
         """The weighted sum of the partial sums on the device (int64 arithmetic wraps), to the host."""
         return int(torch.sum(self._sums * self._m).item()) & _MASK
+
+
+def _numpy_words(t: torch.Tensor) -> np.ndarray | None:
+    """A contiguous CPU tensor ``[L, S, ...]`` as a numpy view ``[L, S, words]`` in the words of
+    :func:`~linear_state.fingerprint_triton.word_dtype` (the rule every path cuts rows by); ``None``
+    when it is not one (another device, a strided layout, no slot)."""
+    if t.device.type != "cpu" or t.dim() < 2 or not t.is_contiguous() or t.shape[0] == 0 or t.shape[1] == 0:
+        return None
+    rows = t.reshape(t.shape[0], t.shape[1], -1)
+    try:
+        return rows.view(word_dtype(rows.shape[2] * rows.element_size())).numpy()
+    except (RuntimeError, TypeError):
+        return None
