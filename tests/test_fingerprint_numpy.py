@@ -14,16 +14,7 @@ import torch
 from linear_state import LinearStatePool, StateLayout
 from linear_state.fingerprint import NUMPY_MAX_SLOT_BYTES, SlotHasher
 
-
-def _random_tensors(layout: StateLayout, slots: int, seed: int) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for shape, dtype in ((layout.conv_shape, layout.conv_dtype), (layout.recurrent_shape, layout.recurrent_dtype)):
-        t = torch.empty(layout.num_layers, slots, *shape, dtype=dtype)
-        raw = t.view(torch.uint8)
-        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
-        out.append(t)
-    return out
+from .random_slots import random_pool
 
 
 def _same(tensors: list[torch.Tensor], slots: range) -> None:
@@ -42,7 +33,7 @@ def test_the_numpy_path_equals_the_torch_path_on_every_family_layout() -> None:
     assert len(FAMILIES) >= 13
     for i, fam in enumerate(FAMILIES):
         layout = StateLayout.from_hf_config(real_config(fam))
-        _same(_random_tensors(layout, 2, i), range(2))
+        _same(random_pool(layout, 2, i), range(2))
 
 
 @pytest.mark.parametrize(
@@ -60,11 +51,11 @@ def test_short_blocks_and_narrow_rows_give_the_same_value(
     conv: tuple[int, ...], rec: tuple[int, ...], conv_dtype: torch.dtype
 ) -> None:
     layout = StateLayout(3, conv, rec, conv_dtype=conv_dtype)
-    _same(_random_tensors(layout, 5, 7), range(5))
+    _same(random_pool(layout, 5, 7), range(5))
 
 
 def test_a_changed_element_changes_the_numpy_fingerprint_in_any_slot_row() -> None:
-    tensors = _random_tensors(StateLayout(2, (24, 3), (2, 8, 4)), 4, 3)
+    tensors = random_pool(StateLayout(2, (24, 3), (2, 8, 4)), 4, 3)
     h = SlotHasher(tensors, kernel="numpy")
     before = [h.fingerprint(s) for s in range(4)]
     tensors[1][1, 2, 1, 7, 3] += 1.0  # layer 1 of slot 2's recurrent state, its last element
@@ -73,7 +64,7 @@ def test_a_changed_element_changes_the_numpy_fingerprint_in_any_slot_row() -> No
 
 
 def test_auto_takes_numpy_for_small_cpu_slots_and_torch_otherwise() -> None:
-    small = _random_tensors(StateLayout(2, (24, 3), (2, 8, 4)), 3, 1)
+    small = random_pool(StateLayout(2, (24, 3), (2, 8, 4)), 3, 1)
     assert SlotHasher(small).kernel == "numpy"
     pool = LinearStatePool(StateLayout(2, (24, 3), (2, 8, 4)), 3)
     for t in (pool.conv, pool.recurrent):
@@ -84,7 +75,7 @@ def test_auto_takes_numpy_for_small_cpu_slots_and_torch_otherwise() -> None:
     words = NUMPY_MAX_SLOT_BYTES // 4 // 2 + 1  # float32 rows of two layers: one byte over the limit
     big = [torch.zeros(2, 2, words)]
     assert SlotHasher(big).kernel == "torch"
-    strided = [t.transpose(2, 3) for t in _random_tensors(StateLayout(2, (4, 3), (2, 8, 4)), 3, 2)]
+    strided = [t.transpose(2, 3) for t in random_pool(StateLayout(2, (4, 3), (2, 8, 4)), 3, 2)]
     assert SlotHasher(strided).kernel == "torch"  # not contiguous: the torch path
     _same([t.contiguous() for t in strided], range(3))
     with pytest.raises(ValueError, match="contiguous CPU tensors"):
@@ -95,7 +86,7 @@ def test_auto_takes_numpy_for_small_cpu_slots_and_torch_otherwise() -> None:
 
 def test_a_view_of_a_larger_tensor_with_a_reserved_first_slot_hashes_as_torch_does() -> None:
     """SGLang's pools: a slot axis with a reserved slot 0, the state a view of a bigger buffer."""
-    base = _random_tensors(StateLayout(4, (24, 3), (2, 8, 4)), 12, 5)
+    base = random_pool(StateLayout(4, (24, 3), (2, 8, 4)), 12, 5)
     views = [t[:, 1:] for t in base]  # not contiguous as a whole: torch path under auto
     assert SlotHasher(views).kernel == "torch"
     _same(base, range(12))

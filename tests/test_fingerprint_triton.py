@@ -27,15 +27,7 @@ import json, torch
 from linear_state import StateLayout
 from linear_state.fingerprint import SlotHasher
 
-def random_pool(layout, slots, seed):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for shape, dtype in ((layout.conv_shape, layout.conv_dtype), (layout.recurrent_shape, layout.recurrent_dtype)):
-        t = torch.empty(layout.num_layers, slots, *shape, dtype=dtype)
-        raw = t.view(torch.uint8)
-        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
-        out.append(t)
-    return out
+from tests.random_slots import random_pool
 
 def compare(tensors, chunk, slots):
     ref = SlotHasher(tensors, kernel="torch")

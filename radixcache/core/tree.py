@@ -900,15 +900,8 @@ class HybridRadixCache:
         :raises ForeignObjectError: ``node`` is another cache's.
         """
         self._own(node)
-        if node.parent is None and node.depth > 0:
-            raise ValueError(f"node {node.id} was evicted; it cannot be locked")
-        if node.snapshot is None and node.host is None and node.depth > 0:
-            raise ValueError(f"node {node.id} at depth {node.depth} holds no snapshot; lock a node match returned")
-        if node.snap_lock == 0 and node.snapshot is not None:
-            self._protected_snapshots += 1
-        if node.snap_lock == 0 and node.host is not None:
-            self._protected_host += 1
-        node.snap_lock += 1
+        _check_lockable(node)
+        self._hold(node)
         # the path's KV that becomes protected, in key bytes (a root's key is empty); NOTE: summed
         # here and moved once: this walk runs at every lock (SGLang scheduler benchmark)
         moved = 0
@@ -931,23 +924,12 @@ class HybridRadixCache:
         :raises ForeignObjectError: ``node`` is another cache's.
         """
         self._own(node)
-        if node.snap_lock <= 0:
-            raise LockError(f"unlock of node {node.id} at depth {node.depth}, which holds no lock")
-        node.snap_lock -= 1
-        if node.snap_lock == 0 and node.snapshot is not None:
-            self._protected_snapshots -= 1
-            self._snap_heap.push(node.last_access, node)
-        if node.snap_lock == 0 and node.host is not None:
-            self._protected_host -= 1
-            self._host_heap.push(node.last_access, node)
+        _check_locked(node)
+        self._let_go(node)
         moved = 0  # the path's KV no longer protected, in key bytes (as in lock)
         n: TreeNode | None = node
         while n is not None:
-            n.kv_lock -= 1
-            if n.kv_lock == 0 and n.depth > 0:
-                moved += len(n.key)
-                if not n.children:
-                    self._kv_heap.push(n.last_access, n)
+            moved += self._kv_let_go(n)
             n = n.parent
         if moved:
             moved //= TOKEN_BYTES
@@ -965,27 +947,12 @@ class HybridRadixCache:
         """
         self._own(old)
         self._own(new)
-        if new.parent is None and new.depth > 0:
-            raise ValueError(f"node {new.id} was evicted; it cannot be locked")
-        if new.snapshot is None and new.host is None and new.depth > 0:
-            raise ValueError(f"node {new.id} at depth {new.depth} holds no snapshot; lock a node match returned")
-        if old.snap_lock <= 0:
-            raise LockError(f"unlock of node {old.id} at depth {old.depth}, which holds no lock")
+        _check_lockable(new)
+        _check_locked(old)
         if old is new:
             return
-        # the snapshot locks, as lock(new) then unlock(old) move them
-        if new.snap_lock == 0 and new.snapshot is not None:
-            self._protected_snapshots += 1
-        if new.snap_lock == 0 and new.host is not None:
-            self._protected_host += 1
-        new.snap_lock += 1
-        old.snap_lock -= 1
-        if old.snap_lock == 0 and old.snapshot is not None:
-            self._protected_snapshots -= 1
-            self._snap_heap.push(old.last_access, old)
-        if old.snap_lock == 0 and old.host is not None:
-            self._protected_host -= 1
-            self._host_heap.push(old.last_access, old)
+        self._hold(new)  # the snapshot locks, as lock(new) then unlock(old) move them
+        self._let_go(old)
         # The path locks: up from both ends to their deepest common ancestor (None across two
         # namespaces' trees), each step from the deeper end (a parent is always shallower). Above
         # it lock and unlock would cancel out; locked there by ``old``, nothing would change state.
@@ -1000,15 +967,39 @@ class HybridRadixCache:
                 a.kv_lock += 1
                 a = a.parent
             else:
-                b.kv_lock -= 1
-                if b.kv_lock == 0 and b.depth > 0:
-                    lost += len(b.key)
-                    if not b.children:
-                        self._kv_heap.push(b.last_access, b)
+                lost += self._kv_let_go(b)
                 b = b.parent
         moved = (gained - lost) // TOKEN_BYTES
         self._evictable_kv -= moved
         self._protected_kv += moved
+
+    def _hold(self, node: TreeNode) -> None:
+        """One more lock on ``node``'s own state (its path's KV is the caller's to walk)."""
+        if node.snap_lock == 0 and node.snapshot is not None:
+            self._protected_snapshots += 1
+        if node.snap_lock == 0 and node.host is not None:
+            self._protected_host += 1
+        node.snap_lock += 1
+
+    def _let_go(self, node: TreeNode) -> None:
+        """One lock less on ``node``'s own state; the last one queues it for eviction again."""
+        node.snap_lock -= 1
+        if node.snap_lock == 0 and node.snapshot is not None:
+            self._protected_snapshots -= 1
+            self._snap_heap.push(node.last_access, node)
+        if node.snap_lock == 0 and node.host is not None:
+            self._protected_host -= 1
+            self._host_heap.push(node.last_access, node)
+
+    def _kv_let_go(self, n: TreeNode) -> int:
+        """One lock less on ``n``'s edge KV: its key bytes when that was the last (a leaf is
+        queued for eviction again), else 0."""
+        n.kv_lock -= 1
+        if n.kv_lock or n.depth == 0:
+            return 0
+        if not n.children:
+            self._kv_heap.push(n.last_access, n)
+        return len(n.key)
 
     # --------------------------------------------------------------- eviction
     def evict(self, *, kv_tokens: int = 0, snapshots: int = 0) -> EvictResult:
@@ -1371,6 +1362,20 @@ class HybridRadixCache:
             held = self.host_pool.num_owned_by(NodeOwner)
             assert held == hosts, f"host pool has {held} node-owned slots, the tree holds {hosts} host copies"
             self.host_pool.check_invariants()
+
+
+def _check_lockable(node: TreeNode) -> None:
+    """``node`` can take a lock: in the tree, and holding a state (or a root). :raises ValueError."""
+    if node.parent is None and node.depth > 0:
+        raise ValueError(f"node {node.id} was evicted; it cannot be locked")
+    if node.snapshot is None and node.host is None and node.depth > 0:
+        raise ValueError(f"node {node.id} at depth {node.depth} holds no snapshot; lock a node match returned")
+
+
+def _check_locked(node: TreeNode) -> None:
+    """``node`` holds a lock to give up. :raises LockError."""
+    if node.snap_lock <= 0:
+        raise LockError(f"unlock of node {node.id} at depth {node.depth}, which holds no lock")
 
 
 def _stops_cascade(p: TreeNode) -> bool:
