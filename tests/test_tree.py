@@ -277,6 +277,8 @@ def test_relock_refuses_what_lock_and_unlock_refuse_and_changes_nothing() -> Non
         cache.relock(held, inner)
     with pytest.raises(RuntimeError, match="holds no lock"):
         cache.relock(cache.match([1, 2, 4]).node, held)
+    with pytest.raises(RuntimeError, match="holds no lock"):  # onto itself: still a lock it must hold
+        cache.relock(cache.match([1, 2, 4]).node, cache.match([1, 2, 4]).node)
     with pytest.raises(ForeignObjectError):
         cache.relock(held, foreign)
     with pytest.raises(TypeError):

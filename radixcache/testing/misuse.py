@@ -196,6 +196,7 @@ class MisuseMachine(HostMachine):
             Misuse("evict: negative", lambda: mgr.evict(snapshots=-1)),
             Misuse("lookup: unhashable namespace", lambda: mgr.lookup([1, 2], namespace=_wrong([1]))),
             Misuse("lock: foreign node", lambda: mgr.lock(self.foreign.node)),
+            Misuse("relock: foreign nodes", lambda: mgr.relock(self.foreign.node, self.foreign.node)),
             Misuse("make_room: keep a foreign node", lambda: mgr.make_room(keep=self.foreign.node)),
             Misuse("request_info: hit beyond the ids", lambda: mgr.request_info([1, 2], 3)),
             Misuse("admitted: not a RequestInfo", lambda: mgr.admitted(_wrong("info"))),
@@ -215,6 +216,7 @@ class MisuseMachine(HostMachine):
             Misuse("tree kv_indices: foreign node", lambda: cache.kv_indices(self.foreign.node)),
             Misuse("tree touch: foreign node", lambda: cache.touch(self.foreign.node)),
             Misuse("tree lock: not a node", lambda: cache.lock(_wrong("root"))),
+            Misuse("tree relock: not nodes", lambda: cache.relock(_wrong("root"), _wrong("leaf"))),
             Misuse(
                 "tree insert: another pool's slot as donor",
                 lambda: cache.insert([4, 4], [0, 1], state_slot=self.foreign.slot),
@@ -249,8 +251,10 @@ class MisuseMachine(HostMachine):
                 Misuse("tree restore: into the snapshot itself", lambda: cache.restore(node, slot)),
                 Misuse("tree restore: into another pool's slot", lambda: cache.restore(node, self.foreign.slot)),
             ]
+            out.append(Misuse("tree relock: onto a foreign node", lambda: cache.relock(node, self.foreign.node)))
             if node.snap_lock == 0:
                 out.append(Misuse("tree unlock: not locked", lambda: cache.unlock(node)))
+                out.append(Misuse("tree relock: old not locked", lambda: cache.relock(node, node)))
         if self.active:
             rid = data.draw(st.sampled_from(self.active), label="request")
             r = self.host.reqs[rid] if hasattr(self.host, "reqs") else None
