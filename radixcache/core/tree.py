@@ -907,9 +907,7 @@ class HybridRadixCache:
         moved = 0
         n: TreeNode | None = node
         while n is not None:
-            if n.kv_lock == 0:
-                moved += len(n.key)
-            n.kv_lock += 1
+            moved += _kv_hold(n)
             n = n.parent
         if moved:
             moved //= TOKEN_BYTES
@@ -962,9 +960,7 @@ class HybridRadixCache:
         while a is not b:
             if b is None or (a is not None and a.depth >= b.depth):
                 assert a is not None
-                if a.kv_lock == 0:
-                    gained += len(a.key)
-                a.kv_lock += 1
+                gained += _kv_hold(a)
                 a = a.parent
             else:
                 lost += self._kv_let_go(b)
@@ -1362,6 +1358,12 @@ class HybridRadixCache:
             held = self.host_pool.num_owned_by(NodeOwner)
             assert held == hosts, f"host pool has {held} node-owned slots, the tree holds {hosts} host copies"
             self.host_pool.check_invariants()
+
+
+def _kv_hold(n: TreeNode) -> int:
+    """One more lock on ``n``'s edge KV: its key bytes when it was unlocked (now protected), else 0."""
+    n.kv_lock += 1
+    return len(n.key) if n.kv_lock == 1 else 0
 
 
 def _check_lockable(node: TreeNode) -> None:
