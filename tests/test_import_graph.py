@@ -17,6 +17,11 @@ def _modules() -> dict[str, Path]:
         for p in (ROOT / top).rglob("*.py"):
             name = ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
             out[name] = p
+        # A compiled module (radixcache/core/_native.c) counts by its stub: `from . import _native`
+        # imports it, not its package.
+        for p in (ROOT / top).rglob("*.pyi"):
+            if not p.with_suffix(".py").exists():
+                out[".".join(p.relative_to(ROOT).with_suffix("").parts)] = p
     return out
 
 

@@ -42,6 +42,7 @@ from .errors import ForeignObjectError, LockError
 from .events import TreeEvent, TreeEventKind, TreeListener
 from .keys import TOKEN_BYTES, KeyLike, key_bytes
 from .lazy_heap import LazyHeap
+from .native import MODULE as _NATIVE
 
 __all__ = [
     "EvictResult",
@@ -629,7 +630,15 @@ class HybridRadixCache:
     def _walk(self, kb: bytes, end: int, root: TreeNode) -> tuple[list[TreeNode], int, int, TreeNode | None]:
         """Follow ``kb[:end]`` down from ``root``: the whole edges matched, the bytes matched, how
         many of those nodes lead to the deepest one holding a snapshot (either tier), and the child
-        whose edge the key leaves part-way (``None`` when it leaves at a node). Reads only."""
+        whose edge the key leaves part-way (``None`` when it leaves at a node). Reads only. Natively
+        where the extension is built (:data:`radixcache.core.native.NATIVE`), else
+        :meth:`_walk_py`: the same result."""
+        if _NATIVE is None:
+            return self._walk_py(kb, end, root)
+        return _NATIVE.walk(kb, end, root, self._page_bytes)
+
+    def _walk_py(self, kb: bytes, end: int, root: TreeNode) -> tuple[list[TreeNode], int, int, TreeNode | None]:
+        """:meth:`_walk` in Python: the reference the native walk is tested against."""
         # NOTE: a bare tuple, unpacked at once by its three callers: match's hot path
         # (benchmarks/bench_tree.py), where a NamedTuple's construction would show.
         pb = self._page_bytes
@@ -801,7 +810,26 @@ class HybridRadixCache:
     ) -> torch.Tensor | None:
         """The caller's KV indices that duplicate ones the tree holds (same tokens, other index),
         or None. An index equal to the tree's is the tree's own (the caller got it from ``match``);
-        the first ``known`` are not compared (see :meth:`insert`'s ``known_prefix``)."""
+        the first ``known`` are not compared (see :meth:`insert`'s ``known_prefix``). Natively
+        (:data:`radixcache.core.native.NATIVE`) when every compared index array is a contiguous
+        CPU int64 one, else :meth:`_duplicates_py`: the same indices in the same order (natively
+        a copy; the reference may hand back a view of ``kv``)."""
+        if _NATIVE is not None and kvn is not None:
+            out = _NATIVE.duplicates(kvn, path, split_child, split_at // TOKEN_BYTES, known)
+            if out is not NotImplemented:
+                return None if out is None else torch.frombuffer(out, dtype=torch.int64)
+        return self._duplicates_py(kv, kvn, path, split_child, split_at, known)
+
+    def _duplicates_py(
+        self,
+        kv: torch.Tensor,
+        kvn: np.ndarray | None,
+        path: list[TreeNode],
+        split_child: TreeNode | None,
+        split_at: int,
+        known: int = 0,
+    ) -> torch.Tensor | None:
+        """:meth:`_duplicates` in Python: the reference the native one is tested against."""
         spans = [(n.value, n.value_np, n.value.numel()) for n in path if n.depth > known]
         start = path[-1].depth if path else 0
         start -= sum(k for _, _, k in spans)  # the first compared span's start

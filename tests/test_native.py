@@ -1,0 +1,244 @@
+"""The native walk and duplicate search (radixcache/core/_native.c) against their pure-Python
+references in the tree (``_walk_py``, ``_duplicates_py``), on random trees: the same nodes, byte
+counts, snapshot positions and duplicate indices, and the native calls' refusals."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from linear_state import LinearStatePool, RequestOwner
+from radixcache import HybridRadixCache
+from radixcache.core import native
+from radixcache.core.keys import TOKEN_BYTES, key_bytes
+from radixcache.core.tree import TreeNode
+
+from .tree_helpers import LAYOUT, make_cache, state_for
+
+needs_native = pytest.mark.skipif(native.MODULE is None, reason="the C extension is not built here")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _nat() -> Any:
+    assert native.MODULE is not None
+    return native.MODULE
+
+
+def _build(page: int, inserts: list[tuple[list[int], bool]], evict: int) -> tuple[HybridRadixCache, int]:
+    """A tree from ``inserts`` (tokens, donate a state), each with fresh KV indices; then ``evict``
+    snapshots evicted: the first two demoted to a host tier (nodes whose state is in host memory),
+    the rest dropped (tombstones, shorter paths). Returns the tree and the next free index."""
+    cache, _ = make_cache(slots=96, page_size=page)
+    cache.attach_host_pool(LinearStatePool(LAYOUT, 2))
+    nxt = 1000
+    for i, (tokens, donate) in enumerate(inserts):
+        kv = torch.arange(nxt, nxt + len(tokens), dtype=torch.int64)
+        nxt += len(tokens)
+        if donate:
+            owner = RequestOwner(("r", i))
+            slot = state_for(cache, owner, tokens)
+            cache.insert(tokens, kv, state_slot=slot)
+            cache.pool.free(slot, owner)
+        else:
+            cache.insert(tokens, kv)
+    if evict:
+        cache.evict(snapshots=evict)
+    cache.check_invariants()
+    return cache, nxt
+
+
+tokens_st = st.lists(st.integers(0, 2), max_size=24)
+
+
+@st.composite
+def scenario(draw: st.DrawFn) -> tuple[int, list[tuple[list[int], bool]], int, list[list[int]]]:
+    """(page size, inserts, snapshots to evict, queries): each query an inserted key cut
+    somewhere, then a random tail, so that walks go deep, leave edges part-way and end at nodes."""
+    page = draw(st.sampled_from([1, 2, 4]))
+    inserts: list[tuple[list[int], bool]] = []
+    for _i in range(draw(st.integers(1, 12))):  # a fresh key, or an earlier one cut and extended
+        if draw(st.booleans()) and inserts:
+            base = draw(st.sampled_from([t for t, _d in inserts]))
+            tokens = base[: draw(st.integers(0, len(base)))] + draw(tokens_st)
+        else:
+            tokens = draw(tokens_st)
+        inserts.append((tokens, draw(st.booleans())))
+    queries = []
+    for _q in range(draw(st.integers(1, 6))):
+        base = draw(st.sampled_from([t for t, _d in inserts]))
+        cut = draw(st.integers(0, len(base)))
+        queries.append(base[:cut] + draw(st.lists(st.integers(0, 2), max_size=8)))
+    return page, inserts, draw(st.integers(0, 4)), queries
+
+
+def _same_walk(a: tuple[list[TreeNode], int, int, TreeNode | None], b: tuple[list[TreeNode], int, int, Any]) -> None:
+    assert [n.id for n in a[0]] == [n.id for n in b[0]] and all(x is y for x, y in zip(a[0], b[0], strict=True))
+    assert a[1:3] == b[1:3]
+    assert a[3] is b[3]
+
+
+@needs_native
+@given(scenario(), st.data())
+def test_walk_matches_the_python_reference(case: Any, data: st.DataObject) -> None:
+    page, inserts, evict, queries = case
+    cache, _ = _build(page, inserts, evict)
+    root = cache.match([]).node
+    pb = page * TOKEN_BYTES
+    for q in queries:
+        kb = key_bytes(q)
+        whole = len(kb) - len(kb) % pb
+        # the tree's own ends (whole pages), and any token boundary below the key's length
+        for end in {whole, data.draw(st.integers(0, len(q))) * TOKEN_BYTES}:
+            _same_walk(cache._walk_py(kb, end, root), _nat().walk(kb, end, root, pb))
+    cache.check_invariants()
+
+
+def _kv_for(cache: HybridRadixCache, tokens: list[int], flips: list[bool], nxt: int) -> torch.Tensor:
+    """Indices for ``tokens``: the tree's own where it holds the tokens, except where ``flips``
+    says another index (a duplicate), fresh ones past it."""
+    own = cache.kv_prefix(tokens).tolist()
+    out = []
+    for i in range(len(tokens)):
+        if i < len(own) and not flips[i % len(flips)]:
+            out.append(own[i])
+        else:
+            out.append(nxt + i)
+    return torch.tensor(out, dtype=torch.int64)
+
+
+@needs_native
+@given(scenario(), st.lists(st.booleans(), min_size=1, max_size=7), st.data())
+def test_duplicates_match_the_python_reference(case: Any, flips: list[bool], data: st.DataObject) -> None:
+    page, inserts, evict, queries = case
+    cache, nxt = _build(page, inserts, evict)
+    root = cache.match([]).node
+    pb = page * TOKEN_BYTES
+    for q in queries:
+        kb = key_bytes(q)
+        end = len(kb) - len(kb) % pb
+        path, pos, _, split = cache._walk_py(kb, end, root)
+        node = path[-1] if path else root
+        split_at = pos - node.depth * TOKEN_BYTES if split is not None else 0
+        kv = _kv_for(cache, q, flips, nxt)
+        kvn = kv.numpy()
+        for known in {0, data.draw(st.integers(0, len(q))), len(q)}:
+            ref = cache._duplicates_py(kv, kvn, path, split, split_at, known)
+            got = _nat().duplicates(kvn, path, split, split_at // TOKEN_BYTES, known)
+            if ref is None:
+                assert got is None
+            else:
+                assert isinstance(got, bytearray)
+                assert np.frombuffer(got, dtype=np.int64).tolist() == ref.tolist()
+            # and through the tree's dispatch, as insert calls it
+            mine = cache._duplicates(kv, kvn, path, split, split_at, known)
+            if ref is None:
+                assert mine is None
+            else:
+                assert mine is not None and torch.equal(mine, ref)
+
+
+def test_a_known_split_compares_only_past_the_known_prefix() -> None:
+    """A hand-made case: the key leaves an edge part-way, the first tokens known; the duplicates
+    are exactly the indices past ``known`` that differ, in order."""
+    cache, _ = make_cache(slots=8, page_size=1)
+    owner = RequestOwner("a")
+    slot = state_for(cache, owner, [1, 2, 3, 4, 5, 6])
+    cache.insert([1, 2, 3, 4, 5, 6], torch.arange(10, 16), state_slot=slot)
+    cache.pool.free(slot, owner)
+    kb = key_bytes([1, 2, 3, 4, 9])
+    root = cache.match([]).node
+    path, pos, snap_at, split = cache._walk(kb, len(kb), root)
+    assert path == [] and pos == 4 * TOKEN_BYTES and snap_at == 0 and split is not None
+    kv = torch.tensor([10, 99, 12, 98, 97])
+    got = cache._duplicates(kv, kv.numpy(), path, split, pos, 2)
+    assert got is not None and got.tolist() == [98]  # 99 is inside the known prefix; 97 is new
+    got = cache._duplicates(kv, kv.numpy(), path, split, pos, 0)
+    assert got is not None and got.tolist() == [99, 98]
+
+
+@needs_native
+def test_duplicates_fall_back_for_arrays_it_does_not_read() -> None:
+    """Not a contiguous int64 array (a narrower dtype, a strided view, no numpy twin): the native
+    search declines and the reference answers instead, through the tree's dispatch."""
+    cache, _ = make_cache(slots=8, page_size=1)
+    owner = RequestOwner("a")
+    slot = state_for(cache, owner, [1, 2, 3])
+    cache.insert([1, 2, 3], torch.arange(10, 13), state_slot=slot)
+    cache.pool.free(slot, owner)
+    root = cache.match([]).node
+    path = cache._walk_py(key_bytes([1, 2, 3]), 3 * TOKEN_BYTES, root)[0]
+    kv = torch.tensor([10, 50, 12])
+    n = _nat()
+    assert n.duplicates(kv.numpy().astype(np.int32), path, None, 0, 0) is NotImplemented
+    strided = np.array([10, 0, 50, 0, 12, 0], dtype=np.int64)[::2]
+    assert n.duplicates(strided, path, None, 0, 0) is NotImplemented
+    saved = path[0].value_np
+    path[0].value_np = None  # a node whose KV has no numpy twin (a GPU tree's)
+    try:
+        assert n.duplicates(kv.numpy(), path, None, 0, 0) is NotImplemented
+        got = cache._duplicates(kv, kv.numpy(), path, None, 0, 0)
+        assert got is not None and got.tolist() == [50]
+    finally:
+        path[0].value_np = saved
+    cache.check_invariants()
+
+
+@needs_native
+def test_native_calls_refuse_bad_arguments() -> None:
+    cache, _ = make_cache(slots=8, page_size=1)
+    root = cache.match([]).node
+    n = _nat()
+    with pytest.raises(TypeError, match="bytes"):
+        n.walk(bytearray(8), 8, root, 4)
+    with pytest.raises(ValueError, match=r"end 12 outside \[0, 8\]"):
+        n.walk(bytes(8), 12, root, 4)
+    with pytest.raises(ValueError, match="page_bytes 0"):
+        n.walk(bytes(8), 8, root, 0)
+    with pytest.raises(TypeError, match="end must be an int"):
+        n.walk(bytes(8), 8.0, root, 4)
+    with pytest.raises(TypeError, match="takes 4 arguments"):
+        n.walk(bytes(8), 8, root)
+    with pytest.raises(AttributeError):
+        n.walk(bytes(8), 8, object(), 4)  # not a node
+    owner = RequestOwner("a")
+    slot = state_for(cache, owner, [1, 2, 3])
+    cache.insert([1, 2, 3], torch.arange(10, 13), state_slot=slot)
+    cache.pool.free(slot, owner)
+    path = cache._walk_py(key_bytes([1, 2, 3]), 3 * TOKEN_BYTES, cache.match([]).node)[0]
+    assert len(path) == 1
+    with pytest.raises(ValueError, match="outside the caller's 2 indices"):
+        n.duplicates(np.arange(2, dtype=np.int64), path, None, 0, 0)
+    with pytest.raises(TypeError, match="path must be a list"):
+        n.duplicates(np.arange(3, dtype=np.int64), tuple(path), None, 0, 0)
+    cache.check_invariants()
+
+
+def _flag_run(env: dict[str, str]) -> str:
+    code = "import radixcache.core.native as n; print(n.NATIVE)"
+    done = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True, cwd=ROOT, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_radixcache_native_0_runs_the_reference() -> None:
+    assert _flag_run({"RADIXCACHE_NATIVE": "0", "RADIXCACHE_REQUIRE_NATIVE": ""}) == "False"
+
+
+@pytest.mark.skipif(
+    os.environ.get("RADIXCACHE_REQUIRE_NATIVE") != "1" or os.environ.get("RADIXCACHE_NATIVE") == "0",
+    reason="CI's build check (RADIXCACHE_REQUIRE_NATIVE=1, the native path not turned off)",
+)
+def test_ci_runs_the_native_build() -> None:
+    """CI sets RADIXCACHE_REQUIRE_NATIVE=1: the extension is built there and in use."""
+    assert native.NATIVE and native.MODULE is not None
+    assert _flag_run({}) == "True"
