@@ -1036,3 +1036,25 @@ def test_ours_evicts_the_final_state_of_a_session_where_sessions_end() -> None:
     assert third.snapshot is None and second.snapshot is not None
     pol.check_invariants()
     t.cache.check_invariants()
+
+
+def test_ours_refreshes_a_donors_dependents_before_the_next_choice() -> None:
+    """A donation below a snapshot changes what evicting that snapshot frees (a leaf no more: its
+    KV stays for the child). Its row is refreshed before anything reads it again: the batched
+    estimate equals the exact density, and the next victim is chosen on the fresh row."""
+    t = _Tree()
+    pol = t.policy(HitDensity(exact_below=0))
+    pol.costs(snapshot_bytes=500, kv_bytes_per_token=3)
+    key = t.fresh()
+    top = t.add(key)
+    pol.donated(top, _req("a", 0.0), CAPTURE, 0.0)
+    row = np.array([pol._t.pos[top.id]])
+    assert np.isfinite(pol.estimates(row, 5.0, leaf=True)[0]), "a leaf: evictable for KV"
+    below = t.add(np.concatenate([key, t.fresh()]))
+    pol.donated(below, _req("b", 1.0), CAPTURE, 1.0)
+    assert pol.freed_bytes(top, demote=False) == 500, "an inner snapshot frees its slot alone"
+    est = pol.estimates(row, 5.0, leaf=False)
+    assert est[0] == pytest.approx(pol.density(top, 5.0, demote=False), rel=1e-12), "read after a refresh"
+    assert pol.estimates(row, 5.0, leaf=True)[0] == np.inf, "no longer a leaf"
+    assert pol.victim(5.0, kv=True) is below, "for KV, the leaf below goes"
+    pol.check_invariants()

@@ -87,15 +87,27 @@ class RowTable:
             return None
         else:
             self._due.append(event.node)
-        if len(self._due) > 2 * len(self.nodes) + _DUE_SLACK:
-            # No choice for a while (resets, direct evictions): what left the tree needs no refresh.
-            self._due = list(dict.fromkeys(n for n in self._due if n.parent is not None))
+        self._bound_due()
         nid = event.node.id
         return nid if self.remove(nid) else None
 
+    def mark(self, nodes: list[TreeNode]) -> None:
+        """Remember ``nodes`` for :meth:`due` as well: nodes whose dependent costs the policy's own
+        bookkeeping changed (a new snapshot below them), refreshed at the next choice instead of
+        at every change (a refresh reads the tree: several changes before a choice cost one)."""
+        self._due.extend(nodes)
+        self._bound_due()
+
+    def _bound_due(self) -> None:
+        if len(self._due) > 2 * len(self.nodes) + _DUE_SLACK:
+            # No choice for a while (resets, direct evictions, donations between evictions): what
+            # left the tree needs no refresh, a node marked twice one.
+            self._due = list(dict.fromkeys(n for n in self._due if n.parent is not None))
+
     def due(self, first: TreeNode | None = None) -> list[TreeNode]:
         """``first`` (the policy's own last victim, or where its cascade stopped), then the nodes
-        :meth:`hear` found changed since the last call, in the order heard, each once: the policy
+        :meth:`hear` found changed and :meth:`mark` was given since the last call, in that order,
+        each once: the policy
         refreshes the costs that depend on them (``cost_dependent``) now that the tree is still."""
         heard, self._due = self._due, []
         return list(dict.fromkeys(heard if first is None else [first, *heard]))
