@@ -1,3 +1,4 @@
+import warnings
 from array import array
 from collections.abc import Callable
 
@@ -764,3 +765,47 @@ def test_a_cache_key_from_bytes_is_checked() -> None:
         CacheKey.frombytes(np.array([1, 2**31], dtype=np.uint32).tobytes())
     with pytest.raises(ValueError, match=">= 0"):
         CacheKey([1]).prefix(-1)
+
+
+@pytest.mark.parametrize(
+    "as_given",
+    [
+        lambda a: a,  # writable int64: taken as it is
+        lambda a: a.astype(np.int32),  # narrower
+        lambda a: np.repeat(a, 2)[::2],  # strided
+        lambda a: np.frombuffer(a.tobytes(), dtype=np.int64),  # read-only
+    ],
+)
+def test_numpy_kv_is_filed_as_a_tensor_would_be(as_given: Callable[[np.ndarray], np.ndarray]) -> None:
+    """KV indices as a numpy array (the SGLang backend hands its CPU rows over so) file the same
+    nodes, values and duplicates as the same indices in a tensor; the tree keeps its own copy of
+    what it stores, so the caller may rewrite its array after."""
+    runs = []
+    for numpy_kv in (False, True):
+        cache, freed = make_cache(slots=8)
+        owner = RequestOwner("r")
+        slot = state_for(cache, owner, [1, 2, 3, 4])
+        cache.insert([1, 2], torch.tensor([10, 11]), state_slot=slot)
+        given = np.array([10, 50, 52, 53], dtype=np.int64)
+        kv = as_given(given) if numpy_kv else torch.from_numpy(given.copy())
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a read-only array is copied, not shared with a warning
+            res = cache.insert([1, 2, 3, 4], kv, state_slot=slot, release_duplicates=False)
+        if isinstance(kv, np.ndarray) and kv.flags.writeable:
+            kv[:] = -1  # the caller's buffer, rewritten: the tree's values are its own
+        cache.check_invariants()
+        runs.append(
+            (res.prefix_length, res.node.depth, res.released.tolist(), cache.kv_indices(res.node).tolist(), freed)
+        )
+        cache.pool.free(slot, owner)
+    assert runs[0] == runs[1] == (2, 4, [50], [10, 11, 52, 53], [])
+
+
+def test_numpy_kv_of_the_wrong_length_is_refused_with_nothing_changed() -> None:
+    cache, _ = make_cache(slots=8)
+    owner = RequestOwner("r")
+    slot = state_for(cache, owner, [1, 2, 3])
+    with pytest.raises(ValueError, match="kv_indices has 2 entries for a key of 3 tokens"):
+        cache.insert([1, 2, 3], np.array([5, 6], dtype=np.int64), state_slot=slot)
+    assert cache.num_nodes == 0 and cache.num_snapshots == 0
+    cache.check_invariants()

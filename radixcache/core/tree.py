@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Hashable, Iterator
-from typing import NamedTuple
+from typing import NamedTuple, TypeGuard
 
 import numpy as np
 import torch
@@ -706,10 +706,19 @@ class HybridRadixCache:
             Nothing changed.
         """
         kb = key_bytes(key)
-        kv = _as_kv(kv_indices, len(kb) // TOKEN_BYTES)
         # NOTE: a numpy view of CPU indices: slicing and comparing through it costs a third of
-        # torch's per-op overhead on this hot path (benchmarks/bench_tree.py).
-        kvn = kv.numpy() if kv.is_cpu else None
+        # torch's per-op overhead on this hot path (benchmarks/bench_tree.py). A host that has
+        # them as a writable int64 numpy array already (the SGLang backend's CPU rows) hands them
+        # over as they are: inside SGLang's scheduler a tensor's .numpy() cost ~5 us.
+        kvn: np.ndarray | None
+        if _plain_int64(kv_indices):
+            kvn = kv_indices
+            if kvn.size != len(kb) // TOKEN_BYTES:
+                raise ValueError(f"kv_indices has {kvn.size} entries for a key of {len(kb) // TOKEN_BYTES} tokens")
+            kv = torch.from_numpy(kvn)
+        else:
+            kv = _as_kv(kv_indices, len(kb) // TOKEN_BYTES)
+            kvn = kv.numpy() if kv.is_cpu else None
         _check_known_prefix(known_prefix, kv.numel())
         if ready is not None and state_slot is None:
             raise ValueError("ready was given without a state_slot to donate")
@@ -1437,8 +1446,24 @@ def _check_known_prefix(known: object, n_tokens: int) -> None:
         raise ValueError(f"known_prefix {known} is outside [0, {n_tokens}] for a key of {n_tokens} tokens")
 
 
+def _plain_int64(kv: object) -> TypeGuard[np.ndarray]:
+    """``kv`` is a 1-D, contiguous, writable int64 numpy array: a tensor can share its memory as it
+    is (``torch.from_numpy`` warns on read-only arrays; other arrays go through :func:`_as_kv`)."""
+    return (
+        type(kv) is np.ndarray
+        and kv.dtype == np.int64
+        and kv.ndim == 1
+        and kv.flags.c_contiguous
+        and kv.flags.writeable
+    )
+
+
 def _as_kv(kv: torch.Tensor | np.ndarray | list[int], n_tokens: int) -> torch.Tensor:
-    t = kv if isinstance(kv, torch.Tensor) else torch.as_tensor(np.asarray(kv))
+    if isinstance(kv, torch.Tensor):
+        t = kv
+    else:
+        a = np.asarray(kv)
+        t = torch.as_tensor(a if a.flags.writeable else a.copy())  # torch warns on read-only memory
     if t.dim() != 1 or t.dtype.is_floating_point or t.dtype == torch.bool or t.dtype.is_complex:
         raise ValueError(f"kv_indices must be a 1-D integer tensor, got shape {tuple(t.shape)} dtype {t.dtype}")
     if t.numel() != n_tokens:

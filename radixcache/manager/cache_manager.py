@@ -1854,7 +1854,7 @@ class CacheManager:
     def checkpoint(
         self,
         cache_ids: KeyLike,
-        kv_indices: torch.Tensor,
+        kv_indices: torch.Tensor | np.ndarray,
         *,
         state_slot: SlotId | None = None,
         ready: Fence | None = None,
@@ -1866,7 +1866,8 @@ class CacheManager:
         release_duplicates: bool = False,
         known_prefix: int = 0,
     ) -> InsertResult:
-        """File a prefix a host that keeps its own slots computed: ``cache_ids`` with their KV, and,
+        """File a prefix a host that keeps its own slots computed: ``cache_ids`` with their KV (a
+        1-D integer tensor, or numpy array: a writable int64 one on the CPU is taken as it is), and,
         with ``state_slot`` (the state after the page-cut key, owned by the caller; lend the host's
         slot to the pool for the call), a clone of that state. When the clone needs a slot and none
         is free, one snapshot is evicted through the policy (after every argument was checked);
@@ -1889,7 +1890,7 @@ class CacheManager:
     def _file(
         self,
         cache_ids: KeyLike,
-        kv_indices: torch.Tensor,
+        kv_indices: torch.Tensor | np.ndarray,
         state_slot: SlotId | None,
         ready: Fence | None,
         namespace: Hashable,

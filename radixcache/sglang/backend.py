@@ -264,6 +264,10 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         self.extra_buffer = bool(getattr(self.req_to_token_pool, "enable_mamba_extra_buffer", False))
         """SGLang's extra buffer: snapshots come from the request's track slots (module docstring)."""
         self.clock = clock
+        # SGLang's request-to-token table as numpy rows when it lives on the CPU (one view, made
+        # once; re-made if SGLang replaces the table): a checkpoint reads its request's row there.
+        self._rows_of: torch.Tensor | None = None
+        self._rows_np: np.ndarray | None = None
         self.state_pool = sglang_state_pool(self.req_to_token_pool, stream=stream)
         self.tree = HybridRadixCache(self.state_pool, page_size=self.page_size, on_event=free_kv_to(self._free_kv))
         # The manager serves eviction through the policy; SGLang's scheduler drives the requests.
@@ -444,12 +448,22 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         )
 
     def _insert(
-        self, ids: CacheKey, kv: torch.Tensor, slot: int | None, ns: Hashable, rid: Hashable, req: Any, known: int
+        self,
+        ids: CacheKey,
+        kv: torch.Tensor | np.ndarray,
+        slot: int | None,
+        ns: Hashable,
+        rid: Hashable,
+        req: Any,
+        known: int,
     ) -> Any:
         """Insert with ``slot`` lent for the clone and reclaimed after; no free slot for the
         clone even after evicting one through the policy: insert without a snapshot. The first
-        ``known`` indices are the tree's own (SGLang's contract: not compared)."""
-        kv = kv.to(torch.int64).cpu()
+        ``known`` indices are the tree's own (SGLang's contract: not compared). ``kv``: a tensor
+        of indices, or an int64 numpy array of the caller's own (the tree keeps what it stores
+        as a copy)."""
+        if isinstance(kv, torch.Tensor):
+            kv = kv.to(torch.int64).cpu()
         mgr = self.manager
         # NOTE: no make_room first: a clone that finds no slot makes the manager evict one snapshot
         # through the policy, or file the KV alone (counted as skipped for want of a slot), and a
@@ -491,8 +505,10 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         prot = int(kvr.cache_protected_len)
         if n <= prot:
             return
-        row = self.req_to_token_pool.req_to_token[kvr.req_pool_idx]
-        kv = row[:n]
+        row = self._row(kvr.req_pool_idx)
+        # NOTE: a CPU row's indices as int64 numpy, which the tree takes as they are: the torch
+        # slice, conversion and .numpy() cost ~13 us of a checkpoint inside SGLang's scheduler
+        kv = row[:n].astype(np.int64) if isinstance(row, np.ndarray) else row[:n]
         ns = _namespace(req.extra_key, getattr(req, "cache_salt", None))
         if not self.extra_buffer and kvr.holds_mamba and n % self.page_size == 0:
             slot = int(kvr.mamba_pool_idx)
@@ -641,19 +657,31 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         return []
 
     # ------------------------------------------------------------------ helpers
+    def _row(self, req_pool_idx: int) -> torch.Tensor | np.ndarray:
+        """SGLang's request-to-token row ``req_pool_idx``: a numpy view when the table is on the
+        CPU (it shares the table's memory), else the tensor row."""
+        table = self.req_to_token_pool.req_to_token
+        if table is not self._rows_of:
+            self._rows_of = table
+            self._rows_np = table.numpy() if table.device.type == "cpu" else None
+        if self._rows_np is None:
+            row: torch.Tensor = table[req_pool_idx]
+            return row
+        return self._rows_np[req_pool_idx]  # type: ignore[no-any-return]
+
     def _miss(self, ns: Hashable) -> MatchResult:
         """A match without a hit: the tree's root for ``ns`` in every node field."""
         root = self.manager.lookup([], namespace=ns, touch=False).node
         return MatchResult(0, root, root, root, cache_protected_len=0)
 
-    def _free_differing(self, row: torch.Tensor, tree_kv: torch.Tensor, start: int, end: int) -> None:
+    def _free_differing(self, row: torch.Tensor | np.ndarray, tree_kv: torch.Tensor, start: int, end: int) -> None:
         """Free the row's indices in ``[start, end)`` that differ from the tree's KV ``tree_kv``
         (int64, on the CPU): duplicates the tree did not adopt. A CPU row is compared through
         numpy views: NOTE: the torch masked select cost ~15 us of a checkpoint's ~250 in the SGLang
         scheduler benchmark. The differing indices are copied out (a mask), so the row may be
         rewritten after."""
-        if row.device.type == "cpu":
-            old = row.numpy()[start:end]
+        if isinstance(row, np.ndarray) or row.device.type == "cpu":
+            old = (row if isinstance(row, np.ndarray) else row.numpy())[start:end]
             differ = old != tree_kv.numpy()
             if differ.any():
                 self._free_kv(torch.from_numpy(old[differ].astype(np.int64, copy=False)))
@@ -667,10 +695,12 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         self.token_to_kv_pool_allocator.free(kv.to(self.token_to_kv_pool_allocator.device))
 
 
-def _write_row(row: torch.Tensor, kv: torch.Tensor, start: int, end: int) -> None:
+def _write_row(row: torch.Tensor | np.ndarray, kv: torch.Tensor, start: int, end: int) -> None:
     """``row[start:end] = kv`` (int64 on the CPU) in the row's dtype and on its device; a CPU row
     through numpy views (one call, no tensor slice)."""
-    if row.device.type == "cpu":
+    if isinstance(row, np.ndarray):
+        row[start:end] = kv.numpy()
+    elif row.device.type == "cpu":
         row.numpy()[start:end] = kv.numpy()
     else:
         row[start:end] = kv.to(row.device, row.dtype)
