@@ -242,3 +242,47 @@ def test_ci_runs_the_native_build() -> None:
     """CI sets RADIXCACHE_REQUIRE_NATIVE=1: the extension is built there and in use."""
     assert native.NATIVE and native.MODULE is not None
     assert _flag_run({}) == "True"
+
+
+@st.composite
+def ids_st(draw: st.DrawFn) -> list[int]:
+    """In-range ids (text and image ids alike), and in one case of three one id out of range."""
+    ids = draw(st.lists(st.one_of(st.integers(0, 2**31 - 1), st.integers(2**30, 2**31 - 1)), max_size=40))
+    if ids and draw(st.integers(0, 2)) == 0:
+        bad = draw(st.one_of(st.sampled_from([2**31, -1, 2**32, -(2**63)]), st.integers(2**31, 2**63 - 1)))
+        ids[draw(st.integers(0, len(ids) - 1))] = bad
+    return ids
+
+
+@needs_native
+@given(ids_st(), st.sampled_from(["array", "int64", "uint64"]))
+def test_words_to_key_matches_the_python_reference(ids: list[int], kind: str) -> None:
+    """8-byte ids (SGLang's array('q'), numpy int64 or uint64) to key bytes: the same bytes as the
+    reference, and None exactly where the reference refuses an id (it then names it)."""
+    from array import array as arr
+
+    from radixcache.core import keys
+
+    if kind == "uint64":
+        ids = [i % 2**64 for i in ids]
+    buf: Any = arr("q", ids) if kind == "array" else np.array(ids, dtype=np.int64 if kind == "int64" else np.uint64)
+    try:
+        want: bytes | None = keys._from_words64_py(buf, buf)
+    except ValueError:
+        want = None
+    assert _nat().words_to_key(buf) == want
+    if want is not None:
+        assert keys.key_bytes(buf) == want  # and through the dispatch
+    else:
+        with pytest.raises(ValueError, match=r"outside \[0, 2\*\*31\)"):
+            keys.key_bytes(buf)
+
+
+@needs_native
+def test_words_to_key_declines_what_it_does_not_read() -> None:
+    n = _nat()
+    assert n.words_to_key(np.arange(4, dtype=np.int32)) is None  # 4-byte ids
+    assert n.words_to_key(np.arange(8, dtype=np.int64)[::2]) is None  # strided
+    assert n.words_to_key(np.arange(4, dtype=np.float64)) is None  # not integers
+    assert n.words_to_key(object()) is None  # not a buffer
+    assert n.words_to_key(np.arange(3, dtype=np.int64)) == np.arange(3, dtype=np.uint32).tobytes()

@@ -1,10 +1,10 @@
-"""The tree's hot read paths in C: whether they run natively here.
+"""The tree's hot paths in C: whether they run natively here.
 
 ``radixcache.core._native`` (``radixcache/core/_native.c``) is built by the package's own set-up
 (``pip install``: setuptools and the machine's C compiler). Each native function has a pure-Python
-twin in :mod:`radixcache.core.tree` (``_walk_py``, ``_duplicates_py``) that stays the reference:
-``tests/test_native.py`` compares the two on random trees, and the tree runs the reference
-wherever the extension is not built. Environment:
+twin (``HybridRadixCache._walk_py`` and ``_duplicates_py``, ``keys._from_words64_py``) that stays
+the reference: ``tests/test_native.py`` compares the two on random trees and ids, and the
+reference runs wherever the extension is not built. Environment:
 
 - ``RADIXCACHE_NATIVE=0``: run the Python reference even where the extension is built (to compare,
   or to rule the native code out when hunting a bug);
@@ -34,6 +34,10 @@ class Core(Protocol):
         """``HybridRadixCache._duplicates`` as int64 bytes (``None``: none differ;
         ``NotImplemented``: an index array it does not read, the caller runs the reference)."""
 
+    def words_to_key(self, ids: Any, /) -> bytes | None:
+        """``radixcache.core.keys._from_words64_py`` of a buffer of 8-byte ids (``None``: an id
+        out of range or not such a buffer; the caller runs the reference, which names it)."""
+
 
 def load() -> Core | None:
     """The compiled module, or ``None`` when it is not built or ``RADIXCACHE_NATIVE=0``.
@@ -55,4 +59,5 @@ MODULE: Core | None = load()
 """The module the tree calls (``None``: the Python reference runs)."""
 
 NATIVE: bool = MODULE is not None
-"""True when the tree's walk and duplicate search run natively in this process."""
+"""True when the tree's walk and duplicate search, and the conversion of 8-byte ids to keys, run
+natively in this process."""
