@@ -9,8 +9,8 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CORE_STAMP := $(VENV)/.installed-core
-# The tree's C extension (pip's editable install compiles it in place): an edit rebuilds it.
-NATIVE_SRC := radixcache/core/_native.c
+# The C extensions (pip's editable install compiles them in place): an edit rebuilds them.
+NATIVE_SRC := radixcache/core/_native.c linear_state/_native.c
 
 .PHONY: demo walkthrough test test-sglang test-vllm lint bench clean
 

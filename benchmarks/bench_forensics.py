@@ -4,9 +4,10 @@
    the clone of the same slot, interleaved.
 2. The hammer's serving throughput (requests per second, ground truth off) with forensics off
    and on, alternating runs.
-3. The CPU fingerprint's two paths on the same slots, interleaved: torch's sums (the reference)
-   and numpy's (what ``auto`` takes up to ``NUMPY_MAX_SLOT_BYTES``), from a 576-byte slot (the
-   SGLang harness's) to 16 MB, with the value checked equal.
+3. The CPU fingerprint's paths on the same slots, interleaved: torch's sums (the reference),
+   numpy's, and the native one where linear_state's C extension is built (what ``auto`` takes up
+   to ``NUMPY_MAX_SLOT_BYTES``; numpy where it is not), from a 576-byte slot (the SGLang
+   harness's) to 16 MB, with the value checked equal.
 
     python benchmarks/bench_forensics.py [--reps 20] [--requests 300] [--rounds 2] [--quick]
 """
@@ -24,6 +25,7 @@ import torch
 
 from linear_state import LinearStatePool, NodeOwner, RequestOwner, StateLayout
 from linear_state.fingerprint import NUMPY_MAX_SLOT_BYTES, SlotHasher
+from linear_state.native import NATIVE
 from radixcache.testing.hammer import HammerConfig, run_hammer
 from radixcache.testing.model import HybridConfig, HybridModel
 
@@ -57,12 +59,13 @@ def slot_costs(reps: int, layers: int) -> dict[str, float]:
 
 def fingerprint_paths(reps: int, sizes: list[int]) -> dict[str, object]:
     """Median µs of a fingerprint by each CPU path, per slot size (bytes, float32 states over 4
-    layers in two tensors), the two interleaved on the same slot; the values must agree."""
+    layers in two tensors), the paths interleaved on the same slot; the values must agree."""
     rows: list[dict[str, float]] = []
+    kernels = ("torch", "numpy", "native") if NATIVE else ("torch", "numpy")
     for size in sizes:
         words = max(1, size // 4 // 4 // 2)  # float32 elements per layer row of each tensor
         tensors = [torch.randn(4, 3, words), torch.randn(4, 3, words)]
-        paths = {k: SlotHasher(tensors, kernel=k) for k in ("torch", "numpy")}
+        paths = {k: SlotHasher(tensors, kernel=k) for k in kernels}
         took: dict[str, list[float]] = {k: [] for k in paths}
         n = max(5, min(2000, (reps * 100 * 65536) // max(size, 1)))
         ref = paths["torch"].fingerprint(1)  # the slot does not change: one reference value
@@ -74,15 +77,17 @@ def fingerprint_paths(reps: int, sizes: list[int]) -> dict[str, object]:
                     took[k].append(time.perf_counter() - t0)
                 assert fp == ref, f"the {k} path disagrees at {size} bytes"
         t, p = statistics.median(took["torch"]), statistics.median(took["numpy"])
-        rows.append(
-            {
-                "slot_bytes": 2 * 4 * words * 4,
-                "torch_us": round(t * 1e6, 1),
-                "numpy_us": round(p * 1e6, 1),
-                "numpy_over_torch": round(p / t, 3),
-            }
-        )
-    return {"fingerprint_paths": rows, "numpy_max_slot_bytes": NUMPY_MAX_SLOT_BYTES}
+        row = {
+            "slot_bytes": 2 * 4 * words * 4,
+            "torch_us": round(t * 1e6, 1),
+            "numpy_us": round(p * 1e6, 1),
+            "numpy_over_torch": round(p / t, 3),
+        }
+        if "native" in took:
+            c = statistics.median(took["native"])
+            row |= {"native_us": round(c * 1e6, 1), "native_over_torch": round(c / t, 3)}
+        rows.append(row)
+    return {"fingerprint_paths": rows, "numpy_max_slot_bytes": NUMPY_MAX_SLOT_BYTES, "native_built": NATIVE}
 
 
 def hammer_throughput(requests: int, rounds: int) -> dict[str, float]:

@@ -29,8 +29,9 @@ import numpy as np
 import torch
 
 from .fingerprint_triton import DEFAULT_CHUNK, TritonFingerprint, available, word_dtype, word_rows
+from .native import MODULE as _NATIVE
 
-__all__ = ["BLOCK", "NUMPY_MAX_SLOT_BYTES", "Fingerprint", "SlotHasher", "WORD_WEIGHT_SEED"]
+__all__ = ["BLOCK", "NATIVE_MAX_SLOT_BYTES", "NUMPY_MAX_SLOT_BYTES", "Fingerprint", "SlotHasher", "WORD_WEIGHT_SEED"]
 
 Fingerprint = int
 """A 64-bit fingerprint, as a non-negative Python int."""
@@ -39,11 +40,18 @@ WORD_WEIGHT_SEED = 0x5EED_F1A9
 BLOCK = 64  # words per block: 512 bytes, an inner reduction that runs at memory speed
 _MASK = (1 << 64) - 1
 NUMPY_MAX_SLOT_BYTES = 1 << 18
-"""CPU slots up to this size (256 KiB) are summed through numpy views made once (the ``"numpy"``
-path): no torch dispatch per tensor, and no wait for torch's intra-op threads, which a busy host
-keeps from running (see :class:`SlotHasher`). Larger slots take torch's parallel sums, faster from
-about 1 MiB on (``benchmarks/bench_forensics.py``: numpy 0.39x torch's time at 576 bytes, 0.78x at
-256 KiB, 1.8x at 1 MiB on an idle 2-core CPU)."""
+"""Where linear_state's C extension is not built, CPU slots up to this size (256 KiB) are summed
+through numpy views made once (the ``"numpy"`` path): no torch dispatch per tensor, and no wait for
+torch's intra-op threads, which a busy host keeps from running (see :class:`SlotHasher`). Larger
+slots take torch's parallel sums, faster from about 1 MiB on (``benchmarks/bench_forensics.py``:
+numpy 0.36x torch's time at 576 bytes, 0.75x at 256 KiB, 1.5x at 1 MiB on an idle 2-core CPU)."""
+
+NATIVE_MAX_SLOT_BYTES = 1 << 22
+"""Where it is built, CPU slots up to this size (4 MiB) are summed natively (the ``"native"`` path,
+``linear_state/_native.c``: the same views, one C pass on the calling thread). Measured on an idle
+2-core CPU (``benchmarks/bench_forensics.py``): 0.5 us at 576 bytes (torch 21, numpy 7.6), 0.22x
+torch's time at 256 KiB, 0.57x at 1 MiB, 0.9x at 4 MiB, 1.15x at 16 MiB, where torch's two
+threads read faster than one."""
 
 # NOTE: a weight per word (sum_j r[j] * words[j], as an earlier version did) needs a 64-bit
 # multiply per word. On a CPU that ran single-core bound (numpy einsum, ~24 GB/s per core) and its
@@ -82,20 +90,27 @@ class SlotHasher:
         """:param kernel: ``"torch"`` (the reference: ``torch.sum`` per tensor, then the weighted
             sum), ``"triton"`` (:mod:`linear_state.fingerprint_triton`'s fused kernel: the same
             value bit for bit), ``"numpy"`` (CPU tensors: the same sums through numpy views of the
-            tensors made here, the same value bit for bit) or ``"auto"`` (Triton on CUDA when it
-            imports and every tensor's slot rows are contiguous; numpy on the CPU for slots of at
-            most :data:`NUMPY_MAX_SLOT_BYTES` whose tensors are contiguous; the torch path
-            otherwise).
+            tensors made here, the same value bit for bit), ``"native"`` (the same views summed in
+            one C pass, :mod:`linear_state.native`: the same value bit for bit) or ``"auto"``
+            (Triton on CUDA when it imports and every tensor's slot rows are contiguous; on the CPU,
+            for contiguous tensors, native for slots of at most :data:`NATIVE_MAX_SLOT_BYTES`
+            where it is built, else numpy for slots of at most :data:`NUMPY_MAX_SLOT_BYTES`; the
+            torch path otherwise).
         :param triton_chunk: blocks each program of the fused kernel reads (a power of two).
         :raises ValueError: no tensors; an unknown ``kernel``; a ``triton_chunk`` that is not a power
             of two; ``"triton"`` where Triton does not
             import or a tensor's slot rows are not contiguous (a transposed layout); ``"numpy"``
-            for a tensor that is not a contiguous CPU tensor.
+            or ``"native"`` for a tensor that is not a contiguous CPU tensor; ``"native"`` where
+            the extension is not built (or ``RADIXCACHE_NATIVE=0``).
         """
         if not tensors:
             raise ValueError("SlotHasher needs at least one tensor")
-        if kernel not in ("auto", "torch", "triton", "numpy"):
-            raise ValueError(f"kernel must be 'auto', 'torch', 'triton' or 'numpy', got {kernel!r}")
+        if kernel not in ("auto", "torch", "triton", "numpy", "native"):
+            raise ValueError(f"kernel must be 'auto', 'torch', 'triton', 'numpy' or 'native', got {kernel!r}")
+        if kernel == "native" and _NATIVE is None:
+            raise ValueError(
+                "kernel='native' needs linear_state's C extension (not built here, or RADIXCACHE_NATIVE=0)"
+            )
         chunk_ok = type(triton_chunk) is int and triton_chunk >= 1 and not triton_chunk & (triton_chunk - 1)
         if not chunk_ok:
             raise ValueError(f"triton_chunk must be a power of two >= 1, got {triton_chunk!r}")
@@ -126,20 +141,26 @@ class SlotHasher:
         # host whose cores are busy its intra-op threads were measured waiting milliseconds for a
         # core (benchmarks/bench_forensics.py); numpy sums on the calling thread.
         self._np_words: list[np.ndarray] | None = None
-        if kernel == "numpy" or (kernel == "auto" and on_cpu):
+        self._native = False  # the numpy views summed by linear_state._native
+        if kernel in ("numpy", "native") or (kernel == "auto" and on_cpu):
             views = [_numpy_words(t) for t in tensors]
             slot_bytes = sum(t[:, 0].numel() * t.element_size() for t in tensors if t.shape[1])
-            if all(v is not None for v in views) and (kernel == "numpy" or slot_bytes <= NUMPY_MAX_SLOT_BYTES):
+            forced = kernel in ("numpy", "native")
+            limit = NUMPY_MAX_SLOT_BYTES if _NATIVE is None else NATIVE_MAX_SLOT_BYTES
+            if all(v is not None for v in views) and (forced or slot_bytes <= limit):
                 self._np_words = [v for v in views if v is not None]
-            elif kernel == "numpy":
-                raise ValueError("kernel='numpy' needs contiguous CPU tensors of at least one slot")
+                self._native = _NATIVE is not None and kernel != "numpy"
+            elif forced:
+                raise ValueError(f"kernel={kernel!r} needs contiguous CPU tensors of at least one slot")
 
     @property
     def kernel(self) -> str:
-        """The path :meth:`fingerprint` takes: ``"triton"``, ``"numpy"`` or ``"torch"``."""
+        """The path :meth:`fingerprint` takes: ``"triton"``, ``"native"``, ``"numpy"`` or ``"torch"``."""
         if self._fused is not None:
             return "triton"
-        return "torch" if self._np_words is None else "numpy"
+        if self._np_words is None:
+            return "torch"
+        return "native" if self._native else "numpy"
 
     def fingerprint(self, slot: int) -> Fingerprint:
         """Fingerprint of ``slot`` across all tensors and layers.
@@ -149,6 +170,8 @@ class SlotHasher:
         """
         if self._fused is not None:
             return self._fused.fingerprint(slot)
+        if self._native and _NATIVE is not None and self._np_words is not None and self._m_np is not None:
+            return _NATIVE.fingerprint(self._np_words, slot, self._m_np, BLOCK)
         if self._np_words is not None:
             self._block_sums_numpy(slot)
         else:

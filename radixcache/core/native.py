@@ -1,24 +1,20 @@
 """The tree's hot paths in C: whether they run natively here.
 
-``radixcache.core._native`` (``radixcache/core/_native.c``) is built by the package's own set-up
-(``pip install``: setuptools and the machine's C compiler). Each native function has a pure-Python
-twin (``HybridRadixCache._walk_py`` and ``_duplicates_py``, ``keys._from_words64_py``) that stays
-the reference: ``tests/test_native.py`` compares the two on random trees and ids, and the
-reference runs wherever the extension is not built. Environment:
-
-- ``RADIXCACHE_NATIVE=0``: run the Python reference even where the extension is built (to compare,
-  or to rule the native code out when hunting a bug);
-- ``RADIXCACHE_REQUIRE_NATIVE=1``: a missing or broken build is an ``ImportError`` at import
-  instead of a silent fallback (CI sets it: a build that stopped compiling must not pass unseen).
+``radixcache.core._native`` (``radixcache/core/_native.c``) is built by the package's own set-up.
+Each native function has a pure-Python twin (``HybridRadixCache._walk_py`` and ``_duplicates_py``,
+``keys._from_words64_py``) that stays the reference: ``tests/test_native.py`` compares the two on
+random trees and ids. Loading, the fallback and the environment switches (``RADIXCACHE_NATIVE=0``,
+``RADIXCACHE_REQUIRE_NATIVE=1``) are :func:`linear_state.native.load`'s.
 """
 
 from __future__ import annotations
 
-import os
 from types import NotImplementedType
 from typing import Any, Protocol
 
-__all__ = ["NATIVE", "Core", "load"]
+from linear_state.native import load
+
+__all__ = ["NATIVE", "Core"]
 
 
 class Core(Protocol):
@@ -39,23 +35,7 @@ class Core(Protocol):
         out of range or not such a buffer; the caller runs the reference, which names it)."""
 
 
-def load() -> Core | None:
-    """The compiled module, or ``None`` when it is not built or ``RADIXCACHE_NATIVE=0``.
-
-    :raises ImportError: not built (or not importable) while ``RADIXCACHE_REQUIRE_NATIVE=1``.
-    """
-    if os.environ.get("RADIXCACHE_NATIVE", "1") == "0":
-        return None
-    try:
-        from . import _native
-    except ImportError:
-        if os.environ.get("RADIXCACHE_REQUIRE_NATIVE") == "1":
-            raise
-        return None
-    return _native
-
-
-MODULE: Core | None = load()
+MODULE: Core | None = load("radixcache.core._native")
 """The module the tree calls (``None``: the Python reference runs)."""
 
 NATIVE: bool = MODULE is not None
