@@ -1,6 +1,7 @@
-/* linear_state._native: the CPU slot fingerprint in C.
+/* linear_state._native: the CPU slot fingerprint and slot copy in C.
  *
  *   fingerprint(views, slot, weights, block) -> int
+ *   copy_slot(rows, src, dst)
  *
  * The exact twin of SlotHasher's numpy and torch paths (linear_state/fingerprint.py, which stay the
  * reference; tests/test_fingerprint_native.py compares them bit for bit on every family's layout):
@@ -8,7 +9,11 @@
  * reference widens them (int32 and int16 keep their sign, bytes do not), summed per block of
  * `block` words modulo 2**64, and the block sums weighted by the hasher's odd weights. One pass
  * over the slot's bytes on the calling thread: inside SGLang's scheduler the numpy path's calls
- * cost ~58 us per small slot, this ~2. Reads only. Built by the package's own set-up.
+ * cost ~58 us per small slot, this ~2. Reads only.
+ *
+ * copy_slot copies one slot's bytes onto another's, layer by layer, in the pool's byte views: what
+ * LinearStatePool's immediate CPU copy does with torch._foreach_copy_ over two per-slot views
+ * (tests/test_pool_native.py compares the two). Built by the package's own set-up.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -153,13 +158,77 @@ fail:
     return NULL;
 }
 
+PyDoc_STRVAR(copy_slot_doc,
+             "copy_slot(rows, src, dst) -> None\n\n"
+             "Copy slot src onto slot dst in each of rows, writable [L, S, bytes] uint8 views whose last\n"
+             "dimension is contiguous (a pool's tensors as bytes): one memmove per layer. Every view is\n"
+             "checked before any byte moves.\n\n"
+             ":raises IndexError: src or dst outside a view's S. :raises ValueError: a view that is not\n"
+             "such bytes (or is read-only).");
+
+#define COPY_MAX_VIEWS 8
+
+static PyObject *copy_slot(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "copy_slot takes 3 arguments, got %zd", nargs);
+        return NULL;
+    }
+    PyObject *rows = args[0];
+    if (!PyList_Check(rows) || PyList_GET_SIZE(rows) > COPY_MAX_VIEWS) {
+        PyErr_Format(PyExc_TypeError, "rows must be a list of at most %d views", COPY_MAX_VIEWS);
+        return NULL;
+    }
+    Py_ssize_t src = PyLong_AsSsize_t(args[1]);
+    if (src == -1 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t dst = PyLong_AsSsize_t(args[2]);
+    if (dst == -1 && PyErr_Occurred())
+        return NULL;
+    Py_buffer v[COPY_MAX_VIEWS];
+    Py_ssize_t n = PyList_GET_SIZE(rows), taken = 0;
+    for (; taken < n; taken++) {
+        if (PyObject_GetBuffer(PyList_GET_ITEM(rows, taken), &v[taken], PyBUF_STRIDES | PyBUF_WRITABLE) != 0)
+            goto fail;
+        Py_buffer *b = &v[taken];
+        if (b->ndim != 3 || b->itemsize != 1 || (b->shape[2] > 1 && b->strides[2] != 1)) {
+            PyErr_SetString(PyExc_ValueError, "a view must be [L, S, bytes] of contiguous bytes");
+            taken++;
+            goto fail;
+        }
+        if (src < 0 || src >= b->shape[1] || dst < 0 || dst >= b->shape[1]) {
+            PyErr_Format(PyExc_IndexError, "slots %zd -> %zd outside [0, %zd)", src, dst, b->shape[1]);
+            taken++;
+            goto fail;
+        }
+    }
+    if (src != dst)
+        for (Py_ssize_t i = 0; i < n; i++) {
+            Py_buffer *b = &v[i];
+            for (Py_ssize_t l = 0; l < b->shape[0]; l++) {
+                char *base = (char *)b->buf + l * b->strides[0];
+                memmove(base + dst * b->strides[1], base + src * b->strides[1], (size_t)b->shape[2]);
+            }
+        }
+    for (Py_ssize_t i = 0; i < n; i++)
+        PyBuffer_Release(&v[i]);
+    Py_RETURN_NONE;
+fail:
+    for (Py_ssize_t i = 0; i < taken; i++)
+        if (v[i].obj != NULL)
+            PyBuffer_Release(&v[i]);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"fingerprint", (PyCFunction)(void (*)(void))fingerprint, METH_FASTCALL, fingerprint_doc},
+    {"copy_slot", (PyCFunction)(void (*)(void))copy_slot, METH_FASTCALL, copy_slot_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_native", "The CPU slot fingerprint in C (see linear_state/_native.c).", -1, methods,
+    PyModuleDef_HEAD_INIT, "_native", "The CPU slot fingerprint and copy in C (see linear_state/_native.c).", -1, methods,
     NULL, NULL, NULL, NULL,
 };
 

@@ -2,10 +2,10 @@
 
 Two C extensions are built by the package's own set-up (``pip install``: setuptools and the
 machine's C compiler): ``linear_state._native`` (the CPU slot fingerprint,
-:class:`~linear_state.SlotHasher`'s ``"native"`` path) and ``radixcache.core._native`` (the tree's
-hot paths, :mod:`radixcache.core.native`). Each native function has a pure-Python twin that stays
-the reference: the tests compare the two, and the reference runs wherever an extension is not
-built. Environment (one switch for both):
+:class:`~linear_state.SlotHasher`'s ``"native"`` path, and a CPU pool's slot copy) and
+``radixcache.core._native`` (the tree's hot paths, :mod:`radixcache.core.native`). Each native
+function has a pure-Python twin that stays the reference: the tests compare the two, and the
+reference runs wherever an extension is not built. Environment (one switch for both):
 
 - ``RADIXCACHE_NATIVE=0``: run the Python references even where the extensions are built (to
   compare, or to rule the native code out when hunting a bug);
@@ -43,9 +43,13 @@ class Fingerprinter(Protocol):
     def fingerprint(self, views: list[Any], slot: int, weights: Any, block: int, /) -> int:
         """The fingerprint of ``slot`` over ``[L, S, words]`` views (SlotHasher's numpy path)."""
 
+    def copy_slot(self, rows: list[Any], src: int, dst: int, /) -> None:
+        """Slot ``src``'s bytes onto slot ``dst``'s in ``[L, S, bytes]`` views (a pool's copy)."""
+
 
 MODULE: Fingerprinter | None = load("linear_state._native")
-"""The fingerprint module :class:`~linear_state.SlotHasher` calls (``None``: numpy or torch)."""
+"""The module :class:`~linear_state.SlotHasher` and a CPU pool's copies call (``None``: numpy or
+torch)."""
 
 NATIVE: bool = MODULE is not None
-"""True when the CPU slot fingerprint runs natively in this process."""
+"""True when the CPU slot fingerprint and CPU pools' slot copies run natively in this process."""

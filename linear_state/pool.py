@@ -26,6 +26,7 @@ from .device import check_device
 from .errors import ForeignSlot, PoolError, PoolExhausted, PrecisionLoss, SlotMisuse
 from .fingerprint import Fingerprint, SlotHasher
 from .layout import StateLayout
+from .native import MODULE as _NATIVE
 from .owners import NodeOwner, Owner, RequestOwner, SlotId
 from .stream import COMPLETE, Fence, ImmediateStream, Stream
 
@@ -168,6 +169,13 @@ class LinearStatePool:
         self._copy_rows: _PerSlot[tuple[torch.Tensor, torch.Tensor]] = _PerSlot(
             lambda i: (wide_conv.select(1, i), wide_rec.select(1, i)), kept
         )
+        # A CPU pool's tensors as bytes, for the native copy of an immediate stream (None: another
+        # device, a layout whose slot rows are not contiguous bytes, or no native build).
+        self._byte_rows: list[np.ndarray] | None = None
+        if _NATIVE is not None:
+            conv_rows, rec_rows = _byte_rows(conv), _byte_rows(recurrent)
+            if conv_rows is not None and rec_rows is not None:
+                self._byte_rows = [conv_rows, rec_rows]
 
     @property
     def _hasher(self) -> SlotHasher:
@@ -667,13 +675,19 @@ class LinearStatePool:
             self._owned_by[owner] = held
 
     def _submit_copy(self, s: int, d: int, stream: Stream | None, after: Iterable[Fence], kind: str) -> Fence:
-        src, dst = self._copy_rows[s], self._copy_rows[d]
         last = self._last_use
         if stream is None and self._immediate and not after and last[s] is COMPLETE and last[d] is COMPLETE:
             # NOTE: shortcut, same semantics: an immediate stream with nothing to wait runs the copy
             # now. Worth ~1 us per clone on the tree's insert path (benchmarks/bench_tree.py).
-            torch._foreach_copy_(dst, src)
+            if self._byte_rows is not None and _NATIVE is not None:
+                # A CPU pool: one memmove per layer in byte views made once (linear_state/_native.c).
+                # NOTE: inside SGLang's scheduler, fresh slots' two views and the copy's dispatch cost
+                # ~10 us per copy: its allocator hands out every slot in turn.
+                _NATIVE.copy_slot(self._byte_rows, s, d)
+            else:
+                torch._foreach_copy_(self._copy_rows[d], self._copy_rows[s])
             return COMPLETE
+        src, dst = self._copy_rows[s], self._copy_rows[d]
 
         def work() -> None:
             torch._foreach_copy_(dst, src)  # one dispatch for both
@@ -970,6 +984,22 @@ class _PerSlot(dict[int, _T]):
             self.clear()
         value = self[slot] = self._make(slot)
         return value
+
+
+def _byte_rows(t: torch.Tensor) -> np.ndarray | None:
+    """A CPU tensor ``[L, S, ...]`` as a writable numpy view ``[L, S, row bytes]`` of its bytes
+    (each layer's slot row contiguous), for :func:`linear_state._native.copy_slot`; ``None`` when it
+    is not one (another device, a row that is not contiguous, no slot)."""
+    if t.device.type != "cpu" or t.dim() < 2 or t.shape[0] == 0 or t.shape[1] == 0:
+        return None
+    try:
+        flat = t.view(t.shape[0], t.shape[1], -1)
+        if flat.shape[2] > 1 and flat.stride(2) != 1:
+            return None
+        out: np.ndarray = flat.view(torch.uint8).numpy()
+    except (RuntimeError, TypeError):
+        return None
+    return out
 
 
 def _widest_slots(t: torch.Tensor) -> torch.Tensor:
