@@ -676,7 +676,13 @@ class LinearStatePool:
 
     def _submit_copy(self, s: int, d: int, stream: Stream | None, after: Iterable[Fence], kind: str) -> Fence:
         last = self._last_use
-        if stream is None and self._immediate and not after and last[s] is COMPLETE and last[d] is COMPLETE:
+        if (
+            stream is None
+            and self._immediate
+            and all(f is COMPLETE for f in after)  # a restore waits its snapshot's (done) clone
+            and last[s] is COMPLETE
+            and last[d] is COMPLETE
+        ):
             # NOTE: shortcut, same semantics: an immediate stream with nothing to wait runs the copy
             # now. Worth ~1 us per clone on the tree's insert path (benchmarks/bench_tree.py).
             if self._byte_rows is not None and _NATIVE is not None:
