@@ -1058,3 +1058,23 @@ def test_ours_refreshes_a_donors_dependents_before_the_next_choice() -> None:
     assert pol.estimates(row, 5.0, leaf=True)[0] == np.inf, "no longer a leaf"
     assert pol.victim(5.0, kv=True) is below, "for KV, the leaf below goes"
     pol.check_invariants()
+
+
+def test_a_batched_estimate_of_a_conversation_past_every_think_time_is_its_density() -> None:
+    """A final state whose conversation always went on (continuation 1.0) but is idle beyond every
+    observed think time: the exact density says 0 (its conversation is over, it goes first), and
+    so must the batched estimate (it was 0/0, NaN, and a NaN estimate is never chosen)."""
+    t = _Tree()
+    pol = t.policy(HitDensity(exact_below=0))
+    _sessions(pol, 16, 3)
+    now = 200.0
+    for k in range(2):  # y makes its second request: every session went on after its second
+        pol.admitted(_req("y", now - 10.0 + k * 10.0))
+    node = t.add(t.fresh())
+    pol.donated(node, _req("y", now), FINISH, now)
+    assert pol.continuation(2) == pytest.approx(1.0)
+    late = now + 10_000.0  # beyond every think time observed (10 s)
+    assert pol.density(node, late) == 0.0
+    with np.errstate(invalid="raise"):
+        est = pol.estimates(np.array([pol._t.pos[node.id]]), late)
+    assert est[0] == 0.0

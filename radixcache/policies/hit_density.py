@@ -592,7 +592,10 @@ class HitDensity(Policy):
                 if c is not None:
                     rf[turns == t] = c
             q = q.copy()
-            q[fin] = rf * alive / (rf * alive + (1.0 - rf))
+            # idle beyond every observed think time (alive 0): over, as _odds says (q 0); not 0/0
+            # where every such conversation went on (rf 1), a NaN estimate no batch would choose
+            live = alive > 0.0
+            q[fin] = np.where(live, rf * alive / np.where(live, rf * alive + (1.0 - rf), 1.0), 0.0)
             wait[fin] = w
         dens: np.ndarray = q * gain / ((r[:, _DROP] if leaf else r[:, _KEEP]) * np.maximum(wait, 1e-3))
         if leaf:
