@@ -186,6 +186,8 @@ def test_duplicates_fall_back_for_arrays_it_does_not_read() -> None:
         assert n.duplicates(kv.numpy(), path, None, 0, 0) is NotImplemented
         got = cache._duplicates(kv, kv.numpy(), path, None, 0, 0)
         assert got is not None and got.tolist() == [50]
+        got = cache._duplicates(None, kv.numpy(), path, None, 0, 0)  # numpy indices alone (insert's fast path)
+        assert got is not None and got.tolist() == [50]
     finally:
         path[0].value_np = saved
     cache.check_invariants()

@@ -711,15 +711,15 @@ class HybridRadixCache:
         # them as a writable int64 numpy array already (the SGLang backend's CPU rows) hands them
         # over as they are: inside SGLang's scheduler a tensor's .numpy() cost ~5 us.
         kvn: np.ndarray | None
+        kv: torch.Tensor | None  # None: the numpy indices alone (a tensor is made only if needed)
         if _plain_int64(kv_indices):
-            kvn = kv_indices
+            kvn, kv = kv_indices, None
             if kvn.size != len(kb) // TOKEN_BYTES:
                 raise ValueError(f"kv_indices has {kvn.size} entries for a key of {len(kb) // TOKEN_BYTES} tokens")
-            kv = torch.from_numpy(kvn)
         else:
             kv = _as_kv(kv_indices, len(kb) // TOKEN_BYTES)
             kvn = kv.numpy() if kv.is_cpu else None
-        _check_known_prefix(known_prefix, kv.numel())
+        _check_known_prefix(known_prefix, len(kb) // TOKEN_BYTES)
         if ready is not None and state_slot is None:
             raise ValueError("ready was given without a state_slot to donate")
         if ready is not None and not isinstance(ready, Fence):
@@ -770,7 +770,11 @@ class HybridRadixCache:
             # A private copy: the caller's index tensor may be a view of its page table, which it
             # rewrites for other requests later.
             own = None if kvn is None else kvn[prefix_len:stop].copy()
-            value = kv[prefix_len:stop].clone() if own is None else torch.from_numpy(own)
+            if own is None:
+                assert kv is not None  # no numpy indices: a tensor was given
+                value = kv[prefix_len:stop].clone()
+            else:
+                value = torch.from_numpy(own)
             leaf = TreeNode(self._next_id, kb[pos:end], value, node, stop, self)
             leaf.value_np = own
             self._next_id += 1
@@ -810,7 +814,7 @@ class HybridRadixCache:
 
     def _duplicates(
         self,
-        kv: torch.Tensor,
+        kv: torch.Tensor | None,
         kvn: np.ndarray | None,
         path: list[TreeNode],
         split_child: TreeNode | None,
@@ -831,14 +835,18 @@ class HybridRadixCache:
 
     def _duplicates_py(
         self,
-        kv: torch.Tensor,
+        kv: torch.Tensor | None,
         kvn: np.ndarray | None,
         path: list[TreeNode],
         split_child: TreeNode | None,
         split_at: int,
         known: int = 0,
     ) -> torch.Tensor | None:
-        """:meth:`_duplicates` in Python: the reference the native one is tested against."""
+        """:meth:`_duplicates` in Python: the reference the native one is tested against. ``kv``
+        may be ``None`` when ``kvn`` holds the indices (a tensor over them is made if needed)."""
+        if kv is None:
+            assert kvn is not None, "the caller's indices: a tensor or a numpy array"
+            kv = torch.from_numpy(kvn)
         spans = [(n.value, n.value_np, n.value.numel()) for n in path if n.depth > known]
         start = path[-1].depth if path else 0
         start -= sum(k for _, _, k in spans)  # the first compared span's start

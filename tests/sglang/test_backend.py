@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("sglang", reason="SGLang is not installed here (CI runs these in their own venv)")
 
 import torch
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache, EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from radixcache.sglang import BACKEND_NAME
@@ -411,6 +411,28 @@ def test_probe_matches_change_no_counts_and_dfs_order_keeps_every_request() -> N
     order = cache.dfs_weight_order(nodes)
     assert sorted(order) == [0, 1, 2, 3]
     assert order[0] == 0  # the first tree seen comes first, whole
+
+
+def test_lock_builds_the_tree_lock_sglangs_base_lock_builds() -> None:
+    """Our lock builds SGLang's TreeLock without the receipt's round trip: the same receipt as
+    SGLang's own ``BasePrefixCache.lock`` over our ``inc_lock_ref``, one lock taken by each, and
+    either one's unlock lets go of exactly one."""
+    env = H.make_env("radixcache", kv_size=256, mamba_size=20)
+    cache = env.cache
+    slot = _slot_with(env, 4, 1)
+    cache.insert(InsertParams(key=RadixKey([1, 2, 3, 4], None), value=env.alloc.alloc(4), mamba_value=slot))
+    env.rtp.mamba_allocator.free(slot)
+    node = cache.match_prefix(MatchPrefixParams(key=RadixKey([1, 2, 3, 4], None))).last_device_node
+    ours = cache.lock(node)
+    theirs = BasePrefixCache.lock(cache, node)
+    assert ours == theirs and ours.node is node and ours.receipt.node_id == node.id
+    assert node.snap_lock == 2 and cache.protected_size() == 4
+    cache.unlock(theirs)
+    assert node.snap_lock == 1
+    BasePrefixCache.unlock(cache, ours)
+    assert node.snap_lock == 0 and cache.protected_size() == 0
+    cache.unlock(None)  # SGLang's contract: nothing to release
+    cache.sanity_check()
 
 
 def test_a_hit_with_no_slot_to_restore_into_is_a_miss_not_an_assert() -> None:
