@@ -20,6 +20,15 @@
 #include <stdint.h>
 #include <string.h>
 
+/* 0 when a call got `want` arguments, else -1 with a TypeError naming the function. */
+static int check_nargs(const char *name, Py_ssize_t nargs, Py_ssize_t want)
+{
+    if (nargs == want)
+        return 0;
+    PyErr_Format(PyExc_TypeError, "%s takes %zd arguments, got %zd", name, want, nargs);
+    return -1;
+}
+
 /* The word kind of a buffer format: 8, 4, 2 (signed) or 1 (unsigned byte); 0 when not one. */
 static int word_kind(const char *f)
 {
@@ -57,20 +66,20 @@ static uint64_t word_sum(const char *p, Py_ssize_t n, Py_ssize_t step, int k)
             }
         }
         break;
+/* Sign-extending sum of n words of type T spaced `step` bytes apart (memcpy: any alignment). */
+#define SIGNED_SUM(T)                                                                                                  \
+    for (j = 0; j < n; j++) {                                                                                          \
+        T w;                                                                                                           \
+        memcpy(&w, p + j * step, sizeof w);                                                                            \
+        s += (uint64_t)(int64_t)w;                                                                                     \
+    }
     case 4:
-        for (j = 0; j < n; j++) {
-            int32_t w;
-            memcpy(&w, p + j * step, 4);
-            s += (uint64_t)(int64_t)w;
-        }
+        SIGNED_SUM(int32_t)
         break;
     case 2:
-        for (j = 0; j < n; j++) {
-            int16_t w;
-            memcpy(&w, p + j * step, 2);
-            s += (uint64_t)(int64_t)w;
-        }
+        SIGNED_SUM(int16_t)
         break;
+#undef SIGNED_SUM
     default:
         for (j = 0; j < n; j++)
             s += (uint8_t)p[j * step];
@@ -89,10 +98,8 @@ PyDoc_STRVAR(fingerprint_doc,
 static PyObject *fingerprint(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 4) {
-        PyErr_Format(PyExc_TypeError, "fingerprint takes 4 arguments, got %zd", nargs);
+    if (check_nargs("fingerprint", nargs, 4) < 0)
         return NULL;
-    }
     PyObject *views = args[0];
     if (!PyList_Check(views)) {
         PyErr_Format(PyExc_TypeError, "views must be a list, got %.100s", Py_TYPE(views)->tp_name);
@@ -171,10 +178,8 @@ PyDoc_STRVAR(copy_slot_doc,
 static PyObject *copy_slot(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 3) {
-        PyErr_Format(PyExc_TypeError, "copy_slot takes 3 arguments, got %zd", nargs);
+    if (check_nargs("copy_slot", nargs, 3) < 0)
         return NULL;
-    }
     PyObject *rows = args[0];
     if (!PyList_Check(rows) || PyList_GET_SIZE(rows) > COPY_MAX_VIEWS) {
         PyErr_Format(PyExc_TypeError, "rows must be a list of at most %d views", COPY_MAX_VIEWS);

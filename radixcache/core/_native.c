@@ -23,6 +23,15 @@
 
 static PyObject *s_children, *s_key, *s_snapshot, *s_host, *s_depth, *s_value_np;
 
+/* 0 when a call got `want` arguments, else -1 with a TypeError naming the function. */
+static int check_nargs(const char *name, Py_ssize_t nargs, Py_ssize_t want)
+{
+    if (nargs == want)
+        return 0;
+    PyErr_Format(PyExc_TypeError, "%s takes %zd argument%s, got %zd", name, want, want == 1 ? "" : "s", nargs);
+    return -1;
+}
+
 /* An int argument as Py_ssize_t (-1 and an exception on failure). */
 static Py_ssize_t as_size(PyObject *o, const char *what)
 {
@@ -58,10 +67,8 @@ PyDoc_STRVAR(walk_doc,
 static PyObject *walk(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 4) {
-        PyErr_Format(PyExc_TypeError, "walk takes 4 arguments, got %zd", nargs);
+    if (check_nargs("walk", nargs, 4) < 0)
         return NULL;
-    }
     PyObject *kb = args[0];
     if (!PyBytes_CheckExact(kb)) {
         PyErr_Format(PyExc_TypeError, "walk's key must be bytes, got %.100s", Py_TYPE(kb)->tp_name);
@@ -205,10 +212,8 @@ PyDoc_STRVAR(duplicates_doc,
 static PyObject *duplicates(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 5) {
-        PyErr_Format(PyExc_TypeError, "duplicates takes 5 arguments, got %zd", nargs);
+    if (check_nargs("duplicates", nargs, 5) < 0)
         return NULL;
-    }
     PyObject *path = args[1], *split_child = args[2];
     if (!PyList_CheckExact(path)) {
         PyErr_Format(PyExc_TypeError, "duplicates' path must be a list, got %.100s", Py_TYPE(path)->tp_name);
