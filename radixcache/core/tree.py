@@ -714,8 +714,7 @@ class HybridRadixCache:
         kv: torch.Tensor | None  # None: the numpy indices alone (a tensor is made only if needed)
         if _plain_int64(kv_indices):
             kvn, kv = kv_indices, None
-            if kvn.size != len(kb) // TOKEN_BYTES:
-                raise ValueError(f"kv_indices has {kvn.size} entries for a key of {len(kb) // TOKEN_BYTES} tokens")
+            _check_kv_count(kvn.size, len(kb) // TOKEN_BYTES)
         else:
             kv = _as_kv(kv_indices, len(kb) // TOKEN_BYTES)
             kvn = kv.numpy() if kv.is_cpu else None
@@ -1454,6 +1453,12 @@ def _check_known_prefix(known: object, n_tokens: int) -> None:
         raise ValueError(f"known_prefix {known} is outside [0, {n_tokens}] for a key of {n_tokens} tokens")
 
 
+def _check_kv_count(count: int, n_tokens: int) -> None:
+    """:raises ValueError: ``count`` KV indices for a key of another length."""
+    if count != n_tokens:
+        raise ValueError(f"kv_indices has {count} entries for a key of {n_tokens} tokens")
+
+
 def _plain_int64(kv: object) -> TypeGuard[np.ndarray]:
     """``kv`` is a 1-D, contiguous, writable int64 numpy array: a tensor can share its memory as it
     is (``torch.from_numpy`` warns on read-only arrays; other arrays go through :func:`_as_kv`)."""
@@ -1474,6 +1479,5 @@ def _as_kv(kv: torch.Tensor | np.ndarray | list[int], n_tokens: int) -> torch.Te
         t = torch.as_tensor(a if a.flags.writeable else a.copy())  # torch warns on read-only memory
     if t.dim() != 1 or t.dtype.is_floating_point or t.dtype == torch.bool or t.dtype.is_complex:
         raise ValueError(f"kv_indices must be a 1-D integer tensor, got shape {tuple(t.shape)} dtype {t.dtype}")
-    if t.numel() != n_tokens:
-        raise ValueError(f"kv_indices has {t.numel()} entries for a key of {n_tokens} tokens")
+    _check_kv_count(t.numel(), n_tokens)
     return t.to(torch.int64) if t.dtype != torch.int64 else t

@@ -107,8 +107,8 @@ class RowTable:
     def due(self, first: TreeNode | None = None) -> list[TreeNode]:
         """``first`` (the policy's own last victim, or where its cascade stopped), then the nodes
         :meth:`hear` found changed and :meth:`mark` was given since the last call, in that order,
-        each once: the policy
-        refreshes the costs that depend on them (``cost_dependent``) now that the tree is still."""
+        each once: the policy refreshes the costs that depend on them (``cost_dependent``) now that
+        the tree is still."""
         heard, self._due = self._due, []
         return list(dict.fromkeys(heard if first is None else [first, *heard]))
 

@@ -687,12 +687,12 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
 
     def _free_differing(self, row: torch.Tensor | np.ndarray, tree_kv: torch.Tensor, start: int, end: int) -> None:
         """Free the row's indices in ``[start, end)`` that differ from the tree's KV ``tree_kv``
-        (int64, on the CPU): duplicates the tree did not adopt. A CPU row is compared through
-        numpy views: NOTE: the torch masked select cost ~15 us of a checkpoint's ~250 in the SGLang
-        scheduler benchmark. The differing indices are copied out (a mask), so the row may be
-        rewritten after."""
-        if isinstance(row, np.ndarray) or row.device.type == "cpu":
-            old = (row if isinstance(row, np.ndarray) else row.numpy())[start:end]
+        (int64, on the CPU): duplicates the tree did not adopt. ``row``: :meth:`_row`'s (a CPU
+        row is a numpy view: NOTE: the torch masked select cost ~15 us of a checkpoint's ~250 in
+        the SGLang scheduler benchmark). The differing indices are copied out (a mask), so the row
+        may be rewritten after."""
+        if isinstance(row, np.ndarray):
+            old = row[start:end]
             differ = old != tree_kv.numpy()
             if differ.any():
                 self._free_kv(torch.from_numpy(old[differ].astype(np.int64, copy=False)))
@@ -707,12 +707,10 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
 
 
 def _write_row(row: torch.Tensor | np.ndarray, kv: torch.Tensor, start: int, end: int) -> None:
-    """``row[start:end] = kv`` (int64 on the CPU) in the row's dtype and on its device; a CPU row
-    through numpy views (one call, no tensor slice)."""
+    """``row[start:end] = kv`` (int64 on the CPU) in the row's dtype and on its device; ``row``:
+    :meth:`RadixcacheHybridCache._row`'s (a CPU row is a numpy view: one call, no tensor slice)."""
     if isinstance(row, np.ndarray):
         row[start:end] = kv.numpy()
-    elif row.device.type == "cpu":
-        row.numpy()[start:end] = kv.numpy()
     else:
         row[start:end] = kv.to(row.device, row.dtype)
 
