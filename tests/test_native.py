@@ -143,6 +143,15 @@ def test_duplicates_match_the_python_reference(case: Any, flips: list[bool], dat
                 assert mine is None
             else:
                 assert mine is not None and torch.equal(mine, ref)
+            # an engine's int32 page-table row: read as it is, the same duplicates, int64
+            row = kvn.astype(np.int32)
+            ref32 = cache._duplicates_py(None, row, path, split, split_at, known)
+            got32 = _nat().duplicates(row, path, split, split_at // TOKEN_BYTES, known)
+            if ref is None:
+                assert ref32 is None and got32 is None
+            else:
+                assert ref32 is not None and ref32.dtype == torch.int64 and torch.equal(ref32, ref)
+                assert isinstance(got32, bytearray) and np.frombuffer(got32, dtype=np.int64).tolist() == ref.tolist()
 
 
 def test_a_known_split_compares_only_past_the_known_prefix() -> None:
@@ -166,8 +175,8 @@ def test_a_known_split_compares_only_past_the_known_prefix() -> None:
 
 @needs_native
 def test_duplicates_fall_back_for_arrays_it_does_not_read() -> None:
-    """Not a contiguous int64 array (a narrower dtype, a strided view, no numpy twin): the native
-    search declines and the reference answers instead, through the tree's dispatch."""
+    """Not a contiguous int64 or int32 array (another dtype, a strided view, no numpy twin): the
+    native search declines and the reference answers instead, through the tree's dispatch."""
     cache, _ = make_cache(slots=8, page_size=1)
     owner = RequestOwner("a")
     slot = state_for(cache, owner, [1, 2, 3])
@@ -177,7 +186,8 @@ def test_duplicates_fall_back_for_arrays_it_does_not_read() -> None:
     path = cache._walk_py(key_bytes([1, 2, 3]), 3 * TOKEN_BYTES, root)[0]
     kv = torch.tensor([10, 50, 12])
     n = _nat()
-    assert n.duplicates(kv.numpy().astype(np.int32), path, None, 0, 0) is NotImplemented
+    assert n.duplicates(kv.numpy().astype(np.int16), path, None, 0, 0) is NotImplemented
+    assert n.duplicates(kv.numpy().astype(np.uint32), path, None, 0, 0) is NotImplemented
     strided = np.array([10, 0, 50, 0, 12, 0], dtype=np.int64)[::2]
     assert n.duplicates(strided, path, None, 0, 0) is NotImplemented
     saved = path[0].value_np
@@ -190,6 +200,121 @@ def test_duplicates_fall_back_for_arrays_it_does_not_read() -> None:
         assert got is not None and got.tolist() == [50]
     finally:
         path[0].value_np = saved
+    cache.check_invariants()
+
+
+def _nodes(cache: HybridRadixCache) -> list[TreeNode]:
+    """Every node of ``cache``'s default tree, the root first."""
+    out, todo = [], [cache.match([]).node]
+    while todo:
+        n = todo.pop()
+        out.append(n)
+        todo.extend(n.children.values())
+    return out
+
+
+@needs_native
+@given(scenario(), st.data())
+def test_gather_matches_the_python_reference(case: Any, data: st.DataObject) -> None:
+    """For every node and a few starts: the native gather into an int64 row, into an int32 row and
+    into fresh bytes writes exactly what the Python reference writes, and nothing outside
+    ``[start, depth)``; ``kv_indices`` (native) equals the edges' concatenation."""
+    page, inserts, evict, _queries = case
+    cache, _ = _build(page, inserts, evict)
+    for node in _nodes(cache):
+        path = []
+        n: TreeNode | None = node
+        while n is not None:
+            path.append(n)
+            n = n.parent
+        whole = torch.cat([p.value for p in reversed(path)]) if path else torch.empty(0, dtype=torch.int64)
+        assert whole.numel() == node.depth
+        for start in {0, node.depth, data.draw(st.integers(0, node.depth))}:
+            want = whole[start:].tolist()
+            assert cache.kv_indices(node, start=start).tolist() == want
+            got = _nat().gather(node, start, None)
+            assert isinstance(got, bytearray) and np.frombuffer(got, dtype=np.int64).tolist() == want
+            for dtype in (np.int64, np.int32):
+                ref = np.full(node.depth + 3, -7, dtype=dtype)
+                nat = ref.copy()
+                cache._gather_py(node, start, ref)
+                assert _nat().gather(node, start, nat) is None
+                assert nat.tolist() == ref.tolist()
+                assert nat[start : node.depth].tolist() == want
+                assert (nat[:start] == -7).all() and (nat[node.depth :] == -7).all()
+                out = np.full(node.depth + 1, -7, dtype=dtype)
+                cache.kv_into(node, out, start=start)  # the dispatch
+                assert out[start : node.depth].tolist() == want and out[-1] == -7
+    cache.check_invariants()
+
+
+def test_kv_into_refuses_bad_arguments_and_writes_nothing() -> None:
+    cache, _ = make_cache(slots=8, page_size=1)
+    owner = RequestOwner("a")
+    slot = state_for(cache, owner, [1, 2, 3, 4])
+    cache.insert([1, 2, 3, 4], torch.arange(10, 14), state_slot=slot)
+    cache.insert([1, 2, 5, 6], torch.tensor([10, 11, 20, 21]), state_slot=slot)
+    cache.pool.free(slot, owner)
+    node = cache.match([1, 2, 5, 6]).node
+    assert node.depth == 4 and node.parent is not None and node.parent.depth == 2
+    out = np.zeros(4, dtype=np.int32)
+    cache.kv_into(node, out, start=1)
+    assert out.tolist() == [0, 11, 20, 21]
+    bad: list[Any] = [
+        np.zeros(4, dtype=np.int16),
+        np.zeros(4, dtype=np.float64),
+        np.zeros((2, 4), dtype=np.int64),
+        np.zeros(8, dtype=np.int64)[::2],
+        torch.zeros(4, dtype=torch.int64),
+        [0, 0, 0, 0],
+    ]
+    ro = np.zeros(4, dtype=np.int64)
+    ro.flags.writeable = False
+    bad.append(ro)
+    for b in bad:
+        with pytest.raises(TypeError, match="writable contiguous 1-D int32 or int64"):
+            cache.kv_into(node, b)
+    short = np.full(3, -1, dtype=np.int64)
+    with pytest.raises(ValueError, match=r"out holds 3 indices, fewer than node \d+'s depth 4"):
+        cache.kv_into(node, short)
+    assert short.tolist() == [-1, -1, -1]
+    with pytest.raises(ValueError, match=r"start 5 is outside \[0, 4\]"):
+        cache.kv_into(node, np.zeros(4, dtype=np.int64), start=5)
+    with pytest.raises(TypeError, match="start must be an int"):
+        cache.kv_into(node, np.zeros(4, dtype=np.int64), start=1.0)  # type: ignore[arg-type]
+    other, _ = make_cache(slots=8, page_size=1)
+    with pytest.raises(Exception, match="another cache"):
+        other.kv_into(node, np.zeros(4, dtype=np.int64))
+    cache.check_invariants()
+
+
+@needs_native
+def test_gather_declines_what_it_does_not_read() -> None:
+    cache, _ = make_cache(slots=8, page_size=1)
+    owner = RequestOwner("a")
+    slot = state_for(cache, owner, [1, 2, 3])
+    cache.insert([1, 2, 3], torch.arange(10, 13), state_slot=slot)
+    cache.pool.free(slot, owner)
+    node = cache.match([1, 2, 3]).node
+    n = _nat()
+    assert n.gather(node, 0, np.zeros(3, dtype=np.int16)) is NotImplemented
+    ro = np.zeros(3, dtype=np.int64)
+    ro.flags.writeable = False
+    assert n.gather(node, 0, ro) is NotImplemented
+    with pytest.raises(ValueError, match="out holds 2 indices"):
+        n.gather(node, 0, np.zeros(2, dtype=np.int64))
+    with pytest.raises(TypeError, match="takes 3 arguments"):
+        n.gather(node, 0)
+    saved = node.value_np
+    node.value_np = None  # a GPU tree's edge: no numpy twin
+    try:
+        assert n.gather(node, 0, None) is NotImplemented
+        out = np.zeros(3, dtype=np.int64)
+        cache.kv_into(node, out)  # the reference answers
+        assert out.tolist() == [10, 11, 12]
+        assert cache.kv_indices(node, start=1).tolist() == [11, 12]
+    finally:
+        node.value_np = saved
     cache.check_invariants()
 
 

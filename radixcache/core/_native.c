@@ -7,9 +7,11 @@
  *   duplicates(kvn, path, split_child, split_k, known)
  *                                               -> HybridRadixCache._duplicates_py
  *   words_to_key(ids)                           -> radixcache.core.keys._from_words64_py
+ *   gather(node, start, out)                    -> HybridRadixCache._gather_py
  *
- * walk and duplicates only read the tree (the nodes' children, key, snapshot, host, depth and
- * value_np), so they cannot break its invariants; words_to_key reads a buffer of ids. Built by the package's own set-up (setuptools, gcc); where it
+ * walk, duplicates and gather only read the tree (the nodes' children, key, snapshot, host, depth,
+ * parent and value_np), so they cannot break its invariants; gather writes only the caller's
+ * array; words_to_key reads a buffer of ids. Built by the package's own set-up (setuptools, gcc); where it
  * is not built, or RADIXCACHE_NATIVE=0, the tree runs the Python reference.
  *
  * NOTE: the lock walks (lock, unlock, relock) were tried here too and measured: 5.3 -> 5.0 us per
@@ -21,7 +23,7 @@
 #include <stdint.h>
 #include <string.h>
 
-static PyObject *s_children, *s_key, *s_snapshot, *s_host, *s_depth, *s_value_np;
+static PyObject *s_children, *s_key, *s_snapshot, *s_host, *s_depth, *s_value_np, *s_parent;
 
 /* 0 when a call got `want` arguments, else -1 with a TypeError naming the function. */
 static int check_nargs(const char *name, Py_ssize_t nargs, Py_ssize_t want)
@@ -172,13 +174,15 @@ fail:
     return NULL;
 }
 
-/* A contiguous 1-D array of 8-byte signed integers (numpy int64) as a buffer; 0: taken, 1: not
- * such an array (no exception set: the caller falls back), -1: an error. */
-static int int64_buffer(PyObject *o, Py_buffer *view)
+/* A contiguous 1-D array of signed integers as a buffer: 8-byte ones (numpy int64), and with
+ * `allow32` 4-byte ones too (numpy int32: an engine's page table row); view->itemsize says which.
+ * `writable`: the caller writes into it. 0: taken, 1: not such an array (no exception set: the
+ * caller falls back), -1: an error. */
+static int index_buffer(PyObject *o, Py_buffer *view, int allow32, int writable)
 {
     if (o == Py_None || !PyObject_CheckBuffer(o))
         return 1;
-    if (PyObject_GetBuffer(o, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0) {
+    if (PyObject_GetBuffer(o, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) != 0) {
         /* numpy refuses a strided array with ValueError, other exporters with BufferError */
         if (PyErr_ExceptionMatches(PyExc_BufferError) || PyErr_ExceptionMatches(PyExc_ValueError)) {
             PyErr_Clear();
@@ -189,11 +193,18 @@ static int int64_buffer(PyObject *o, Py_buffer *view)
     const char *f = view->format ? view->format : "B";
     if (*f == '<' || *f == '=' || *f == '@')
         f++;
-    if (view->itemsize != 8 || view->ndim != 1 || (strcmp(f, "q") != 0 && strcmp(f, "l") != 0)) {
+    int ok64 = view->itemsize == 8 && (strcmp(f, "q") == 0 || strcmp(f, "l") == 0);
+    int ok32 = allow32 && view->itemsize == 4 && (strcmp(f, "i") == 0 || (sizeof(long) == 4 && strcmp(f, "l") == 0));
+    if (view->ndim != 1 || !(ok64 || ok32)) {
         PyBuffer_Release(view);
         return 1;
     }
     return 0;
+}
+
+static int int64_buffer(PyObject *o, Py_buffer *view)
+{
+    return index_buffer(o, view, 0, 0);
 }
 
 typedef struct {
@@ -203,10 +214,10 @@ typedef struct {
 
 PyDoc_STRVAR(duplicates_doc,
              "duplicates(kvn, path, split_child, split_k, known) -> bytearray | None | NotImplemented\n\n"
-             "The caller's KV indices kvn (int64) that differ from the tree's for the same tokens,\n"
+             "The caller's KV indices kvn (int64 or int32) that differ from the tree's for the same tokens,\n"
              "over the nodes of path deeper than known and the first split_k tokens of split_child\n"
              "(or None), as native int64 bytes; None when none differ. NotImplemented when an index\n"
-             "array is not a contiguous int64 numpy array (the caller runs the Python reference,\n"
+             "array is not a contiguous int64 (kvn: or int32) numpy array (the caller runs the Python reference,\n"
              "HybridRadixCache._duplicates_py, whose twin this is).");
 
 static PyObject *duplicates(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
@@ -233,7 +244,7 @@ static PyObject *duplicates(PyObject *module, PyObject *const *args, Py_ssize_t 
     PyObject *result = NULL;
     Py_buffer mine;
     int have_mine = 0;
-    int r = int64_buffer(args[0], &mine);
+    int r = index_buffer(args[0], &mine, 1, 0);
     if (r)
         goto fallback_or_fail;
     have_mine = 1;
@@ -282,8 +293,11 @@ static PyObject *duplicates(PyObject *module, PyObject *const *args, Py_ssize_t 
         spans[0].count -= cut;
         start += cut;
     }
-    const int64_t *m = (const int64_t *)mine.buf;
-    Py_ssize_t mlen = mine.len / 8;
+    /* the caller's indices: int64, or int32 widened as they are read */
+    const int64_t *m64 = mine.itemsize == 8 ? (const int64_t *)mine.buf : NULL;
+    const int32_t *m32 = mine.itemsize == 4 ? (const int32_t *)mine.buf : NULL;
+#define MINE(i) (m64 ? m64[i] : (int64_t)m32[i])
+    Py_ssize_t mlen = mine.len / mine.itemsize;
     Py_ssize_t differ = 0, at = start;
     for (Py_ssize_t s = 0; s < nspans; s++) {
         if (at < 0 || at + spans[s].count > mlen) {
@@ -293,7 +307,7 @@ static PyObject *duplicates(PyObject *module, PyObject *const *args, Py_ssize_t 
         }
         const int64_t *t = (const int64_t *)spans[s].view.buf + spans[s].from;
         for (Py_ssize_t j = 0; j < spans[s].count; j++)
-            differ += m[at + j] != t[j];
+            differ += MINE(at + j) != t[j];
         at += spans[s].count;
     }
     if (differ == 0) {
@@ -309,10 +323,11 @@ static PyObject *duplicates(PyObject *module, PyObject *const *args, Py_ssize_t 
     for (Py_ssize_t s = 0; s < nspans; s++) {
         const int64_t *t = (const int64_t *)spans[s].view.buf + spans[s].from;
         for (Py_ssize_t j = 0; j < spans[s].count; j++)
-            if (m[at + j] != t[j])
-                *out++ = m[at + j];
+            if (MINE(at + j) != t[j])
+                *out++ = MINE(at + j);
         at += spans[s].count;
     }
+#undef MINE
     goto done;
 fallback_or_fail:
     if (r < 0)
@@ -381,10 +396,112 @@ static PyObject *words_to_key(PyObject *module, PyObject *ids)
     return out;
 }
 
+PyDoc_STRVAR(gather_doc,
+             "gather(node, start, out) -> bytearray | None | NotImplemented\n\n"
+             "The KV indices of tokens [start, node.depth) of node's path, read from the edges' value_np\n"
+             "up the parents: written into out[start:node.depth] (a writable contiguous int64 or int32\n"
+             "array at least node.depth long; int32 takes the low 32 bits, as numpy's assignment), or,\n"
+             "with out None, returned as native int64 bytes. NotImplemented when an edge's value_np or out\n"
+             "is not such an array (the caller runs the Python reference, HybridRadixCache._gather_py,\n"
+             "whose twin this is). The caller checks start and out's length.");
+
+static PyObject *gather(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (check_nargs("gather", nargs, 3) < 0)
+        return NULL;
+    Py_ssize_t start = as_size(args[1], "start");
+    if (start == -1 && PyErr_Occurred())
+        return NULL;
+    PyObject *result = NULL, *n = args[0];
+    Py_buffer out;
+    int r = 0, have_out = 0;
+    if (args[2] != Py_None) {
+        r = index_buffer(args[2], &out, 1, 1);
+        if (r)
+            goto fallback_or_fail;
+        have_out = 1;
+    }
+    Py_INCREF(n);
+    for (int first = 1; n != Py_None; first = 0) {
+        PyObject *d = PyObject_GetAttr(n, s_depth);
+        if (d == NULL)
+            goto fail;
+        Py_ssize_t depth = as_size(d, "a node's depth");
+        Py_DECREF(d);
+        if (depth == -1 && PyErr_Occurred())
+            goto fail;
+        if (first) { /* the output's extent: [start, depth) */
+            Py_ssize_t want = depth > start ? depth - start : 0;
+            if (have_out) {
+                if (out.len / out.itemsize < depth || start < 0) {
+                    PyErr_Format(PyExc_ValueError, "gather: out holds %zd indices, node depth %zd, start %zd",
+                                 out.len / out.itemsize, depth, start);
+                    goto fail;
+                }
+            } else if ((result = PyByteArray_FromStringAndSize(NULL, want * 8)) == NULL)
+                goto fail;
+        }
+        if (depth <= start)
+            break;
+        PyObject *v = PyObject_GetAttr(n, s_value_np);
+        if (v == NULL)
+            goto fail;
+        Py_buffer edge;
+        r = int64_buffer(v, &edge);
+        Py_DECREF(v);
+        if (r)
+            goto fallback_or_fail;
+        Py_ssize_t k = edge.len / 8, top = depth - k, from = top < start ? start - top : 0;
+        if (top < 0) {
+            PyBuffer_Release(&edge);
+            PyErr_Format(PyExc_ValueError, "gather: an edge of %zd indices ends at depth %zd", k, depth);
+            goto fail;
+        }
+        const int64_t *e = (const int64_t *)edge.buf;
+        if (!have_out)
+            memcpy(PyByteArray_AS_STRING(result) + (top + from - start) * 8, e + from, (size_t)(k - from) * 8);
+        else if (out.itemsize == 8)
+            memcpy((int64_t *)out.buf + top + from, e + from, (size_t)(k - from) * 8);
+        else {
+            int32_t *o = (int32_t *)out.buf + top;
+            for (Py_ssize_t j = from; j < k; j++)
+                o[j] = (int32_t)(uint32_t)(uint64_t)e[j];
+        }
+        PyBuffer_Release(&edge);
+        PyObject *p = PyObject_GetAttr(n, s_parent);
+        if (p == NULL)
+            goto fail;
+        Py_SETREF(n, p);
+    }
+    Py_DECREF(n);
+    n = NULL;
+    if (have_out) {
+        PyBuffer_Release(&out);
+        Py_RETURN_NONE;
+    }
+    return result;
+fallback_or_fail:
+    Py_XDECREF(n);
+    Py_CLEAR(result);
+    if (have_out)
+        PyBuffer_Release(&out);
+    if (r < 0)
+        return NULL;
+    Py_RETURN_NOTIMPLEMENTED;
+fail:
+    Py_XDECREF(n);
+    Py_CLEAR(result);
+    if (have_out)
+        PyBuffer_Release(&out);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"walk", (PyCFunction)(void (*)(void))walk, METH_FASTCALL, walk_doc},
     {"duplicates", (PyCFunction)(void (*)(void))duplicates, METH_FASTCALL, duplicates_doc},
     {"words_to_key", words_to_key, METH_O, words_to_key_doc},
+    {"gather", (PyCFunction)(void (*)(void))gather, METH_FASTCALL, gather_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -397,7 +514,8 @@ PyMODINIT_FUNC PyInit__native(void)
 {
     if (!(s_children = PyUnicode_InternFromString("children")) || !(s_key = PyUnicode_InternFromString("key")) ||
         !(s_snapshot = PyUnicode_InternFromString("snapshot")) || !(s_host = PyUnicode_InternFromString("host")) ||
-        !(s_depth = PyUnicode_InternFromString("depth")) || !(s_value_np = PyUnicode_InternFromString("value_np")))
+        !(s_depth = PyUnicode_InternFromString("depth")) || !(s_value_np = PyUnicode_InternFromString("value_np")) ||
+        !(s_parent = PyUnicode_InternFromString("parent")))
         return NULL;
     return PyModule_Create(&module);
 }

@@ -1,8 +1,8 @@
 """The tree's hot paths in C: whether they run natively here.
 
 ``radixcache.core._native`` (``radixcache/core/_native.c``) is built by the package's own set-up.
-Each native function has a pure-Python twin (``HybridRadixCache._walk_py`` and ``_duplicates_py``,
-``keys._from_words64_py``) that stays the reference: ``tests/test_native.py`` compares the two on
+Each native function has a pure-Python twin (``HybridRadixCache._walk_py``, ``_duplicates_py`` and
+``_gather_py``, ``keys._from_words64_py``) that stays the reference: ``tests/test_native.py`` compares the two on
 random trees and ids. Loading, the fallback and the environment switches (``RADIXCACHE_NATIVE=0``,
 ``RADIXCACHE_REQUIRE_NATIVE=1``) are :func:`linear_state.native.load`'s.
 """
@@ -27,8 +27,15 @@ class Core(Protocol):
     def duplicates(
         self, kvn: Any, path: list[Any], split_child: Any, split_k: int, known: int, /
     ) -> bytearray | NotImplementedType | None:
-        """``HybridRadixCache._duplicates`` as int64 bytes (``None``: none differ;
-        ``NotImplemented``: an index array it does not read, the caller runs the reference)."""
+        """``HybridRadixCache._duplicates`` of ``kvn`` (int64 or int32) as int64 bytes (``None``:
+        none differ; ``NotImplemented``: an index array it does not read, the caller runs the
+        reference)."""
+
+    def gather(self, node: Any, start: int, out: Any, /) -> bytearray | NotImplementedType | None:
+        """The KV indices of ``[start, node.depth)`` up ``node``'s path: written into
+        ``out[start:node.depth]`` (int64 or int32; returns ``None``), or with ``out`` ``None``
+        returned as int64 bytes (``HybridRadixCache._gather_py``'s writes; ``NotImplemented``:
+        an array it does not read, the caller runs the reference)."""
 
     def words_to_key(self, ids: Any, /) -> bytes | None:
         """``radixcache.core.keys._from_words64_py`` of a buffer of 8-byte ids (``None``: an id
@@ -39,5 +46,5 @@ MODULE: Core | None = load("radixcache.core._native")
 """The module the tree calls (``None``: the Python reference runs)."""
 
 NATIVE: bool = MODULE is not None
-"""True when the tree's walk and duplicate search, and the conversion of 8-byte ids to keys, run
-natively in this process."""
+"""True when the tree's walk, duplicate search and KV gathering, and the conversion of 8-byte ids
+to keys, run natively in this process."""

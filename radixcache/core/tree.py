@@ -586,11 +586,18 @@ class HybridRadixCache:
         :raises ForeignObjectError: ``node`` is another cache's. :raises TypeError, ValueError:
             ``start`` is not an int in ``[0, node.depth]``."""
         self._own(node)
-        if start or type(start) is not int:
-            if isinstance(start, bool) or not isinstance(start, (int, np.integer)):
-                raise TypeError(f"start must be an int, got {start!r}")
-            if not 0 <= start <= node.depth:
-                raise ValueError(f"start {start} is outside [0, {node.depth}] (node {node.id}'s depth)")
+        start = _check_start(start, node)
+        if start >= node.depth:
+            return _EMPTY_KV
+        if node.depth - node.num_tokens <= start:  # one edge holds them: a view of it, no copy
+            return node.value[start - (node.depth - node.num_tokens) :]
+        if _NATIVE is not None:
+            # NOTE: one pass up the parents into one buffer; torch.cat of the edges cost ~5 us per
+            # call inside SGLang's scheduler (prefix_device_indices, every admission)
+            got = _NATIVE.gather(node, start, None)
+            if got is not NotImplemented:
+                assert got is not None
+                return torch.frombuffer(got, dtype=torch.int64)
         parts: list[torch.Tensor] = []
         n: TreeNode | None = node
         top = node
@@ -598,13 +605,47 @@ class HybridRadixCache:
             parts.append(n.value)
             top = n
             n = n.parent
-        if not parts:
-            return _EMPTY_KV
         cut = start - (top.depth - top.num_tokens)  # the top edge starts above ``start``: cut it
         if cut > 0:
             parts[-1] = parts[-1][cut:]
         parts.reverse()
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        return torch.cat(parts)
+
+    def kv_into(self, node: TreeNode, out: np.ndarray, *, start: int = 0) -> None:
+        """Write the KV indices of the tokens ``[start, node.depth)`` of ``node``'s path into
+        ``out[start:node.depth]``: a host's page-table row on the CPU (a writable, contiguous 1-D
+        int32 or int64 numpy array at least ``node.depth`` long), in its dtype (int32 keeps the
+        low 32 bits, as numpy's assignment does). Only the edges below ``start`` are read, and
+        nothing is allocated: what :meth:`kv_indices` and an assignment do, without the tensor in
+        between. O(nodes below ``start`` + tokens written).
+
+        :raises ForeignObjectError: ``node`` is another cache's. :raises TypeError: ``out`` is not
+            such an array, or ``start`` is not an int. :raises ValueError: ``start`` outside
+            ``[0, node.depth]``, or ``out`` shorter than ``node.depth``. Nothing written."""
+        self._own(node)
+        start = _check_start(start, node)
+        if not (
+            type(out) is np.ndarray
+            and out.ndim == 1
+            and out.dtype in (np.int32, np.int64)
+            and out.flags.c_contiguous
+            and out.flags.writeable
+        ):
+            what = f"{out.dtype} array of shape {out.shape}" if isinstance(out, np.ndarray) else type(out).__name__
+            raise TypeError(f"out must be a writable contiguous 1-D int32 or int64 numpy array, got {what}")
+        if len(out) < node.depth:
+            raise ValueError(f"out holds {len(out)} indices, fewer than node {node.id}'s depth {node.depth}")
+        if _NATIVE is None or _NATIVE.gather(node, start, out) is NotImplemented:
+            self._gather_py(node, start, out)
+
+    def _gather_py(self, node: TreeNode, start: int, out: np.ndarray) -> None:
+        """:meth:`kv_into`'s writes in Python: the reference the native gather is tested against."""
+        n: TreeNode | None = node
+        while n is not None and n.depth > start:
+            top = n.depth - n.num_tokens
+            edge = n.value_np if n.value_np is not None else n.value.cpu().numpy()
+            out[max(top, start) : n.depth] = edge[max(0, start - top) :]
+            n = n.parent
 
     def kv_prefix(self, key: KeyLike, *, namespace: Hashable = None) -> torch.Tensor:
         """The tree's KV indices for the longest page-cut prefix of ``key`` it holds KV for
@@ -712,7 +753,7 @@ class HybridRadixCache:
         # over as they are: inside SGLang's scheduler a tensor's .numpy() cost ~5 us.
         kvn: np.ndarray | None
         kv: torch.Tensor | None  # None: the numpy indices alone (a tensor is made only if needed)
-        if _plain_int64(kv_indices):
+        if _plain_index(kv_indices):
             kvn, kv = kv_indices, None
             _check_kv_count(kvn.size, len(kb) // TOKEN_BYTES)
         else:
@@ -768,7 +809,7 @@ class HybridRadixCache:
             stop = end // TOKEN_BYTES
             # A private copy: the caller's index tensor may be a view of its page table, which it
             # rewrites for other requests later.
-            own = None if kvn is None else kvn[prefix_len:stop].copy()
+            own = None if kvn is None else kvn[prefix_len:stop].astype(np.int64)  # a copy, int64
             if own is None:
                 assert kv is not None  # no numpy indices: a tensor was given
                 value = kv[prefix_len:stop].clone()
@@ -824,8 +865,9 @@ class HybridRadixCache:
         or None. An index equal to the tree's is the tree's own (the caller got it from ``match``);
         the first ``known`` are not compared (see :meth:`insert`'s ``known_prefix``). Natively
         (:data:`radixcache.core.native.NATIVE`) when every compared index array is a contiguous
-        CPU int64 one, else :meth:`_duplicates_py`: the same indices in the same order (natively
-        a copy; the reference may hand back a view of ``kv``)."""
+        CPU int64 one (the caller's may be int32), else :meth:`_duplicates_py`: the same indices
+        (int64) in the same order (natively a copy; the reference may hand back a view of
+        ``kv``)."""
         if _NATIVE is not None and kvn is not None:
             out = _NATIVE.duplicates(kvn, path, split_child, split_at // TOKEN_BYTES, known)
             if out is not NotImplemented:
@@ -874,7 +916,8 @@ class HybridRadixCache:
             start += k
         if not parts:
             return None
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return out if out.dtype == torch.int64 else out.to(torch.int64)  # an int32 row's, widened
 
     def _split(self, child: TreeNode, at: int) -> TreeNode:
         """Split ``child``'s edge after ``at`` bytes; return the new upper node (no snapshot).
@@ -1459,16 +1502,29 @@ def _check_kv_count(count: int, n_tokens: int) -> None:
         raise ValueError(f"kv_indices has {count} entries for a key of {n_tokens} tokens")
 
 
-def _plain_int64(kv: object) -> TypeGuard[np.ndarray]:
-    """``kv`` is a 1-D, contiguous, writable int64 numpy array: a tensor can share its memory as it
-    is (``torch.from_numpy`` warns on read-only arrays; other arrays go through :func:`_as_kv`)."""
-    return (
-        type(kv) is np.ndarray
-        and kv.dtype == np.int64
-        and kv.ndim == 1
-        and kv.flags.c_contiguous
-        and kv.flags.writeable
-    )
+def _check_start(start: object, node: TreeNode) -> int:
+    """``start`` as a token position in ``[0, node.depth]``. :raises TypeError, ValueError."""
+    if type(start) is int and 0 <= start <= node.depth:
+        return start
+    if isinstance(start, bool) or not isinstance(start, (int, np.integer)):
+        raise TypeError(f"start must be an int, got {start!r}")
+    if not 0 <= start <= node.depth:
+        raise ValueError(f"start {start} is outside [0, {node.depth}] (node {node.id}'s depth)")
+    return int(start)
+
+
+_INDEX_DTYPES = (np.dtype(np.int64), np.dtype(np.int32))
+
+
+def _plain_index(kv: object) -> TypeGuard[np.ndarray]:
+    """``kv`` is a 1-D, contiguous, writable int64 or int32 numpy array (an engine's page-table
+    row: read as it is, widened only where the tree keeps a copy): a tensor can share its memory
+    as it is (``torch.from_numpy`` warns on read-only arrays; other arrays go through
+    :func:`_as_kv`)."""
+    if type(kv) is not np.ndarray or kv.dtype not in _INDEX_DTYPES or kv.ndim != 1:
+        return False
+    flags = kv.flags  # NOTE: one flags object, not one per attribute: ~1 us per insert in place
+    return bool(flags.c_contiguous and flags.writeable)
 
 
 def _as_kv(kv: torch.Tensor | np.ndarray | list[int], n_tokens: int) -> torch.Tensor:

@@ -81,7 +81,12 @@ class SGLangSlots:
     def take(self, n: int) -> list[int] | None:
         """``n`` slots from SGLang's free list, or ``None``."""
         got = self.allocator.alloc(n)
-        return None if got is None else got.reshape(-1).tolist()  # ints: tolist makes them
+        if got is None:
+            return None
+        # ints: tolist makes them. NOTE: SGLang hands out a 1-D slice of its free list; reshaping
+        # it first cost ~8 us per request inside its scheduler (py-spy, session 34).
+        out: list[int] = got.tolist() if got.dim() == 1 else got.reshape(-1).tolist()
+        return out
 
     def give(self, slots: Sequence[int]) -> None:
         """Back onto SGLang's free list."""
@@ -506,9 +511,10 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         if n <= prot:
             return
         row = self._row(kvr.req_pool_idx)
-        # NOTE: a CPU row's indices as int64 numpy, which the tree takes as they are: the torch
-        # slice, conversion and .numpy() cost ~13 us of a checkpoint inside SGLang's scheduler
-        kv = row[:n].astype(np.int64) if isinstance(row, np.ndarray) else row[:n]
+        # NOTE: a CPU row's indices as a numpy view (int32), which the tree reads as they are and
+        # widens only where it keeps a copy: the torch slice, conversion and .numpy() cost ~13 us
+        # of a checkpoint inside SGLang's scheduler, widening the whole row ~4 us (session 34)
+        kv = row[:n]
         ns = _namespace(req.extra_key, getattr(req, "cache_salt", None))
         if not self.extra_buffer and kvr.holds_mamba and n % self.page_size == 0:
             slot = int(kvr.mamba_pool_idx)
@@ -520,7 +526,6 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
             return  # nothing new a later request could resume from: the row stays the request's
         depth = node.depth
         if res.duplicates:  # another request filed some of the key first: take the tree's KV here
-            tree_kv = self.tree.kv_indices(node, start=prot)
             if res.prefix_length <= depth:
                 # The tree compared [prot, prefix_length) and handed back exactly the row's indices
                 # there that differ from its own.
@@ -529,9 +534,14 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
                 # The donation was skipped and the node is shallower than the key: duplicates past
                 # `depth` stay the row's, for SGLang's release to free; those before it are found
                 # by comparing.
-                self._free_differing(row, tree_kv, prot, depth)
+                self._free_differing(row, self.tree.kv_indices(node, start=prot), prot, depth)
             # freed first (they may be a view of the row): the row names the tree's KV from here on
-            _write_row(row, tree_kv, prot, depth)
+            if isinstance(row, np.ndarray):
+                # NOTE: straight from the edges into the row: the tensor of kv_indices and its
+                # assignment cost ~13 us per request inside SGLang's scheduler (session 34)
+                self.tree.kv_into(node, row, start=prot)
+            else:
+                _write_row(row, self.tree.kv_indices(node, start=prot), prot, depth)
         # else the tree adopted the row's own indices for [prot, depth): the row already names them
         old = req.lock
         if old is None:
