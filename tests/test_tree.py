@@ -809,3 +809,22 @@ def test_numpy_kv_of_the_wrong_length_is_refused_with_nothing_changed() -> None:
         cache.insert([1, 2, 3], np.array([5, 6], dtype=np.int64), state_slot=slot)
     assert cache.num_nodes == 0 and cache.num_snapshots == 0
     cache.check_invariants()
+
+
+def test_root_is_what_a_miss_returns_per_namespace() -> None:
+    cache, _ = make_cache(page_size=1)
+    nobody = cache.root("never")
+    assert cache.root(None) is nobody is cache.match([5, 6], namespace="never").node  # a placeholder
+    owner = RequestOwner("a")
+    slot = state_for(cache, owner, [1, 2, 3])
+    cache.insert([1, 2, 3], torch.arange(3), state_slot=slot, namespace="t")
+    cache.pool.free(slot, owner)
+    root = cache.root("t")
+    assert root is not nobody and root.parent is None and root.depth == 0
+    assert cache.match([9], namespace="t").node is root
+    assert cache.match([], namespace="t").node is root
+    assert cache.root(None) is nobody  # another namespace's insert leaves it a placeholder
+    assert cache.match([1, 2, 3], namespace="t").node.parent is root
+    with pytest.raises(TypeError, match="hashable"):
+        cache.root(["t"])  # type: ignore[arg-type]
+    cache.check_invariants()

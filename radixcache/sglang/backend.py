@@ -623,7 +623,7 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
 
     def root_node_handle(self, extra_key: str | None = None) -> Any:
         """The root of ``extra_key``'s tree."""
-        return self.manager.lookup([], namespace=_namespace(extra_key, None), touch=False).node
+        return self.tree.root(_namespace(extra_key, None))
 
     @property
     def root_node(self) -> Any:
@@ -692,7 +692,7 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
 
     def _miss(self, ns: Hashable) -> MatchResult:
         """A match without a hit: the tree's root for ``ns`` in every node field."""
-        root = self.manager.lookup([], namespace=ns, touch=False).node
+        root = self.tree.root(ns)
         return MatchResult(0, root, root, root, cache_protected_len=0)
 
     def _free_differing(self, row: torch.Tensor | np.ndarray, tree_kv: torch.Tensor, start: int, end: int) -> None:
