@@ -1869,7 +1869,8 @@ class CacheManager:
         known_prefix: int = 0,
     ) -> InsertResult:
         """File a prefix a host that keeps its own slots computed: ``cache_ids`` with their KV (a
-        1-D integer tensor, or numpy array: a writable int64 one on the CPU is taken as it is), and,
+        1-D integer tensor, or numpy array: a writable contiguous int64 or int32 one on the CPU, a
+        page-table row, is read as it is and copied only where the tree keeps it), and,
         with ``state_slot`` (the state after the page-cut key, owned by the caller; lend the host's
         slot to the pool for the call), a clone of that state. When the clone needs a slot and none
         is free, one snapshot is evicted through the policy (after every argument was checked);
