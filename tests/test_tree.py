@@ -828,3 +828,24 @@ def test_root_is_what_a_miss_returns_per_namespace() -> None:
     with pytest.raises(TypeError, match="hashable"):
         cache.root(["t"])  # type: ignore[arg-type]
     cache.check_invariants()
+
+
+def test_an_int32_page_table_row_is_read_as_it_is_and_stored_as_an_int64_copy() -> None:
+    """An engine's int32 row (SGLang's req_to_token on the CPU) goes to insert as it is: the tree
+    stores int64 copies of what it keeps, hands duplicates back as int64, and a later rewrite of
+    the row changes nothing in the tree."""
+    cache, _ = make_cache(page_size=1)
+    owner = RequestOwner("a")
+    slot = state_for(cache, owner, [1, 2, 3, 4])
+    cache.insert([1, 2], torch.tensor([10, 11]))  # nothing stored without a state
+    cache.insert([1, 2, 3, 4], torch.tensor([10, 11, 12, 13]), state_slot=slot)
+    row = np.array([10, 99, 12, 13, 20, 21, 0, 0], dtype=np.int32)  # 99: a duplicate of 11
+    res = cache.insert([1, 2, 3, 4, 5, 6], row[:6], state_slot=slot, release_duplicates=False)
+    cache.pool.free(slot, owner)
+    assert res.prefix_length == 4 and res.node.depth == 6
+    assert res.released.dtype == torch.int64 and res.released.tolist() == [99]
+    row[:] = -5  # the engine rewrites its row for another request
+    kv = cache.kv_indices(res.node)
+    assert kv.dtype == torch.int64 and kv.tolist() == [10, 11, 12, 13, 20, 21]
+    assert res.node.value.dtype == torch.int64
+    cache.check_invariants()

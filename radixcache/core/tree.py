@@ -430,16 +430,7 @@ class HybridRadixCache:
         if touch:
             self._touch(used)
         target = used[-1]
-        if snap_at == 1:
-            kv = target.value
-        elif _NATIVE is not None and (got := _NATIVE.gather(target, 0, None)) is not NotImplemented:
-            # NOTE: one pass up the path into one buffer: torch.cat of the edges cost ~5 us of
-            # every admission's lookup inside SGLang's scheduler (py-spy, session 34)
-            assert got is not None
-            kv = torch.frombuffer(got, dtype=torch.int64)
-        else:
-            kv = torch.cat([n.value for n in used])
-        return MatchResult(target.depth, pos // TOKEN_BYTES, kv, target, target.snapshot)
+        return MatchResult(target.depth, pos // TOKEN_BYTES, self._path_kv(target, 0), target, target.snapshot)
 
     def root(self, namespace: Hashable = None) -> TreeNode:
         """The root of ``namespace``'s tree: what :meth:`match` returns as ``node`` on a miss (a
@@ -603,14 +594,18 @@ class HybridRadixCache:
         :raises ForeignObjectError: ``node`` is another cache's. :raises TypeError, ValueError:
             ``start`` is not an int in ``[0, node.depth]``."""
         self._own(node)
-        start = _check_start(start, node)
+        return self._path_kv(node, _check_start(start, node))
+
+    def _path_kv(self, node: TreeNode, start: int) -> torch.Tensor:
+        """:meth:`kv_indices` of checked arguments (``match``'s too)."""
         if start >= node.depth:
             return _EMPTY_KV
-        if node.depth - node.num_tokens <= start:  # one edge holds them: a view of it, no copy
-            return node.value[start - (node.depth - node.num_tokens) :]
+        cut = start - (node.depth - node.num_tokens)
+        if cut >= 0:  # one edge holds them: the edge's own tensor, or a view of it; no copy
+            return node.value if cut == 0 else node.value[cut:]
         if _NATIVE is not None:
             # NOTE: one pass up the parents into one buffer; torch.cat of the edges cost ~5 us per
-            # call inside SGLang's scheduler (prefix_device_indices, every admission)
+            # call inside SGLang's scheduler (every admission's lookup and prefix_device_indices)
             got = _NATIVE.gather(node, start, None)
             if got is not NotImplemented:
                 assert got is not None
@@ -641,13 +636,7 @@ class HybridRadixCache:
             ``[0, node.depth]``, or ``out`` shorter than ``node.depth``. Nothing written."""
         self._own(node)
         start = _check_start(start, node)
-        if not (
-            type(out) is np.ndarray
-            and out.ndim == 1
-            and out.dtype in (np.int32, np.int64)
-            and out.flags.c_contiguous
-            and out.flags.writeable
-        ):
+        if not _plain_index(out):
             what = f"{out.dtype} array of shape {out.shape}" if isinstance(out, np.ndarray) else type(out).__name__
             raise TypeError(f"out must be a writable contiguous 1-D int32 or int64 numpy array, got {what}")
         if len(out) < node.depth:
@@ -766,8 +755,8 @@ class HybridRadixCache:
         kb = key_bytes(key)
         # NOTE: a numpy view of CPU indices: slicing and comparing through it costs a third of
         # torch's per-op overhead on this hot path (benchmarks/bench_tree.py). A host that has
-        # them as a writable int64 numpy array already (the SGLang backend's CPU rows) hands them
-        # over as they are: inside SGLang's scheduler a tensor's .numpy() cost ~5 us.
+        # them as a writable int64 or int32 numpy array already (the SGLang backend's CPU rows)
+        # hands them over as they are: inside SGLang's scheduler a tensor's .numpy() cost ~5 us.
         kvn: np.ndarray | None
         kv: torch.Tensor | None  # None: the numpy indices alone (a tensor is made only if needed)
         if _plain_index(kv_indices):
@@ -1405,6 +1394,7 @@ class HybridRadixCache:
                     assert n.value.dim() == 1 and n.value.numel() == n.num_tokens, (
                         f"{n!r} holds {n.value.numel()} KV indices for {n.num_tokens} tokens"
                     )
+                    assert n.value.dtype == torch.int64, f"{n!r} holds {n.value.dtype} KV indices, not int64"
                     assert n.value_np is None or np.array_equal(n.value_np, n.value.numpy()), (
                         f"{n!r} numpy view of its KV indices disagrees with the tensor"
                     )

@@ -465,8 +465,7 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         """Insert with ``slot`` lent for the clone and reclaimed after; no free slot for the
         clone even after evicting one through the policy: insert without a snapshot. The first
         ``known`` indices are the tree's own (SGLang's contract: not compared). ``kv``: a tensor
-        of indices, or an int64 numpy array of the caller's own (the tree keeps what it stores
-        as a copy)."""
+        of indices, or a CPU row's numpy view (int32 or int64: the tree copies what it stores)."""
         if isinstance(kv, torch.Tensor):
             kv = kv.to(torch.int64).cpu()
         mgr = self.manager
@@ -716,13 +715,10 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         self.token_to_kv_pool_allocator.free(kv.to(self.token_to_kv_pool_allocator.device))
 
 
-def _write_row(row: torch.Tensor | np.ndarray, kv: torch.Tensor, start: int, end: int) -> None:
-    """``row[start:end] = kv`` (int64 on the CPU) in the row's dtype and on its device; ``row``:
-    :meth:`RadixcacheHybridCache._row`'s (a CPU row is a numpy view: one call, no tensor slice)."""
-    if isinstance(row, np.ndarray):
-        row[start:end] = kv.numpy()
-    else:
-        row[start:end] = kv.to(row.device, row.dtype)
+def _write_row(row: torch.Tensor, kv: torch.Tensor, start: int, end: int) -> None:
+    """``row[start:end] = kv`` (int64 on the CPU) in the device row's dtype and on its device (a
+    CPU row, a numpy view, takes the tree's KV through :meth:`HybridRadixCache.kv_into`)."""
+    row[start:end] = kv.to(row.device, row.dtype)
 
 
 def _session(req: Any) -> Hashable | None:
