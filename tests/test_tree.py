@@ -771,7 +771,7 @@ def test_a_cache_key_from_bytes_is_checked() -> None:
     "as_given",
     [
         lambda a: a,  # writable int64: taken as it is
-        lambda a: a.astype(np.int32),  # narrower
+        lambda a: a.astype(np.int32),  # an engine's int32 page-table row: also taken as it is
         lambda a: np.repeat(a, 2)[::2],  # strided
         lambda a: np.frombuffer(a.tobytes(), dtype=np.int64),  # read-only
     ],
@@ -793,7 +793,8 @@ def test_numpy_kv_is_filed_as_a_tensor_would_be(as_given: Callable[[np.ndarray],
             res = cache.insert([1, 2, 3, 4], kv, state_slot=slot, release_duplicates=False)
         if isinstance(kv, np.ndarray) and kv.flags.writeable:
             kv[:] = -1  # the caller's buffer, rewritten: the tree's values are its own
-        cache.check_invariants()
+        cache.check_invariants()  # every node's KV int64, whatever the caller's dtype
+        assert res.released.dtype == res.node.value.dtype == cache.kv_indices(res.node).dtype == torch.int64
         runs.append(
             (res.prefix_length, res.node.depth, res.released.tolist(), cache.kv_indices(res.node).tolist(), freed)
         )
@@ -801,12 +802,13 @@ def test_numpy_kv_is_filed_as_a_tensor_would_be(as_given: Callable[[np.ndarray],
     assert runs[0] == runs[1] == (2, 4, [50], [10, 11, 52, 53], [])
 
 
-def test_numpy_kv_of_the_wrong_length_is_refused_with_nothing_changed() -> None:
+@pytest.mark.parametrize("dtype", [np.int64, np.int32])
+def test_numpy_kv_of_the_wrong_length_is_refused_with_nothing_changed(dtype: type) -> None:
     cache, _ = make_cache(slots=8)
     owner = RequestOwner("r")
     slot = state_for(cache, owner, [1, 2, 3])
     with pytest.raises(ValueError, match="kv_indices has 2 entries for a key of 3 tokens"):
-        cache.insert([1, 2, 3], np.array([5, 6], dtype=np.int64), state_slot=slot)
+        cache.insert([1, 2, 3], np.array([5, 6], dtype=dtype), state_slot=slot)
     assert cache.num_nodes == 0 and cache.num_snapshots == 0
     cache.check_invariants()
 
@@ -827,25 +829,4 @@ def test_root_is_what_a_miss_returns_per_namespace() -> None:
     assert cache.match([1, 2, 3], namespace="t").node.parent is root
     with pytest.raises(TypeError, match="hashable"):
         cache.root(["t"])  # type: ignore[arg-type]
-    cache.check_invariants()
-
-
-def test_an_int32_page_table_row_is_read_as_it_is_and_stored_as_an_int64_copy() -> None:
-    """An engine's int32 row (SGLang's req_to_token on the CPU) goes to insert as it is: the tree
-    stores int64 copies of what it keeps, hands duplicates back as int64, and a later rewrite of
-    the row changes nothing in the tree."""
-    cache, _ = make_cache(page_size=1)
-    owner = RequestOwner("a")
-    slot = state_for(cache, owner, [1, 2, 3, 4])
-    cache.insert([1, 2], torch.tensor([10, 11]))  # nothing stored without a state
-    cache.insert([1, 2, 3, 4], torch.tensor([10, 11, 12, 13]), state_slot=slot)
-    row = np.array([10, 99, 12, 13, 20, 21, 0, 0], dtype=np.int32)  # 99: a duplicate of 11
-    res = cache.insert([1, 2, 3, 4, 5, 6], row[:6], state_slot=slot, release_duplicates=False)
-    cache.pool.free(slot, owner)
-    assert res.prefix_length == 4 and res.node.depth == 6
-    assert res.released.dtype == torch.int64 and res.released.tolist() == [99]
-    row[:] = -5  # the engine rewrites its row for another request
-    kv = cache.kv_indices(res.node)
-    assert kv.dtype == torch.int64 and kv.tolist() == [10, 11, 12, 13, 20, 21]
-    assert res.node.value.dtype == torch.int64
     cache.check_invariants()
