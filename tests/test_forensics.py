@@ -1,5 +1,6 @@
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 from linear_state import COMPLETE, LinearStatePool, RequestOwner, StateLayout
 from radixcache import CacheManager, Forensics, Ledger, SnapshotCorruption, read_ledger
 from radixcache.cli import main
-from radixcache.forensics import HOLDERS_KEPT, SAMPLED
+from radixcache.forensics import HOLDERS_KEPT, SAMPLED, key_digest
 from radixcache.testing.hammer import HammerConfig, run_hammer
 from radixcache.testing.model import HybridConfig, HybridModel
 
@@ -318,3 +319,34 @@ def _first_two_draws_below(seed: int, sample: float) -> list[bool]:
     """Whether Forensics(sample=, seed=seed) watches its first two donations."""
     rng = random.Random(seed)
     return [rng.random() < sample for _ in range(2)]
+
+
+def test_the_ancestor_is_asked_only_for_a_watched_donation() -> None:
+    # A checkpoint hands the nearest snapshot ancestor as a function and a view of its key: the
+    # walk and the digest are paid only for the donations drawn into the sample, and a watched
+    # one still compares itself with that ancestor (never-written).
+    seed = next(s for s in range(1000) if _first_two_draws_below(s, 0.5) == [True, False])
+    pool = LinearStatePool(StateLayout(1, (2, 2), (2,)), 4)
+    first, second = pool.alloc(RequestOwner("x")), pool.alloc(RequestOwner("y"))
+    pool.recurrent[:, first] = 1.0
+    pool.recurrent[:, second] = 1.0  # the same state as the first: nothing written in between
+    fx = Forensics(pool, mode="record", sample=0.5, seed=seed)
+    asked: list[int] = []
+
+    def ancestor(nid: int | None, depth: int) -> Callable[[], tuple[int | None, int]]:
+        def find() -> tuple[int | None, int]:
+            asked.append(0 if nid is None else nid)
+            return nid, depth
+
+        return find
+
+    key = memoryview(b"k" * 32)
+    fx.donated(1, 10, key[:16], first, "a", COMPLETE, ancestor(None, 0))  # watched
+    fx.donated(2, 20, key, second, "b", COMPLETE, ancestor(1, 10))  # not watched: not asked
+    assert asked == [0] and fx.donations_watched == 1 and not fx.findings
+    watch_all = Forensics(pool, mode="record")
+    watch_all.donated(1, 10, key[:16], first, "a", COMPLETE, ancestor(None, 0))
+    watch_all.donated(2, 20, key, second, "b", COMPLETE, ancestor(1, 10))
+    assert asked == [0, 0, 1]
+    assert [(f.kind, f.node) for f in watch_all.findings] == [("never-written", 2)]
+    assert watch_all.findings[0].key == key_digest(bytes(key))

@@ -82,8 +82,10 @@ def test_lookup_restore_serve_the_exact_state_and_tell_the_policy() -> None:
     mgr, pol = make()
     file(mgr, [5, 6, 7])
     assert mgr.lookup([], touch=False).node.depth == 0  # the root
+    bare = mgr.lookup([5, 6, 7, 8], touch=False, kv=False)  # the hit alone: its KV is read later
     m = mgr.lookup([5, 6, 7, 8])
-    assert m.cached_length == 3
+    assert m.cached_length == 3 and m.kv_indices.numel() == 3
+    assert (bare.cached_length, bare.node, bare.kv_indices.numel()) == (3, m.node, 0)
     info = mgr.request_info([5, 6, 7, 8], m.cached_length)
     mgr.admitted(info)
     mgr.lock(m.node)

@@ -830,3 +830,27 @@ def test_root_is_what_a_miss_returns_per_namespace() -> None:
     with pytest.raises(TypeError, match="hashable"):
         cache.root(["t"])  # type: ignore[arg-type]
     cache.check_invariants()
+
+
+def test_match_without_kv_finds_the_same_hit_and_gathers_nothing() -> None:
+    cache, _ = make_cache(page_size=1)
+    owner = RequestOwner("a")
+    for key in ([1, 2, 3, 4], [1, 2, 3, 4, 5, 6]):  # two edges: the KV would be gathered
+        slot = state_for(cache, owner, key)
+        cache.insert(key, torch.arange(10, 10 + len(key)), state_slot=slot)
+        cache.pool.free(slot, owner)
+    full = cache.match([1, 2, 3, 4, 5, 6, 7], touch=False)
+    bare = cache.match([1, 2, 3, 4, 5, 6, 7], touch=False, kv=False)
+    assert full.kv_indices.tolist() == [10, 11, 12, 13, 14, 15]
+    assert bare.kv_indices.numel() == 0 and bare.kv_indices.dtype == torch.int64
+    assert (bare.cached_length, bare.token_length, bare.node, bare.snapshot_slot) == (
+        full.cached_length,
+        full.token_length,
+        full.node,
+        full.snapshot_slot,
+    )
+    assert cache.kv_indices(bare.node).tolist() == full.kv_indices.tolist()  # read later, as a host does
+    before = bare.node.last_access
+    cache.match([1, 2, 3, 4, 5, 6], kv=False)
+    assert bare.node.last_access > before  # still touched
+    cache.check_invariants()

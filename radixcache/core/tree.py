@@ -167,7 +167,8 @@ class MatchResult(NamedTuple):
 
     :ivar cached_length: depth of the deepest snapshot on the matched path: the usable hit.
     :ivar token_length: depth to which the key agrees with the tree (diagnostic; >= ``cached_length``).
-    :ivar kv_indices: KV indices of the first ``cached_length`` tokens (1-D int64).
+    :ivar kv_indices: KV indices of the first ``cached_length`` tokens (1-D int64); empty when
+        the match was asked without them (``kv=False``).
     :ivar node: the node at ``cached_length`` (a root when it is 0); pass it to lock/restore.
     :ivar snapshot_slot: its snapshot slot, or ``None`` when ``cached_length`` is 0 or the snapshot
         was demoted to the host tier (``cache.tier(node)`` says which).
@@ -405,15 +406,17 @@ class HybridRadixCache:
                 hi = mid - 1
         return lo * pb
 
-    def match(self, key: KeyLike, *, namespace: Hashable = None, touch: bool = True) -> MatchResult:
+    def match(self, key: KeyLike, *, namespace: Hashable = None, touch: bool = True, kv: bool = True) -> MatchResult:
         """Find the longest usable prefix of ``key``: the deepest snapshot on the matched path, on
         the device or in the host tier (``result.snapshot_slot`` is ``None`` for a host copy:
         :meth:`restore` takes either).
 
         Never splits nodes; refreshes the recency of the nodes it returns unless ``touch`` is
-        False (a dry run: nothing at all changes; :meth:`touch` the result later). O(nodes on the
-        path + log(key length)), no per-token Python work. The result is valid until the next
-        eviction unless ``result.node`` is locked.
+        False (a dry run: nothing at all changes; :meth:`touch` the result later). With ``kv``
+        False, ``result.kv_indices`` is left empty (a host that reads the hit's KV later, through
+        :meth:`kv_indices` or :meth:`kv_into` of ``result.node``, skips gathering it twice).
+        O(nodes on the path + log(key length)), no per-token Python work. The result is valid
+        until the next eviction unless ``result.node`` is locked.
 
         :raises TypeError, ValueError: a bad key (see :mod:`radixcache.core.keys`), an unhashable
             namespace. Nothing changed.
@@ -430,7 +433,8 @@ class HybridRadixCache:
         if touch:
             self._touch(used)
         target = used[-1]
-        return MatchResult(target.depth, pos // TOKEN_BYTES, self._path_kv(target, 0), target, target.snapshot)
+        got = self._path_kv(target, 0) if kv else _EMPTY_KV
+        return MatchResult(target.depth, pos // TOKEN_BYTES, got, target, target.snapshot)
 
     def root(self, namespace: Hashable = None) -> TreeNode:
         """The root of ``namespace``'s tree: what :meth:`match` returns as ``node`` on a miss (a

@@ -929,7 +929,7 @@ class CacheManager:
         """
         ck, ids = self._ids("(fetch_shared)", cache_ids)
         key = ids[: _depth_limit(ids, limit, ids.size)]
-        m = self.cache.match(key, namespace=namespace, touch=False)
+        m = self.cache.match(key, namespace=namespace, touch=False, kv=False)
         shared = self.shared
         if shared is None or m.cached_length >= key.size or not shared.addressable(namespace):
             if shared is not None:
@@ -993,7 +993,7 @@ class CacheManager:
         shared = self.shared
         if shared is None or not shared.addressable(namespace):
             return False
-        m = self.cache.match(ids[:n], namespace=namespace, touch=False)
+        m = self.cache.match(ids[:n], namespace=namespace, touch=False, kv=False)
         return shared.prefetch(rid, ids, namespace, m.cached_length, page=self.cache.page_size, limit=n)
 
     def shared_pending(self, rid: Hashable) -> bool:
@@ -1529,7 +1529,10 @@ class CacheManager:
             device_synchronize(self.pool.device)
         key = self._key(rec, depth)
         ns = rec.namespace
-        if not self.pool.can_alloc(1) and self.cache.match(key, namespace=ns, touch=False).cached_length != depth:
+        if (
+            not self.pool.can_alloc(1)
+            and self.cache.match(key, namespace=ns, touch=False, kv=False).cached_length != depth
+        ):
             self._evict_snapshots(1, now, EvictionReason.DONATION)
         table = self._table(rec)
         try:
@@ -1566,22 +1569,21 @@ class CacheManager:
             self.policy.donated(node, rec.info, reason, now)
         return node
 
-    def _record_donation(self, donor: Hashable, node: TreeNode, key: np.ndarray | bytes) -> None:
+    def _record_donation(self, donor: Hashable, node: TreeNode, key: np.ndarray | bytes | memoryview) -> None:
         """Tell forensics of ``node``'s new snapshot, filed under ``key`` (its ids, or their
-        canonical bytes: NOTE: a checkpoint passes the bytes it has, since forensics digests the
-        key only for the one donation in ten it watches; converting int64 ids cost ~12 us)."""
+        canonical bytes: NOTE: a checkpoint passes a view of the bytes it has, since forensics
+        digests the key only for the one donation in ten it watches; converting int64 ids cost
+        ~12 us). The nearest snapshot ancestor is found only for a watched donation."""
         fx = self.forensics
         assert fx is not None and node.snapshot is not None
-        anc = next(self.cache.snapshot_ancestors(node), None)
         fx.donated(
             node.id,
             node.depth,
-            key if isinstance(key, bytes) else key_bytes(key),
+            key if isinstance(key, (bytes, memoryview)) else key_bytes(key),
             node.snapshot,
             donor,
             node.snapshot_fence,
-            anc.id if anc is not None else None,
-            anc.depth if anc is not None else 0,
+            lambda: _nearest_snapshot(self.cache, node),
         )
 
     # --------------------------------------------------------------- eviction
@@ -1691,15 +1693,19 @@ class CacheManager:
     # host drives the tree or the policy itself.
 
     @_exclusive
-    def lookup(self, cache_ids: KeyLike, *, namespace: Hashable = None, touch: bool = True) -> MatchResult:
+    def lookup(
+        self, cache_ids: KeyLike, *, namespace: Hashable = None, touch: bool = True, kv: bool = True
+    ) -> MatchResult:
         """The deepest cached snapshot on the path of ``cache_ids`` (every id: cap them yourself),
         as :meth:`HybridRadixCache.match`; an empty key gives ``namespace``'s root. ``touch``
-        refreshes the recency of what it returns. Locks nothing: :meth:`lock` the node before an
-        eviction could remove it. O(match).
+        refreshes the recency of what it returns; ``kv=False`` leaves ``result.kv_indices``
+        empty (a host reading the hit's KV later through the tree's ``kv_indices`` or
+        ``kv_into`` of ``result.node``). Locks nothing: :meth:`lock` the node before an eviction
+        could remove it. O(match).
 
         :raises TypeError, ValueError: bad ids or an unhashable namespace. Nothing changed.
         """
-        return self.cache.match(cache_ids, namespace=namespace, touch=touch)
+        return self.cache.match(cache_ids, namespace=namespace, touch=touch, kv=kv)
 
     @_exclusive
     def lock(self, node: TreeNode) -> None:
@@ -1943,7 +1949,7 @@ class CacheManager:
         node = res.node
         self._counters.donations[reason.value] += 1
         if self.forensics is not None:
-            self._record_donation(donor, node, ck.data[: node.depth * TOKEN_BYTES])
+            self._record_donation(donor, node, memoryview(ck.data)[: node.depth * TOKEN_BYTES])
         if self.shared is not None:
             self._queue_publication(node, ck.ids[: node.depth].astype(np.int64), namespace, ready)
         # the policy hears of the donor's key (its whole ids, the page-cut tail included); a
@@ -2310,6 +2316,12 @@ def _request_info(
     is_img = key.ids >= IMAGE_ID_BASE
     starts = np.flatnonzero(is_img & ~np.concatenate([[False], is_img[:-1]]))
     return RequestInfo(n, cached_length, token_length, session, t, digest, tuple(int(s) for s in starts))
+
+
+def _nearest_snapshot(cache: HybridRadixCache, node: TreeNode) -> tuple[int | None, int]:
+    """Id and depth of ``node``'s nearest ancestor holding a snapshot (``(None, 0)``: none)."""
+    anc = next(cache.snapshot_ancestors(node), None)
+    return (None, 0) if anc is None else (anc.id, anc.depth)
 
 
 def _check_fence(ready: object) -> None:

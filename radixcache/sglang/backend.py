@@ -361,7 +361,9 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         if req is not None and hasattr(req, "_compute_max_prefix_len"):
             ids = ids.prefix(req._compute_max_prefix_len(len(full)))
         mgr = self.manager
-        m = mgr.lookup(ids, namespace=ns) if not self.disable and len(ids) else None
+        # NOTE: no KV gathered: SGLang reads the hit's KV itself later (prefix_device_indices ->
+        # path_device_indices), ~3 us per admission gathered twice otherwise (session 35)
+        m = mgr.lookup(ids, namespace=ns, kv=False) if not self.disable and len(ids) else None
         admission = bool(params.cow_mamba) and req is not None
         info = None  # what the policy hears of this admission: computed once, for both calls
         if admission:

@@ -283,8 +283,8 @@ class _KVViewTree(HybridRadixCache):
 class _NamespaceBlindTree(HybridRadixCache):
     """Through the tree's public ``match``: every lookup lands in the base model's namespace."""
 
-    def match(self, key: KeyLike, *, namespace: Hashable = None, touch: bool = True) -> MatchResult:
-        return super().match(key, namespace=None, touch=touch)  # BUG: the namespace is ignored
+    def match(self, key: KeyLike, *, namespace: Hashable = None, touch: bool = True, kv: bool = True) -> MatchResult:
+        return super().match(key, namespace=None, touch=touch, kv=kv)  # BUG: the namespace is ignored
 
 
 class _FullHitManager(CacheManager):

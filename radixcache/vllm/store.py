@@ -475,7 +475,7 @@ class PagedHostStore:
         if end == 0 or end % self.block:
             raise ValueError(f"a saved prefix is a positive multiple of {self.block} tokens, got {end}")
         mgr = self.manager
-        m = mgr.lookup(arr, namespace=namespace, touch=False)
+        m = mgr.lookup(arr, namespace=namespace, touch=False, kv=False)
         if m.cached_length == end:
             self.stats.skip("held")
             return None
