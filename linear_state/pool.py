@@ -146,6 +146,10 @@ class LinearStatePool:
         self._ids: _PerSlot[SlotId] = _PerSlot(functools.partial(int.__new__, type(SlotId(0, self.pool_id))))
         # The class of this pool's ids (one per pool): an id of it is in range by construction.
         self._id_type: type[SlotId] | None = type(self._ids[0]) if num_slots else None
+        # NOTE: the maker itself for the hot paths (alloc and lend of a hosted pool): a hosted pool
+        # forgets a slot's id when the host has the slot back, so nearly every lend and clone makes
+        # one again, ~1 us through _PerSlot.__missing__ inside SGLang's scheduler (session 35)
+        self._new_id = self._ids._make
         self._last_use: _Default[Fence] = _Default(COMPLETE)
         self._owned_by: dict[Owner, set[SlotId]] = {}
         self._hasher_made: SlotHasher | None = None  # made at the first fingerprint (see _hasher)
@@ -680,8 +684,8 @@ class LinearStatePool:
             stream is None
             and self._immediate
             and all(f is COMPLETE for f in after)  # a restore waits its snapshot's (done) clone
-            and last[s] is COMPLETE
-            and last[d] is COMPLETE
+            and last.get(s, COMPLETE) is COMPLETE  # NOTE: get: a miss without __missing__'s frame
+            and last.get(d, COMPLETE) is COMPLETE
         ):
             # NOTE: shortcut, same semantics: an immediate stream with nothing to wait runs the copy
             # now. Worth ~1 us per clone on the tree's insert path (benchmarks/bench_tree.py).
@@ -826,8 +830,13 @@ class HostedStatePool(LinearStatePool):
         # checked, given back and refused by _adopt.
         if len(got) == 1:
             x = got[0]
-            if type(x) is int and 0 <= x < self._capacity and x not in self.reserved and self._owner[x] is None:
-                s = self._ids[x]
+            # NOTE: get, not [], for the slot's owner and id: a slot the host hands over has no
+            # records here (they go when it goes back), and each miss through the dicts'
+            # __missing__ is a Python frame, ~1 us inside SGLang's scheduler (session 35)
+            if type(x) is int and 0 <= x < self._capacity and x not in self.reserved and self._owner.get(x) is None:
+                s = self._ids.get(x)
+                if s is None:
+                    s = self._ids[x] = self._new_id(x)
                 self._owner[s] = owner
                 self._owned_by.setdefault(owner, set()).add(s)
                 return s
@@ -884,13 +893,16 @@ class HostedStatePool(LinearStatePool):
         s = self._index(slot)
         if s in self.reserved:
             raise SlotMisuse("lend of a reserved slot", slot=s, owner=None, actor=owner)
-        cur = self._owner[s]
+        cur = self._owner.get(s)  # NOTE: get: a lent slot has no records here (see alloc)
         if cur is not None:
             raise SlotMisuse("lend of a slot the pool sees owned", slot=s, owner=cur, actor=owner)
         self._owner[s] = owner
-        self._owned_by.setdefault(owner, set()).add(self._ids[s])
+        sid = self._ids.get(s)
+        if sid is None:
+            sid = self._ids[s] = self._new_id(s)
+        self._owned_by.setdefault(owner, set()).add(sid)
         self._lent.add(s)
-        return self._ids[s]
+        return sid
 
     def reclaim(self, slot: int, owner: RequestOwner) -> None:
         """Return a slot :meth:`lend` took to the host, after the pool's pending work on it
@@ -901,14 +913,15 @@ class HostedStatePool(LinearStatePool):
             reclaimed, it would be lost to it). Nothing changed.
         """
         s = self._index(slot)
-        cur = self._owner[s]
-        if cur is None or cur != owner or not isinstance(cur, RequestOwner):
+        cur = self._owner.get(s)
+        # the lender's own owner object comes back (a backend keeps it): no dataclass __eq__
+        if (cur is not owner and (cur is None or cur != owner)) or not isinstance(cur, RequestOwner):
             raise SlotMisuse("reclaim by a non-owner", slot=s, owner=cur, actor=owner)
         if s not in self._lent:
             why = "reclaim of a slot the pool allocated, not lent (free it instead)"
             raise SlotMisuse(why, slot=s, owner=cur, actor=owner)
         self._lent.discard(s)
-        self._last_use[s].wait()
+        self._last_use.get(s, COMPLETE).wait()
         self._release_owner_entry(s, cur)
         self._forget(s)
 

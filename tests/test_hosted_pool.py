@@ -162,10 +162,16 @@ def test_lend_and_reclaim_keep_one_owner() -> None:
         pool.lend(3, NodeOwner(1))  # type: ignore[arg-type]
     with pytest.raises(SlotMisuse, match="reclaim by a non-owner"):
         pool.reclaim(s, RequestOwner("B"))
-    pool.reclaim(s, A)
+    pool.reclaim(s, RequestOwner(A.rid))  # an equal owner, not the lender's object: the same request
     assert pool.owner_of(s) is None and lender.given == []  # the host frees its own slot
     with pytest.raises(SlotMisuse, match="reclaim by a non-owner"):
         pool.reclaim(s, A)
+    node = NodeOwner(7)
+    snap = pool.alloc(node)
+    with pytest.raises(SlotMisuse, match="reclaim by a non-owner"):
+        pool.reclaim(snap, node)  # type: ignore[arg-type]  # its own owner object: still not lent
+    assert pool.owner_of(snap) is node
+    pool.free(snap, node)
     pool.check_invariants()
 
 

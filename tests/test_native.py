@@ -385,7 +385,8 @@ def ids_st(draw: st.DrawFn) -> list[int]:
 @given(ids_st(), st.sampled_from(["array", "int64", "uint64"]))
 def test_words_to_key_matches_the_python_reference(ids: list[int], kind: str) -> None:
     """8-byte ids (SGLang's array('q'), numpy int64 or uint64) to key bytes: the same bytes as the
-    reference, and None exactly where the reference refuses an id (it then names it)."""
+    reference, whether an id is an image id as the reference's ``_has_images`` of them says, and
+    None exactly where the reference refuses an id (it then names it)."""
     from array import array as arr
 
     from radixcache.core import keys
@@ -397,9 +398,13 @@ def test_words_to_key_matches_the_python_reference(ids: list[int], kind: str) ->
         want: bytes | None = keys._from_words64_py(buf, buf)
     except ValueError:
         want = None
-    assert _nat().words_to_key(buf) == want
+    got = _nat().words_to_key(buf)
+    assert got == (None if want is None else (want, keys._has_images(want)))
     if want is not None:
         assert keys.key_bytes(buf) == want  # and through the dispatch
+        key = keys.CacheKey(buf)  # an array's key knows from the conversion; numpy's asks later (-1)
+        assert key._images == (int(keys._has_images(want)) if kind == "array" else -1)
+        assert key.data == want and key.has_images is keys._has_images(want)
     else:
         with pytest.raises(ValueError, match=r"outside \[0, 2\*\*31\)"):
             keys.key_bytes(buf)
@@ -412,4 +417,7 @@ def test_words_to_key_declines_what_it_does_not_read() -> None:
     assert n.words_to_key(np.arange(8, dtype=np.int64)[::2]) is None  # strided
     assert n.words_to_key(np.arange(4, dtype=np.float64)) is None  # not integers
     assert n.words_to_key(object()) is None  # not a buffer
-    assert n.words_to_key(np.arange(3, dtype=np.int64)) == np.arange(3, dtype=np.uint32).tobytes()
+    assert n.words_to_key(np.arange(3, dtype=np.int64)) == (np.arange(3, dtype=np.uint32).tobytes(), False)
+    img = np.array([5, 2**30], dtype=np.int64)  # IMAGE_ID_BASE itself is an image id; 2**30 - 1 is not
+    assert n.words_to_key(img) == (img.astype(np.uint32).tobytes(), True)
+    assert n.words_to_key(img - 1)[1] is False  # type: ignore[index]

@@ -7,6 +7,7 @@
  *   duplicates(kvn, path, split_child, split_k, known)
  *                                               -> HybridRadixCache._duplicates_py
  *   words_to_key(ids)                           -> radixcache.core.keys._from_words64_py
+ *                                                  (and _has_images, in the same pass)
  *   gather(node, start, out)                    -> HybridRadixCache._gather_py
  *
  * walk, duplicates and gather only read the tree (the nodes' children, key, snapshot, host, depth,
@@ -349,11 +350,12 @@ done:
 
 
 PyDoc_STRVAR(words_to_key_doc,
-             "words_to_key(ids) -> bytes | None\n\n"
+             "words_to_key(ids) -> tuple[bytes, bool] | None\n\n"
              "The canonical key bytes (native uint32 per id) of a contiguous buffer of 8-byte integer\n"
-             "ids (array('q'), numpy int64 or uint64); None when an id is outside [0, 2**31) (the\n"
-             "caller's reference names it), or the buffer is not such ids. The twin of\n"
-             "radixcache.core.keys._from_words64_py.");
+             "ids (array('q'), numpy int64 or uint64), and whether an id is at least IMAGE_ID_BASE\n"
+             "(2**30: an image-derived id), read in the same pass; None when an id is outside\n"
+             "[0, 2**31) (the caller's reference names it), or the buffer is not such ids. The twin of\n"
+             "radixcache.core.keys._from_words64_py (and _has_images of its bytes).");
 
 static PyObject *words_to_key(PyObject *module, PyObject *ids)
 {
@@ -384,16 +386,18 @@ static PyObject *words_to_key(PyObject *module, PyObject *ids)
     }
     uint32_t *o = (uint32_t *)PyBytes_AS_STRING(out);
     const uint64_t *w = (const uint64_t *)v.buf; /* a negative signed id reads as >= 2**63 here */
+    uint64_t images = 0; /* bit 30 of any id: an image-derived id (IMAGE_ID_BASE is 2**30) */
     for (Py_ssize_t i = 0; i < n; i++) {
         if (w[i] >= ((uint64_t)1 << 31)) {
             Py_DECREF(out);
             PyBuffer_Release(&v);
             Py_RETURN_NONE;
         }
+        images |= w[i];
         o[i] = (uint32_t)w[i];
     }
     PyBuffer_Release(&v);
-    return out;
+    return Py_BuildValue("(NO)", out, (images >> 30) & 1 ? Py_True : Py_False);
 }
 
 PyDoc_STRVAR(gather_doc,

@@ -92,22 +92,24 @@ def _from_array(arr: np.ndarray) -> bytes:
             if not _in_range(b):
                 raise _bad_position(arr)
             return b
-        return _from_words64(np.ascontiguousarray(arr), arr)
+        return _from_words64(np.ascontiguousarray(arr), arr)[0]
     # 1- and 2-byte ids cannot reach the bound: only a signed one can be out of range (negative)
     if arr.size and kind == "i" and arr.min() < 0:
         raise _bad_position(arr)
     return arr.astype(np.uint32).tobytes()
 
 
-def _from_words64(buf: np.ndarray | array[int], given: np.ndarray | array[int]) -> bytes:
+def _from_words64(buf: np.ndarray | array[int], given: np.ndarray | array[int]) -> tuple[bytes, int]:
     """:func:`_from_words64_py`, natively where the extension is built
     (:data:`radixcache.core.native.NATIVE`; one C pass: inside SGLang's scheduler the reference's
-    ten buffer calls cost ~5 us per key); the reference raises for an id out of range."""
+    ten buffer calls cost ~5 us per key); the reference raises for an id out of range. With the
+    bytes, whether an id is an image id: 1 or 0 when the native pass read it, -1 (not known: the
+    key finds out when asked) from the reference."""
     if _NATIVE is not None:
-        b = _NATIVE.words_to_key(buf)
-        if b is not None:
-            return b
-    return _from_words64_py(buf, given)
+        got = _NATIVE.words_to_key(buf)
+        if got is not None:
+            return got[0], int(got[1])
+    return _from_words64_py(buf, given), -1
 
 
 def _from_words64_py(buf: np.ndarray | array[int], given: np.ndarray | array[int]) -> bytes:
@@ -142,7 +144,7 @@ def key_bytes(key: KeyLike) -> bytes:
     if isinstance(key, np.ndarray):
         return _from_array(key)
     if type(key) is array and key.itemsize == 8 and key.typecode in "qQlL":  # SGLang's array("q")
-        return _from_words64(key, key)
+        return _from_words64(key, key)[0]
     if isinstance(key, torch.Tensor):
         if key.dtype.is_floating_point or key.dtype.is_complex or key.dtype == torch.bool:
             raise TypeError(f"key ids must be integers, got dtype {key.dtype}")
@@ -201,6 +203,11 @@ class CacheKey:
     def __init__(self, ids: KeyLike) -> None:
         if type(ids) is CacheKey:
             self.data, self._images = ids.data, ids._images
+        elif type(ids) is array and ids.itemsize == 8 and ids.typecode in "qQlL":
+            # NOTE: SGLang's array("q"): whether an id is an image id comes with the conversion's
+            # one native pass; asked later (every admission's and checkpoint's request info), it
+            # was a second pass over the bytes, ~2 us each inside SGLang's scheduler (session 35)
+            self.data, self._images = _from_words64(ids, ids)
         else:
             self.data, self._images = key_bytes(ids), -1
 

@@ -37,8 +37,9 @@ class Core(Protocol):
         returned as int64 bytes (``HybridRadixCache._gather_py``'s writes; ``NotImplemented``:
         an array it does not read, the caller runs the reference)."""
 
-    def words_to_key(self, ids: Any, /) -> bytes | None:
-        """``radixcache.core.keys._from_words64_py`` of a buffer of 8-byte ids (``None``: an id
+    def words_to_key(self, ids: Any, /) -> tuple[bytes, bool] | None:
+        """``radixcache.core.keys._from_words64_py`` of a buffer of 8-byte ids, and whether one
+        is an image id (``_has_images`` of those bytes, read in the same pass) (``None``: an id
         out of range or not such a buffer; the caller runs the reference, which names it)."""
 
 
