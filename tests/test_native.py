@@ -420,4 +420,4 @@ def test_words_to_key_declines_what_it_does_not_read() -> None:
     assert n.words_to_key(np.arange(3, dtype=np.int64)) == (np.arange(3, dtype=np.uint32).tobytes(), False)
     img = np.array([5, 2**30], dtype=np.int64)  # IMAGE_ID_BASE itself is an image id; 2**30 - 1 is not
     assert n.words_to_key(img) == (img.astype(np.uint32).tobytes(), True)
-    assert n.words_to_key(img - 1)[1] is False  # type: ignore[index]
+    assert n.words_to_key(img - 1)[1] is False
