@@ -334,7 +334,7 @@ class LinearStatePool:
             raise SlotMisuse("write into a free slot", slot=s, owner=None, actor=owner)
         if isinstance(current, NodeOwner):
             raise SlotMisuse("write into a frozen tree snapshot", slot=s, owner=current, actor=owner)
-        if owner is not None and current != owner:
+        if owner is not None and current is not owner and current != owner:  # NOTE: `is` first: no dataclass __eq__
             raise SlotMisuse("write into a slot owned by someone else", slot=s, owner=current, actor=owner)
 
     def _check_readable(self, slot: int, actor: Owner | None) -> int:

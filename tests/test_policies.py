@@ -976,7 +976,11 @@ def test_row_bookkeeping_invariants_detect_corruption() -> None:
     fe._t.rows[5, 2] = 0.0
     fe._changed.add(999)
     _refuses(fe, "changed but not tracked")
-    hd._t.rows[0, 0] += 1.0  # the last use its row says
+    hd._t.rows[0, 0] += 1.0  # a row not read yet: written from its entry before the next choice
+    hd.check_invariants()
+    hd._refresh_due()  # what every choice does first
+    assert hd._t.rows[0, 0] == 0.0  # the entry's last use again
+    hd._t.rows[0, 0] += 1.0  # the last use its row says, once written
     _refuses(hd, "out of step")
 
 

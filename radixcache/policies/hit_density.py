@@ -367,16 +367,15 @@ class HitDensity(Policy):
     # -- what the tree holds ----------------------------------------------------------------------
 
     def _track(self, e: _Entry) -> None:
-        """Track ``e``: its row's own numbers (recency, hits, kind, turn) now, its costs (gain, bytes
-        freed, leaf) before the next choice reads them (:meth:`_refresh_due`). NOTE: the costs walk
-        the tree (the eviction cascade, the anchors): at every donation and hit that was ~10 us
-        inside SGLang's scheduler, for rows most of which no choice reads before they change again."""
+        """Track ``e``: its row (recency, hits, kind, turn, and the costs: gain, bytes freed, leaf)
+        is written from the entry before the next choice reads it (:meth:`_refresh_due`). NOTE:
+        the costs walk the tree (the eviction cascade, the anchors): at every donation and hit
+        that was ~10 us inside SGLang's scheduler, for rows most of which no choice reads before
+        they change again; the entry's own numbers went into the row here too until session 35
+        (~2 us per donation and hit there), and the refresh wrote them again."""
         node = e.node
         self._entries[node.id] = e
-        pos = self._t.add(node)
-        rows = self._t.rows  # after add: it may have grown
-        rows[pos, _LAST:_GAIN] = (e.last, e.born, e.hits, _CODE[e.kind])
-        rows[pos, _TURN] = e.turn
+        self._t.add(node)
         self._rewritten.add(node.id)
         self._stale[node.id] = None
 
@@ -714,6 +713,8 @@ class HitDensity(Policy):
             nid = node.id
             e = self._entries[nid]
             assert e.node is node, f"row {i} holds another node than entry {nid}"
+            if nid in self._stale:
+                continue  # written from the entry before the next choice reads it (_refresh_due)
             row = self._t.rows[i]
             assert (row[_LAST], row[_BORN], row[_HITS], row[_KIND], row[_TURN]) == (
                 e.last,
