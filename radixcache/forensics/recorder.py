@@ -422,7 +422,10 @@ class Forensics:
         self._pending = still
 
     def _check_slot(self, slot: int) -> None:
-        for node in list(self._by_slot.get(slot, ())):
+        claims = self._by_slot.get(slot)
+        if not claims:  # most slots: no watched snapshot claims them (nothing to copy and walk)
+            return
+        for node in list(claims):
             snap = self._snaps.get(node)
             if snap is not None and snap.fp is not None and self.pool.last_use(slot).is_complete():
                 self._verify(snap, "slot-event")

@@ -111,7 +111,7 @@ def _gone(node: TreeNode) -> bool:
     return node.parent is None or node.snapshot is None
 
 
-@dataclass
+@dataclass(slots=True)
 class _Entry:
     node: TreeNode
     kind: str

@@ -417,7 +417,7 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
                 got = alloc(1)
             if got is None:
                 return False
-            kv.mamba_pool_idx = got.reshape(-1)[0]
+            kv.mamba_pool_idx = got[0]  # SGLang's allocator hands out a 1-D tensor; its own code takes [0]
         if node.snapshot is None:
             self.stats["host_restores"] += 1
             if self.metrics_collector is not None:  # a hit of `hit` tokens served from host memory
