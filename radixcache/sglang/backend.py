@@ -5,7 +5,11 @@ How it maps SGLang's calls (see docs/sglang.md):
 
 - Slots: SGLang's own mamba pool tensors, wrapped by a :class:`~linear_state.HostedStatePool`
   that allocates through SGLang's ``mamba_allocator`` (slot 0, SGLang's dummy slot, reserved), so
-  SGLang's accounting stays true: every tree snapshot is one slot of SGLang's pool.
+  SGLang's accounting stays true: every tree snapshot is one slot of SGLang's pool. Without the
+  extra buffer, a released request's slot goes to a reserve of at most ``RECYCLED_SLOTS`` that
+  the next clones take before SGLang's free list (:class:`SGLangSlots`): counted in
+  ``mamba_evictable_size`` and given back first by ``evict``, ``reset`` and an admission that
+  finds SGLang's free list empty.
 - ``match_prefix``: the deepest snapshot on the key's path, capped at the request's
   ``_compute_max_prefix_len`` (a request computes at least one token, so the restored state is
   always at the depth the scheduler resumes from). With ``cow_mamba`` the hit state is copied
@@ -73,13 +77,34 @@ __all__ = ["RadixcacheHybridCache", "SGLangSlots", "sglang_state_pool"]
 
 
 class SGLangSlots:
-    """SGLang's ``MambaSlotAllocator`` as a :class:`~linear_state.SlotLender`."""
+    """SGLang's ``MambaSlotAllocator`` as a :class:`~linear_state.SlotLender`, with a reserve of
+    at most ``recycle`` slots that finished requests let go (:meth:`keep`), handed out before
+    SGLang's free list: a finished request's slot becomes the next clone's without a round trip
+    through SGLang's allocator. NOTE: on the CPU that round trip (a ``torch.cat`` of SGLang's free
+    list at the release, two slices at the next clone) cost ~15 us per request inside its
+    scheduler (session 35), and copy-on-donate makes one per finished request: the tree clones the
+    request's final state into a slot of its own, then the request's slot is freed. A reserved
+    slot is SGLang's to ask back: the backend counts the reserve as evictable and gives it back
+    first (:meth:`flush`) when SGLang evicts, resets, or a slot is needed and SGLang has none free.
+    Each slot has one holder throughout: a request, the reserve, SGLang's free list or a tree
+    node.
 
-    def __init__(self, allocator: Any) -> None:
+    :raises ValueError: ``recycle`` negative.
+    """
+
+    def __init__(self, allocator: Any, *, recycle: int = 0) -> None:
+        if recycle < 0:
+            raise ValueError(f"recycle must be >= 0, got {recycle}")
         self.allocator = allocator
+        self.recycle = recycle
+        self.reserve: list[int] = []
+        """Slots held for the next clones (no owner in the pool; not on SGLang's free list)."""
 
     def take(self, n: int) -> list[int] | None:
-        """``n`` slots from SGLang's free list, or ``None``."""
+        """``n`` slots: from the reserve (one at a time), else from SGLang's free list; ``None``
+        when SGLang has too few."""
+        if n == 1 and self.reserve:
+            return [self.reserve.pop()]
         got = self.allocator.alloc(n)
         if got is None:
             return None
@@ -94,17 +119,34 @@ class SGLangSlots:
             self.allocator.free(torch.tensor(list(slots), dtype=torch.int64, device=self.allocator.device))
 
     def available(self) -> int:
-        """SGLang's free count."""
-        return int(self.allocator.available_size())
+        """SGLang's free count, and the reserve's."""
+        return int(self.allocator.available_size()) + len(self.reserve)
+
+    def keep(self, slot: int) -> bool:
+        """Hold ``slot`` (a request's, which the caller takes from the request) in the reserve:
+        False when the reserve is full (the caller frees it to SGLang as before)."""
+        if len(self.reserve) >= self.recycle:
+            return False
+        self.reserve.append(slot)
+        return True
+
+    def flush(self, n: int | None = None) -> int:
+        """Give ``n`` reserved slots (all by default; fewer when fewer are held) back to SGLang's
+        free list; returns how many."""
+        k = len(self.reserve) if n is None else max(0, min(int(n), len(self.reserve)))
+        if k:
+            back, self.reserve[len(self.reserve) - k :] = self.reserve[len(self.reserve) - k :], []
+            self.give(back)
+        return k
 
 
-def sglang_state_pool(req_to_token_pool: Any, *, stream: Stream | None = None) -> HostedStatePool:
+def sglang_state_pool(req_to_token_pool: Any, *, stream: Stream | None = None, recycle: int = 0) -> HostedStatePool:
     """A :class:`~linear_state.HostedStatePool` over ``req_to_token_pool``'s mamba pool tensors
-    (``conv[0]`` and ``temporal``, layer-major), allocating through its ``mamba_allocator``, slot 0
-    reserved.
+    (``conv[0]`` and ``temporal``, layer-major), allocating through its ``mamba_allocator``
+    (an :class:`SGLangSlots` with a reserve of ``recycle`` slots), slot 0 reserved.
 
     :raises NotImplementedError: a mamba pool with several conv states per layer.
-    :raises TypeError: not a ``HybridReqToTokenPool``.
+    :raises TypeError: not a ``HybridReqToTokenPool``. :raises ValueError: ``recycle`` negative.
     """
     if not isinstance(req_to_token_pool, HybridReqToTokenPool):
         raise TypeError(f"a hybrid model's HybridReqToTokenPool is needed, got {type(req_to_token_pool).__name__}")
@@ -120,7 +162,12 @@ def sglang_state_pool(req_to_token_pool: Any, *, stream: Stream | None = None) -
         recurrent_dtype=temporal.dtype,
     )
     return HostedStatePool(
-        layout, conv, temporal, SGLangSlots(req_to_token_pool.mamba_allocator), reserved=(0,), stream=stream
+        layout,
+        conv,
+        temporal,
+        SGLangSlots(req_to_token_pool.mamba_allocator, recycle=recycle),
+        reserved=(0,),
+        stream=stream,
     )
 
 
@@ -179,6 +226,11 @@ def _refused_flags(server_args: Any) -> list[str]:
 # slots the built-in then served up to 4.6% more hit tokens (sglang_differential.py --slots-grid,
 # seeds 0 and 1). 300 serves at least the built-in's in every cell of that grid (docs/sglang.md).
 SGLANG_HIT_BONUS = 300.0
+
+# Slots finished requests let go that the backend keeps for the next clones (SGLangSlots' reserve;
+# without the extra buffer). A finished request's clone and its release are one pair per request,
+# so a few cover a scheduler step's; SGLang sees them as evictable and gets them back first.
+RECYCLED_SLOTS = 4
 
 _ADMITTED_MEMORY = 1 << 16  # requests remembered as admitted (a bound: aborted waiters never release)
 
@@ -273,7 +325,12 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         # once; re-made if SGLang replaces the table): a checkpoint reads its request's row there.
         self._rows_of: torch.Tensor | None = None
         self._rows_np: np.ndarray | None = None
-        self.state_pool = sglang_state_pool(self.req_to_token_pool, stream=stream)
+        # Without the extra buffer a finished request's slot may become the next clone's (the
+        # reserve of SGLangSlots); with it, SGLang's release frees track slots too: its own path.
+        recycle = 0 if self.extra_buffer else RECYCLED_SLOTS
+        self.state_pool = sglang_state_pool(self.req_to_token_pool, stream=stream, recycle=recycle)
+        self.slots: SGLangSlots = self.state_pool.lender  # type: ignore[assignment]
+        """The pool's lender: SGLang's allocator and the reserve of recycled slots."""
         self.tree = HybridRadixCache(self.state_pool, page_size=self.page_size, on_event=free_kv_to(self._free_kv))
         # The manager serves eviction through the policy; SGLang's scheduler drives the requests.
         if policy is None:
@@ -343,8 +400,10 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
 
     # ------------------------------------------------------------------ SGLang's interface
     def reset(self) -> None:
-        """Drop every cached prefix: snapshot slots and KV go back to SGLang's allocators."""
+        """Drop every cached prefix: snapshot slots, the reserve of recycled slots and KV go back
+        to SGLang's allocators."""
         self.manager.reset()
+        self.slots.flush()
 
     def supports_mamba(self) -> bool:
         """True: this cache keeps linear-state snapshots."""
@@ -412,7 +471,9 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         if not kv.holds_mamba:
             alloc = self.req_to_token_pool.mamba_allocator.alloc
             got = alloc(1)
-            if got is None:  # none free: one snapshot goes through the policy, the hit kept
+            if got is None and self.slots.flush(1):  # none free: a recycled slot goes back first
+                got = alloc(1)
+            if got is None:  # still none: one snapshot goes through the policy, the hit kept
                 mgr.make_room(keep=node)
                 got = alloc(1)
             if got is None:
@@ -582,20 +643,30 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         return depth, int(buf[keep])
 
     def on_release(self, req: Any, *, checkpointed: bool) -> None:
-        """The request's row is freed and its lock dropped: its mamba slot goes back to SGLang's
-        allocator (the tree kept clones, never the slot)."""
+        """The request's row is freed and its lock dropped: its mamba slot goes to the reserve of
+        recycled slots for the next clone (:class:`SGLangSlots`; without the extra buffer, while
+        the reserve has room), else back to SGLang's allocator (the tree kept clones, never the
+        slot)."""
         self._admitted.pop(req.rid, None)
-        if req.kv.holds_mamba:
-            self.req_to_token_pool.free_mamba_cache(req)
+        kv = req.kv
+        if kv.holds_mamba:
+            # NOTE: what SGLang's free_mamba_cache does without the extra buffer, the slot kept
+            # instead of freed: the next clone takes it without SGLang's allocator (session 35)
+            if self.slots.recycle and self.slots.keep(int(kv.mamba_pool_idx)):
+                kv.mamba_pool_idx = None
+            else:
+                self.req_to_token_pool.free_mamba_cache(req)
 
     def evict(self, params: EvictParams) -> EvictResult:
         """Free at least ``params.num_tokens`` KV tokens and ``params.mamba_num`` snapshots, in the
         policy's order (or as many as are evictable). With SGLang's metrics on, the KV tokens freed
         and the pass's duration go to SGLang's eviction metrics."""
         start = time.perf_counter()
-        r = self.manager.evict(snapshots=int(params.mamba_num), kv_tokens=int(params.num_tokens))
+        want = int(params.mamba_num)
+        back = self.slots.flush(want)  # the reserve first: slots no snapshot is lost for
+        r = self.manager.evict(snapshots=want - back, kv_tokens=int(params.num_tokens))
         self.update_eviction_metrics(r.kv_tokens, start)  # SGLang's sglang:evicted_tokens_total
-        return EvictResult(num_tokens_evicted=r.kv_tokens, mamba_num_evicted=r.snapshots)
+        return EvictResult(num_tokens_evicted=r.kv_tokens, mamba_num_evicted=r.snapshots + back)
 
     def lock(self, node: Any) -> TreeLock:
         """Take a tree lock on ``node`` for one holder (SGLang's ``lock``: :meth:`inc_lock_ref` and
@@ -644,8 +715,9 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
     full_protected_size = protected_size  # one KV pool
 
     def mamba_evictable_size(self) -> int:
-        """Snapshots (each one slot of SGLang's mamba pool) the tree holds unlocked."""
-        return self.tree.evictable_snapshots
+        """Slots of SGLang's mamba pool :meth:`evict` can free: the tree's unlocked snapshots and
+        the reserve of recycled slots (:class:`SGLangSlots`)."""
+        return self.tree.evictable_snapshots + len(self.slots.reserve)
 
     def mamba_protected_size(self) -> int:
         """Locked snapshots."""
@@ -656,7 +728,19 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         return self.tree.total_kv_tokens, self.tree.num_snapshots
 
     def sanity_check(self) -> None:
-        """Every invariant of the tree, its pool and its policy (raises ``AssertionError``)."""
+        """Every invariant of the tree, its pool and its policy, and of the reserve of recycled
+        slots: at most its bound, each slot once, owned by nobody in the pool, not SGLang's dummy
+        slot and not on SGLang's free list (raises ``AssertionError``)."""
+        held = self.slots.reserve  # first: a double holder breaks the pool's count below too
+        assert len(held) <= self.slots.recycle, f"{len(held)} recycled slots, at most {self.slots.recycle}"
+        assert len(set(held)) == len(held), f"a recycled slot held twice: {sorted(held)}"
+        for x in held:
+            assert x not in self.state_pool.reserved, f"SGLang's dummy slot {x} was recycled"
+            assert self.state_pool.owner_of(x) is None, f"recycled slot {x} is owned by {self.state_pool.owner_of(x)}"
+        free = getattr(self.req_to_token_pool.mamba_allocator, "free_slots", None)
+        if held and isinstance(free, torch.Tensor):
+            both = sorted(set(held) & set(free.tolist()))
+            assert not both, f"recycled slots {both} are on SGLang's free list too"
         self.manager.check_invariants()
         self.state_pool.check_invariants()
 
@@ -670,9 +754,10 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
 
     def all_mamba_values_flatten(self) -> torch.Tensor:
-        """Every mamba slot the tree's snapshots hold (SGLang's leak census reads it)."""
+        """Every mamba slot the cache holds: the tree's snapshots and the reserve of recycled
+        slots (SGLang's leak census reads it)."""
         slots = [int(n.snapshot) for n in self.tree.iter_nodes() if n.snapshot is not None]
-        return torch.tensor(slots, dtype=torch.int64)
+        return torch.tensor(slots + self.slots.reserve, dtype=torch.int64)
 
     def take_events(self) -> list[Any]:
         """No KV placement events are published."""

@@ -279,8 +279,9 @@ def test_a_skipped_donation_over_another_requests_prefix_frees_each_duplicate_on
     assert sorted(n.depth for n in held)[:3] == [48, 96, 144]  # and a's final state
     for n in held:
         mgr.lock(n)
+    env.cache.slots.flush()  # a's released slot, kept for the next clone, goes back to SGLang first
     taken = alloc.alloc(alloc.available_size())
-    assert alloc.available_size() == 0
+    assert alloc.available_size() == 0 and env.cache.state_pool.num_free == 0
     assert H.step(env, b, 64)
     alloc.free(taken)
     for n in held:
@@ -675,3 +676,101 @@ def test_sglang_metrics_count_our_evictions() -> None:
     freed = cache.evict(EvictParams(num_tokens=4)).num_tokens_evicted
     assert freed >= 4 and evicted() - before == freed
     cache.sanity_check()
+
+
+def _finished(env: Any, rng: random.Random, rid: str, prompt: list[int] | None = None) -> tuple[Any, int]:
+    """Request ``rid`` admitted and run to its finish (48-token chunks); its mamba slot's index."""
+    run = H.new_request(rid, prompt or [rng.randrange(1, 30000) for _ in range(100)], 2, False, rng)
+    assert H.admit(env, run)
+    slot = int(run.req.kv.mamba_pool_idx)
+    while H.step(env, run, 48):
+        pass
+    return run, slot
+
+
+def test_a_finished_requests_slot_becomes_the_next_clones() -> None:
+    """Copy-on-donate clones a finished request's state, then the request lets its slot go: the
+    slot waits in the backend's reserve (not on SGLang's free list, counted as the cache's by
+    SGLang's census and as evictable), and the next clone takes it without SGLang's allocator."""
+    env = H.make_env("radixcache")
+    cache, alloc = env.cache, env.rtp.mamba_allocator
+    rng = random.Random(0)
+    a, slot = _finished(env, rng, "a")
+    assert cache.slots.reserve == [slot] and a.req.kv.mamba_pool_idx is None
+    assert slot not in alloc.free_slots.tolist() and cache.state_pool.owner_of(slot) is None
+    assert cache.mamba_evictable_size() == cache.tree.evictable_snapshots + 1
+    env.idle_check()  # SGLang's formula and census: the reserved slot is the cache's
+    b = H.new_request("b", [rng.randrange(1, 30000) for _ in range(100)], 2, False, rng)
+    assert H.admit(env, b)  # a miss: b's own slot from SGLang's allocator
+    free = alloc.available_size()
+    assert H.step(env, b, 48)  # b's first checkpoint clones b's state into a's old slot
+    assert cache.slots.reserve == [] and alloc.available_size() == free
+    assert cache.tree.match(b.tokens[:48]).node.snapshot == slot
+    while H.step(env, b, 48):
+        pass
+    assert env.mismatches == []
+    env.idle_check()
+
+
+def test_sglang_gets_recycled_slots_back_first() -> None:
+    """evict hands the reserve back before any snapshot goes (counted as evicted: SGLang asked for
+    slots, it got them), reset hands it back, and an admission that finds SGLang's free list empty
+    takes a recycled slot back before evicting a snapshot for its hit."""
+    env = H.make_env("radixcache")
+    cache, alloc = env.cache, env.rtp.mamba_allocator
+    rng = random.Random(1)
+    prompt = [rng.randrange(1, 30000) for _ in range(100)]
+    _, slot = _finished(env, rng, "a", prompt)
+    snaps, free = cache.tree.num_snapshots, alloc.available_size()
+    got = cache.evict(EvictParams(num_tokens=0, mamba_num=1))
+    assert got.mamba_num_evicted == 1 and cache.tree.num_snapshots == snaps  # no snapshot lost for it
+    assert cache.slots.reserve == [] and alloc.available_size() == free + 1 and slot in alloc.free_slots.tolist()
+    env.idle_check()
+    _finished(env, rng, "b")
+    assert len(cache.slots.reserve) == 1
+    snaps = cache.tree.num_snapshots
+    taken = alloc.alloc(alloc.available_size())  # SGLang's free list runs dry
+    c = H.new_request("c", [*prompt, 5], 2, False, rng)  # a hit on a's prompt
+    c.req.init_next_round_input(cache)
+    assert c.req.prefix_len > 0 and c.req.kv.holds_mamba  # restored into the recycled slot
+    assert cache.tree.num_snapshots == snaps and cache.slots.reserve == []  # nothing evicted for it
+    env.rtp.mamba_allocator.free(c.req.kv.mamba_pool_idx.reshape(1))  # c goes away unscheduled
+    c.req.kv.mamba_pool_idx = None
+    alloc.free(taken)
+    _finished(env, rng, "d")
+    assert len(cache.slots.reserve) == 1
+    cache.reset()
+    assert cache.slots.reserve == [] and cache.total_size() == (0, 0)
+    env.idle_check()
+
+
+def test_the_reserve_is_bounded_handed_out_first_and_refused_with_the_extra_buffer() -> None:
+    from sglang.srt.mem_cache.allocator.mamba import MambaSlotAllocator
+
+    from radixcache.sglang.backend import RECYCLED_SLOTS, SGLangSlots
+
+    alloc = MambaSlotAllocator(8, "cpu")
+    slots = SGLangSlots(alloc, recycle=2)
+    got = slots.take(3)
+    assert got == [1, 2, 3]  # SGLang's free list, first in, first out
+    assert slots.keep(got[0]) and slots.keep(got[1]) and not slots.keep(got[2])  # at most 2 kept
+    assert slots.available() == alloc.available_size() + 2 == 7
+    assert slots.take(1) == [got[1]]  # the reserve first
+    assert slots.take(2) == [4, 5]  # several at once: SGLang's
+    assert slots.flush() == 1 and slots.reserve == [] and int(alloc.free_slots[-1]) == got[0]
+    assert slots.flush(3) == 0
+    with pytest.raises(ValueError, match="recycle must be >= 0, got -1"):
+        SGLangSlots(alloc, recycle=-1)
+    plain = H.make_env("radixcache").cache
+    assert plain.slots.recycle == RECYCLED_SLOTS
+    # with the extra buffer SGLang's release also frees the request's track slots: its own path
+    assert H.make_env("radixcache", extra_buffer=True).cache.slots.recycle == 0
+
+
+def test_sanity_check_finds_a_recycled_slot_sglang_also_holds_free() -> None:
+    env = H.make_env("radixcache")
+    _, slot = _finished(env, random.Random(2), "a")
+    env.cache.sanity_check()
+    env.rtp.mamba_allocator.free(torch.tensor([slot]))  # a double holder: the reserve and SGLang
+    with pytest.raises(AssertionError, match=rf"recycled slots \[{slot}\] are on SGLang's free list too"):
+        env.cache.sanity_check()
