@@ -277,7 +277,8 @@ class Forensics:
             snap.fence.wait()  # the restore waits this fence anyway
             self._settle()
         found = self._verify(snap, "restore")
-        self._log("restore", **self._where(snap), dst=dst, owner=_jsonable(rid), fp=found)
+        if self.ledger is not None:  # NOTE: the event's fields are built only for a ledger
+            self._log("restore", **self._where(snap), dst=dst, owner=_jsonable(rid), fp=found)
 
     def snapshot_freed(self, node: int, slot: int) -> None:
         """The tree dropped ``node``'s snapshot (from the device, or from the host tier)."""
@@ -413,7 +414,8 @@ class Forensics:
                 continue
             snap.fp = self.pool.fingerprint(snap.slot)
             snap.clean_step = self.step
-            self._log("donate", **self._where(snap), fp=snap.fp, owner=_jsonable(snap.donor))
+            if self.ledger is not None:  # NOTE: the event's fields are built only for a ledger
+                self._log("donate", **self._where(snap), fp=snap.fp, owner=_jsonable(snap.donor))
             parent = self._snaps.get(snap.parent) if snap.parent is not None else None
             parent_fp = parent.fp if parent is not None else None
             if snap.depth > 0 and (snap.fp == 0 or (parent_fp == snap.fp and snap.depth > snap.parent_depth)):
@@ -435,7 +437,8 @@ class Forensics:
         pool = snap.host if snap.host is not None else self.pool
         found = pool.fingerprint(snap.slot)  # waits the pool's own pending work on the slot
         ok = found == snap.fp
-        self._log("verify", **self._where(snap), fp=found, expected=snap.fp, ok=ok, why=why)
+        if self.ledger is not None:  # NOTE: the event's fields are built only for a ledger
+            self._log("verify", **self._where(snap), fp=found, expected=snap.fp, ok=ok, why=why)
         if ok:
             snap.clean_step = self.step
         else:
