@@ -421,3 +421,53 @@ def test_words_to_key_declines_what_it_does_not_read() -> None:
     img = np.array([5, 2**30], dtype=np.int64)  # IMAGE_ID_BASE itself is an image id; 2**30 - 1 is not
     assert n.words_to_key(img) == (img.astype(np.uint32).tobytes(), True)
     assert n.words_to_key(img - 1)[1] is False
+
+
+def _guarded_probe(native_on: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
+    """A manager and ``_exclusive`` of a probe method, through the native guard or the reference."""
+    from radixcache import CacheManager
+    from radixcache.manager import cache_manager as cm
+    from radixcache.policies import SglangLike
+
+    if not native_on:
+        monkeypatch.setattr(cm, "_NATIVE", None)
+    pool = LinearStatePool(LAYOUT, 4)
+    mgr = CacheManager(HybridRadixCache(pool), SglangLike())
+
+    def probe(self: Any, x: object, *, y: int = 0) -> tuple[object, int]:
+        """The probe's contract."""
+        assert self._guard.locked(), "run under the guard"
+        if x == "raise":
+            raise KeyError("inside")
+        return x, y
+
+    return mgr, cm._exclusive(probe)
+
+
+@pytest.mark.parametrize("native_on", [pytest.param(True, marks=needs_native), False])
+def test_exclusive_runs_under_the_guard_as_the_reference(native_on: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    from radixcache.core.errors import ConcurrentUseError
+
+    mgr, wrapped = _guarded_probe(native_on, monkeypatch)
+    assert (type(wrapped).__name__ == "Exclusive") is native_on
+    assert (wrapped.__name__, wrapped.__doc__, wrapped.__wrapped__.__name__) == ("probe", "The probe's contract.", "probe")
+    bound = wrapped.__get__(mgr, type(mgr))  # as a class attribute binds it
+    assert bound(1, y=2) == (1, 2) and wrapped(mgr, "a") == ("a", 0)
+    assert not mgr._guard.locked()
+    with pytest.raises(KeyError, match="inside"):
+        bound("raise")
+    assert not mgr._guard.locked(), "released when the method raises"
+    with mgr._guard:  # another call holds it: refused, the method not run
+        with pytest.raises(ConcurrentUseError, match=r"CacheManager\.probe entered while another call runs"):
+            bound(1)
+    assert not mgr._guard.locked() and bound(3) == (3, 0)
+    with pytest.raises(TypeError, match=r"probe\(\) needs the object it guards as its first argument"):
+        wrapped()  # no object to guard
+
+
+@needs_native
+def test_the_managers_guarded_methods_are_native_here() -> None:
+    from radixcache import CacheManager
+
+    for name in ("checkpoint", "restore", "admitted", "lock", "unlock", "relock", "evict"):
+        assert type(CacheManager.__dict__[name]).__name__ == "Exclusive", name

@@ -9,6 +9,7 @@ random trees and ids. Loading, the fallback and the environment switches (``RADI
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import NotImplementedType
 from typing import Any, Protocol
 
@@ -37,6 +38,11 @@ class Core(Protocol):
         returned as int64 bytes (``HybridRadixCache._gather_py``'s writes; ``NotImplemented``:
         an array it does not read, the caller runs the reference)."""
 
+    def exclusive(self, method: Callable[..., Any], busy: Callable[[str], BaseException], /) -> Callable[..., Any]:
+        """``method`` run under its first argument's non-blocking ``_guard`` (a lock): the twin of
+        ``radixcache.manager.cache_manager._exclusive``'s Python wrapper; ``busy(name)`` is the
+        exception raised when the guard is held. Binds as a method."""
+
     def words_to_key(self, ids: Any, /) -> tuple[bytes, bool] | None:
         """``radixcache.core.keys._from_words64_py`` of a buffer of 8-byte ids, and whether one
         is an image id (``_has_images`` of those bytes, read in the same pass) (``None``: an id
@@ -47,5 +53,5 @@ MODULE: Core | None = load("radixcache.core._native")
 """The module the tree calls (``None``: the Python reference runs)."""
 
 NATIVE: bool = MODULE is not None
-"""True when the tree's walk, duplicate search and KV gathering, and the conversion of 8-byte ids
-to keys, run natively in this process."""
+"""True when the tree's walk, duplicate search and KV gathering, the conversion of 8-byte ids to
+keys, and the manager's guard around its calls run natively in this process."""
