@@ -450,16 +450,17 @@ def test_exclusive_runs_under_the_guard_as_the_reference(native_on: bool, monkey
 
     mgr, wrapped = _guarded_probe(native_on, monkeypatch)
     assert (type(wrapped).__name__ == "Exclusive") is native_on
-    assert (wrapped.__name__, wrapped.__doc__, wrapped.__wrapped__.__name__) == ("probe", "The probe's contract.", "probe")
+    names = (wrapped.__name__, wrapped.__doc__, wrapped.__wrapped__.__name__)
+    assert names == ("probe", "The probe's contract.", "probe")
     bound = wrapped.__get__(mgr, type(mgr))  # as a class attribute binds it
     assert bound(1, y=2) == (1, 2) and wrapped(mgr, "a") == ("a", 0)
     assert not mgr._guard.locked()
     with pytest.raises(KeyError, match="inside"):
         bound("raise")
     assert not mgr._guard.locked(), "released when the method raises"
-    with mgr._guard:  # another call holds it: refused, the method not run
-        with pytest.raises(ConcurrentUseError, match=r"CacheManager\.probe entered while another call runs"):
-            bound(1)
+    busy = pytest.raises(ConcurrentUseError, match=r"CacheManager\.probe entered while another call runs")
+    with mgr._guard, busy:  # another call holds it: refused, the method not run
+        bound(1)
     assert not mgr._guard.locked() and bound(3) == (3, 0)
     with pytest.raises(TypeError, match=r"probe\(\) needs the object it guards as its first argument"):
         wrapped()  # no object to guard
