@@ -89,10 +89,12 @@ class SGLangSlots:
     Each slot has one holder throughout: a request, the reserve, SGLang's free list or a tree
     node.
 
-    :raises ValueError: ``recycle`` negative.
+    :raises TypeError: ``recycle`` not an int. :raises ValueError: ``recycle`` negative.
     """
 
     def __init__(self, allocator: Any, *, recycle: int = 0) -> None:
+        if isinstance(recycle, bool) or not isinstance(recycle, int):
+            raise TypeError(f"recycle must be an int, got {type(recycle).__name__}")
         if recycle < 0:
             raise ValueError(f"recycle must be >= 0, got {recycle}")
         self.allocator = allocator
@@ -135,7 +137,8 @@ class SGLangSlots:
         free list; returns how many."""
         k = len(self.reserve) if n is None else max(0, min(int(n), len(self.reserve)))
         if k:
-            back, self.reserve[len(self.reserve) - k :] = self.reserve[len(self.reserve) - k :], []
+            back = self.reserve[-k:]
+            del self.reserve[-k:]
             self.give(back)
         return k
 
@@ -146,7 +149,8 @@ def sglang_state_pool(req_to_token_pool: Any, *, stream: Stream | None = None, r
     (an :class:`SGLangSlots` with a reserve of ``recycle`` slots), slot 0 reserved.
 
     :raises NotImplementedError: a mamba pool with several conv states per layer.
-    :raises TypeError: not a ``HybridReqToTokenPool``. :raises ValueError: ``recycle`` negative.
+    :raises TypeError: not a ``HybridReqToTokenPool``, or ``recycle`` not an int.
+    :raises ValueError: ``recycle`` negative.
     """
     if not isinstance(req_to_token_pool, HybridReqToTokenPool):
         raise TypeError(f"a hybrid model's HybridReqToTokenPool is needed, got {type(req_to_token_pool).__name__}")

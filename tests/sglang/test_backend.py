@@ -761,6 +761,9 @@ def test_the_reserve_is_bounded_handed_out_first_and_refused_with_the_extra_buff
     assert slots.flush(3) == 0
     with pytest.raises(ValueError, match="recycle must be >= 0, got -1"):
         SGLangSlots(alloc, recycle=-1)
+    for bad in (True, 2.0, "4"):
+        with pytest.raises(TypeError, match="recycle must be an int"):
+            SGLangSlots(alloc, recycle=bad)  # type: ignore[arg-type]
     plain = H.make_env("radixcache").cache
     assert plain.slots.recycle == RECYCLED_SLOTS
     # with the extra buffer SGLang's release also frees the request's track slots: its own path
