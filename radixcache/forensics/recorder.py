@@ -254,13 +254,9 @@ class Forensics:
         nine in ten not watched (session 35)."""
         self.step += 1
         self.donations_seen += 1
-        # NOTE: the two checks' cheap cases inline (no watched snapshot claims the slot, nothing
-        # pending): an unwatched donation is most of them, ~1 us a frame in SGLang's scheduler
-        if self._by_slot.get(slot):
-            self._check_slot(slot)  # watched or not: a watched snapshot that still claims it was overwritten
+        self._check_slot(slot)  # watched or not: a watched snapshot that still claims it was overwritten
         if self.sample < 1.0 and self._draw() >= self.sample:
-            if self._pending:
-                self._settle()
+            self._settle()
             return  # not watched: its restores are not verified
         self.donations_watched += 1
         if callable(parent):
