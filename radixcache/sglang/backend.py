@@ -126,7 +126,14 @@ class SGLangSlots:
 
     def keep(self, slot: int) -> bool:
         """Hold ``slot`` (a request's, which the caller takes from the request) in the reserve:
-        False when the reserve is full (the caller frees it to SGLang as before)."""
+        False when the reserve is full (the caller frees it to SGLang as before).
+
+        :raises TypeError: ``slot`` not an int. :raises ValueError: ``slot`` negative, or held in
+            the reserve already. Nothing changed."""
+        if type(slot) is not int:
+            raise TypeError(f"a reserved slot is an int, got {type(slot).__name__}")
+        if slot < 0 or slot in self.reserve:
+            raise ValueError(f"slot {slot} cannot be reserved: negative, or held already ({self.reserve})")
         if len(self.reserve) >= self.recycle:
             return False
         self.reserve.append(slot)

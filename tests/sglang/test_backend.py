@@ -754,6 +754,13 @@ def test_the_reserve_is_bounded_handed_out_first_and_refused_with_the_extra_buff
     got = slots.take(3)
     assert got == [1, 2, 3]  # SGLang's free list, first in, first out
     assert slots.keep(got[0]) and slots.keep(got[1]) and not slots.keep(got[2])  # at most 2 kept
+    with pytest.raises(ValueError, match=f"slot {got[0]} cannot be reserved"):
+        slots.keep(got[0])  # held already: two holders otherwise
+    with pytest.raises(ValueError, match="slot -1 cannot be reserved"):
+        slots.keep(-1)
+    with pytest.raises(TypeError, match="a reserved slot is an int, got Tensor"):
+        slots.keep(torch.tensor(7))  # type: ignore[arg-type]
+    assert slots.reserve == [got[0], got[1]]  # nothing changed
     assert slots.available() == alloc.available_size() + 2 == 7
     assert slots.take(1) == [got[1]]  # the reserve first
     assert slots.take(2) == [4, 5]  # several at once: SGLang's
