@@ -7,14 +7,15 @@ How it maps SGLang's calls (see docs/sglang.md):
   that allocates through SGLang's ``mamba_allocator`` (slot 0, SGLang's dummy slot, reserved), so
   SGLang's accounting stays true: every tree snapshot is one slot of SGLang's pool. Without the
   extra buffer, a released request's slot goes to a reserve of at most ``RECYCLED_SLOTS`` that
-  the next clones take before SGLang's free list (:class:`SGLangSlots`): counted in
-  ``mamba_evictable_size`` and given back first by ``evict``, ``reset`` and an admission that
-  finds SGLang's free list empty.
+  the next clones and hits take before SGLang's free list, and a dry reserve takes
+  ``TAKE_BATCH`` slots from SGLang's allocator in one call (:class:`SGLangSlots`): counted in
+  ``mamba_evictable_size`` and given back first by ``evict`` and ``reset``.
 - ``match_prefix``: the deepest snapshot on the key's path, capped at the request's
   ``_compute_max_prefix_len`` (a request computes at least one token, so the restored state is
   always at the depth the scheduler resumes from). With ``cow_mamba`` the hit state is copied
-  into the request's own slot at once (allocated through SGLang's allocator, evicting a snapshot
-  through the policy when none is free; when still none, the match is a miss, never an assert).
+  into the request's own slot at once (taken from the reserve or SGLang's allocator, evicting a
+  snapshot through the policy when none is free; when still none, the match is a miss, never an
+  assert).
 - ``checkpoint``: copy-on-donate. The request's slot is cloned into a slot the tree owns (SGLang
   hands the slot itself over); the request keeps its slot until it is released. A snapshot is
   taken only where the state is exactly at the inserted key's end (``up_to`` on a page
@@ -78,41 +79,55 @@ __all__ = ["RadixcacheHybridCache", "SGLangSlots", "sglang_state_pool"]
 
 class SGLangSlots:
     """SGLang's ``MambaSlotAllocator`` as a :class:`~linear_state.SlotLender`, with a reserve of
-    at most ``recycle`` slots that finished requests let go (:meth:`keep`), handed out before
-    SGLang's free list: a finished request's slot becomes the next clone's without a round trip
-    through SGLang's allocator. NOTE: on the CPU that round trip (a ``torch.cat`` of SGLang's free
-    list at the release, two slices at the next clone) cost ~15 us per request inside its
-    scheduler (session 35), and copy-on-donate makes one per finished request: the tree clones the
-    request's final state into a slot of its own, then the request's slot is freed. A reserved
-    slot is SGLang's to ask back: the backend counts the reserve as evictable and gives it back
-    first (:meth:`flush`) when SGLang evicts, resets, or a slot is needed and SGLang has none free.
-    Each slot has one holder throughout: a request, the reserve, SGLang's free list or a tree
-    node.
+    at most ``recycle`` slots handed out before SGLang's free list: slots finished requests let go
+    (:meth:`keep`), and, with ``batch`` above 1, the rest of a batch taken from SGLang's allocator
+    in one call when the reserve ran dry (:meth:`take`). NOTE: on the CPU each allocator call (two
+    slices of SGLang's free list and a ``len`` of it) cost ~9 us inside its scheduler, a free (a
+    ``torch.cat`` of the whole free list) more (session 35); copy-on-donate makes a round trip per
+    finished request (the tree clones the request's final state into a slot of its own, then the
+    request's slot is freed), and every clone and hit takes a slot. A reserved slot is SGLang's to
+    ask back: the backend counts the reserve as evictable and gives it back first (:meth:`flush`)
+    when SGLang evicts, resets, or a slot is needed and SGLang has none free. Each slot has one
+    holder throughout: a request, the reserve, SGLang's free list or a tree node.
 
-    :raises TypeError: ``recycle`` not an int. :raises ValueError: ``recycle`` negative.
+    :raises TypeError: ``recycle`` or ``batch`` not an int. :raises ValueError: ``recycle``
+        negative, ``batch`` below 1, or ``batch`` above ``recycle + 1`` (the rest of a batch is
+        held in the reserve).
     """
 
-    def __init__(self, allocator: Any, *, recycle: int = 0) -> None:
-        if isinstance(recycle, bool) or not isinstance(recycle, int):
-            raise TypeError(f"recycle must be an int, got {type(recycle).__name__}")
+    def __init__(self, allocator: Any, *, recycle: int = 0, batch: int = 1) -> None:
+        for name, v in (("recycle", recycle), ("batch", batch)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name} must be an int, got {type(v).__name__}")
         if recycle < 0:
             raise ValueError(f"recycle must be >= 0, got {recycle}")
+        if not 1 <= batch <= recycle + 1:
+            raise ValueError(f"batch must be in [1, recycle + 1] = [1, {recycle + 1}], got {batch}")
         self.allocator = allocator
         self.recycle = recycle
+        self.batch = batch
         self.reserve: list[int] = []
-        """Slots held for the next clones (no owner in the pool; not on SGLang's free list)."""
+        """Slots held for the next takes (no owner in the pool; not on SGLang's free list)."""
 
     def take(self, n: int) -> list[int] | None:
-        """``n`` slots: from the reserve (one at a time), else from SGLang's free list; ``None``
-        when SGLang has too few."""
-        if n == 1 and self.reserve:
-            return [self.reserve.pop()]
+        """``n`` slots: one from the reserve when it holds any, else from SGLang's free list (for
+        one slot, a whole ``batch`` in one call when SGLang has that many free, the rest into the
+        reserve); ``None`` when SGLang has too few."""
+        if n == 1:
+            if self.reserve:
+                return [self.reserve.pop()]
+            if self.batch > 1:
+                got = self.allocator.alloc(self.batch)
+                if got is not None:
+                    out: list[int] = got.reshape(-1).tolist()
+                    self.reserve.extend(out[:0:-1])  # handed out in SGLang's order: its first now
+                    return out[:1]
         got = self.allocator.alloc(n)
         if got is None:
             return None
         # ints: tolist makes them. NOTE: SGLang hands out a 1-D slice of its free list; reshaping
         # it first cost ~8 us per request inside its scheduler (py-spy, session 34).
-        out: list[int] = got.tolist() if got.dim() == 1 else got.reshape(-1).tolist()
+        out = got.tolist() if got.dim() == 1 else got.reshape(-1).tolist()
         return out
 
     def give(self, slots: Sequence[int]) -> None:
@@ -150,14 +165,17 @@ class SGLangSlots:
         return k
 
 
-def sglang_state_pool(req_to_token_pool: Any, *, stream: Stream | None = None, recycle: int = 0) -> HostedStatePool:
+def sglang_state_pool(
+    req_to_token_pool: Any, *, stream: Stream | None = None, recycle: int = 0, batch: int = 1
+) -> HostedStatePool:
     """A :class:`~linear_state.HostedStatePool` over ``req_to_token_pool``'s mamba pool tensors
     (``conv[0]`` and ``temporal``, layer-major), allocating through its ``mamba_allocator``
-    (an :class:`SGLangSlots` with a reserve of ``recycle`` slots), slot 0 reserved.
+    (an :class:`SGLangSlots` with a reserve of ``recycle`` slots, taking ``batch`` at a time),
+    slot 0 reserved.
 
     :raises NotImplementedError: a mamba pool with several conv states per layer.
-    :raises TypeError: not a ``HybridReqToTokenPool``, or ``recycle`` not an int.
-    :raises ValueError: ``recycle`` negative.
+    :raises TypeError: not a ``HybridReqToTokenPool``; ``recycle`` or ``batch`` not an int.
+    :raises ValueError: as :class:`SGLangSlots`.
     """
     if not isinstance(req_to_token_pool, HybridReqToTokenPool):
         raise TypeError(f"a hybrid model's HybridReqToTokenPool is needed, got {type(req_to_token_pool).__name__}")
@@ -176,7 +194,7 @@ def sglang_state_pool(req_to_token_pool: Any, *, stream: Stream | None = None, r
         layout,
         conv,
         temporal,
-        SGLangSlots(req_to_token_pool.mamba_allocator, recycle=recycle),
+        SGLangSlots(req_to_token_pool.mamba_allocator, recycle=recycle, batch=batch),
         reserved=(0,),
         stream=stream,
     )
@@ -238,10 +256,13 @@ def _refused_flags(server_args: Any) -> list[str]:
 # seeds 0 and 1). 300 serves at least the built-in's in every cell of that grid (docs/sglang.md).
 SGLANG_HIT_BONUS = 300.0
 
-# Slots finished requests let go that the backend keeps for the next clones (SGLangSlots' reserve;
-# without the extra buffer). A finished request's clone and its release are one pair per request,
-# so a few cover a scheduler step's; SGLang sees them as evictable and gets them back first.
-RECYCLED_SLOTS = 4
+# Slots the backend holds for the next clones and hits (SGLangSlots' reserve; without the extra
+# buffer): those finished requests let go, and the rest of a batch taken from SGLang's allocator in
+# one call when none is held. A request releases one slot and takes about 2.4 (its clones, its
+# hit), so the reserve runs dry often: a batch of TAKE_BATCH makes one allocator call of several.
+# SGLang sees the reserve as evictable and gets it back first.
+RECYCLED_SLOTS = 8
+TAKE_BATCH = 4
 
 _ADMITTED_MEMORY = 1 << 16  # requests remembered as admitted (a bound: aborted waiters never release)
 
@@ -338,10 +359,13 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         self._rows_np: np.ndarray | None = None
         # Without the extra buffer a finished request's slot may become the next clone's (the
         # reserve of SGLangSlots); with it, SGLang's release frees track slots too: its own path.
-        recycle = 0 if self.extra_buffer else RECYCLED_SLOTS
-        self.state_pool = sglang_state_pool(self.req_to_token_pool, stream=stream, recycle=recycle)
+        recycle, batch = (0, 1) if self.extra_buffer else (RECYCLED_SLOTS, TAKE_BATCH)
+        self.state_pool = sglang_state_pool(self.req_to_token_pool, stream=stream, recycle=recycle, batch=batch)
         self.slots: SGLangSlots = self.state_pool.lender  # type: ignore[assignment]
         """The pool's lender: SGLang's allocator and the reserve of recycled slots."""
+        alloc = self.req_to_token_pool.mamba_allocator
+        # every slot id as a 0-d index tensor on SGLang's device, a view each (as its allocator's)
+        self._slot_ids = torch.arange(self.state_pool.capacity, dtype=torch.int64, device=alloc.device)
         self.tree = HybridRadixCache(self.state_pool, page_size=self.page_size, on_event=free_kv_to(self._free_kv))
         # The manager serves eviction through the policy; SGLang's scheduler drives the requests.
         if policy is None:
@@ -480,16 +504,16 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         kv = req.kv
         mgr = self.manager
         if not kv.holds_mamba:
-            alloc = self.req_to_token_pool.mamba_allocator.alloc
-            got = alloc(1)
-            if got is None and self.slots.flush(1):  # none free: a recycled slot goes back first
-                got = alloc(1)
-            if got is None:  # still none: one snapshot goes through the policy, the hit kept
+            # NOTE: through the reserve (SGLangSlots.take), not SGLang's allocator: its calls cost
+            # ~9 us each inside the scheduler, a batch of them one (session 36)
+            got = self.slots.take(1)
+            if got is None:  # none free nor held: one snapshot goes through the policy, the hit kept
                 mgr.make_room(keep=node)
-                got = alloc(1)
+                got = self.slots.take(1)
             if got is None:
                 return False
-            kv.mamba_pool_idx = got[0]  # SGLang's allocator hands out a 1-D tensor; its own code takes [0]
+            # the 0-d index tensor SGLang's own code holds there (its allocator's slice, [0])
+            kv.mamba_pool_idx = self._slot_ids[got[0]]
         if node.snapshot is None:
             self.stats["host_restores"] += 1
             if self.metrics_collector is not None:  # a hit of `hit` tokens served from host memory

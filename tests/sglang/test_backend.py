@@ -528,7 +528,8 @@ def test_bad_calls_raise_typed_errors_and_change_nothing() -> None:
     other = H.make_env("radixcache", kv_size=64, mamba_size=6).cache
     with pytest.raises(ForeignObjectError, match="another cache"):
         other.inc_lock_ref(node)
-    assert cache.total_size() == (3, 1) and cache.mamba_evictable_size() == 1
+    # the clone's slot came with a batch: the rest is held in the reserve, evictable too
+    assert cache.total_size() == (3, 1) and cache.mamba_evictable_size() == 1 + len(cache.slots.reserve)
     env.rtp.mamba_allocator.free(slot)
     cache.sanity_check()
 
@@ -696,15 +697,16 @@ def test_a_finished_requests_slot_becomes_the_next_clones() -> None:
     cache, alloc = env.cache, env.rtp.mamba_allocator
     rng = random.Random(0)
     a, slot = _finished(env, rng, "a")
-    assert cache.slots.reserve == [slot] and a.req.kv.mamba_pool_idx is None
+    held = list(cache.slots.reserve)
+    assert held[-1] == slot and a.req.kv.mamba_pool_idx is None  # kept last: handed out next
     assert slot not in alloc.free_slots.tolist() and cache.state_pool.owner_of(slot) is None
-    assert cache.mamba_evictable_size() == cache.tree.evictable_snapshots + 1
-    env.idle_check()  # SGLang's formula and census: the reserved slot is the cache's
+    assert cache.mamba_evictable_size() == cache.tree.evictable_snapshots + len(held)
+    env.idle_check()  # SGLang's formula and census: the reserved slots are the cache's
     b = H.new_request("b", [rng.randrange(1, 30000) for _ in range(100)], 2, False, rng)
     assert H.admit(env, b)  # a miss: b's own slot from SGLang's allocator
     free = alloc.available_size()
     assert H.step(env, b, 48)  # b's first checkpoint clones b's state into a's old slot
-    assert cache.slots.reserve == [] and alloc.available_size() == free
+    assert cache.slots.reserve == held[:-1] and alloc.available_size() == free
     assert cache.tree.match(b.tokens[:48]).node.snapshot == slot
     while H.step(env, b, 48):
         pass
@@ -714,31 +716,49 @@ def test_a_finished_requests_slot_becomes_the_next_clones() -> None:
 
 def test_sglang_gets_recycled_slots_back_first() -> None:
     """evict hands the reserve back before any snapshot goes (counted as evicted: SGLang asked for
-    slots, it got them), reset hands it back, and an admission that finds SGLang's free list empty
-    takes a recycled slot back before evicting a snapshot for its hit."""
+    slots, it got them), reset hands it back, and an admission takes its slot from the reserve
+    before SGLang's free list: one that finds that list empty evicts no snapshot for its hit, and
+    only one that finds the reserve empty too evicts one (through the policy, its hit kept)."""
     env = H.make_env("radixcache")
     cache, alloc = env.cache, env.rtp.mamba_allocator
     rng = random.Random(1)
     prompt = [rng.randrange(1, 30000) for _ in range(100)]
     _, slot = _finished(env, rng, "a", prompt)
+    held = list(cache.slots.reserve)
+    assert held[-1] == slot
     snaps, free = cache.tree.num_snapshots, alloc.available_size()
     got = cache.evict(EvictParams(num_tokens=0, mamba_num=1))
     assert got.mamba_num_evicted == 1 and cache.tree.num_snapshots == snaps  # no snapshot lost for it
-    assert cache.slots.reserve == [] and alloc.available_size() == free + 1 and slot in alloc.free_slots.tolist()
+    assert cache.slots.reserve == held[:-1] and alloc.available_size() == free + 1 and slot in alloc.free_slots.tolist()
     env.idle_check()
     _finished(env, rng, "b")
-    assert len(cache.slots.reserve) == 1
-    snaps = cache.tree.num_snapshots
+    held, snaps, free = list(cache.slots.reserve), cache.tree.num_snapshots, alloc.available_size()
+    assert len(held) >= 2
+    h = H.new_request("h", [*prompt, 4], 2, False, rng)  # a hit on a's prompt: a reserved slot, not SGLang's
+    h.req.init_next_round_input(cache)
+    assert h.req.prefix_len > 0 and int(h.req.kv.mamba_pool_idx) == held[-1] and alloc.available_size() == free
+    assert cache.slots.keep(int(h.req.kv.mamba_pool_idx))  # h goes away unscheduled: its slot back where it was
+    h.req.kv.mamba_pool_idx = None
+    assert cache.slots.reserve == held
     taken = alloc.alloc(alloc.available_size())  # SGLang's free list runs dry
     c = H.new_request("c", [*prompt, 5], 2, False, rng)  # a hit on a's prompt
     c.req.init_next_round_input(cache)
-    assert c.req.prefix_len > 0 and c.req.kv.holds_mamba  # restored into the recycled slot
-    assert cache.tree.num_snapshots == snaps and cache.slots.reserve == []  # nothing evicted for it
-    env.rtp.mamba_allocator.free(c.req.kv.mamba_pool_idx.reshape(1))  # c goes away unscheduled
+    idx = c.req.kv.mamba_pool_idx
+    assert c.req.prefix_len > 0 and idx.dim() == 0 and int(idx) == held[-1]  # SGLang's 0-d index, reserved slot
+    assert cache.tree.num_snapshots == snaps and cache.slots.reserve == held[:-1]  # nothing evicted for it
+    alloc.free(idx.reshape(1))  # c goes away unscheduled
     c.req.kv.mamba_pool_idx = None
+    assert cache.slots.flush() == len(held) - 1 and cache.slots.reserve == []
+    taken = torch.cat([taken, alloc.alloc(alloc.available_size())])  # nothing free, nothing held
+    d = H.new_request("d", [*prompt, 6], 2, False, rng)
+    d.req.init_next_round_input(cache)
+    assert d.req.prefix_len > 0 and d.req.kv.holds_mamba  # the hit kept, a snapshot evicted for its slot
+    assert cache.tree.num_snapshots == snaps - 1 and cache.slots.reserve == []
+    alloc.free(d.req.kv.mamba_pool_idx.reshape(1))
+    d.req.kv.mamba_pool_idx = None
     alloc.free(taken)
-    _finished(env, rng, "d")
-    assert len(cache.slots.reserve) == 1
+    _finished(env, rng, "e")
+    assert cache.slots.reserve
     cache.reset()
     assert cache.slots.reserve == [] and cache.total_size() == (0, 0)
     env.idle_check()
@@ -747,7 +767,7 @@ def test_sglang_gets_recycled_slots_back_first() -> None:
 def test_the_reserve_is_bounded_handed_out_first_and_refused_with_the_extra_buffer() -> None:
     from sglang.srt.mem_cache.allocator.mamba import MambaSlotAllocator
 
-    from radixcache.sglang.backend import RECYCLED_SLOTS, SGLangSlots
+    from radixcache.sglang.backend import RECYCLED_SLOTS, TAKE_BATCH, SGLangSlots
 
     alloc = MambaSlotAllocator(8, "cpu")
     slots = SGLangSlots(alloc, recycle=2)
@@ -771,8 +791,25 @@ def test_the_reserve_is_bounded_handed_out_first_and_refused_with_the_extra_buff
     for bad in (True, 2.0, "4"):
         with pytest.raises(TypeError, match="recycle must be an int"):
             SGLangSlots(alloc, recycle=bad)  # type: ignore[arg-type]
+    batched = SGLangSlots(alloc, recycle=3, batch=3)
+    assert alloc.free_slots.tolist() == [6, 7, 8, 1]
+    assert batched.take(1) == [6] and batched.reserve == [8, 7]  # one allocator call for three
+    assert alloc.free_slots.tolist() == [1]
+    assert batched.take(1) == [7] and batched.take(1) == [8] and batched.reserve == []  # in SGLang's order
+    assert batched.keep(6) and batched.take(1) == [6]  # a kept slot first, as before
+    assert batched.take(1) == [1] and batched.reserve == []  # fewer free than a batch: one
+    assert batched.take(1) is None  # none free, none held
+    alloc.free(torch.tensor([2, 3, 4, 5, 6, 7, 8]))
+    assert batched.take(1) == [2] and batched.reserve == [4, 3]
+    assert batched.flush(1) == 1 and batched.reserve == [4]
+    assert batched.take(2) == [5, 6]  # several at once: SGLang's, even with one held
+    for bad in (0, 4):
+        with pytest.raises(ValueError, match=rf"batch must be in \[1, recycle \+ 1\] = \[1, 3\], got {bad}"):
+            SGLangSlots(alloc, recycle=2, batch=bad)
+    with pytest.raises(TypeError, match="batch must be an int"):
+        SGLangSlots(alloc, recycle=2, batch=2.0)  # type: ignore[arg-type]
     plain = H.make_env("radixcache").cache
-    assert plain.slots.recycle == RECYCLED_SLOTS
+    assert plain.slots.recycle == RECYCLED_SLOTS and plain.slots.batch == TAKE_BATCH
     # with the extra buffer SGLang's release also frees the request's track slots: its own path
     assert H.make_env("radixcache", extra_buffer=True).cache.slots.recycle == 0
 
