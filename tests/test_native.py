@@ -191,6 +191,7 @@ def test_duplicates_fall_back_for_arrays_it_does_not_read() -> None:
     strided = np.array([10, 0, 50, 0, 12, 0], dtype=np.int64)[::2]
     assert n.duplicates(strided, path, None, 0, 0) is NotImplemented
     saved = path[0].value_np
+    assert path[0].value.tolist() == [10, 11, 12]  # its tensor (made when first read), kept
     path[0].value_np = None  # a node whose KV has no numpy twin (a GPU tree's)
     try:
         assert n.duplicates(kv.numpy(), path, None, 0, 0) is NotImplemented

@@ -774,6 +774,7 @@ def test_a_cache_key_from_bytes_is_checked() -> None:
         lambda a: a.astype(np.int32),  # an engine's int32 page-table row: also taken as it is
         lambda a: np.repeat(a, 2)[::2],  # strided
         lambda a: np.frombuffer(a.tobytes(), dtype=np.int64),  # read-only
+        lambda a: a.astype(">i8"),  # big-endian: an int64 dtype, not numpy's native one
     ],
 )
 def test_numpy_kv_is_filed_as_a_tensor_would_be(as_given: Callable[[np.ndarray], np.ndarray]) -> None:
@@ -854,3 +855,24 @@ def test_match_without_kv_finds_the_same_hit_and_gathers_nothing() -> None:
     cache.match([1, 2, 3, 4, 5, 6], kv=False)
     assert bare.node.last_access > before  # still touched
     cache.check_invariants()
+
+
+def test_a_cpu_edge_is_a_tensor_only_once_read_and_then_a_view_of_its_numpy_indices() -> None:
+    """A new CPU edge keeps its numpy copy of the indices alone; its tensor (``TreeNode.value``) is
+    made when first read, shares that memory and stays; a split cuts both sides from the numpy
+    indices, each made a tensor when read."""
+    cache, _ = make_cache(slots=8)
+    owner = RequestOwner("r")
+    slot = state_for(cache, owner, [1, 2, 3, 4])
+    leaf = cache.insert([1, 2, 3, 4], np.array([10, 11, 12, 13], dtype=np.int32), state_slot=slot).node
+    assert leaf._value is None and leaf.value_np is not None and leaf.value_np.dtype == np.int64
+    t = leaf.value
+    assert t.tolist() == [10, 11, 12, 13] and t.dtype == torch.int64 and leaf.value is t
+    assert t.data_ptr() == leaf.value_np.ctypes.data  # a view: one copy of the indices
+    res = cache.insert([1, 2, 9, 9], np.array([10, 11, 20, 21], dtype=np.int64), state_slot=slot)
+    upper = res.node.parent
+    assert upper is not None and upper.depth == 2 and upper._value is None and leaf._value is None
+    assert upper.value.tolist() == [10, 11] and leaf.value.tolist() == [12, 13] and res.node.value.tolist() == [20, 21]
+    assert cache.kv_indices(leaf).tolist() == [10, 11, 12, 13]
+    cache.check_invariants()
+    cache.pool.free(slot, owner)

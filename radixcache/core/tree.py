@@ -94,6 +94,7 @@ class TreeNode:
     """
 
     __slots__ = (
+        "_value",
         "cache",
         "children",
         "depth",
@@ -108,7 +109,6 @@ class TreeNode:
         "snap_lock",
         "snapshot",
         "snapshot_fence",
-        "value",
         "value_np",
     )
 
@@ -116,18 +116,20 @@ class TreeNode:
         self,
         node_id: int,
         key: bytes,
-        value: torch.Tensor,
+        value: torch.Tensor | None,
         parent: TreeNode | None,
         depth: int,
         cache: HybridRadixCache | None = None,
+        value_np: np.ndarray | None = None,
     ) -> None:
         self.id = node_id
         self.cache = cache  # the tree that made it: calls with a node of another tree are refused
         self.key = key  # edge key bytes (TOKEN_BYTES per token)
-        self.value = value  # KV indices of the edge
+        # KV indices of the edge (see value); with value None, made from value_np when first read
+        self._value = value
         # The same indices as a numpy array when they live on the CPU (the tensor is a view of
         # it): comparisons on the insert hot path skip a tensor-to-numpy conversion.
-        self.value_np: np.ndarray | None = None
+        self.value_np = value_np
         self.parent = parent  # None once removed (and for roots)
         self.children: dict[bytes, TreeNode] = {}  # by the bytes of the child's first page
         self.depth = depth
@@ -139,6 +141,22 @@ class TreeNode:
         self.kv_lock = 0  # locks on this node or below: protects this edge's KV
         self.snap_lock = 0  # locks on this node itself: protects its snapshot
         self.last_access = 0
+
+    @property
+    def value(self) -> torch.Tensor:
+        """KV indices of the edge (1-D int64). On the CPU a view of :attr:`value_np`, made when
+        first read: NOTE: most edges are read through ``value_np`` alone (the native walk, gather
+        and compare), and a tensor made for each new edge cost ~2 us of every SGLang checkpoint
+        (session 36)."""
+        v = self._value
+        if v is None:
+            assert self.value_np is not None, f"node {self.id} holds neither KV tensor nor numpy indices"
+            v = self._value = torch.from_numpy(self.value_np)
+        return v
+
+    @value.setter
+    def value(self, value: torch.Tensor) -> None:
+        self._value = value
 
     @property
     def num_tokens(self) -> int:
@@ -819,14 +837,13 @@ class HybridRadixCache:
             stop = end // TOKEN_BYTES
             # A private copy: the caller's index tensor may be a view of its page table, which it
             # rewrites for other requests later.
+            # (a tensor of the numpy copy is made when first read: TreeNode.value)
             own = None if kvn is None else kvn[prefix_len:stop].astype(np.int64)  # a copy, int64
             if own is None:
                 assert kv is not None  # no numpy indices: a tensor was given
-                value = kv[prefix_len:stop].clone()
+                leaf = TreeNode(self._next_id, kb[pos:end], kv[prefix_len:stop].clone(), node, stop, self)
             else:
-                value = torch.from_numpy(own)
-            leaf = TreeNode(self._next_id, kb[pos:end], value, node, stop, self)
-            leaf.value_np = own
+                leaf = TreeNode(self._next_id, kb[pos:end], None, node, stop, self, own)
             self._next_id += 1
             node.children[leaf.key[: self._page_bytes]] = leaf
             self._num_nodes += 1
@@ -935,18 +952,19 @@ class HybridRadixCache:
         parent = child.parent
         assert parent is not None
         k = at // TOKEN_BYTES
-        upper = TreeNode(
-            self._next_id, child.key[:at], child.value[:k], parent, child.depth - child.num_tokens + k, self
-        )
+        top = child.depth - len(child.key) // TOKEN_BYTES + k
+        vnp = child.value_np
+        if vnp is not None:  # CPU indices: views of the numpy edge (tensors made when first read)
+            upper = TreeNode(self._next_id, child.key[:at], None, parent, top, self, vnp[:k])
+            child.value_np, child._value = vnp[k:], None
+        else:
+            upper = TreeNode(self._next_id, child.key[:at], child.value[:k], parent, top, self)
+            child.value = child.value[k:]
         self._next_id += 1
         upper.kv_lock = child.kv_lock
         upper.last_access = child.last_access
-        if child.value_np is not None:
-            upper.value_np = child.value_np[:k]
-            child.value_np = child.value_np[k:]
         parent.children[upper.key[: self._page_bytes]] = upper
         child.key = child.key[at:]
-        child.value = child.value[k:]
         child.parent = upper
         upper.children[child.key[: self._page_bytes]] = child
         self._num_nodes += 1
@@ -1524,7 +1542,8 @@ def _check_start(start: object, node: TreeNode) -> int:
     return int(start)
 
 
-_INDEX_DTYPES = (np.dtype(np.int64), np.dtype(np.int32))
+_INT64, _INT32 = np.dtype(np.int64), np.dtype(np.int32)
+_INDEX_DTYPES = (_INT64, _INT32)
 
 
 def _plain_index(kv: object) -> TypeGuard[np.ndarray]:
@@ -1532,7 +1551,12 @@ def _plain_index(kv: object) -> TypeGuard[np.ndarray]:
     row: read as it is, widened only where the tree keeps a copy): a tensor can share its memory
     as it is (``torch.from_numpy`` warns on read-only arrays; other arrays go through
     :func:`_as_kv`)."""
-    if type(kv) is not np.ndarray or kv.dtype not in _INDEX_DTYPES or kv.ndim != 1:
+    if type(kv) is not np.ndarray or kv.ndim != 1:
+        return False
+    dt = kv.dtype
+    # NOTE: numpy's dtypes of native int64 and int32 are singletons: compared by identity first (an
+    # equality test runs numpy's dtype comparison, ~1 us of every insert inside SGLang's scheduler)
+    if dt is not _INT64 and dt is not _INT32 and dt not in _INDEX_DTYPES:
         return False
     flags = kv.flags  # NOTE: one flags object, not one per attribute: ~1 us per insert in place
     return bool(flags.c_contiguous and flags.writeable)
@@ -1543,6 +1567,8 @@ def _as_kv(kv: torch.Tensor | np.ndarray | list[int], n_tokens: int) -> torch.Te
         t = kv
     else:
         a = np.asarray(kv)
+        if not a.dtype.isnative:  # another byte order (torch reads only the machine's): converted
+            a = a.astype(a.dtype.newbyteorder("="))
         t = torch.as_tensor(a if a.flags.writeable else a.copy())  # torch warns on read-only memory
     if t.dim() != 1 or t.dtype.is_floating_point or t.dtype == torch.bool or t.dtype.is_complex:
         raise ValueError(f"kv_indices must be a 1-D integer tensor, got shape {tuple(t.shape)} dtype {t.dtype}")
