@@ -678,12 +678,14 @@ class LinearStatePool:
         if held:
             self._owned_by[owner] = held
 
-    def _submit_copy(self, s: int, d: int, stream: Stream | None, after: Iterable[Fence], kind: str) -> Fence:
+    def _submit_copy(self, s: int, d: int, stream: Stream | None, after: tuple[Fence, ...], kind: str) -> Fence:
         last = self._last_use
         if (
             stream is None
             and self._immediate
-            and all(f is COMPLETE for f in after)  # a restore waits its snapshot's (done) clone
+            # a restore waits its snapshot's (done) clone. NOTE: no generator for the usual none
+            # or one: ~0.5 us of every clone and restore inside SGLang's scheduler (session 36)
+            and (not after or (after[0] is COMPLETE and (len(after) == 1 or all(f is COMPLETE for f in after))))
             and last.get(s, COMPLETE) is COMPLETE  # NOTE: get: a miss without __missing__'s frame
             and last.get(d, COMPLETE) is COMPLETE
         ):
