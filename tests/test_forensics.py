@@ -350,3 +350,26 @@ def test_the_ancestor_is_asked_only_for_a_watched_donation() -> None:
     assert asked == [0, 0, 1]
     assert [(f.kind, f.node) for f in watch_all.findings] == [("never-written", 2)]
     assert watch_all.findings[0].key == key_digest(bytes(key))
+
+
+def test_a_watched_donations_key_is_digested_only_when_named_from_the_bytes_it_was_given() -> None:
+    # The branch's name is the digest of the key at donation, made when a finding (or the ledger)
+    # first names it: bytes and views of bytes are kept as they are, any other buffer copied at
+    # donation (the caller may rewrite it), and something that is no buffer is refused there.
+    pool = LinearStatePool(StateLayout(1, (2, 2), (2,)), 4)
+    slots = [pool.alloc(RequestOwner(i)) for i in range(3)]
+    for s in slots:
+        pool.recurrent[:, s] = float(s + 1)
+    fx = Forensics(pool, mode="record")
+    mutable = bytearray(b"m" * 16)
+    view = memoryview(b"v" * 32)[:16]
+    fx.donated(1, 10, mutable, slots[0], "a", COMPLETE, None)
+    fx.donated(2, 10, view, slots[1], "b", COMPLETE, None)
+    mutable[:] = b"x" * 16  # rewritten after the donation
+    assert all(s._key is None for s in fx._snaps.values())  # not digested yet
+    for s in slots[:2]:
+        pool.recurrent[:, s] = 9.0  # both snapshots overwritten: two findings name their branches
+    assert fx.verify_all() == 2
+    assert [f.key for f in fx.findings] == [key_digest(b"m" * 16), key_digest(b"v" * 16)]
+    with pytest.raises(TypeError):
+        fx.donated(3, 10, 12345, slots[2], "c", COMPLETE, None)  # type: ignore[arg-type]
