@@ -265,6 +265,7 @@ RECYCLED_SLOTS = 8
 TAKE_BATCH = 4
 
 _ADMITTED_MEMORY = 1 << 16  # requests remembered as admitted (a bound: aborted waiters never release)
+_SLOT_INDEX_MEMORY = 1 << 14  # 0-d slot index tensors kept for reuse (_slot_index): ~16K slots, a few MB
 
 
 def _namespace(extra_key: Any, cache_salt: Any) -> Hashable:
@@ -364,8 +365,10 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         self.slots: SGLangSlots = self.state_pool.lender  # type: ignore[assignment]
         """The pool's lender: SGLang's allocator and the reserve of recycled slots."""
         alloc = self.req_to_token_pool.mamba_allocator
-        # every slot id as a 0-d index tensor on SGLang's device, a view each (as its allocator's)
+        # every slot id as a 0-d index tensor on SGLang's device, a view each (as its allocator's),
+        # the first _SLOT_INDEX_MEMORY of them kept once made (_slot_index)
         self._slot_ids = torch.arange(self.state_pool.capacity, dtype=torch.int64, device=alloc.device)
+        self._slot_index_of: dict[int, torch.Tensor] = {}
         self.tree = HybridRadixCache(self.state_pool, page_size=self.page_size, on_event=free_kv_to(self._free_kv))
         # The manager serves eviction through the policy; SGLang's scheduler drives the requests.
         if policy is None:
@@ -386,7 +389,10 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         copy-on-write), hit tokens they served, restores (of which from the host tier), donations
         (snapshots cloned), donations skipped for want of a slot (the manager's count)."""
         # Requests the policy heard of (admitted() once per request, however often it is matched).
-        self._admitted: OrderedDict[Hashable, None] = OrderedDict()
+        # NOTE: with each one's owner in the slot pool, made once per request: a RequestOwner (a
+        # frozen dataclass) built at every restore and checkpoint cost ~4 us a request inside
+        # SGLang's scheduler (session 36)
+        self._admitted: OrderedDict[Hashable, RequestOwner] = OrderedDict()
         if getattr(params, "enable_metrics", False):  # SGLang's --enable-metrics
             self.init_metrics_collector()  # SGLang's radix-cache collector: evictions, load-backs
 
@@ -463,7 +469,7 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         if admission:
             self.stats["admissions"] += 1
             if req.rid not in self._admitted:  # a request the scheduler could not add is matched again
-                self._admitted[req.rid] = None
+                self._admitted[req.rid] = RequestOwner(("sglang", req.rid))
                 if len(self._admitted) > _ADMITTED_MEMORY:
                     self._admitted.popitem(last=False)
                 info = mgr.request_info(full, 0 if m is None else m.cached_length, session=_session(req))
@@ -512,15 +518,14 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
                 got = self.slots.take(1)
             if got is None:
                 return False
-            # the 0-d index tensor SGLang's own code holds there (its allocator's slice, [0])
-            kv.mamba_pool_idx = self._slot_ids[got[0]]
+            kv.mamba_pool_idx = self._slot_index(got[0])
         if node.snapshot is None:
             self.stats["host_restores"] += 1
             if self.metrics_collector is not None:  # a hit of `hit` tokens served from host memory
                 self.metrics_collector.increment_load_back_num_tokens(hit, "mamba")
         if info is None:
             info = mgr.request_info(full, hit, session=_session(req))
-        owner = RequestOwner(("sglang", req.rid))
+        owner = self._owner(req)
         slot = self.state_pool.lend(int(kv.mamba_pool_idx), owner)
         try:
             mgr.restore(node, slot, dst_owner=owner, info=info)
@@ -543,7 +548,7 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         kv = _kv(params.value, "insert's value")
         slot = None if params.mamba_value is None else int(params.mamba_value.reshape(-1)[0])
         prev = min(int(params.prev_prefix_len), len(ids))
-        res = self._insert(ids, kv, slot, ns, ("sglang-insert", id(params)), None, prev)
+        res = self._insert(ids, kv, slot, ns, RequestOwner(("sglang-insert", id(params))), None, prev)
         if res.duplicates:  # the tree compared [prev, prefix_length) and handed the differing ones back
             self._free_kv(res.released)
         return InsertResult(
@@ -556,12 +561,13 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         kv: torch.Tensor | np.ndarray,
         slot: int | None,
         ns: Hashable,
-        rid: Hashable,
+        owner: RequestOwner,
         req: Any,
         known: int,
     ) -> Any:
-        """Insert with ``slot`` lent for the clone and reclaimed after; no free slot for the
-        clone even after evicting one through the policy: insert without a snapshot. The first
+        """Insert with ``slot`` lent to ``owner`` (the donor) for the clone and reclaimed after; no
+        free slot for the clone even after evicting one through the policy: insert without a
+        snapshot. The first
         ``known`` indices are the tree's own (SGLang's contract: not compared). ``kv``: a tensor
         of indices, or a CPU row's numpy view (int32 or int64: the tree copies what it stores)."""
         if isinstance(kv, torch.Tensor):
@@ -573,11 +579,17 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         if slot is None:
             return mgr.checkpoint(ids, kv, namespace=ns, known_prefix=known)
         reason = DonationReason.FINISH if req is not None and req.finished() else DonationReason.CAPTURE
-        owner = RequestOwner(rid)
         s = self.state_pool.lend(slot, owner)
         try:
             res = mgr.checkpoint(
-                ids, kv, state_slot=s, namespace=ns, donor=rid, reason=reason, session=_session(req), known_prefix=known
+                ids,
+                kv,
+                state_slot=s,
+                namespace=ns,
+                donor=owner.rid,
+                reason=reason,
+                session=_session(req),
+                known_prefix=known,
             )
         finally:  # SGLang's slot again, whatever happened
             self.state_pool.reclaim(s, owner)
@@ -617,7 +629,7 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
             slot = int(kvr.mamba_pool_idx)
         # [0, prot) of the row is the tree's own KV (the admission's match or the last checkpoint's
         # repointing; the request's lock keeps it): not compared again
-        res = self._insert(ids, kv, slot, ns, ("sglang", req.rid), req, prot)
+        res = self._insert(ids, kv, slot, ns, self._owner(req), req, prot)
         node = res.node
         if not (HybridRadixCache.holds_snapshot(node) or node.host is not None) or node.depth <= prot:
             return  # nothing new a later request could resume from: the row stays the request's
@@ -645,7 +657,10 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
             req.lock = self.lock(node)
         else:  # SGLang's unlock then lock, in one walk of the paths where the two nodes differ
             self.manager.relock(old.node, node)
-            req.lock = _tree_lock(node)
+            # NOTE: the request's lock re-pointed, not rebuilt: SGLang's lock dataclasses cost ~3 us
+            # a checkpoint inside its scheduler (session 36); only the request holds its lock
+            old.node = node
+            old.receipt.node_id = node.id
         kvr.cache_protected_len = depth
         req.last_node = node
 
@@ -810,6 +825,24 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
             row: torch.Tensor = table[req_pool_idx]
             return row
         return self._rows_np[req_pool_idx]  # type: ignore[no-any-return]
+
+    def _owner(self, req: Any) -> RequestOwner:
+        """``req``'s owner in the slot pool: the one made at its admission (or an equal one)."""
+        owner = self._admitted.get(req.rid)
+        return RequestOwner(("sglang", req.rid)) if owner is None else owner
+
+    def _slot_index(self, slot: int) -> torch.Tensor:
+        """Slot ``slot`` as the 0-d index tensor SGLang's own code holds in ``mamba_pool_idx`` (its
+        allocator's slice, ``[0]``). NOTE: made once per slot and kept (up to
+        ``_SLOT_INDEX_MEMORY``): indexing a tensor cost ~5 us a hit inside SGLang's scheduler
+        (session 36). Nothing writes an index tensor in place, so requests that hold the same
+        slot one after the other may share one."""
+        t = self._slot_index_of.get(slot)
+        if t is None:
+            t = self._slot_ids[slot]
+            if len(self._slot_index_of) < _SLOT_INDEX_MEMORY:
+                self._slot_index_of[slot] = t
+        return t
 
     def _miss(self, ns: Hashable) -> MatchResult:
         """A match without a hit: the tree's root for ``ns`` in every node field."""

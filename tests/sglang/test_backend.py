@@ -821,3 +821,37 @@ def test_sanity_check_finds_a_recycled_slot_sglang_also_holds_free() -> None:
     env.rtp.mamba_allocator.free(torch.tensor([slot]))  # a double holder: the reserve and SGLang
     with pytest.raises(AssertionError, match=rf"recycled slots \[{slot}\] are on SGLang's free list too"):
         env.cache.sanity_check()
+
+
+def test_a_checkpoint_moves_the_requests_own_lock_and_hits_share_a_slots_index_tensor() -> None:
+    """A checkpoint moves the request's lock to the deeper snapshot in place (the same TreeLock,
+    its node and receipt re-pointed, the old node let go); a hit's slot is SGLang's 0-d index
+    tensor, the same one for every request restored into that slot."""
+    env = H.make_env("radixcache")
+    cache = env.cache
+    rng = random.Random(3)
+    prompt = [rng.randrange(1, 30000) for _ in range(100)]
+    a = H.new_request("a", prompt, 2, False, rng)
+    assert H.admit(env, a)
+    lock = a.req.lock
+    assert H.step(env, a, 48)  # the first chunk's checkpoint: a snapshot at 48
+    node = cache.tree.match(a.tokens[:48]).node
+    assert a.req.lock is lock and lock.node is node and lock.receipt.node_id == node.id
+    assert node.snap_lock == 1
+    assert H.step(env, a, 48)  # the second: the lock moves on, the first node is let go
+    deeper = cache.tree.match(a.tokens[:96]).node
+    assert a.req.lock is lock and lock.node is deeper and lock.receipt.node_id == deeper.id
+    assert node.snap_lock == 0 and deeper.snap_lock == 1
+    while H.step(env, a, 48):
+        pass
+    seen = []
+    for rid in ("b", "c"):
+        r = H.new_request(rid, [*prompt, 7], 2, False, rng)
+        r.req.init_next_round_input(cache)
+        idx = r.req.kv.mamba_pool_idx
+        assert r.req.prefix_len > 0 and idx.dim() == 0 and idx.dtype == torch.int64
+        seen.append((int(idx), idx))
+        assert cache.slots.keep(int(idx))  # r goes away unscheduled: its slot back to the reserve
+        r.req.kv.mamba_pool_idx = None
+    assert seen[0][0] == seen[1][0] and seen[0][1] is seen[1][1]  # one slot: one tensor
+    cache.sanity_check()
