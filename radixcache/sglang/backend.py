@@ -119,16 +119,11 @@ class SGLangSlots:
             if self.batch > 1:
                 got = self.allocator.alloc(self.batch)
                 if got is not None:
-                    out: list[int] = got.reshape(-1).tolist()
+                    out = _ints(got)
                     self.reserve.extend(out[:0:-1])  # handed out in SGLang's order: its first now
                     return out[:1]
         got = self.allocator.alloc(n)
-        if got is None:
-            return None
-        # ints: tolist makes them. NOTE: SGLang hands out a 1-D slice of its free list; reshaping
-        # it first cost ~8 us per request inside its scheduler (py-spy, session 34).
-        out = got.tolist() if got.dim() == 1 else got.reshape(-1).tolist()
-        return out
+        return None if got is None else _ints(got)
 
     def give(self, slots: Sequence[int]) -> None:
         """Back onto SGLang's free list."""
@@ -163,6 +158,14 @@ class SGLangSlots:
             del self.reserve[-k:]
             self.give(back)
         return k
+
+
+def _ints(got: torch.Tensor) -> list[int]:
+    """SGLang's allocated slot indices as ints (tolist makes them). NOTE: SGLang hands out a 1-D
+    slice of its free list; reshaping it first cost ~8 us per request inside its scheduler (py-spy,
+    session 34)."""
+    out: list[int] = got.tolist() if got.dim() == 1 else got.reshape(-1).tolist()
+    return out
 
 
 def sglang_state_pool(
@@ -364,10 +367,8 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         self.state_pool = sglang_state_pool(self.req_to_token_pool, stream=stream, recycle=recycle, batch=batch)
         self.slots: SGLangSlots = self.state_pool.lender  # type: ignore[assignment]
         """The pool's lender: SGLang's allocator and the reserve of recycled slots."""
-        alloc = self.req_to_token_pool.mamba_allocator
-        # every slot id as a 0-d index tensor on SGLang's device, a view each (as its allocator's),
-        # the first _SLOT_INDEX_MEMORY of them kept once made (_slot_index)
-        self._slot_ids = torch.arange(self.state_pool.capacity, dtype=torch.int64, device=alloc.device)
+        # slot ids as 0-d index tensors on SGLang's device, the first _SLOT_INDEX_MEMORY of them
+        # kept once made (_slot_index)
         self._slot_index_of: dict[int, torch.Tensor] = {}
         self.tree = HybridRadixCache(self.state_pool, page_size=self.page_size, on_event=free_kv_to(self._free_kv))
         # The manager serves eviction through the policy; SGLang's scheduler drives the requests.
@@ -834,12 +835,12 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
     def _slot_index(self, slot: int) -> torch.Tensor:
         """Slot ``slot`` as the 0-d index tensor SGLang's own code holds in ``mamba_pool_idx`` (its
         allocator's slice, ``[0]``). NOTE: made once per slot and kept (up to
-        ``_SLOT_INDEX_MEMORY``): indexing a tensor cost ~5 us a hit inside SGLang's scheduler
+        ``_SLOT_INDEX_MEMORY``): making one cost ~5 us a hit inside SGLang's scheduler
         (session 36). Nothing writes an index tensor in place, so requests that hold the same
         slot one after the other may share one."""
         t = self._slot_index_of.get(slot)
         if t is None:
-            t = self._slot_ids[slot]
+            t = torch.tensor(slot, dtype=torch.int64, device=self.slots.allocator.device)
             if len(self._slot_index_of) < _SLOT_INDEX_MEMORY:
                 self._slot_index_of[slot] = t
         return t
