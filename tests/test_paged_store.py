@@ -204,6 +204,50 @@ def test_bad_input_is_refused_and_changes_nothing() -> None:
     assert store.pages.free_pages == store.num_pages and store.pool.num_free == store.num_slots
 
 
+def test_a_plan_made_before_its_last_ids_were_known_is_filed_under_the_whole_prefix() -> None:
+    """vLLM's asynchronous scheduling plans a decode step's save before the token the step reads
+    is sampled: the plan holds the ids known then, the commit takes the whole prefix, and the
+    snapshot is keyed on it (a prefix that differs in that last token does not hit it)."""
+    store, eng = _store(), Engine()
+    ids = list(range(200, 200 + 2 * B))
+    eng.compute(ids, [0, 1])
+    plan = store.plan_save("a", ids[:-1], end=2 * B)
+    assert plan is not None and plan.ids.size == 2 * B - 1 and (plan.start, plan.end) == (0, 2 * B)
+    store.copy_in_pages(plan.pages, eng.layers([0, 1]))
+    store.copy_in_state(plan, eng.conv[1], eng.rec[1])
+    with pytest.raises(ValueError, match="knows 7 of its ids: commit needs all of them"):
+        store.commit(plan)
+    with pytest.raises(ValueError, match="got 7 ids"):
+        store.commit(plan, ids[:-1])
+    with pytest.raises(ValueError, match="that differ from them"):
+        store.commit(plan, [0, *ids[1:]])
+    store.check_invariants()  # each refusal left the plan planned and the store as it was
+    assert store.manager.cache.num_snapshots == 0
+    assert store.commit(plan, ids)
+    store.check_invariants()
+    other = store.lookup("b", [*ids[:-1], ids[-1] + 1, 9], computed=0)
+    assert other is None, "a prefix that differs in the token unknown at planning hit the snapshot"
+    hit = store.lookup("c", [*ids, 9], computed=0)
+    assert hit is not None and hit.end == 2 * B
+    conv, rec = store.state_of(hit)
+    assert torch.equal(conv, eng.conv[1]) and torch.equal(rec, eng.rec[1])
+    store.release(hit)
+
+
+def test_a_plan_whose_last_ids_never_came_is_given_back_and_counted() -> None:
+    store = _store()
+    with pytest.raises(ValueError, match="end must be an int >= len\\(ids\\) = 5, got 4"):
+        store.plan_save("a", list(range(5)), end=B)
+    with pytest.raises(ValueError, match="multiple of 4 tokens, got 6"):
+        store.plan_save("a", list(range(5)), end=6)
+    plan = store.plan_save("a", list(range(5)), end=2 * B)
+    assert plan is not None
+    store.abandon(plan, why="ids-unknown")
+    assert store.describe()["stats"]["saves_skipped"] == {"ids-unknown": 1}
+    store.check_invariants()
+    assert store.pages.free_pages == store.num_pages and store.pool.num_free == store.num_slots
+
+
 def test_options_refuse_unknown_keys_and_bad_values() -> None:
     assert ConnectorOptions.from_extra(None) == ConnectorOptions()
     assert ConnectorOptions.from_extra({"policy": "vllm-like", "verify": False}).verify is False

@@ -20,6 +20,13 @@ Per step (vLLM runs them in this order):
 5. worker, ``wait_for_save`` (after the forward): the planned saves are copied out of vLLM's
    blocks, in the step that wrote them (a later step may have moved the state block on);
 6. scheduler, its next call: the step's loads are released and its saves filed (``commit``).
+
+With asynchronous scheduling (vLLM's default where its executor allows it) the scheduler plans
+step N+1 before step N's sampled tokens are known: a decode step's input token is then a
+placeholder, so a save of a decode step that ends on a block boundary is planned with the ids
+known (one short) and committed with the request's ids once the worker has run the step (by
+then vLLM has appended that token; an aborted request that never got it gives the plan back,
+counted as ``ids-unknown``). Loads need nothing more: a hit is found for a request's prompt.
 """
 
 from __future__ import annotations
@@ -203,6 +210,7 @@ class _Load:
 class _Save:
     plan: SavePlan
     blocks: dict[int, list[int]]
+    request: Request | None = None  # whose ids complete the plan's at its commit (asynchronous scheduling)
 
 
 @dataclass
@@ -222,8 +230,9 @@ class RadixcacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
     (:class:`~radixcache.vllm.ConnectorOptions`).
 
     :raises UnsupportedEngine: an unknown option, a model without linear or attention layers,
-        the hybrid KV cache manager disabled, tensor or pipeline parallelism, speculative decoding,
-        asynchronous scheduling, or vLLM's prefix caching in a mode other than ``align``.
+        the hybrid KV cache manager disabled, tensor or pipeline parallelism, a worker in another
+        process (an executor other than vLLM's default for one device), speculative decoding, or
+        vLLM's prefix caching in a mode other than ``align``.
     """
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
@@ -322,10 +331,14 @@ class RadixcacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
             ids = _cache_ids(request)
             if ids is None:
                 continue
-            plan = self.store.plan_save(rid, ids[:end], namespace=_namespace(request))
+            # With asynchronous scheduling a decode step is scheduled before the token it reads
+            # is sampled (vLLM counts it computed, its id is not in the request yet): the plan
+            # holds the ids known now and the commit, after that token's step, the whole prefix.
+            plan = self.store.plan_save(rid, ids[:end], end=end, namespace=_namespace(request))
             if plan is None:
                 continue
-            meta.saves.append(_Save(plan, self._blocks_of(self._kv_cache_manager.get_block_ids(rid), plan.start, end)))
+            blocks = self._blocks_of(self._kv_cache_manager.get_block_ids(rid), plan.start, end)
+            meta.saves.append(_Save(plan, blocks, request))
         self._inflight.append(meta)
         return meta
 
@@ -366,7 +379,21 @@ class RadixcacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
             for load in meta.loads:
                 self.store.release(load.hit, loaded=True)
             for save in meta.saves:
-                self.store.commit(save.plan)
+                self._commit(save)
+
+    def _commit(self, save: _Save) -> None:
+        """File a save the worker copied; a plan made before its last ids were known takes them
+        from the request now (they are: the worker ran the step that read them), or is given
+        back when they never came (the request was aborted first)."""
+        plan = save.plan
+        if plan.ids.size == plan.end:
+            self.store.commit(plan)
+            return
+        ids = _cache_ids(save.request) if save.request is not None else None
+        if ids is None or ids.size < plan.end:
+            self.store.abandon(plan, why="ids-unknown")
+        else:
+            self.store.commit(plan, ids[: plan.end])
 
     def shutdown(self) -> None:
         """Let the engine's store go (the scheduler side built or shares it), its shared tier's
@@ -473,14 +500,18 @@ def _check_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
             f"tensor_parallel_size={pc.tensor_parallel_size}, pipeline_parallel_size={pc.pipeline_parallel_size}: "
             "RadixcacheConnector keeps its store in the engine core's process and serves one device (both must be 1)"
         )
+    backend = pc.distributed_executor_backend
+    if backend not in (None, "uni", "external_launcher"):
+        raise UnsupportedEngine(
+            f"distributed_executor_backend={backend!r}: RadixcacheConnector needs the worker in the scheduler's "
+            "process ('uni', vLLM's default for one device)"
+        )
     if vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
         raise UnsupportedEngine(
             "disable_hybrid_kv_cache_manager=True: RadixcacheConnector needs vLLM's hybrid KV cache manager (HMA)"
         )
     if vllm_config.speculative_config is not None:
         raise UnsupportedEngine("speculative decoding: RadixcacheConnector does not store draft-token states")
-    if vllm_config.scheduler_config.async_scheduling:
-        raise UnsupportedEngine("async_scheduling=True: RadixcacheConnector files saves between steps; turn it off")
     cc = vllm_config.cache_config
     if not cc.enable_prefix_caching or cc.mamba_cache_mode != "align":
         raise UnsupportedEngine(

@@ -121,6 +121,9 @@ class SavePlan:
     copies the blocks of ``start .. end`` into ``pages`` and the state after ``end`` into
     ``slot`` in the step that computes them, then :meth:`PagedHostStore.commit` files it.
 
+    :ivar ids: the prefix's ids known when planned: all ``end`` of them, or its first ones (the
+        rest are the step's input tokens not sampled yet; :meth:`PagedHostStore.commit` takes
+        the whole prefix then).
     :ivar start: tokens whose KV the tree held when planned (a block multiple).
     :ivar indices: the token indices of ``pages`` (the tree's KV indices once filed).
     """
@@ -461,17 +464,29 @@ class PagedHostStore:
 
     # ------------------------------------------------------------------ saves
     def plan_save(
-        self, rid: Hashable, ids: Sequence[int] | np.ndarray, *, namespace: Hashable = None
+        self, rid: Hashable, ids: Sequence[int] | np.ndarray, *, end: int | None = None, namespace: Hashable = None
     ) -> SavePlan | None:
         """Reserve what filing the prefix ``ids`` (a whole number of blocks) takes: host pages for
         the blocks the tree lacks and a slot for the state after it (evicting through the policy
         when the budget is full). ``None``: nothing to do (the tree holds a snapshot there) or no
         room (counted). Copy into the plan, then :meth:`commit` it (or :meth:`abandon`).
 
-        :raises ValueError: ``ids`` not a positive whole number of blocks. Nothing changed.
+        ``end``: the prefix's length when not all its ids are known yet, ``ids`` then its first
+        ones. An engine that schedules a step before the previous step's sampled token is known
+        (vLLM's asynchronous scheduling) plans the step's save with the tokens it has and gives
+        :meth:`commit` the whole prefix once the step's input tokens are known; the pages the
+        tree lacks are counted from the known ids (at worst a block the tree turns out to hold
+        is copied and given back at the commit).
+
+        :raises ValueError: ``end`` (``len(ids)`` by default) not a positive whole number of
+            blocks, or fewer than ``len(ids)``. Nothing changed.
         """
         arr = np.asarray(ids, dtype=np.int64).reshape(-1)
-        end = int(arr.size)
+        if end is None:
+            end = int(arr.size)
+        elif isinstance(end, bool) or not isinstance(end, (int, np.integer)) or end < arr.size:
+            raise ValueError(f"end must be an int >= len(ids) = {arr.size}, got {end!r}")
+        end = int(end)
         if end == 0 or end % self.block:
             raise ValueError(f"a saved prefix is a positive multiple of {self.block} tokens, got {end}")
         mgr = self.manager
@@ -498,14 +513,21 @@ class PagedHostStore:
         self._planned[id(plan)] = plan
         return plan
 
-    def commit(self, plan: SavePlan) -> bool:
+    def commit(self, plan: SavePlan, ids: Sequence[int] | np.ndarray | None = None) -> bool:
         """File ``plan`` once its pages and slot hold the engine's bytes: the tree takes the new
         pages and a clone of the slot (the manager's ``checkpoint``), the rest goes back. Returns
         whether a snapshot was filed (``False``: the tree lost the prefix the plan relied on
         meanwhile, or held a snapshot there already).
 
-        :raises ValueError: ``plan`` was committed or abandoned already. Nothing changed."""
+        ``ids``: the whole prefix (``plan.end`` ids beginning with ``plan.ids``); needed when the
+        plan was made with fewer (``plan_save(..., end=)``), checked when given.
+
+        :raises ValueError: ``plan`` was committed or abandoned already; ``ids`` missing for a
+            plan that lacks some, or not ``plan.end`` ids that begin with ``plan.ids``. Nothing
+            changed (the plan stays planned but for the first)."""
+        whole = self._whole(plan, ids)
         self._take(plan)
+        plan.ids = whole
         mgr = self.manager
         # The clone's slot first: an eviction inside checkpoint could remove the very path whose
         # KV indices are read below, and the tree would take back indices it had just freed.
@@ -544,16 +566,38 @@ class PagedHostStore:
             mgr.publish_pending()  # its copies are done: handed to the tier's writer now
         return bool(res.snapshot_created)
 
+    @staticmethod
+    def _whole(plan: SavePlan, ids: Sequence[int] | np.ndarray | None) -> np.ndarray:
+        """The plan's whole prefix: ``ids`` checked against what the plan knew, or its own."""
+        known = plan.ids.size
+        if ids is None:
+            if known != plan.end:
+                raise ValueError(
+                    f"the plan for {plan.end} tokens of {plan.rid!r} knows {known} of its ids: commit needs all of them"
+                )
+            return plan.ids
+        arr = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if arr.size != plan.end or not np.array_equal(arr[:known], plan.ids):
+            raise ValueError(
+                f"the plan for {plan.end} tokens of {plan.rid!r} needs {plan.end} ids beginning with the {known} it "
+                f"was planned with, got {arr.size} ids" + ("" if arr.size != plan.end else " that differ from them")
+            )
+        return arr
+
     def _take(self, plan: SavePlan) -> None:
         if self._planned.get(id(plan)) is not plan:
             raise ValueError(f"the plan for {plan.end} tokens of {plan.rid!r} was committed or abandoned already")
         del self._planned[id(plan)]
 
-    def abandon(self, plan: SavePlan) -> None:
-        """Give ``plan``'s pages and slot back unfiled (the engine did not copy into it).
+    def abandon(self, plan: SavePlan, *, why: str | None = None) -> None:
+        """Give ``plan``'s pages and slot back unfiled (the engine did not copy into it, or the
+        prefix's ids never became known); ``why``, when given, is counted in
+        ``stats.saves_skipped``.
 
         :raises ValueError: ``plan`` was committed or abandoned already. Nothing changed."""
         self._take(plan)
+        if why is not None:
+            self.stats.skip(why)
         self.pages.free(plan.indices)
         self.pool.free(plan.slot, plan.owner)
 

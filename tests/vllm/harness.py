@@ -125,6 +125,24 @@ def make_llm(model: Path, *, prefix_caching: bool, **options: Any) -> Any:
     )
 
 
+def keep_async_scheduling(monkeypatch: Any) -> None:
+    """Let an engine asked for ``async_scheduling=True`` keep it on the CPU. vLLM's CPU platform
+    turns asynchronous scheduling off ("not required on CPU"); its engine core and executor run
+    it all the same (the batch queue schedules a step before the previous step's tokens are
+    known), which is the order the connector meets on a GPU, where it is vLLM's default."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    check = CpuPlatform.check_and_update_config.__func__
+
+    def keep(cls: Any, vllm_config: Any) -> None:
+        asked = vllm_config.scheduler_config.async_scheduling
+        check(cls, vllm_config)
+        if asked:
+            vllm_config.scheduler_config.async_scheduling = True
+
+    monkeypatch.setattr(CpuPlatform, "check_and_update_config", classmethod(keep))
+
+
 def close(llm: Any) -> None:
     """Let an engine go before the next one starts (its KV space is most of its memory)."""
     llm.llm_engine.engine_core.shutdown()
@@ -168,6 +186,12 @@ class Workload:
     seed: int = 0
     system_len: int = 1400  # more than two hybrid blocks
     answer: int = 8
+    #: Two more rounds: prompts 1 to 7 tokens short of a block (and one 8 short), so a decode
+    #: step ends on the block boundary (the save of a state after a sampled token), then each
+    #: conversation's next turn, which only that save can serve. Short of the first block: a
+    #: prompt in one chunk is computed as the ground truth computes it (at a near tie two chunks
+    #: part from one, with or without a cache).
+    decode_boundary: bool = False
 
     def __post_init__(self) -> None:
         self._answers: list[list[int]] = []
@@ -189,6 +213,11 @@ class Workload:
         more = [t + a + self._ids(30) for t, a in zip(turns, self._answers, strict=True)]
         yield more  # a third turn
         yield [self.systems[i % 2][: BLOCK * 2] + self._ids(200 + 9 * i) for i in range(8)]  # block-aligned
+        if self.decode_boundary:
+            assert self.answer >= 8, "a decode step must reach the boundary from 7 tokens short"
+            short = [self._ids(BLOCK - 1 - i) for i in range(8)]  # the last one: 8 short, no decode boundary
+            yield short
+            yield [p + a + self._ids(20) for p, a in zip(short, self._answers, strict=True)]
 
     def answered(self, outs: Sequence[Sequence[int]]) -> None:
         self._answers = [list(o) for o in outs]

@@ -28,6 +28,7 @@ from .harness import (
     close,
     compare,
     fill_free_blocks_with_noise,
+    keep_async_scheduling,
     make_llm,
     serve,
 )
@@ -72,8 +73,10 @@ def _run(
     *,
     after_reset: Callable[[Any, int], None] | None = None,
     finish: Callable[[Any], None] | None = None,
+    workload: Workload | None = None,
+    **options: Any,
 ) -> tuple[Served, dict[str, Any]]:
-    llm = make_llm(model, prefix_caching=True, kv_transfer_config=kv_transfer, disable_log_stats=False)
+    llm = make_llm(model, prefix_caching=True, kv_transfer_config=kv_transfer, disable_log_stats=False, **options)
 
     def between(llm: Any, round_: int) -> None:
         connector_of(llm).store.check_invariants()
@@ -83,7 +86,7 @@ def _run(
             after_reset(llm, round_)
 
     try:
-        served = serve(llm, Workload(seed=0), between=between)
+        served = serve(llm, workload or Workload(seed=0), between=between)
         if finish is not None:
             finish(llm)
         conn = connector_of(llm)
@@ -137,6 +140,77 @@ def test_a_tiny_host_budget_is_held_by_the_policy_and_still_serves_the_ground_tr
     assert store["pages"] == store["slots"] == budget // (store["page_bytes"] + store["slot_bytes"]), facts
     assert 3 <= store["pages"] <= 5 and facts["evictions"] > 0 and facts["external"] > 0, facts
     assert store["stats"]["hit_tokens"] == facts["external"], facts
+
+
+def test_vllms_default_asynchronous_scheduling_is_served_saves_after_a_sampled_token_included(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM turns asynchronous scheduling on by default (on a GPU): a step is scheduled before
+    the previous step's sampled token is known, so a decode step that ends on a block boundary
+    is planned with one id short. The workload's last two rounds make such saves (prompts 1 to 7
+    tokens short of a block) and then need them (each conversation's next turn, after vLLM's
+    cache is reset and its free blocks filled with noise): every answer the ground truth's
+    (synchronous, no prefix cache), each next turn served a block from the store but the one
+    whose prompt was 8 short (no decode step ended on the boundary)."""
+    keep_async_scheduling(monkeypatch)
+
+    def cold_run() -> Served:
+        llm = make_llm(tiny_model, prefix_caching=False)
+        try:
+            return serve(llm, Workload(seed=0, decode_boundary=True))
+        finally:
+            close(llm)
+
+    truth = cold_run()
+    probe: dict[str, bool] = {}
+
+    def check_async(llm: Any) -> None:
+        probe["async"] = bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling)
+        probe["queue"] = llm.llm_engine.engine_core.engine_core.batch_queue is not None
+
+    got, facts = _run(
+        tiny_model,
+        _kv_transfer(),
+        finish=check_async,
+        workload=Workload(seed=0, decode_boundary=True),
+        async_scheduling=True,
+    )
+    assert probe == {"async": True, "queue": True}, f"the engine did not schedule asynchronously: {probe}"
+    wrong, ties = compare(truth, got)
+    assert not wrong, f"the connector served {len(wrong)} wrong answers under asynchronous scheduling: {wrong}"
+    assert len(ties) <= 12, ties
+    next_turns = got.cached[-8:]
+    assert next_turns == [640] * 7 + [0], f"saves after a sampled token were not served as made: {next_turns}"
+    assert "ids-unknown" not in facts["store"]["stats"]["saves_skipped"], facts
+    assert facts["findings"] == 0 and facts["page_findings"] == 0
+
+
+def test_a_save_planned_before_its_last_id_was_known_is_filed_when_it_is_and_given_back_when_never() -> None:
+    """The connector's commit of a save planned one id short (asynchronous scheduling): filed
+    under the request's ids once they hold the step's input token, given back and counted when
+    they never do (a request aborted before that token's step was processed)."""
+    from types import SimpleNamespace
+
+    from linear_state import StateLayout
+    from radixcache.vllm import PagedLayout
+    from radixcache.vllm.connector import _Save
+
+    layout = PagedLayout(block_tokens=4, kv_layers=1, kv_page_bytes=16, state=StateLayout(1, (2, 3), (2, 2)))
+    conn = RadixcacheConnector.__new__(RadixcacheConnector)  # the scheduler side's commit alone
+    conn.store = store = PagedHostStore(layout, 1 << 16)
+    ids = list(range(10, 18))
+    for rid, known in (("done", ids), ("aborted", ids[:7])):
+        plan = store.plan_save(rid, ids[:7], end=8)
+        assert plan is not None
+        store.copy_in_state(plan, torch.randn(1, 2, 3, dtype=torch.bfloat16), torch.randn(1, 2, 2))
+        request = SimpleNamespace(all_token_ids=list(known), mm_features=None, prompt_embeds=None)
+        conn._commit(_Save(plan, {}, request))
+    store.check_invariants()
+    assert store.describe()["stats"]["saves"] == 1
+    assert store.describe()["stats"]["saves_skipped"] == {"ids-unknown": 1}
+    hit = store.lookup("next", [*ids, 1], computed=0)
+    assert hit is not None and hit.end == 8
+    store.release(hit)
 
 
 @pytest.mark.parametrize(
@@ -229,6 +303,38 @@ def test_a_model_without_linear_layers_is_refused(tmp_path: Path) -> None:
         cwd=Path(__file__).resolve().parents[2],
     )
     assert "REFUSED: the model has no linear-attention" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
+
+
+_MULTIPROCESS = """
+import sys
+from pathlib import Path
+from tests.vllm.harness import make_llm
+from tests.vllm.test_connector import _kv_transfer, _causes
+try:
+    conf = _kv_transfer()
+    make_llm(Path(sys.argv[1]), prefix_caching=True, kv_transfer_config=conf, distributed_executor_backend="mp")
+except Exception as e:
+    print("REFUSED:", " | ".join(str(x) for x in [e, *_causes(e)]))
+else:
+    print("STARTED")
+"""
+
+
+def test_a_worker_in_another_process_is_refused(tiny_model: Path) -> None:
+    """vLLM's multiprocess executor (``distributed_executor_backend="mp"``, even for one device)
+    runs the worker in a process of its own, where the connector's worker side would copy into a
+    store of its own: refused by name. vLLM builds the worker first, so the refusal comes back as
+    the worker's failure, message and all; in a process of its own, whose exit takes the
+    executor's worker processes down with it."""
+    out = subprocess.run(
+        [sys.executable, "-c", _MULTIPROCESS, str(tiny_model)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    want = "distributed_executor_backend='mp': RadixcacheConnector needs the worker in the scheduler's process"
+    assert "REFUSED:" in out.stdout and want in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
 
 
 _PUBLISHER = """
