@@ -95,11 +95,18 @@ def test_only_a_hit_the_engine_loaded_counts_as_a_hit() -> None:
         store.release(hit)
     hit = store.lookup("b", [*ids, 7], computed=B)
     assert hit is not None
+    with pytest.raises(ValueError, match="either loaded or declined"):
+        store.release(hit, loaded=True, declined=True)
+    store.release(hit, declined=True)  # withdrawn: the engine had no room for it
+    hit = store.lookup("b", [*ids, 7], computed=B)
+    assert hit is not None
     store.release(hit, loaded=True)
     st = store.describe()["stats"]
-    assert (st["offers"], st["offered_tokens"]) == (3, 3 * 2 * B)
+    assert (st["offers"], st["offered_tokens"], st["declined"]) == (4, 4 * 2 * B, 1)
     assert (st["hits"], st["hit_tokens"]) == (1, 2 * B)
     store.check_invariants()
+    held = store.manager.cache.num_snapshots
+    assert held == 1 and store.pool.num_free == store.num_slots - held, "a released hit kept its slot"
 
 
 def test_a_later_save_copies_only_the_blocks_the_tree_lacks() -> None:

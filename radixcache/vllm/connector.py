@@ -82,6 +82,11 @@ class _Groups:
     linear: tuple[int, ...]
     attention_layers: tuple[tuple[str, int], ...]  # (layer name, group), in group order
     linear_layers: tuple[tuple[str, int], ...]
+    #: The most new blocks vLLM 0.32's admission check counts for one Mamba group of a request in
+    #: align mode (``MambaManager.get_num_blocks_to_allocate``): its running block, a prefill
+    #: checkpoint's where the spec keeps them, speculative blocks (a partial local hit's copy
+    #: never meets an external hit: the connector offers none after a hit that ends mid-block).
+    mamba_counted: int = 1
 
 
 def _groups(kv_cache_config: KVCacheConfig) -> _Groups:
@@ -90,12 +95,15 @@ def _groups(kv_cache_config: KVCacheConfig) -> _Groups:
     att_layers: list[tuple[str, int]] = []
     lin_layers: list[tuple[str, int]] = []
     blocks: set[int] = set()
+    counted = 1
     for g, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
         blocks.add(spec.block_size)
         if isinstance(spec, MambaSpec):
             linear.append(g)
             lin_layers += [(n, g) for n in group.layer_names]
+            extra = int(getattr(spec, "num_prefill_checkpoint_blocks", 0) > 0)
+            counted = max(counted, 1 + extra + int(getattr(spec, "num_speculative_blocks", 0)))
         elif isinstance(spec, AttentionSpec):
             attention.append(g)
             att_layers += [(n, g) for n in group.layer_names]
@@ -114,7 +122,7 @@ def _groups(kv_cache_config: KVCacheConfig) -> _Groups:
         raise UnsupportedEngine(
             f"KV cache groups of different block sizes {sorted(blocks)}; RadixcacheConnector needs one"
         )
-    return _Groups(blocks.pop(), tuple(attention), tuple(linear), tuple(att_layers), tuple(lin_layers))
+    return _Groups(blocks.pop(), tuple(attention), tuple(linear), tuple(att_layers), tuple(lin_layers), counted)
 
 
 def engine_layout(kv_cache_config: KVCacheConfig) -> PagedLayout:
@@ -283,8 +291,33 @@ class RadixcacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         hit = self.store.lookup(rid, ids[:limit], namespace=ns, computed=num_computed_tokens)
         if hit is None:
             return 0, False
+        if not self._room_for(request, num_computed_tokens, hit.end - hit.start):
+            self.store.release(hit, declined=True)  # the request computes it; the snapshot stays
+            return 0, False
         self._pending[rid] = hit
         return hit.end - num_computed_tokens, False
+
+    def _room_for(self, request: Request, computed: int, external: int) -> bool:
+        """Whether vLLM's pool has the blocks a hit of ``external`` tokens beyond vLLM's own hit
+        of ``computed`` takes, counted the way its allocator takes them rather than the way its
+        admission check counts them.
+
+        vLLM 0.32's check (``get_num_blocks_to_allocate``) counts at most one new block per
+        Mamba group, but an external hit makes each Mamba group allocate a block per hit block
+        first (``allocate_external_computed_blocks``) and then its running block: under memory
+        pressure the check passes and the allocation raises (``Cannot get N free blocks from the
+        pool``), which kills the engine (vllm-project/vllm#46892, open). A hit is offered only
+        when the free blocks cover a bound on the check's count (each attention group: the
+        request's blocks; each Mamba group: what the check counts at most, and the local hit's
+        state block it takes back from the free queue) plus the blocks the check leaves out."""
+        manager = self._kv_cache_manager
+        if manager is None:
+            return True
+        g = self._groups
+        attention = len(g.attention) * -(-request.num_tokens // self.block)
+        local = int(computed > 0)
+        linear = len(g.linear) * (g.mamba_counted + local + external // self.block)
+        return bool(manager.block_pool.get_num_free_blocks() >= attention + linear)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Plan the pending hit's load into the blocks vLLM allocated (or let it go when vLLM

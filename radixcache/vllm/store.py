@@ -158,6 +158,7 @@ class StoreStats:
     offers: int = 0  # lookups that found a verified snapshot (held for the engine)
     offered_tokens: int = 0
     hits: int = 0  # offers the engine loaded (released with ``loaded=True``)
+    declined: int = 0  # offers withdrawn because the engine had no room to take them (``declined=True``)
     hit_tokens: int = 0
     saves: int = 0
     saved_pages: int = 0
@@ -331,6 +332,7 @@ class PagedHostStore:
             "stats": {
                 "lookups": self.stats.lookups,
                 "offers": self.stats.offers,
+                "declined": self.stats.declined,
                 "offered_tokens": self.stats.offered_tokens,
                 "hits": self.stats.hits,
                 "hit_tokens": self.stats.hit_tokens,
@@ -400,16 +402,23 @@ class PagedHostStore:
             self._held += 1
             return Hit(rid, node, computed, d, pages, slot, owner)
 
-    def release(self, hit: Hit, *, loaded: bool = False) -> None:
+    def release(self, hit: Hit, *, loaded: bool = False, declined: bool = False) -> None:
         """Let go of ``hit``: its slot goes back, its node is unlocked. ``loaded``: the engine
         read the hit into its own blocks, and it counts in ``stats.hits`` / ``stats.hit_tokens``
-        (a hit the engine did not take, or looked up again at a later step, is an offer only)."""
+        (a hit the engine did not take, or looked up again at a later step, is an offer only).
+        ``declined``: withdrawn before the engine saw it (no room for it there), counted in
+        ``stats.declined``.
+
+        :raises ValueError: both ``loaded`` and ``declined``. Nothing changed."""
+        if loaded and declined:
+            raise ValueError("a hit is either loaded or declined, not both")
         self.pool.free(hit.slot, hit.owner)
         self.manager.unlock(hit.node)
         self._held -= 1
         if loaded:
             self.stats.hits += 1
             self.stats.hit_tokens += hit.end - hit.start
+        self.stats.declined += declined
 
     def finished(self, rid: Hashable) -> None:
         """``rid`` ended: the next request of that id is a new request to the policy (and an

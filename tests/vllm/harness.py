@@ -192,6 +192,7 @@ class Workload:
     #: prompt in one chunk is computed as the ground truth computes it (at a near tie two chunks
     #: part from one, with or without a cache).
     decode_boundary: bool = False
+    block: int = BLOCK  # the engine's block, for the decode-boundary rounds (vLLM picks it per CPU)
 
     def __post_init__(self) -> None:
         self._answers: list[list[int]] = []
@@ -215,7 +216,7 @@ class Workload:
         yield [self.systems[i % 2][: BLOCK * 2] + self._ids(200 + 9 * i) for i in range(8)]  # block-aligned
         if self.decode_boundary:
             assert self.answer >= 8, "a decode step must reach the boundary from 7 tokens short"
-            short = [self._ids(BLOCK - 1 - i) for i in range(8)]  # the last one: 8 short, no decode boundary
+            short = [self._ids(self.block - 1 - i) for i in range(8)]  # the last one: 8 short, no decode boundary
             yield short
             yield [p + a + self._ids(20) for p, a in zip(short, self._answers, strict=True)]
 

@@ -73,7 +73,7 @@ def _run(
     *,
     after_reset: Callable[[Any, int], None] | None = None,
     finish: Callable[[Any], None] | None = None,
-    workload: Workload | None = None,
+    workload: Callable[[Any], Workload] | None = None,
     **options: Any,
 ) -> tuple[Served, dict[str, Any]]:
     llm = make_llm(model, prefix_caching=True, kv_transfer_config=kv_transfer, disable_log_stats=False, **options)
@@ -86,7 +86,7 @@ def _run(
             after_reset(llm, round_)
 
     try:
-        served = serve(llm, workload or Workload(seed=0), between=between)
+        served = serve(llm, Workload(seed=0) if workload is None else workload(llm), between=between)
         if finish is not None:
             finish(llm)
         conn = connector_of(llm)
@@ -142,6 +142,27 @@ def test_a_tiny_host_budget_is_held_by_the_policy_and_still_serves_the_ground_tr
     assert store["stats"]["hit_tokens"] == facts["external"], facts
 
 
+def _decode_boundary_run(model: Path, **options: Any) -> tuple[Served, Served, dict[str, Any], int]:
+    """The workload with its decode-boundary rounds (built for the block the engine picked),
+    served by the connector with vLLM's asynchronous scheduling on, and its ground truth
+    (synchronous, no prefix cache): ``(truth, got, facts, block)``."""
+    picked: list[int] = []
+
+    def workload(llm: Any) -> Workload:
+        assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling, "asynchronous scheduling is off"
+        assert llm.llm_engine.engine_core.engine_core.batch_queue is not None, "vLLM has no batch queue"
+        picked.append(connector_of(llm).block)
+        return Workload(seed=0, decode_boundary=True, block=picked[0])
+
+    got, facts = _run(model, _kv_transfer(), workload=workload, async_scheduling=True, **options)
+    llm = make_llm(model, prefix_caching=False)
+    try:
+        truth = serve(llm, Workload(seed=0, decode_boundary=True, block=picked[0]))
+    finally:
+        close(llm)
+    return truth, got, facts, picked[0]
+
+
 def test_vllms_default_asynchronous_scheduling_is_served_saves_after_a_sampled_token_included(
     tiny_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -149,40 +170,37 @@ def test_vllms_default_asynchronous_scheduling_is_served_saves_after_a_sampled_t
     the previous step's sampled token is known, so a decode step that ends on a block boundary
     is planned with one id short. The workload's last two rounds make such saves (prompts 1 to 7
     tokens short of a block) and then need them (each conversation's next turn, after vLLM's
-    cache is reset and its free blocks filled with noise): every answer the ground truth's
-    (synchronous, no prefix cache), each next turn served a block from the store but the one
-    whose prompt was 8 short (no decode step ended on the boundary)."""
+    cache is reset and its free blocks filled with noise): every answer the ground truth's, each
+    next turn served a block from the store but the one whose prompt was 8 short (no decode step
+    ended on the boundary)."""
     keep_async_scheduling(monkeypatch)
-
-    def cold_run() -> Served:
-        llm = make_llm(tiny_model, prefix_caching=False)
-        try:
-            return serve(llm, Workload(seed=0, decode_boundary=True))
-        finally:
-            close(llm)
-
-    truth = cold_run()
-    probe: dict[str, bool] = {}
-
-    def check_async(llm: Any) -> None:
-        probe["async"] = bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling)
-        probe["queue"] = llm.llm_engine.engine_core.engine_core.batch_queue is not None
-
-    got, facts = _run(
-        tiny_model,
-        _kv_transfer(),
-        finish=check_async,
-        workload=Workload(seed=0, decode_boundary=True),
-        async_scheduling=True,
-    )
-    assert probe == {"async": True, "queue": True}, f"the engine did not schedule asynchronously: {probe}"
+    truth, got, facts, block = _decode_boundary_run(tiny_model)
     wrong, ties = compare(truth, got)
     assert not wrong, f"the connector served {len(wrong)} wrong answers under asynchronous scheduling: {wrong}"
     assert len(ties) <= 12, ties
     next_turns = got.cached[-8:]
-    assert next_turns == [640] * 7 + [0], f"saves after a sampled token were not served as made: {next_turns}"
+    assert next_turns == [block] * 7 + [0], f"saves after a sampled token were not served as made: {next_turns}"
     assert "ids-unknown" not in facts["store"]["stats"]["saves_skipped"], facts
     assert facts["findings"] == 0 and facts["page_findings"] == 0
+
+
+def test_a_pool_under_pressure_gets_only_the_hits_it_has_room_for(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's pool cut to 40 blocks (requests wait, some are preempted), asynchronous scheduling
+    on: vLLM's admission check undercounts the blocks an external hit takes in each Mamba group
+    (vllm-project/vllm#46892), and a hit offered without room for them killed the engine
+    (``Cannot get 1 free blocks from the pool``). The connector withdraws those offers: every
+    answer right, some offers declined, hits still served, nothing of the pool or the store
+    held after (``_run`` checks)."""
+    keep_async_scheduling(monkeypatch)
+    truth, got, facts, _block = _decode_boundary_run(tiny_model, num_gpu_blocks_override=40)
+    wrong, ties = compare(truth, got)
+    assert not wrong, f"the connector served {len(wrong)} wrong answers under pressure: {wrong}"
+    assert len(ties) <= 12, ties
+    stats = facts["store"]["stats"]
+    assert stats["declined"] > 0, f"no offer was declined: the pool was not under pressure ({stats})"
+    assert facts["external"] > 0 and stats["hit_tokens"] == facts["external"], facts
 
 
 def test_a_save_planned_before_its_last_id_was_known_is_filed_when_it_is_and_given_back_when_never() -> None:
