@@ -256,24 +256,57 @@ def compare(truth: Served, got: Served) -> tuple[list[int], list[int]]:
     return wrong, ties
 
 
-def serve(llm: Any, workload: Workload, *, between: Any = None) -> Served:
-    """Run every round of ``workload`` on ``llm`` (greedy), calling ``between(llm, round)`` before
-    each round after the first."""
+def generate(llm: Any, prompts: Sequence[Sequence[int]], answer: int, out: Served | None = None) -> Served:
+    """One batch of greedy answers of ``answer`` tokens, with vLLM's cached tokens and the
+    margins, added to ``out`` (a new :class:`Served` by default)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(temperature=0.0, max_tokens=workload.answer, ignore_eos=True, detokenize=False, logprobs=2)
+    params = SamplingParams(temperature=0.0, max_tokens=answer, ignore_eos=True, detokenize=False, logprobs=2)
+    out = Served() if out is None else out
+    res = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+    out.prompts += [list(p) for p in prompts]
+    out.answers += [list(r.outputs[0].token_ids) for r in res]
+    out.cached += [int(r.num_cached_tokens or 0) for r in res]
+    for r in res:
+        tops = [sorted((lp.logprob for lp in pos.values()), reverse=True) for pos in r.outputs[0].logprobs]
+        out.margins.append([t[0] - t[1] if len(t) > 1 else float("inf") for t in tops])
+    return out
+
+
+def serve(llm: Any, workload: Workload, *, between: Any = None) -> Served:
+    """Run every round of ``workload`` on ``llm`` (greedy), calling ``between(llm, round)`` before
+    each round after the first."""
     out = Served()
     for i, batch in enumerate(workload.plan()):
         if i and between is not None:
             between(llm, i)
-        res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
-        answers = [list(r.outputs[0].token_ids) for r in res]
-        workload.answered(answers)
-        out.prompts += batch
-        out.answers += answers
-        out.cached += [int(r.num_cached_tokens or 0) for r in res]
-        for r in res:
-            tops = [sorted((lp.logprob for lp in pos.values()), reverse=True) for pos in r.outputs[0].logprobs]
-            out.margins.append([t[0] - t[1] if len(t) > 1 else float("inf") for t in tops])
+        n = len(out.answers)
+        generate(llm, batch, workload.answer, out)
+        workload.answered(out.answers[n:])
     return out
+
+
+def serve_aborting(
+    llm: Any, prompts: Sequence[Sequence[int]], answer: int, abort_at: dict[int, int]
+) -> list[list[int]]:
+    """Serve ``prompts`` (greedy, ``answer`` tokens) through the engine's own step loop, aborting
+    request ``i`` at engine step ``abort_at[i]`` (as a client that drops its stream). Returns each
+    request's tokens: the whole answer, or what it had when aborted."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=answer, ignore_eos=True, detokenize=False)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"abort-{i}", TokensPrompt(prompt_token_ids=list(p)), params)
+    got: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    step = 0
+    while engine.has_unfinished_requests():
+        step += 1
+        drop = [f"abort-{i}" for i, at in abort_at.items() if at == step]
+        if drop:
+            engine.abort_request(drop)
+        for out in engine.step():
+            got[int(out.request_id.split("-")[1])] = list(out.outputs[0].token_ids)
+    return [got[i] for i in range(len(prompts))]

@@ -28,9 +28,11 @@ from .harness import (
     close,
     compare,
     fill_free_blocks_with_noise,
+    generate,
     keep_async_scheduling,
     make_llm,
     serve,
+    serve_aborting,
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -201,6 +203,54 @@ def test_a_pool_under_pressure_gets_only_the_hits_it_has_room_for(
     stats = facts["store"]["stats"]
     assert stats["declined"] > 0, f"no offer was declined: the pool was not under pressure ({stats})"
     assert facts["external"] > 0 and stats["hit_tokens"] == facts["external"], facts
+
+
+def test_aborted_requests_leave_nothing_held_and_what_they_saved_serves_right(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Clients that drop their streams, under asynchronous scheduling: eight prompts 3 tokens
+    short of a block, aborted one engine step apart (from before their prefill to after their
+    decode-boundary save), then each conversation's next turn built from the ground truth's
+    answer. What an aborted request saved is keyed on the ids it had: every next turn the ground
+    truth's, the saves of those aborted after the boundary served, nothing held after."""
+    import random
+
+    keep_async_scheduling(monkeypatch)
+    # the ground truth first: one engine with a connector per process at a time (vLLM's KV
+    # transfer group is process-wide)
+    block = 640
+    cold = make_llm(tiny_model, prefix_caching=False)
+    try:
+        rng = random.Random(3)
+        first = generate(cold, [[rng.randrange(3, 1024) for _ in range(block - 3)] for _ in range(8)], 8)
+        turns = [p + a + [7, 8, 9] for p, a in zip(first.prompts, first.answers, strict=True)]
+        truth = generate(cold, turns, 8)
+    finally:
+        close(cold)
+    llm = make_llm(tiny_model, prefix_caching=True, kv_transfer_config=_kv_transfer(), async_scheduling=True)
+    try:
+        if connector_of(llm).block != block:
+            pytest.skip(f"vLLM picked {connector_of(llm).block}-token blocks on this CPU; the prompts are cut for 640")
+        partial = serve_aborting(llm, first.prompts, 8, {i: 1 + i for i in range(8)})
+        assert llm.reset_prefix_cache() and fill_free_blocks_with_noise(llm, seed=1) > 0
+        got = generate(llm, turns, 8)
+        conn = connector_of(llm)
+        conn.store.check_invariants()
+        stats = conn.store.describe()["stats"]
+        assert block_pool_leaks(llm) == 0, "blocks of vLLM's pool were not given back"
+    finally:
+        close(llm)
+    # what the aborted requests got agrees with the ground truth (a near tie aside)
+    cut = Served(first.prompts, [f[: len(a)] for a, f in zip(partial, first.answers, strict=True)], [], first.margins)
+    wrong, _ = compare(cut, Served(first.prompts, partial, [], []))
+    assert not wrong, f"aborted requests' tokens differ decisively from the ground truth's: {wrong}"
+    saved = [i for i, a in enumerate(partial) if len(a) >= 3]  # the boundary's step ran: its save was planned
+    assert saved and len(saved) < 8, f"the aborts did not straddle the boundary's step: {[len(a) for a in partial]}"
+    wrong, _ = compare(truth, got)
+    assert not wrong, f"next turns served wrong after aborts: {wrong}"
+    # a request aborted before its boundary step filed nothing there; one after it, its state
+    want = [block if i in saved else 0 for i in range(8)]
+    assert got.cached == want, f"cached {got.cached}, expected {want} ({stats})"
 
 
 def test_a_save_planned_before_its_last_id_was_known_is_filed_when_it_is_and_given_back_when_never() -> None:
