@@ -253,6 +253,41 @@ def test_aborted_requests_leave_nothing_held_and_what_they_saved_serves_right(
     assert got.cached == want, f"cached {got.cached}, expected {want} ({stats})"
 
 
+def test_a_cache_salt_keeps_tenants_apart(tiny_model: Path) -> None:
+    """vLLM's ``cache_salt`` keeps one tenant's prefixes from another's (its own prefix cache
+    keys blocks on it): the connector's store does too. Two prompts of three blocks and more, the
+    same ids under salts "a" and "b": after vLLM's cache is reset, each is served from the store
+    only under its own salt."""
+    import random
+
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False)
+    rng = random.Random(5)
+    ids = [rng.randrange(3, 1024) for _ in range(2000)]
+
+    def cached(llm: Any, salt: str | None) -> int:
+        prompt = (
+            TokensPrompt(prompt_token_ids=ids) if salt is None else TokensPrompt(prompt_token_ids=ids, cache_salt=salt)
+        )
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        assert llm.reset_prefix_cache()
+        return int(out.num_cached_tokens or 0)
+
+    llm = make_llm(tiny_model, prefix_caching=True, kv_transfer_config=_kv_transfer())
+    try:
+        block = connector_of(llm).block
+        first = [cached(llm, s) for s in ("a", "b", None)]  # each saves its own prefixes
+        again = [cached(llm, s) for s in ("a", "b", None, "c")]
+        connector_of(llm).store.check_invariants()
+    finally:
+        close(llm)
+    assert first == [0, 0, 0], f"a salt was served another's prefixes: {first}"
+    top = (len(ids) - 1) // block * block
+    assert again == [top, top, top, 0], f"each salt should hit only its own: {again}"
+
+
 def test_a_save_planned_before_its_last_id_was_known_is_filed_when_it_is_and_given_back_when_never() -> None:
     """The connector's commit of a save planned one id short (asynchronous scheduling): filed
     under the request's ids once they hold the step's input token, given back and counted when
