@@ -256,15 +256,19 @@ def compare(truth: Served, got: Served) -> tuple[list[int], list[int]]:
     return wrong, ties
 
 
-def generate(llm: Any, prompts: Sequence[Sequence[int]], answer: int, out: Served | None = None) -> Served:
+def generate(
+    llm: Any, prompts: Sequence[Sequence[int]], answer: int, out: Served | None = None, *, cache_salt: str | None = None
+) -> Served:
     """One batch of greedy answers of ``answer`` tokens, with vLLM's cached tokens and the
-    margins, added to ``out`` (a new :class:`Served` by default)."""
+    margins, added to ``out`` (a new :class:`Served` by default); every prompt under
+    ``cache_salt`` when given."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(temperature=0.0, max_tokens=answer, ignore_eos=True, detokenize=False, logprobs=2)
     out = Served() if out is None else out
-    res = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+    salt = {} if cache_salt is None else {"cache_salt": cache_salt}
+    res = llm.generate([TokensPrompt(prompt_token_ids=list(p), **salt) for p in prompts], params, use_tqdm=False)
     out.prompts += [list(p) for p in prompts]
     out.answers += [list(r.outputs[0].token_ids) for r in res]
     out.cached += [int(r.num_cached_tokens or 0) for r in res]
