@@ -82,7 +82,12 @@ class LinearStatePool:
     :param stream: default stream for pool work (an :class:`ImmediateStream` when omitted).
     :param pin_memory: a pool on the CPU in page-locked memory, so that :meth:`copy_from` a CUDA
         pool (and back) runs asynchronously on the copy's stream (a host tier).
-    :raises ValueError: ``num_slots`` not positive; ``pin_memory`` for a pool not on the CPU.
+    :param storage: ``(conv, recurrent)`` tensors to keep the slots in instead of allocating them
+        (memory another process maps too, say): ``[L, num_slots, ...]`` of the layout's shapes
+        and dtypes on ``device``, each slot's rows contiguous. Used as given (not zeroed: a
+        fresh slot holds what the memory held, as any freshly allocated slot may).
+    :raises ValueError: ``num_slots`` not positive; ``pin_memory`` for a pool not on the CPU or
+        with ``storage``; ``storage`` of another shape, dtype or device, or not laid out so.
     :raises DeviceUnavailable: a device this process cannot allocate on (CUDA without CUDA).
 
     Slot ids the pool hands out are :class:`~linear_state.SlotId` ints carrying its ``pool_id``;
@@ -98,6 +103,7 @@ class LinearStatePool:
         *,
         stream: Stream | None = None,
         pin_memory: bool = False,
+        storage: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         if not isinstance(layout, StateLayout):
             raise TypeError(f"layout must be a StateLayout, got {type(layout).__name__}")
@@ -115,12 +121,17 @@ class LinearStatePool:
         L = layout.num_layers
         if pin_memory and self.device.type != "cpu":
             raise ValueError(f"pin_memory is for a pool on the CPU, not on {self.device}")
-        conv = torch.zeros((L, num_slots, *layout.conv_shape), dtype=layout.conv_dtype, device=self.device)
-        recurrent = torch.zeros(
-            (L, num_slots, *layout.recurrent_shape), dtype=layout.recurrent_dtype, device=self.device
-        )
-        if pin_memory:
-            conv, recurrent = conv.pin_memory(), recurrent.pin_memory()
+        if storage is not None:
+            if pin_memory:
+                raise ValueError("pin_memory allocates the pool's memory; storage= gives it (pass one of them)")
+            conv, recurrent = _given_storage(layout, num_slots, self.device, storage)
+        else:
+            conv = torch.zeros((L, num_slots, *layout.conv_shape), dtype=layout.conv_dtype, device=self.device)
+            recurrent = torch.zeros(
+                (L, num_slots, *layout.recurrent_shape), dtype=layout.recurrent_dtype, device=self.device
+            )
+            if pin_memory:
+                conv, recurrent = conv.pin_memory(), recurrent.pin_memory()
         self._setup(conv, recurrent)
         # Popped from the end: the lowest ids are handed out first, which keeps demos readable.
         self._free: list[SlotId] = [self._ids[i] for i in range(num_slots - 1, -1, -1)]
@@ -714,6 +725,28 @@ class LinearStatePool:
         for s in slots:
             self._last_use[s] = fence
         return fence
+
+
+def _given_storage(
+    layout: StateLayout, num_slots: int, device: torch.device, storage: object
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``storage`` checked as a pool's ``(conv, recurrent)``: the layout's shapes and dtypes for
+    ``num_slots`` slots on ``device``, each slot's row of a layer contiguous."""
+    if not isinstance(storage, tuple) or len(storage) != 2 or not all(isinstance(t, torch.Tensor) for t in storage):
+        raise TypeError(f"storage must be a (conv, recurrent) pair of tensors, got {type(storage).__name__}")
+    L = layout.num_layers
+    for name, t, shape, dtype in (
+        ("conv", storage[0], (L, num_slots, *layout.conv_shape), layout.conv_dtype),
+        ("recurrent", storage[1], (L, num_slots, *layout.recurrent_shape), layout.recurrent_dtype),
+    ):
+        if tuple(t.shape) != shape or t.dtype != dtype or t.device != device:
+            raise ValueError(
+                f"storage {name} must be {list(shape)} of {dtype} on {device}, "
+                f"got {list(t.shape)} of {t.dtype} on {t.device}"
+            )
+        if not t[0, 0].is_contiguous():
+            raise ValueError(f"storage {name}: each slot's rows must be contiguous, got strides {t.stride()}")
+    return storage[0], storage[1]
 
 
 class SlotLender(Protocol):

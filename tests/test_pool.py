@@ -337,3 +337,50 @@ def test_free_with_a_bad_owner_or_fence_is_a_type_error_and_changes_nothing(
     with pytest.raises(TypeError, match=message):
         pool.free(s, owner, after=after)  # type: ignore[arg-type]
     pool.check_invariants()
+
+
+def test_a_pool_keeps_its_slots_in_the_storage_it_is_given() -> None:
+    layout = StateLayout(3, (6, 3), (2, 4, 4))
+    conv = torch.zeros(3, 4, 6, 3, dtype=torch.bfloat16)
+    rec = torch.zeros(3, 4, 2, 4, 4)
+    pool = LinearStatePool(layout, 4, storage=(conv, rec))
+    assert pool.conv.data_ptr() == conv.data_ptr() and pool.recurrent.data_ptr() == rec.data_ptr()
+    s = pool.alloc(A)
+    pool.write(s, torch.ones(3, 6, 3), torch.full((3, 2, 4, 4), 2.0), owner=A).wait()
+    assert bool((conv[:, s] == 1).all()) and bool((rec[:, s] == 2).all())  # written where it was given
+    c = pool.clone(s, B).slot
+    assert torch.equal(rec[:, c], rec[:, s]) and pool.fingerprint(c) == pool.fingerprint(s)
+    pool.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("conv", "rec", "message"),
+    [
+        (
+            torch.zeros(3, 5, 6, 3, dtype=torch.bfloat16),
+            torch.zeros(3, 4, 2, 4, 4),
+            r"storage conv must be \[3, 4, 6, 3\]",
+        ),
+        (torch.zeros(3, 4, 6, 3), torch.zeros(3, 4, 2, 4, 4), "of torch.bfloat16 on cpu, got .* of torch.float32"),
+        (
+            torch.zeros(3, 4, 6, 3, dtype=torch.bfloat16),
+            torch.zeros(3, 4, 2, 4, 8)[..., ::2],
+            "each slot's rows must be contiguous",
+        ),
+    ],
+    ids=["slots", "dtype", "strided"],
+)
+def test_storage_of_another_shape_dtype_or_layout_is_refused(
+    conv: torch.Tensor, rec: torch.Tensor, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        LinearStatePool(StateLayout(3, (6, 3), (2, 4, 4)), 4, storage=(conv, rec))
+
+
+def test_storage_and_pinned_memory_are_one_or_the_other() -> None:
+    layout = StateLayout(1, (2, 2), (2, 2))
+    storage = (torch.zeros(1, 2, 2, 2, dtype=torch.bfloat16), torch.zeros(1, 2, 2, 2))
+    with pytest.raises(ValueError, match="pass one of them"):
+        LinearStatePool(layout, 2, pin_memory=True, storage=storage)
+    with pytest.raises(TypeError, match="storage must be a"):
+        LinearStatePool(layout, 2, storage=[storage[0], storage[1]])  # type: ignore[arg-type]
