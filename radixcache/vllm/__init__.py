@@ -3,14 +3,15 @@
 Load it with ``KVTransferConfig(kv_connector="RadixcacheConnector",
 kv_connector_module_path="radixcache.vllm", kv_role="kv_both", kv_connector_extra_config={...})``
 (docs/vllm.md). Importing this package does not import vLLM: the connector class is loaded on
-first use (vLLM's loader asks for it by name), so :mod:`radixcache.vllm.store` and
-:mod:`radixcache.vllm.options` work without vLLM installed.
+first use (vLLM's loader asks for it by name), so :mod:`radixcache.vllm.store`,
+:mod:`radixcache.vllm.memory` and :mod:`radixcache.vllm.options` work without vLLM installed.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .memory import StoreBytes, StoreMapping
 from .options import ConnectorOptions, UnsupportedEngine
 from .store import Hit, PageCorruption, PagedHostStore, PagedLayout, SavePlan, StoreStats
 
@@ -25,6 +26,8 @@ __all__ = [
     "PagedLayout",
     "RadixcacheConnector",
     "SavePlan",
+    "StoreBytes",
+    "StoreMapping",
     "StoreStats",
     "UnsupportedEngine",
 ]

@@ -44,6 +44,7 @@ from ..forensics import Forensics, Ledger
 from ..manager import CacheManager
 from ..tiers.shared import SharedTier
 from ..tiers.store import SharedStore
+from .memory import StoreBytes, StoreMapping
 
 __all__ = ["Hit", "PageCorruption", "PagedHostStore", "PagedKVCodec", "PagedLayout", "SavePlan", "StoreStats"]
 
@@ -221,6 +222,10 @@ class PagedHostStore:
     :param snapshots_per_block: snapshot slots per KV page in the budget's split (default 0.5: a
         snapshot every other block; slots also hold the copies in flight).
     :param pin_memory: page-locked host memory (for an engine on CUDA).
+    :param mapped: keep the pages and slots in a file-backed shared mapping
+        (:class:`~radixcache.vllm.memory.StoreMapping`, :attr:`mapping`) that an engine's worker
+        in another process maps (``mapping.attach()``) to copy in and out; not with
+        ``pin_memory``.
     :param ledger: a forensics ledger (with ``verify``).
     :param shared: a store other engines reach too (a :class:`~radixcache.tiers.store.RedisStore`):
         every snapshot filed here is published there with its prefix's pages
@@ -233,7 +238,9 @@ class PagedHostStore:
     :param shared_namespace: the deployment's key prefix in the shared store.
     :param secret: keys the blobs' digest (see :class:`~radixcache.tiers.shared.SharedTier`).
     :raises ValueError: a budget that holds fewer than 1 page and 2 slots, a bad split, ``shared``
-        without ``model``. :raises TypeError: ``shared`` not a ``SharedStore``.
+        without ``model``, ``mapped`` with ``pin_memory``. :raises TypeError: ``shared`` not a
+        ``SharedStore``. :raises OSError: ``mapped``, and the shared memory lacks room for the
+        budget (the message gives the bytes).
     """
 
     def __init__(
@@ -245,6 +252,7 @@ class PagedHostStore:
         verify: bool = True,
         snapshots_per_block: float = 0.5,
         pin_memory: bool = False,
+        mapped: bool = False,
         ledger: Ledger | None = None,
         shared: SharedStore | None = None,
         model: str | None = None,
@@ -258,25 +266,31 @@ class PagedHostStore:
             raise ValueError(f"verify must be a bool, got {verify!r}")
         if not isinstance(snapshots_per_block, (int, float)) or not 0 < snapshots_per_block <= 4:
             raise ValueError(f"snapshots_per_block must be in (0, 4], got {snapshots_per_block!r}")
+        if type(mapped) is not bool or (mapped and pin_memory):
+            raise ValueError(
+                f"mapped must be a bool, and not with pin_memory; got mapped={mapped!r}, pin_memory={pin_memory!r}"
+            )
         if shared is not None and (not isinstance(model, str) or not model):
             raise ValueError(f"a shared store needs the model's identity (model=), got {model!r}")
-        slot_bytes = layout.state.slot_bytes
-        n_pages = int(budget // (layout.page_bytes + snapshots_per_block * slot_bytes))
-        n_slots = int(n_pages * snapshots_per_block)
-        if n_pages < 1 or n_slots < 2:
-            need = math.ceil(layout.page_bytes * max(1, 2 / snapshots_per_block) + 2 * slot_bytes)
-            raise ValueError(
-                f"a host budget of {budget} bytes holds {n_pages} KV pages of {layout.page_bytes} bytes and "
-                f"{n_slots} snapshot slots of {slot_bytes} bytes; at least 1 page and 2 slots are needed "
-                f"(about {need} bytes)"
-            )
+        n_pages, n_slots = self.capacity(layout, budget, snapshots_per_block)
         self.layout = layout
         self.block = layout.block_tokens
-        self.kv = torch.zeros((layout.kv_layers, n_pages, layout.kv_page_bytes), dtype=torch.uint8)
-        if pin_memory:
-            self.kv = self.kv.pin_memory()
+        kv_shape = (layout.kv_layers, n_pages, layout.kv_page_bytes)
+        #: The shared mapping of :attr:`bytes` (``mapped=True``), else ``None``.
+        self.mapping: StoreMapping | None = None
+        if mapped:
+            self.mapping, mem = StoreMapping.create(kv_shape, layout.state, n_slots)
+            self.pool = LinearStatePool(layout.state, n_slots, "cpu", storage=(mem.conv, mem.recurrent))
+        else:
+            kv = torch.zeros(kv_shape, dtype=torch.uint8)
+            if pin_memory:
+                kv = kv.pin_memory()
+            self.pool = LinearStatePool(layout.state, n_slots, "cpu", pin_memory=pin_memory)
+            mem = StoreBytes(kv, self.pool.conv, self.pool.recurrent)
+        #: The pages and slots as tensors, with the copies an engine's worker makes.
+        self.bytes = mem
+        self.kv = mem.kv
         self.pages = KVPageList(n_pages, layout.block_tokens)
-        self.pool = LinearStatePool(layout.state, n_slots, "cpu", pin_memory=pin_memory)
         tier = None
         if shared is not None:
             assert model is not None
@@ -308,6 +322,24 @@ class PagedHostStore:
         self._held = 0  # hits not yet released
 
     # ------------------------------------------------------------------ sizes
+    @staticmethod
+    def capacity(layout: PagedLayout, budget_bytes: int, snapshots_per_block: float = 0.5) -> tuple[int, int]:
+        """The KV pages and snapshot slots a store of ``budget_bytes`` holds (nothing allocated):
+        what :class:`PagedHostStore` checks first.
+
+        :raises ValueError: fewer than 1 page and 2 slots (the message gives the bytes needed)."""
+        slot_bytes = layout.state.slot_bytes
+        n_pages = int(budget_bytes // (layout.page_bytes + snapshots_per_block * slot_bytes))
+        n_slots = int(n_pages * snapshots_per_block)
+        if n_pages < 1 or n_slots < 2:
+            need = math.ceil(layout.page_bytes * max(1, 2 / snapshots_per_block) + 2 * slot_bytes)
+            raise ValueError(
+                f"a host budget of {budget_bytes} bytes holds {n_pages} KV pages of {layout.page_bytes} bytes and "
+                f"{n_slots} snapshot slots of {slot_bytes} bytes; at least 1 page and 2 slots are needed "
+                f"(about {need} bytes)"
+            )
+        return n_pages, n_slots
+
     @property
     def num_pages(self) -> int:
         """KV pages the budget holds."""
@@ -328,6 +360,7 @@ class PagedHostStore:
             "free_pages": self.pages.free_pages,
             "slots": self.num_slots,
             "free_slots": self.pool.num_free,
+            "mapped": self.mapping is not None,
             "snapshots": self.manager.cache.num_snapshots,
             "stats": {
                 "lookups": self.stats.lookups,
@@ -619,8 +652,10 @@ class PagedHostStore:
         return self.shared.flush(timeout_s)
 
     def close(self, timeout_s: float | None = None) -> bool:
-        """Flush and stop the shared tier's writer (idempotent; lookups keep working). True when
-        nothing was left behind."""
+        """Flush and stop the shared tier's writer, and remove the shared mapping's name if no
+        worker mapped it (idempotent; lookups keep working). True when nothing was left behind."""
+        if self.mapping is not None:
+            self.mapping.remove()
         if self.shared is None:
             return True
         self.manager.publish_pending(wait=True)
@@ -628,41 +663,17 @@ class PagedHostStore:
 
     # ------------------------------------------------------------------ copies
     def copy_in_pages(self, pages: Sequence[int], layers: Sequence[tuple[torch.Tensor, Sequence[int]]]) -> None:
-        """Copy engine blocks into host ``pages``: ``layers[i]`` is attention layer ``i``'s
-        cache as ``(engine blocks, kv_page_bytes)`` uint8 and the blocks to copy (one per page,
-        in order).
+        """Copy engine blocks into host ``pages`` (:meth:`StoreBytes.copy_in_pages
+        <radixcache.vllm.memory.StoreBytes.copy_in_pages>`).
 
         :raises ValueError: a layer count or a block count that does not match."""
-        self._check_layers(pages, layers)
-        if not pages:
-            return
-        dst = torch.tensor(pages, dtype=torch.int64)
-        for i, (t, blocks) in enumerate(layers):
-            src = torch.tensor(list(blocks), dtype=torch.int64, device=t.device)
-            self.kv[i].index_copy_(0, dst, t.index_select(0, src).to("cpu"))
+        self.bytes.copy_in_pages(pages, layers)
 
     def copy_out_pages(self, pages: Sequence[int], layers: Sequence[tuple[torch.Tensor, Sequence[int]]]) -> None:
         """Copy host ``pages`` into engine blocks (``layers`` as :meth:`copy_in_pages`).
 
         :raises ValueError: a layer count or a block count that does not match."""
-        self._check_layers(pages, layers)
-        if not pages:
-            return
-        src = torch.tensor(pages, dtype=torch.int64)
-        for i, (t, blocks) in enumerate(layers):
-            dst = torch.tensor(list(blocks), dtype=torch.int64, device=t.device)
-            t.index_copy_(0, dst, self.kv[i].index_select(0, src).to(t.device))
-
-    def _check_layers(self, pages: Sequence[int], layers: Sequence[tuple[torch.Tensor, Sequence[int]]]) -> None:
-        if len(layers) != self.layout.kv_layers:
-            raise ValueError(f"{len(layers)} attention layers given, the layout has {self.layout.kv_layers}")
-        for t, blocks in layers:
-            if len(blocks) != len(pages):
-                raise ValueError(f"{len(blocks)} blocks for {len(pages)} pages")
-            if t.dim() != 2 or t.dtype != torch.uint8 or t.shape[1] != self.layout.kv_page_bytes:
-                raise ValueError(
-                    f"an engine cache of {tuple(t.shape)} {t.dtype}; want (blocks, {self.layout.kv_page_bytes}) uint8"
-                )
+        self.bytes.copy_out_pages(pages, layers)
 
     def copy_in_state(self, plan: SavePlan, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
         """Write the state after ``plan.end`` (``[layers, *conv_shape]``, ``[layers,
