@@ -1,10 +1,18 @@
 """``RadixcacheConnector``: vLLM's KV connector API (v1, hybrid) over a :class:`PagedHostStore`.
 
-vLLM builds the connector twice, once for its scheduler and once for its worker, in the engine
-core's process when the model runs on one device (tensor and pipeline parallel size 1, which the
-connector requires). Both roles share one :class:`PagedHostStore` per engine (by its engine id);
-the scheduler side drives it (look-ups, save plans, the manager's protocol), the worker side only
-copies bytes between vLLM's blocks and the store, in the step the scheduler planned.
+vLLM builds the connector twice, once for its scheduler (in the engine core's process) and once
+for its worker, for a model on one device (tensor and pipeline parallel size 1, which the
+connector requires). The scheduler side builds the engine's :class:`PagedHostStore` and drives it
+(look-ups, save plans, the manager's protocol); the worker side only copies bytes between vLLM's
+blocks and the store's pages and slots (:class:`~radixcache.vllm.memory.StoreBytes`), those the
+step's metadata names. With vLLM's default executor for one device (``uni``) the worker runs in
+the engine core's process and copies into the store's own tensors; with its multiprocess
+executor (``mp``: what vLLM's CPU build runs whenever the engine core is a process of its own, as
+under ``vllm serve``) the worker is a process of its own, and the store keeps its bytes in a
+shared mapping the worker maps at its first copy (:class:`~radixcache.vllm.memory.StoreMapping`).
+The metadata is plain data (page and slot numbers, block ids) either way; the worker reports
+each step whose copies it made (:class:`RadixcacheWorkerMetadata`, through vLLM's step output),
+and only then does the scheduler side reuse or file what the step copied.
 
 Per step (vLLM runs them in this order):
 
@@ -19,7 +27,8 @@ Per step (vLLM runs them in this order):
 4. worker, ``start_load_kv`` (before the forward): the planned loads are copied into vLLM's blocks;
 5. worker, ``wait_for_save`` (after the forward): the planned saves are copied out of vLLM's
    blocks, in the step that wrote them (a later step may have moved the state block on);
-6. scheduler, its next call: the step's loads are released and its saves filed (``commit``).
+6. scheduler, ``update_connector_output`` (vLLM hands it the step's output, with the worker's
+   report): the step's loads are released and its saves filed (``commit``).
 
 With asynchronous scheduling (vLLM's default where its executor allows it) the scheduler plans
 step N+1 before step N's sampled tokens are known: a decode step's input token is then a
@@ -43,6 +52,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
@@ -54,6 +64,7 @@ from ..forensics import Ledger
 from ..policies import make_policy
 from ..tiers.host import physical_memory
 from ..tiers.store import RedisStore
+from .memory import StoreBytes, StoreMapping
 from .options import ConnectorOptions, UnsupportedEngine
 from .store import Hit, PagedHostStore, PagedLayout, SavePlan
 
@@ -63,9 +74,10 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["RadixcacheConnector", "RadixcacheMetadata", "engine_layout"]
+__all__ = ["RadixcacheConnector", "RadixcacheMetadata", "RadixcacheWorkerMetadata", "engine_layout"]
 
 #: With a shared tier, a request waits at most this long (seconds, from its first look-up) for its
 #: prefetch's answer before it is served from the host store alone.
@@ -176,28 +188,37 @@ _STORES: dict[str, PagedHostStore] = {}
 _STORES_LOCK = threading.Lock()
 
 
+def _budget(kv_cache_config: KVCacheConfig, layout: PagedLayout, opts: ConnectorOptions) -> int:
+    """The store's host bytes, checked to hold a store (ValueError otherwise): the option, or
+    twice vLLM's KV space, at most a quarter of the machine's memory."""
+    budget = opts.host_budget_bytes
+    if budget is None:
+        budget = 2 * kv_cache_config.num_blocks * (layout.page_bytes + layout.state.slot_bytes)
+        phys = physical_memory()
+        if phys is not None:
+            budget = min(budget, phys // 4)
+    PagedHostStore.capacity(layout, budget, opts.snapshots_per_block)
+    return budget
+
+
 def _store_for(
-    engine_id: str, kv_cache_config: KVCacheConfig, opts: ConnectorOptions, on_cuda: bool, model: str
+    engine_id: str, kv_cache_config: KVCacheConfig, opts: ConnectorOptions, on_cuda: bool, model: str, mapped: bool
 ) -> PagedHostStore:
-    """The engine's store: the first role to ask builds it."""
+    """The engine's store, built by its scheduler side (``mapped``: its bytes where a worker in
+    another process maps them)."""
     with _STORES_LOCK:
-        store = _STORES.get(engine_id)
-        if store is not None:
-            return store
+        if engine_id in _STORES:
+            raise UnsupportedEngine(f"engine {engine_id!r} has a RadixcacheConnector store already")
         layout = engine_layout(kv_cache_config)
-        budget = opts.host_budget_bytes
-        if budget is None:
-            budget = 2 * kv_cache_config.num_blocks * (layout.page_bytes + layout.state.slot_bytes)
-            phys = physical_memory()
-            if phys is not None:
-                budget = min(budget, phys // 4)
+        budget = _budget(kv_cache_config, layout, opts)
         store = PagedHostStore(
             layout,
             budget,
             policy=make_policy(opts.policy),
             verify=opts.verify,
             snapshots_per_block=opts.snapshots_per_block,
-            pin_memory=on_cuda,
+            pin_memory=on_cuda and not mapped,
+            mapped=mapped,
             ledger=Ledger(opts.ledger) if opts.ledger and opts.verify else None,
             shared=None if opts.redis_url is None else RedisStore(opts.redis_url),
             model=model,
@@ -209,39 +230,82 @@ def _store_for(
 
 # ----------------------------------------------------------------------------- metadata
 @dataclass
-class _Load:
+class _Load:  # the scheduler side's record of a load in flight
     hit: Hit
     blocks: dict[int, list[int]]  # group -> the engine blocks the hit fills (attention: pages; linear: one)
 
 
 @dataclass
-class _Save:
+class _Save:  # the scheduler side's record of a save in flight
     plan: SavePlan
     blocks: dict[int, list[int]]
     request: Request | None = None  # whose ids complete the plan's at its commit (asynchronous scheduling)
 
 
 @dataclass
-class RadixcacheMetadata(KVConnectorMetadata):  # type: ignore[misc]  # vLLM is untyped here
-    """One step's loads and saves (in-process objects: the worker is in the scheduler's process)."""
-
+class _Step:  # one step's loads and saves, until the worker reports the step done
+    step: int
     loads: list[_Load] = field(default_factory=list)
     saves: list[_Save] = field(default_factory=list)
-    saved: bool = False  # set by the worker once the step's copies are done
+
+
+@dataclass(frozen=True)
+class _Copy:
+    """One copy for the worker: host ``pages`` to or from each attention group's ``blocks``, the
+    state in host ``slot`` to or from each linear group's ``blocks``."""
+
+    pages: tuple[int, ...]
+    slot: int
+    blocks: dict[int, list[int]]
+
+
+@dataclass
+class RadixcacheMetadata(KVConnectorMetadata):  # type: ignore[misc]  # vLLM is untyped here
+    """One step's copies for the worker, as plain data (pickled to a worker in another process):
+    ``loads`` before the forward, ``saves`` after it; ``mapping``: where the store's bytes are
+    mapped from (a worker in another process; ``None`` in the engine core's)."""
+
+    step: int = 0
+    loads: list[_Copy] = field(default_factory=list)
+    saves: list[_Copy] = field(default_factory=list)
+    mapping: StoreMapping | None = None
+
+
+@dataclass
+class RadixcacheWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]  # vLLM is untyped here
+    """The worker's report in a step's output: ``done``, the latest step whose copies it made
+    (the scheduler side then releases that step's loads and files its saves)."""
+
+    done: int
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        """Several workers' reports: a step is done when every worker's copies are."""
+        assert isinstance(other, RadixcacheWorkerMetadata)
+        return RadixcacheWorkerMetadata(min(self.done, other.done))
+
+
+def _copy(pages: Sequence[int], slot: int, blocks: dict[int, list[int]]) -> _Copy:
+    return _Copy(tuple(int(p) for p in pages), int(slot), {g: [int(b) for b in bs] for g, bs in blocks.items()})
 
 
 # ----------------------------------------------------------------------------- the connector
 class RadixcacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]  # vLLM is untyped here
     """radixcache's prefix cache for hybrid models in vLLM (see the module's docstring).
 
+    :ivar store: the engine's :class:`PagedHostStore` (the scheduler side's only).
+
     Options come from ``kv_transfer_config.kv_connector_extra_config``
     (:class:`~radixcache.vllm.ConnectorOptions`).
 
     :raises UnsupportedEngine: an unknown option, a model without linear or attention layers,
-        the hybrid KV cache manager disabled, tensor or pipeline parallelism, a worker in another
-        process (an executor other than vLLM's default for one device), speculative decoding, or
-        vLLM's prefix caching in a mode other than ``align``.
+        the hybrid KV cache manager disabled, tensor or pipeline parallelism, an executor whose
+        workers may run on another machine (``ray``), speculative decoding, vLLM's prefix caching
+        in a mode other than ``align``, or a second store under one engine id in a process.
+    :raises OSError: a worker in a process of its own, and ``/dev/shm`` lacks room for the host
+        budget (the message gives the bytes).
     """
+
+    store: PagedHostStore
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         opts = ConnectorOptions.from_extra(vllm_config.kv_transfer_config.kv_connector_extra_config)
@@ -249,17 +313,28 @@ class RadixcacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         super().__init__(vllm_config, role, kv_cache_config)
         assert kv_cache_config is not None
         self.block = self._groups.block
+        self._layout = engine_layout(kv_cache_config)
+        # Checked on both sides: vLLM builds the worker's first, and a refusal there comes before
+        # vLLM sets its process-wide connector (one from the scheduler's would leave it set).
+        _budget(kv_cache_config, self._layout, opts)
         engine_id = str(vllm_config.kv_transfer_config.engine_id)
-        on_cuda = vllm_config.device_config.device_type == "cuda"
-        self.store = _store_for(engine_id, kv_cache_config, opts, on_cuda, _model_identity(vllm_config, opts))
         self._engine_id = engine_id
+        # a worker in a process of its own (vLLM's multiprocess executor) maps the store's bytes
+        mapped = vllm_config.parallel_config.distributed_executor_backend == "mp"
+        if role == KVConnectorRole.SCHEDULER:  # the worker side has no store: it copies bytes
+            on_cuda = vllm_config.device_config.device_type == "cuda"
+            model = _model_identity(vllm_config, opts)
+            self.store = _store_for(engine_id, kv_cache_config, opts, on_cuda, model, mapped)
         # scheduler side
         self._requests: dict[str, Request] = {}
         self._pending: dict[str, Hit] = {}  # found by get_num_new_matched_tokens, not yet allocated
         self._asked: dict[str, float] = {}  # shared tier: when each request's prefetch was issued
         self._step_loads: list[_Load] = []
-        self._inflight: list[RadixcacheMetadata] = []
+        self._step = 0
+        self._inflight: list[_Step] = []  # steps with copies, in order, until the worker reports them
         # worker side
+        self._bytes: StoreBytes | None = None  # the store's bytes, found at the first copy
+        self._done: int | None = None  # the latest step whose copies were made, not yet reported
         self._attn: list[tuple[torch.Tensor, int]] = []  # (blocks x page bytes, group) per attention layer
         self._linear: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (conv, recurrent views, group)
 
@@ -268,7 +343,6 @@ class RadixcacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         """Tokens beyond ``num_computed_tokens`` the store serves: a verified snapshot's depth
         minus vLLM's own hit (0 when it has none deeper, when vLLM's hit is not block-aligned,
         or for a request the connector does not key: prompt embeddings)."""
-        self._drain()
         rid = request.request_id
         stale = self._pending.pop(rid, None)
         if stale is not None:
@@ -341,12 +415,25 @@ class RadixcacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """This step's loads (planned at allocation) and saves: every scheduled request whose
-        step ends on a block boundary files the prefix up to it."""
-        self._drain()
-        meta = RadixcacheMetadata(loads=self._step_loads)
+        step ends on a block boundary files the prefix up to it. The worker copies them; the
+        store's pages and slots they name stay the step's until the worker reports it
+        (:meth:`update_connector_output`)."""
+        self._step += 1
+        step = self._plan_step(scheduler_output)
+        if step.loads or step.saves:
+            self._inflight.append(step)
+        return RadixcacheMetadata(
+            step=step.step,
+            loads=[_copy(x.hit.pages, x.hit.slot, x.blocks) for x in step.loads],
+            saves=[_copy(x.plan.pages, x.plan.slot, x.blocks) for x in step.saves],
+            mapping=self.store.mapping,
+        )
+
+    def _plan_step(self, scheduler_output: SchedulerOutput) -> _Step:
+        step = _Step(self._step, loads=self._step_loads)
         self._step_loads = []
         assert self._kv_cache_manager is not None
-        for load in meta.loads:
+        for load in step.loads:
             # vLLM copies a request's state into the block of its step's last token before the
             # forward (and before the connector's loads): the state goes there too.
             rid = load.hit.rid
@@ -371,9 +458,15 @@ class RadixcacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
             if plan is None:
                 continue
             blocks = self._blocks_of(self._kv_cache_manager.get_block_ids(rid), plan.start, end)
-            meta.saves.append(_Save(plan, blocks, request))
-        self._inflight.append(meta)
-        return meta
+            step.saves.append(_Save(plan, blocks, request))
+        return step
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """A step's output: with the worker's report, the steps it covers are done (their loads
+        released, their saves filed)."""
+        report = connector_output.kv_connector_worker_meta
+        if isinstance(report, RadixcacheWorkerMetadata):
+            self._drain(report.done)
 
     def _blocks_of(self, table: Sequence[Sequence[int]], start: int, end: int) -> dict[int, list[int]]:
         """The engine blocks of tokens ``start .. end`` (block multiples) a load or save copies:
@@ -405,13 +498,14 @@ class RadixcacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
             self.store.release(hit)
         self.store.finished(rid)
 
-    def _drain(self) -> None:
-        """Release the loads and file the saves of the steps the worker finished."""
-        while self._inflight and self._inflight[0].saved:
-            meta = self._inflight.pop(0)
-            for load in meta.loads:
+    def _drain(self, done: int) -> None:
+        """Release the loads and file the saves of the steps up to ``done`` (the worker made
+        their copies)."""
+        while self._inflight and self._inflight[0].step <= done:
+            step = self._inflight.pop(0)
+            for load in step.loads:
                 self.store.release(load.hit, loaded=True)
-            for save in meta.saves:
+            for save in step.saves:
                 self._commit(save)
 
     def _commit(self, save: _Save) -> None:
@@ -444,7 +538,7 @@ class RadixcacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         :raises UnsupportedEngine: a layer whose blocks are not the outer dimension of its cache
             with each block's bytes contiguous.
         """
-        layout = self.store.layout
+        layout = self._layout
         self._attn = []
         for name, g in self._groups.attention_layers:
             t = kv_caches[name]
@@ -477,17 +571,15 @@ class RadixcacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         meta = self._get_connector_metadata()
         assert isinstance(meta, RadixcacheMetadata)
         for load in meta.loads:
-            self._load(load)
+            self._load(load, meta.mapping)
 
-    def _load(self, load: _Load) -> None:
-        self._load_pages(load)
-        self._load_state(load)
+    def _load(self, load: _Copy, mapping: StoreMapping | None) -> None:
+        mem = self._memory(mapping)
+        mem.copy_out_pages(load.pages, [(t, load.blocks[g]) for t, g in self._attn])
+        self._load_state(load, mem)
 
-    def _load_pages(self, load: _Load) -> None:
-        self.store.copy_out_pages(load.hit.pages, [(t, load.blocks[g]) for t, g in self._attn])
-
-    def _load_state(self, load: _Load) -> None:
-        conv, rec = self.store.state_of(load.hit)
+    def _load_state(self, load: _Copy, mem: StoreBytes) -> None:
+        conv, rec = mem.read_state(load.slot)
         for i, (cv, rv, g) in enumerate(self._linear):
             for b in load.blocks[g]:
                 cv[b].copy_(conv[i])
@@ -501,24 +593,40 @@ class RadixcacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         are copied in :meth:`wait_for_save`."""
 
     def wait_for_save(self) -> None:
-        """Copy this step's planned saves out of vLLM's blocks, in the step that wrote them."""
+        """Copy this step's planned saves out of vLLM's blocks, in the step that wrote them; the
+        step's copies are then done (reported by :meth:`build_connector_worker_meta`)."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, RadixcacheMetadata)
         for save in meta.saves:
-            self._save(save)
-        meta.saved = True
+            self._save(save, meta.mapping)
+        if meta.loads or meta.saves:
+            self._done = meta.step
 
-    def _save(self, save: _Save) -> None:
-        self._save_pages(save)
-        self._save_state(save)
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """The report of the latest step whose copies were made, once (``None``: nothing new)."""
+        done, self._done = self._done, None
+        return None if done is None else RadixcacheWorkerMetadata(done)
 
-    def _save_pages(self, save: _Save) -> None:
-        self.store.copy_in_pages(save.plan.pages, [(t, save.blocks[g]) for t, g in self._attn])
-
-    def _save_state(self, save: _Save) -> None:
+    def _save(self, save: _Copy, mapping: StoreMapping | None) -> None:
+        mem = self._memory(mapping)
+        mem.copy_in_pages(save.pages, [(t, save.blocks[g]) for t, g in self._attn])
         conv = torch.stack([cv[save.blocks[g][0]] for cv, _, g in self._linear])
         rec = torch.stack([rv[save.blocks[g][0]] for _, rv, g in self._linear])
-        self.store.copy_in_state(save.plan, conv, rec)
+        mem.write_state(save.slot, conv, rec)
+
+    def _memory(self, mapping: StoreMapping | None) -> StoreBytes:
+        """The store's bytes: mapped from ``mapping`` in a worker process of its own, else the
+        engine's store's own (in this process)."""
+        if self._bytes is None:
+            if mapping is not None:
+                self._bytes = mapping.attach()
+            else:
+                with _STORES_LOCK:
+                    store = _STORES.get(self._engine_id)
+                if store is None:
+                    raise RuntimeError(f"no RadixcacheConnector store for engine {self._engine_id!r} in this process")
+                self._bytes = store.bytes
+        return self._bytes
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -534,10 +642,10 @@ def _check_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
             "RadixcacheConnector keeps its store in the engine core's process and serves one device (both must be 1)"
         )
     backend = pc.distributed_executor_backend
-    if backend not in (None, "uni", "external_launcher"):
+    if backend not in (None, "uni", "external_launcher", "mp"):
         raise UnsupportedEngine(
-            f"distributed_executor_backend={backend!r}: RadixcacheConnector needs the worker in the scheduler's "
-            "process ('uni', vLLM's default for one device)"
+            f"distributed_executor_backend={backend!r}: RadixcacheConnector needs the worker on the engine core's "
+            "machine: in its process ('uni') or a process of its own there ('mp')"
         )
     if vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
         raise UnsupportedEngine(

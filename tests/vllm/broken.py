@@ -7,13 +7,14 @@ from typing import Any
 
 from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-from radixcache.vllm.connector import RadixcacheConnector, _cache_ids, _Load, _namespace, _Save
+from radixcache.vllm.connector import RadixcacheConnector, _cache_ids, _Copy, _copy, _namespace, _Step
+from radixcache.vllm.memory import StoreBytes
 
 
 class AttentionOnlyConnector(RadixcacheConnector):
     """Restores the attention KV of a hit and not its linear state (LMCache's hybrid failure)."""
 
-    def _load_state(self, load: _Load) -> None:
+    def _load_state(self, load: _Copy, mem: StoreBytes) -> None:
         pass
 
 
@@ -22,12 +23,12 @@ class SavedAtFinishConnector(RadixcacheConnector):
     block-aligned prefix from the block table vLLM hands over then (where the state block of an
     earlier boundary is already the null block)."""
 
-    def build_connector_meta(self, scheduler_output: Any) -> Any:
-        meta = super().build_connector_meta(scheduler_output)
-        for save in meta.saves:  # never filed in-step
+    def _plan_step(self, scheduler_output: Any) -> _Step:
+        step = super()._plan_step(scheduler_output)
+        for save in step.saves:  # never filed in-step
             self.store.abandon(save.plan)
-        meta.saves = []
-        return meta
+        step.saves = []
+        return step
 
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> Any:
         worker = get_kv_transfer_group()
@@ -37,6 +38,7 @@ class SavedAtFinishConnector(RadixcacheConnector):
         assert ids is not None
         plan = self.store.plan_save(request.request_id, ids[:end], namespace=_namespace(request)) if end else None
         if plan is not None:
-            RadixcacheConnector._save(worker, _Save(plan, self._blocks_of(block_ids, plan.start, end)))
+            blocks = self._blocks_of(block_ids, plan.start, end)
+            RadixcacheConnector._save(worker, _copy(plan.pages, plan.slot, blocks), None)
             self.store.commit(plan)
         return super().request_finished_all_groups(request, block_ids)

@@ -104,10 +104,12 @@ def block_pool_leaks(llm: Any) -> int:
     return int(pool.num_gpu_blocks) - 1 - int(pool.get_num_free_blocks())
 
 
-def make_llm(model: Path, *, prefix_caching: bool, **options: Any) -> Any:
+def make_llm(model: Path, *, prefix_caching: bool, multiprocess: bool = False, **options: Any) -> Any:
     """An engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), token ids in and out (no
-    tokenizer), eager, with a small KV space (256 MiB) so that two engines fit on a CI machine."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    tokenizer), eager, with a small KV space (256 MiB) so that two engines fit on a CI machine.
+    ``multiprocess``: vLLM's default instead, the engine core in a process of its own (where
+    vLLM's CPU build runs the worker in one more, its multiprocess executor)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
     from vllm import LLM
 
     return LLM(
@@ -164,6 +166,20 @@ def kv_pages(llm: Any) -> torch.Tensor:
     page = first.stride(0) * first.element_size()
     flat = torch.empty(0, dtype=torch.uint8).set_(storage)
     return flat[: blocks * page].view(blocks, page)
+
+
+def noise_every_block(worker: Any, seed: int) -> int:
+    """Write random bytes into every block but the null one (block 0) of ``worker``'s KV and
+    state pages: for an engine whose worker is in another process (``llm.collective_rpc(
+    noise_every_block, args=(seed,))``, with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``), idle
+    after ``reset_prefix_cache()``, where every such block is free. Returns how many."""
+    first = worker.model_runner.kv_caches[0]
+    blocks = first.shape[0]
+    page = first.stride(0) * first.element_size()
+    pages = torch.empty(0, dtype=torch.uint8).set_(first.untyped_storage())[: blocks * page].view(blocks, page)
+    gen = torch.Generator().manual_seed(seed)
+    pages[1:] = torch.randint(0, 256, (blocks - 1, page), dtype=torch.uint8, generator=gen)
+    return int(blocks - 1)
 
 
 def fill_free_blocks_with_noise(llm: Any, seed: int) -> int:
