@@ -33,9 +33,10 @@ SCHEDULER_CALLS = (
     "get_num_new_matched_tokens",
     "update_state_after_alloc",
     "build_connector_meta",
+    "update_connector_output",  # where a step's saves are filed and its loads released
     "request_finished_all_groups",
 )
-WORKER_CALLS = ("start_load_kv", "wait_for_save")
+WORKER_CALLS = ("start_load_kv", "wait_for_save", "build_connector_worker_meta")
 
 
 def _timed(obj: Any, names: tuple[str, ...], into: dict[str, list[float]]) -> None:
