@@ -310,6 +310,37 @@ def test_a_save_planned_before_its_last_id_was_known_is_filed_when_it_is_and_giv
     store.release(hit)
 
 
+def test_a_steps_copies_are_filed_only_when_the_workers_report_of_that_step_comes() -> None:
+    """The fence between the worker and the store: a step's saves are filed and its loads let go
+    in ``update_connector_output`` for an output that carries the worker's report of that step
+    (or a later one), never before (the worker may be a process of its own, still copying)."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from linear_state import StateLayout
+    from radixcache.vllm import PagedLayout
+    from radixcache.vllm.connector import RadixcacheWorkerMetadata, _Save, _Step
+
+    layout = PagedLayout(block_tokens=4, kv_layers=1, kv_page_bytes=16, state=StateLayout(1, (2, 3), (2, 2)))
+    conn = RadixcacheConnector.__new__(RadixcacheConnector)  # the scheduler side's drain alone
+    conn.store = store = PagedHostStore(layout, 1 << 16)
+    conn._inflight = []
+    for step, rid in ((1, "a"), (2, "b")):
+        ids = [step * 100 + i for i in range(4)]
+        plan = store.plan_save(rid, ids)
+        assert plan is not None
+        store.copy_in_state(plan, torch.randn(1, 2, 3, dtype=torch.bfloat16), torch.randn(1, 2, 2))
+        conn._inflight.append(_Step(step, saves=[_Save(plan, {})]))
+    conn.update_connector_output(KVConnectorOutput())  # an output without the report: nothing filed
+    assert store.stats.saves == 0 and len(conn._inflight) == 2
+    conn.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=RadixcacheWorkerMetadata(1)))
+    assert store.stats.saves == 1 and [s.step for s in conn._inflight] == [2]
+    both = RadixcacheWorkerMetadata(3).aggregate(RadixcacheWorkerMetadata(2))  # two workers: the slower one
+    assert both == RadixcacheWorkerMetadata(2)
+    conn.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=both))
+    assert store.stats.saves == 2 and conn._inflight == []
+    store.check_invariants()
+
+
 @pytest.mark.parametrize(
     "connector", ["AttentionOnlyConnector", "SavedAtFinishConnector"], ids=["attention-only", "saved-at-finish"]
 )
