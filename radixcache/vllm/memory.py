@@ -182,7 +182,8 @@ class StoreMapping:
         cls, kv_shape: tuple[int, int, int], state: StateLayout, slots: int, *, directory: str | None = None
     ) -> tuple[StoreMapping, StoreBytes]:
         """A new mapping of zeroed bytes for ``kv_shape`` pages and ``slots`` slots, mapped here.
-        Its memory is reserved now (a file system short of it fails here, not at a later write):
+        Its memory is reserved now where the system can (``posix_fallocate``: a file system short
+        of it fails here, not at a later write):
         ``directory`` defaults to ``/dev/shm``, else the temporary directory. The name is removed
         when this process lets the mapping go, unless :meth:`attach` removed it first.
 
@@ -195,7 +196,10 @@ class StoreMapping:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             try:
-                os.posix_fallocate(fd, 0, size)
+                if hasattr(os, "posix_fallocate"):
+                    os.posix_fallocate(fd, 0, size)
+                else:  # macOS: no reservation, the file only sized
+                    os.ftruncate(fd, size)
             except OSError as e:
                 free = os.statvfs(where).f_bavail * os.statvfs(where).f_frsize
                 os.unlink(path)
