@@ -9,7 +9,7 @@ step's metadata names. With vLLM's default executor for one device (``uni``) the
 the engine core's process and copies into the store's own tensors; with its multiprocess
 executor (``mp``: what vLLM's CPU build runs whenever the engine core is a process of its own, as
 under ``vllm serve``) the worker is a process of its own, and the store keeps its bytes in a
-shared mapping the worker maps at its first copy (:class:`~radixcache.vllm.memory.StoreMapping`).
+shared mapping the worker maps at its first step (:class:`~radixcache.vllm.memory.StoreMapping`).
 The metadata is plain data (page and slot numbers, block ids) either way; the worker reports
 each step whose copies it made (:class:`RadixcacheWorkerMetadata`, through vLLM's step output),
 and only then does the scheduler side reuse or file what the step copied.
@@ -333,7 +333,7 @@ class RadixcacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         self._step = 0
         self._inflight: list[_Step] = []  # steps with copies, in order, until the worker reports them
         # worker side
-        self._bytes: StoreBytes | None = None  # the store's bytes, found at the first copy
+        self._bytes: StoreBytes | None = None  # the store's bytes, found at the first step
         self._done: int | None = None  # the latest step whose copies were made, not yet reported
         self._attn: list[tuple[torch.Tensor, int]] = []  # (blocks x page bytes, group) per attention layer
         self._linear: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (conv, recurrent views, group)
@@ -567,9 +567,13 @@ class RadixcacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
             self._linear.append((conv, rec, g))
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Copy this step's hits into the blocks vLLM allocated for them, before the forward."""
+        """Copy this step's hits into the blocks vLLM allocated for them, before the forward (a
+        worker in a process of its own maps the store's bytes at its first step, copies or not:
+        the mapping's name goes then)."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, RadixcacheMetadata)
+        if self._bytes is None and meta.mapping is not None:
+            self._memory(meta.mapping)
         for load in meta.loads:
             self._load(load, meta.mapping)
 

@@ -472,6 +472,8 @@ def test_vllms_own_process_layout_on_the_cpu_a_worker_in_a_process_of_its_own_is
         assert config.parallel_config.distributed_executor_backend == "mp", config.parallel_config
         assert config.scheduler_config.async_scheduling, "asynchronous scheduling is off"
         assert config.cache_config.block_size == block, (config.cache_config.block_size, block)
+        generate(llm, [[5, 6, 7]], 2)  # a step with nothing to copy: the worker maps the store all the same
+        assert set(glob.glob("/dev/shm/radixcache-store-*")) <= before, "the mapping's name outlived the first step"
         got = serve(llm, Workload(seed=0, decode_boundary=True, block=block), between=between, together=True)
         external = external_hits(llm)
         assert llm.reset_prefix_cache(), "blocks of vLLM's pool were not given back"
