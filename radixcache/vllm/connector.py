@@ -572,13 +572,11 @@ class RadixcacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         the mapping's name goes then)."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, RadixcacheMetadata)
-        if self._bytes is None and meta.mapping is not None:
-            self._memory(meta.mapping)
+        mem = self._memory(meta.mapping)
         for load in meta.loads:
-            self._load(load, meta.mapping)
+            self._load(load, mem)
 
-    def _load(self, load: _Copy, mapping: StoreMapping | None) -> None:
-        mem = self._memory(mapping)
+    def _load(self, load: _Copy, mem: StoreBytes) -> None:
         mem.copy_out_pages(load.pages, [(t, load.blocks[g]) for t, g in self._attn])
         self._load_state(load, mem)
 
@@ -601,8 +599,9 @@ class RadixcacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         step's copies are then done (reported by :meth:`build_connector_worker_meta`)."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, RadixcacheMetadata)
+        mem = self._memory(meta.mapping)
         for save in meta.saves:
-            self._save(save, meta.mapping)
+            self._save(save, mem)
         if meta.loads or meta.saves:
             self._done = meta.step
 
@@ -611,8 +610,7 @@ class RadixcacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
         done, self._done = self._done, None
         return None if done is None else RadixcacheWorkerMetadata(done)
 
-    def _save(self, save: _Copy, mapping: StoreMapping | None) -> None:
-        mem = self._memory(mapping)
+    def _save(self, save: _Copy, mem: StoreBytes) -> None:
         mem.copy_in_pages(save.pages, [(t, save.blocks[g]) for t, g in self._attn])
         conv = torch.stack([cv[save.blocks[g][0]] for cv, _, g in self._linear])
         rec = torch.stack([rv[save.blocks[g][0]] for _, rv, g in self._linear])

@@ -39,6 +39,6 @@ class SavedAtFinishConnector(RadixcacheConnector):
         plan = self.store.plan_save(request.request_id, ids[:end], namespace=_namespace(request)) if end else None
         if plan is not None:
             blocks = self._blocks_of(block_ids, plan.start, end)
-            RadixcacheConnector._save(worker, _copy(plan.pages, plan.slot, blocks), None)
+            RadixcacheConnector._save(worker, _copy(plan.pages, plan.slot, blocks), worker._memory(None))
             self.store.commit(plan)
         return super().request_finished_all_groups(request, block_ids)
