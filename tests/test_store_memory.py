@@ -7,6 +7,9 @@ from __future__ import annotations
 import errno
 import multiprocessing as mp
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -147,3 +150,54 @@ def test_a_mapped_store_takes_no_pinned_memory() -> None:
         _store(mapped=True, pin_memory=True)
     with pytest.raises(ValueError, match="mapped must be a bool"):
         PagedHostStore(LAYOUT, 1 << 16, mapped=1)  # type: ignore[arg-type]
+
+
+_CREATE_AND_WAIT = """
+import sys, time
+from radixcache.vllm.memory import StoreMapping
+from tests.test_paged_store import STATE
+spec, mem = StoreMapping.create((2, 4, 64), STATE, 2, directory=sys.argv[1])
+print(spec.path, flush=True)
+time.sleep(600)
+"""
+
+
+def _creator(directory: Path) -> tuple[subprocess.Popen[str], Path]:
+    """A process that creates a mapping in ``directory`` and waits, as an engine between its start
+    and its worker's first step."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CREATE_AND_WAIT, str(directory)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert proc.stdout is not None
+    return proc, Path(proc.stdout.readline().strip())
+
+
+def test_a_mapping_left_by_a_killed_process_is_removed_at_the_next_create(tmp_path: Path) -> None:
+    killed, left = _creator(tmp_path)
+    living, kept = _creator(tmp_path)
+    try:
+        killed.send_signal(signal.SIGKILL)
+        killed.wait(30)
+        assert left.exists(), "a killed process's mapping name outlives it (what the sweep is for)"
+        ns, pid = left.name.split("-")[2:4]
+        assert int(pid) == killed.pid
+        other_namespace = tmp_path / f"radixcache-store-{int(ns) + 1}-{killed.pid}-00ff"
+        unrelated = tmp_path / f"radixcache-scratch-{killed.pid}"
+        for p in (other_namespace, unrelated):
+            p.write_bytes(b"x")
+        spec, _mem = StoreMapping.create((2, 4, 64), STATE, 2, directory=str(tmp_path))
+        assert not left.exists(), "the killed process's mapping was not swept"
+        assert kept.exists(), "a living process's mapping was swept before its worker attached"
+        assert other_namespace.exists(), "a name from another pid namespace was swept"
+        assert unrelated.exists() and Path(spec.path).exists()
+        assert StoreMapping.sweep(str(tmp_path)) == []
+    finally:
+        living.kill()
+        living.wait(30)
+    assert StoreMapping.sweep(str(tmp_path)) == [str(kept)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [Path(spec.path).name, other_namespace.name, unrelated.name]
+    )

@@ -13,7 +13,9 @@ reach the store's memory: the store then keeps its bytes in a file-backed shared
 :class:`StoreMapping`, made by ``PagedHostStore(..., mapped=True)``), which the worker maps by
 its name. The name is removed as soon as the worker has mapped it (and at the store's
 :meth:`~radixcache.vllm.PagedHostStore.close` if it never did): the memory goes when the last
-process lets it go, whatever ends them.
+process lets it go, whatever ends them. A process killed between creating a mapping and its
+worker's attach leaves the name behind; the next :meth:`StoreMapping.create` in that directory
+removes it (:meth:`StoreMapping.sweep`: names whose creating process is gone).
 
 The worker writes only into the pages and slots the store planned for it and reads only the ones
 it holds for a hit; the store neither reuses nor reads them until the engine has told it the
@@ -26,6 +28,7 @@ from __future__ import annotations
 import errno
 import math
 import os
+import re
 import secrets
 import tempfile
 import weakref
@@ -41,6 +44,28 @@ from linear_state import StateLayout
 __all__ = ["StoreBytes", "StoreMapping"]
 
 _ALIGN = 4096  # each region starts on a page of its own (any dtype's alignment)
+_PREFIX = "radixcache-store-"
+# radixcache-store-<pid namespace>-<pid>-<random>: a pid means something only in its namespace
+# (containers sharing /dev/shm, e.g. docker --ipc=host, each have their own)
+_NAME = re.compile(rf"{_PREFIX}(\d+)-(\d+)-[0-9a-f]+")
+
+
+def _pid_namespace() -> int:
+    """This process's pid namespace (its inode), 0 where the system does not say."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def _round_up(n: int) -> int:
@@ -187,10 +212,13 @@ class StoreMapping:
         ``directory`` defaults to ``/dev/shm``, else the temporary directory. The name is removed
         when this process lets the mapping go, unless :meth:`attach` removed it first.
 
+        Names left there by processes that are gone are removed first (:meth:`sweep`).
+
         :raises OSError: the file system lacks the room (the message gives the bytes free and
             needed)."""
-        where = directory or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
-        path = os.path.join(where, f"radixcache-store-{os.getpid()}-{secrets.token_hex(6)}")
+        where = directory or _default_directory()
+        cls.sweep(where)
+        path = os.path.join(where, f"{_PREFIX}{_pid_namespace()}-{os.getpid()}-{secrets.token_hex(6)}")
         spec = cls(path, tuple(int(x) for x in kv_shape), state, int(slots))  # type: ignore[arg-type]
         size = spec.nbytes
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -213,6 +241,29 @@ class StoreMapping:
         out = spec._map()
         weakref.finalize(out, _remove, path)
         return spec, out
+
+    @staticmethod
+    def sweep(directory: str | None = None) -> list[str]:
+        """Remove the mappings' names in ``directory`` (default as :meth:`create`'s) that a process
+        which is gone created: one killed between creating a mapping and its worker's attach. Only
+        names this user owns, made in this process's pid namespace (a pid of another, e.g. another
+        container sharing ``/dev/shm``, says nothing here), whose process no longer runs. A
+        process that maps one of them still has its memory; only the name goes. Returns the paths
+        removed."""
+        where = directory or _default_directory()
+        here, uid = _pid_namespace(), os.getuid()
+        gone = []
+        for entry in os.scandir(where):
+            m = _NAME.fullmatch(entry.name)
+            if m is None or int(m[1]) != here or _alive(int(m[2])):
+                continue
+            try:
+                if entry.is_file(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_uid == uid:
+                    os.unlink(entry.path)
+                    gone.append(entry.path)
+            except FileNotFoundError:  # another sweep, or its worker, took it meanwhile
+                continue
+        return gone
 
     def attach(self) -> StoreBytes:
         """Map the bytes :meth:`create` made (in another process), and remove the name: nothing
@@ -247,6 +298,10 @@ class StoreMapping:
         conv = take(conv_n, st.conv_dtype, (st.num_layers, self.slots, *st.conv_shape))
         rec = take(rec_n, st.recurrent_dtype, (st.num_layers, self.slots, *st.recurrent_shape))
         return StoreBytes(kv, conv, rec)
+
+
+def _default_directory() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
 def _remove(path: str) -> None:
