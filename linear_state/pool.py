@@ -734,19 +734,37 @@ def _given_storage(
     ``num_slots`` slots on ``device``, each slot's row of a layer contiguous."""
     if not isinstance(storage, tuple) or len(storage) != 2 or not all(isinstance(t, torch.Tensor) for t in storage):
         raise TypeError(f"storage must be a (conv, recurrent) pair of tensors, got {type(storage).__name__}")
-    L = layout.num_layers
-    for name, t, shape, dtype in (
-        ("conv", storage[0], (L, num_slots, *layout.conv_shape), layout.conv_dtype),
-        ("recurrent", storage[1], (L, num_slots, *layout.recurrent_shape), layout.recurrent_dtype),
-    ):
-        if tuple(t.shape) != shape or t.dtype != dtype or t.device != device:
-            raise ValueError(
-                f"storage {name} must be {list(shape)} of {dtype} on {device}, "
-                f"got {list(t.shape)} of {t.dtype} on {t.device}"
-            )
+    for name, t in _check_state_tensors(layout, storage[0], storage[1], num_slots, device=device):
         if not t[0, 0].is_contiguous():
             raise ValueError(f"storage {name}: each slot's rows must be contiguous, got strides {t.stride()}")
     return storage[0], storage[1]
+
+
+def _check_state_tensors(
+    layout: StateLayout, conv: torch.Tensor, recurrent: torch.Tensor, num_slots: int, *, device: torch.device | None
+) -> tuple[tuple[str, torch.Tensor], tuple[str, torch.Tensor]]:
+    """``conv`` and ``recurrent`` checked as ``[L, num_slots, ...]`` of the layout's shapes and
+    dtypes (and on ``device`` if one is given: a pool's ``storage=``, whose messages say so);
+    returns them named, for the caller's own checks.
+
+    :raises ValueError: a shape, dtype or device other than the layout's."""
+    L = layout.num_layers
+    named = (("conv", conv), ("recurrent", recurrent))
+    for (name, t), shape, dtype in zip(
+        named,
+        ((L, num_slots, *layout.conv_shape), (L, num_slots, *layout.recurrent_shape)),
+        (layout.conv_dtype, layout.recurrent_dtype),
+        strict=True,
+    ):
+        if tuple(t.shape) == shape and t.dtype == dtype and (device is None or t.device == device):
+            continue
+        if device is None:
+            raise ValueError(f"{name} must be {list(shape)} of {dtype} for {layout}, got {list(t.shape)} of {t.dtype}")
+        raise ValueError(
+            f"storage {name} must be {list(shape)} of {dtype} on {device}, "
+            f"got {list(t.shape)} of {t.dtype} on {t.device}"
+        )
+    return named
 
 
 class SlotLender(Protocol):
@@ -809,18 +827,10 @@ class HostedStatePool(LinearStatePool):
                 raise TypeError(f"lender must have a callable {name}(), got {type(lender).__name__}")
         if not isinstance(conv, torch.Tensor) or not isinstance(recurrent, torch.Tensor):
             raise TypeError("conv and recurrent must be tensors")
-        L = layout.num_layers
         if conv.dim() < 2 or recurrent.dim() < 2:
             raise ValueError(f"state tensors must be [L, S, ...], got {tuple(conv.shape)} and {tuple(recurrent.shape)}")
         S = conv.shape[1]
-        for name, t, shape, dtype in (
-            ("conv", conv, (L, S, *layout.conv_shape), layout.conv_dtype),
-            ("recurrent", recurrent, (L, S, *layout.recurrent_shape), layout.recurrent_dtype),
-        ):
-            if tuple(t.shape) != shape or t.dtype != dtype:
-                raise ValueError(
-                    f"{name} must be {list(shape)} of {dtype} for {layout}, got {list(t.shape)} of {t.dtype}"
-                )
+        _check_state_tensors(layout, conv, recurrent, S, device=None)
         if conv.device != recurrent.device:
             raise ValueError(f"conv on {conv.device} and recurrent on {recurrent.device}: one device")
         if stream is not None and not isinstance(stream, Stream):
