@@ -142,7 +142,18 @@ def serve_engine(flags: list[str], wl: Workload) -> Served:
         wl.answered([a for a, _, _ in got])
         _wait_idle()
     engine.shutdown()
+    _remove_load_snapshot(engine)
     return out
+
+
+def _remove_load_snapshot(engine: Any) -> None:
+    """Remove the load-snapshot file SGLang's scheduler keeps in ``/dev/shm``: its shutdown kills
+    the scheduler (SIGKILL), so nothing else does, and each engine left one behind."""
+    try:
+        from sglang.srt.managers.load_snapshot import shm_path_for
+    except ImportError:  # an SGLang without one
+        return
+    Path(shm_path_for(engine.port_args.instance_id)).unlink(missing_ok=True)
 
 
 def _record(out: Served, batch: list[Request], got: list[Answer]) -> None:

@@ -10,6 +10,9 @@ in a venv that has no ``sgl_kernel`` wheel for the CPU.
   CPU. Which ops a run calls therefore does not depend on the machine it runs on.
 - Modules SGLang imports at module level for other models (``torchvision``, ``sentencepiece``)
   are inert: importable, never called on this path.
+- tqdm's lock is a thread lock: its default, a multiprocessing lock, is a named semaphore in
+  ``/dev/shm`` that SGLang's scheduler makes when it loads the weights, and SGLang's shutdown
+  kills that process and its resource tracker (SIGKILL), so each engine left one behind.
 
 Never imported by radixcache itself."""
 
@@ -73,4 +76,9 @@ import torch  # noqa: E402
 
 torch.cpu._is_amx_tile_supported = lambda: True
 
+import threading  # noqa: E402
+
 import radixcache_test_hooks  # type: ignore[import-not-found]  # noqa: E402,F401  (extra buffer on the CPU; noise, injected bugs)
+import tqdm  # type: ignore[import-untyped]  # noqa: E402
+
+tqdm.tqdm.set_lock(threading.RLock())
