@@ -433,8 +433,26 @@ def test_a_model_without_linear_layers_is_refused(tmp_path: Path) -> None:
     assert "REFUSED: the model has no linear-attention" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
 
 
+@pytest.fixture(scope="module")
+def mp_truth(tiny_model: Path) -> tuple[Served, int]:
+    """The decode-boundary workload's ground truth in vLLM's own process layout (engine core and
+    worker in processes of their own), and vLLM's block size there.
+
+    Built first and alone: an engine started beside another runs with other thread settings
+    (vLLM's CPU build binds its OpenMP threads per process), and its numbers part decisively
+    (measured: a cold run beside an idle engine parted from one alone at 8 of 64 requests, once
+    at a 0.5-nat margin). Each round's requests reach the scheduler together (harness.generate),
+    here and in the runs compared with it: batches arriving piecemeal part as much."""
+    cold = make_llm(tiny_model, prefix_caching=False, multiprocess=True)
+    try:
+        block = cold.llm_engine.vllm_config.cache_config.block_size
+        return serve(cold, Workload(seed=0, decode_boundary=True, block=block), together=True), block
+    finally:
+        close(cold)
+
+
 def test_vllms_own_process_layout_on_the_cpu_a_worker_in_a_process_of_its_own_is_served(
-    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_model: Path, mp_truth: tuple[Served, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """vLLM's default frontend runs the engine core in a process of its own (``LLM`` and ``vllm
     serve`` alike), and vLLM's CPU build then runs the worker in one more (its multiprocess
@@ -454,17 +472,7 @@ def test_vllms_own_process_layout_on_the_cpu_a_worker_in_a_process_of_its_own_is
         assert llm.reset_prefix_cache(), "vLLM refused to reset its prefix cache"
         assert llm.collective_rpc(noise_every_block, args=(round_,))[0] > 0
 
-    # The ground truth first, alone: an engine started beside another runs with other thread
-    # settings (vLLM's CPU build binds its OpenMP threads per process), and its numbers part
-    # decisively (measured: a cold run beside an idle engine parted from one alone at 8 of 64
-    # requests, once at a 0.5-nat margin). Each round's requests reach the scheduler together
-    # (harness.generate), in both runs: batches arriving piecemeal part as much.
-    cold = make_llm(tiny_model, prefix_caching=False, multiprocess=True)
-    try:
-        block = cold.llm_engine.vllm_config.cache_config.block_size
-        truth = serve(cold, Workload(seed=0, decode_boundary=True, block=block), together=True)
-    finally:
-        close(cold)
+    truth, block = mp_truth
     options = {"kv_transfer_config": _kv_transfer(), "async_scheduling": True, "disable_log_stats": False}
     llm = make_llm(tiny_model, prefix_caching=True, multiprocess=True, **options)
     try:
@@ -486,6 +494,53 @@ def test_vllms_own_process_layout_on_the_cpu_a_worker_in_a_process_of_its_own_is
     assert len(ties) <= 12, ties
     assert got.cached[-8:] == [block] * 7 + [0], f"saves the worker copied were not served: {got.cached[-8:]}"
     assert external >= 8 * 1280, f"vLLM counted {external} external hit tokens"
+
+
+def test_engines_in_vllms_own_process_layout_share_prefixes_through_one_redis_server(
+    tiny_model: Path, mp_truth: tuple[Served, int], redis_server: Any
+) -> None:
+    """The shared tier as deployed (``vllm serve`` on the CPU build: the engine core and the worker
+    in processes of their own, the store's bytes a shared mapping): engine A serves the workload
+    and has every snapshot it filed in Redis when it shuts down; engine B, the same layout with an
+    empty store, fetches A's snapshots into its mapping in the engine core's process and its
+    worker copies them into vLLM's blocks. vLLM's prefix cache is reset before every round after
+    the first. Each engine's first round meets vLLM's own cache empty and a store holding nothing
+    beyond what vLLM computed itself, so an external hit there came from Redis: none for A, some
+    for B. Every answer of both is the ground truth's."""
+    import redis
+
+    truth, block = mp_truth
+    options = {"kv_transfer_config": _kv_transfer(redis_url=redis_server.url), "disable_log_stats": False}
+    r = redis.Redis.from_url(redis_server.url)
+    first_round: list[int] = []
+    served: list[Served] = []
+    blobs: list[bytes] = []
+
+    def between(llm: Any, round_: int) -> None:
+        if round_ == 1:
+            first_round.append(external_hits(llm))
+        assert llm.reset_prefix_cache(), "vLLM refused to reset its prefix cache"
+
+    for name in "AB":
+        llm = make_llm(tiny_model, prefix_caching=True, multiprocess=True, **options)
+        try:
+            served.append(
+                serve(llm, Workload(seed=0, decode_boundary=True, block=block), between=between, together=True)
+            )
+            external = external_hits(llm)
+        finally:
+            close(llm)  # the connector's shutdown flushes the publications
+        if name == "A":
+            blobs = [k for k in r.scan_iter("radixcache:*") if b":depths:" not in k]
+        wrong, ties = compare(truth, served[-1])
+        print(
+            f"engine {name}: first round external {first_round[-1]}, in all {external}; blobs {len(blobs)}; ties {ties}"
+        )
+        assert not wrong, f"engine {name} served {len(wrong)} wrong answers: {wrong}"
+        assert len(ties) <= 12, ties
+    assert len(blobs) >= 4, f"engine A left {len(blobs)} snapshots in Redis"
+    assert first_round[0] == 0, f"engine A was served {first_round[0]} tokens with nothing in Redis"
+    assert first_round[1] >= 2 * block, f"engine B's first round was served {first_round[1]} tokens from Redis"
 
 
 def _free_port() -> int:
