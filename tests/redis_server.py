@@ -76,8 +76,8 @@ class RedisServer:
             "--protected-mode",
             "yes",
         ]
-        log = open(self.directory / "redis.log", "ab")  # noqa: SIM115 - the process keeps it
-        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        with open(self.directory / "redis.log", "ab") as log:  # the process keeps its own descriptor
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
