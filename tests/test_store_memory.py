@@ -139,6 +139,13 @@ def test_store_bytes_refuse_pages_slots_and_shapes_outside_them() -> None:
         mem.read_state(-1)
     with pytest.raises(ValueError, match="a state of"):
         mem.write_state(0, eng.conv[0][:1], eng.rec[0])
+    engine_before = [t.clone() for t in eng.kv]
+    for bad in (-1, len(eng.kv[0])):  # a negative block would be the last one to a slice
+        with pytest.raises(ValueError, match=rf"blocks \[{bad}\] outside the engine cache's \[0, {len(eng.kv[0])}\)"):
+            mem.copy_in_pages([0, 1], eng.layers([0, bad]))
+        with pytest.raises(ValueError, match=rf"blocks \[{bad}\] outside"):
+            mem.copy_out_pages([0, 1], eng.layers([bad, 0]))
+    assert all(torch.equal(a, b) for a, b in zip(engine_before, eng.kv, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(before, (mem.kv, mem.conv, mem.recurrent), strict=True))
     with pytest.raises(ValueError, match=r"kv must be \[layers, pages, page bytes\] uint8"):
         StoreBytes(mem.kv.float(), mem.conv, mem.recurrent)
@@ -195,9 +202,40 @@ def test_a_mapping_left_by_a_killed_process_is_removed_at_the_next_create(tmp_pa
         assert unrelated.exists() and Path(spec.path).exists()
         assert StoreMapping.sweep(str(tmp_path)) == []
     finally:
-        living.kill()
-        living.wait(30)
+        for proc in (killed, living):
+            proc.kill()
+            proc.wait(30)
+            assert proc.stdout is not None
+            proc.stdout.close()
     assert StoreMapping.sweep(str(tmp_path)) == [str(kept)]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         [Path(spec.path).name, other_namespace.name, unrelated.name]
     )
+
+
+@pytest.mark.parametrize(
+    ("pages", "blocks"),
+    [([3, 4, 5, 6], [10, 11, 12, 13]), ([6, 2, 3, 9], [7, 0, 1, 4]), ([1, 2, 5, 6], [9, 8, 20, 21]), ([0], [31])],
+    ids=["one-run", "runs-apart", "runs-on-one-side", "one-page"],
+)
+def test_copies_move_each_page_to_its_block_whatever_the_runs(pages: list[int], blocks: list[int]) -> None:
+    """The CPU copies go run by run (rows consecutive on both sides): every page lands in its
+    block and back, and nothing else moves."""
+    mem = _store().bytes
+    eng = Engine()
+    g = torch.Generator().manual_seed(5)
+    for t in eng.kv:
+        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=g))
+    kv_before = mem.kv.clone()
+    mem.copy_in_pages(pages, eng.layers(blocks))
+    want = kv_before.clone()
+    for i, t in enumerate(eng.kv):
+        want[i, pages] = t[blocks]
+    assert torch.equal(mem.kv, want)
+    out = Engine()
+    dst = [b + 1 for b in blocks] if max(blocks) < 31 else blocks  # other blocks than they came from
+    mem.copy_out_pages(pages, out.layers(dst))
+    for i, t in enumerate(out.kv):
+        assert torch.equal(t[dst], eng.kv[i][blocks])
+        rest = sorted(set(range(len(t))) - set(dst))
+        assert not t[rest].any(), "a block outside the copy was written"

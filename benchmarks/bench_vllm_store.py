@@ -1,0 +1,180 @@
+"""The vLLM connector's host-store copies on the CPU, against a memcpy of the same bytes and
+against torch's indexed copies (what the store did until 2026-12-06), side by side.
+
+- ``copy_in``: a save, the worker copying a prefix's engine blocks into host pages
+  (``StoreBytes.copy_in_pages``, on the engine's step: ``wait_for_save``);
+- ``copy_out``: a hit, host pages into engine blocks (``copy_out_pages``, before the forward:
+  ``start_load_kv``);
+- ``import_kv``: a shared-tier hit, a fetched blob's KV written into host pages
+  (``PagedKVCodec.import_kv``, on vLLM's scheduler thread), with and without the fingerprints a
+  verifying store records.
+
+Each for pages and blocks in one run each side (``consecutive``) and scattered (every other page,
+blocks in reverse). ``memcpy``: one ``copy_`` of a contiguous tensor of the same bytes, the floor.
+``indexed``: ``index_select`` + ``index_copy_`` (copies) and a blob copied to a ``bytearray`` then
+assigned through an index tensor (import), run here on the same tensors. The default layout is a
+Qwen3-Next-80B-like attention side: 12 attention layers, 512-token blocks, 2 KiB of K and V per
+token per layer (two KV heads of 256, bf16): 1 MiB page rows, a 2,048-token prefix in 4 pages
+(48 MiB). Medians over ``--reps``, the variants alternating. Prints one JSON object.
+
+    python benchmarks/bench_vllm_store.py [--pages 4] [--reps 20] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from linear_state import StateLayout
+from radixcache.vllm import PagedHostStore, PagedLayout
+from radixcache.vllm.store import PagedKVCodec
+
+
+def _indexed_in(kv: torch.Tensor, pages: list[int], layers: list[tuple[torch.Tensor, list[int]]]) -> None:
+    dst = torch.tensor(pages, dtype=torch.int64)
+    for i, (t, blocks) in enumerate(layers):
+        kv[i].index_copy_(0, dst, t.index_select(0, torch.tensor(blocks, dtype=torch.int64)))
+
+
+def _indexed_out(kv: torch.Tensor, pages: list[int], layers: list[tuple[torch.Tensor, list[int]]]) -> None:
+    src = torch.tensor(pages, dtype=torch.int64)
+    for i, (t, blocks) in enumerate(layers):
+        t.index_copy_(0, torch.tensor(blocks, dtype=torch.int64), kv[i].index_select(0, src))
+
+
+def _median_ms(fns: dict[str, Callable[[], None]], reps: int) -> dict[str, float]:
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for fn in fns.values():
+        fn()  # warm
+    for _ in range(reps):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    return {k: round(statistics.median(v) * 1e3, 3) for k, v in times.items()}
+
+
+def _ratios(ms: dict[str, float]) -> dict[str, float]:
+    return {
+        "ours_over_memcpy": round(ms["ours"] / ms["memcpy"], 2),
+        "ours_over_indexed": round(ms["ours"] / ms["indexed"], 3),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kv-layers", type=int, default=12)
+    ap.add_argument("--block", type=int, default=512, help="tokens per block")
+    ap.add_argument("--token-bytes", type=int, default=2048, help="K and V bytes per token per layer")
+    ap.add_argument("--pages", type=int, default=4, help="pages of the prefix copied")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--quick", action="store_true", help="3 reps, 2 pages (a smoke run)")
+    a = ap.parse_args()
+    if a.quick:
+        a.reps, a.pages = 3, 2
+    n = a.pages
+    page_row = a.block * a.token_bytes
+    state = StateLayout(num_layers=1, conv_shape=(3, 8), recurrent_shape=(4, 8, 8))
+    layout = PagedLayout(block_tokens=a.block, kv_layers=a.kv_layers, kv_page_bytes=page_row, state=state)
+    store_pages = 2 * n + 2
+    budget = store_pages * layout.page_bytes + 2 * state.slot_bytes + 1
+    stores = {v: PagedHostStore(layout, budget, snapshots_per_block=2 / store_pages, verify=v) for v in (False, True)}
+    store = stores[False]
+    assert store.num_pages >= 2 * n, (store.num_pages, n)
+    gen = torch.Generator().manual_seed(0)
+    blocks_total = 2 * n + 2
+    engine = [
+        torch.randint(0, 256, (blocks_total, page_row), dtype=torch.uint8, generator=gen) for _ in range(a.kv_layers)
+    ]
+    flat_src = torch.randint(0, 256, (a.kv_layers * n * page_row,), dtype=torch.uint8, generator=gen)
+    flat_dst = torch.empty_like(flat_src)
+    cases = {
+        "consecutive": (list(range(n)), list(range(1, n + 1))),
+        "scattered": (list(range(0, 2 * n, 2)), list(range(2 * n, 0, -2))),
+    }
+    out: dict[str, object] = {
+        "layout": {
+            "kv_layers": a.kv_layers,
+            "block_tokens": a.block,
+            "page_row_bytes": page_row,
+            "prefix_tokens": n * a.block,
+            "prefix_mib": round(a.kv_layers * n * page_row / 2**20, 1),
+        },
+        "reps": a.reps,
+        "torch_threads": torch.get_num_threads(),
+    }
+    mem = store.bytes
+
+    def memcpy() -> None:
+        flat_dst.copy_(flat_src)
+
+    def copies(pages: list[int], layers: list[tuple[torch.Tensor, list[int]]]) -> dict[str, dict[str, float]]:
+        got = {}
+        for way, ours, indexed in (
+            ("in", mem.copy_in_pages, _indexed_in),
+            ("out", mem.copy_out_pages, _indexed_out),
+        ):
+            ms = _median_ms(
+                {
+                    "ours": partial(ours, pages, layers),
+                    "indexed": partial(indexed, mem.kv, pages, layers),
+                    "memcpy": memcpy,
+                },
+                a.reps,
+            )
+            got[way] = {**ms, **_ratios(ms)}
+        return got
+
+    for case, (pages, blocks) in cases.items():
+        got = copies(pages, [(t, blocks) for t in engine])
+        out[f"copy_in_{case}_ms"], out[f"copy_out_{case}_ms"] = got["in"], got["out"]
+
+    data = memoryview(flat_src.numpy().tobytes())  # a fetched blob's KV: a read-only view
+    for verify, st in stores.items():
+        codec = PagedKVCodec(st)
+
+        def ours(st: PagedHostStore = st, codec: PagedKVCodec = codec) -> None:
+            idx = codec.import_kv(data, n * a.block)
+            assert idx is not None
+            st.pages.free(idx)
+
+        def indexed(st: PagedHostStore = st) -> None:
+            idx = st.pages.alloc(n * a.block)
+            assert idx is not None
+            pages_t = st.pages.pages(idx)
+            src = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(a.kv_layers, n, page_row)
+            st.kv[:, pages_t] = src
+            st.record_pages(pages_t.tolist())
+            st.pages.free(idx)
+
+        ms = _median_ms({"ours": ours, "indexed": indexed, "memcpy": memcpy}, a.reps)
+        out[f"import_kv_{'verify' if verify else 'no_verify'}_ms"] = {**ms, **_ratios(ms)}
+        # what import wrote is the blob, page by page
+        idx = codec.import_kv(data, n * a.block)
+        assert idx is not None
+        written = st.kv[:, st.pages.pages(idx)].contiguous().numpy().tobytes()
+        assert written == bytes(data), "import_kv wrote other bytes than the blob's"
+        st.pages.free(idx)
+        st.check_invariants()
+    # and the copies: a save and a hit of the same pages give the engine back its blocks
+    pages, blocks = cases["scattered"]
+    mem.copy_in_pages(pages, [(t, blocks) for t in engine])
+    back = [torch.zeros_like(t) for t in engine]
+    mem.copy_out_pages(pages, [(t, blocks) for t in back])
+    assert all(torch.equal(b[blocks], t[blocks]) for b, t in zip(back, engine, strict=True))
+    out["ok"] = True
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
