@@ -262,16 +262,17 @@ class StoreMapping:
         where = directory or _default_directory()
         here, uid = _pid_namespace(), os.getuid()
         gone = []
-        for entry in os.scandir(where):
-            m = _NAME.fullmatch(entry.name)
-            if m is None or int(m[1]) != here or _alive(int(m[2])):
-                continue
-            try:
-                if entry.is_file(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_uid == uid:
-                    os.unlink(entry.path)
-                    gone.append(entry.path)
-            except FileNotFoundError:  # another sweep, or its worker, took it meanwhile
-                continue
+        with os.scandir(where) as entries:
+            for entry in entries:
+                m = _NAME.fullmatch(entry.name)
+                if m is None or int(m[1]) != here or _alive(int(m[2])):
+                    continue
+                try:
+                    if entry.is_file(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_uid == uid:
+                        os.unlink(entry.path)
+                        gone.append(entry.path)
+                except FileNotFoundError:  # another sweep, or its worker, took it meanwhile
+                    continue
         return gone
 
     def attach(self) -> StoreBytes:
