@@ -146,6 +146,26 @@ def serve_engine(flags: list[str], wl: Workload) -> Served:
     return out
 
 
+def _load_snapshot_files(pid: int) -> set[Path]:
+    """The load-snapshot files the server ``pid`` and its children hold open (its scheduler's, in
+    ``/dev/shm``): the HTTP server's shutdown kills the scheduler (SIGKILL) and leaves them, and
+    this process does not know the server's instance id that names them."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return set()
+    out: set[Path] = set()
+    for p in procs:
+        try:
+            out.update(Path(f.path) for f in p.open_files() if Path(f.path).name.startswith("sglang_loads_"))
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return out
+
+
 def _remove_load_snapshot(engine: Any) -> None:
     """Remove the load-snapshot file SGLang's scheduler keeps in ``/dev/shm``: its shutdown kills
     the scheduler (SIGKILL), so nothing else does, and each engine left one behind."""
@@ -193,6 +213,7 @@ def serve_http(flags: list[str], wl: Workload) -> Served:
         stderr=sys.stderr,
     )
     url = f"http://127.0.0.1:{port}"
+    left: set[Path] = set()
     try:
         deadline = time.monotonic() + 300
         while True:
@@ -206,6 +227,7 @@ def serve_http(flags: list[str], wl: Workload) -> Served:
             if time.monotonic() > deadline:
                 raise TimeoutError("launch_server did not come up in 300 s")
             time.sleep(1)
+        left = _load_snapshot_files(proc.pid)  # the server's own: its processes hold them open
 
         def one(req: Request) -> Answer:
             body = {
@@ -243,6 +265,8 @@ def serve_http(flags: list[str], wl: Workload) -> Served:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+        for path in left:
+            path.unlink(missing_ok=True)
 
 
 def main(argv: list[str] | None = None) -> None:
