@@ -7,12 +7,16 @@ against torch's indexed copies (what the store did until 2026-12-06), side by si
   ``start_load_kv``);
 - ``import_kv``: a shared-tier hit, a fetched blob's KV written into host pages
   (``PagedKVCodec.import_kv``, on vLLM's scheduler thread), with and without the fingerprints a
-  verifying store records.
+  verifying store records;
+- ``export_kv``: a publication's KV read out of host pages (``PagedKVCodec.export_kv``, on the
+  thread that files the save: vLLM's scheduler's; the encoding and upload run on the tier's
+  writer thread).
 
 Each for pages and blocks in one run each side (``consecutive``) and scattered (every other page,
 blocks in reverse). ``memcpy``: one ``copy_`` of a contiguous tensor of the same bytes, the floor.
-``indexed``: ``index_select`` + ``index_copy_`` (copies) and a blob copied to a ``bytearray`` then
-assigned through an index tensor (import), run here on the same tensors. The default layout is a
+``indexed``: ``index_select`` + ``index_copy_`` (copies), a blob copied to a ``bytearray`` then
+assigned through an index tensor (import), an indexed gather then ``tobytes`` (export), run here on
+the same tensors. The default layout is a
 Qwen3-Next-80B-like attention side: 12 attention layers, 512-token blocks, 2 KiB of K and V per
 token per layer (two KV heads of 256, bf16): 1 MiB page rows, a 2,048-token prefix in 4 pages
 (48 MiB). Medians over ``--reps``, the variants alternating. Prints one JSON object.
@@ -52,7 +56,7 @@ def _indexed_out(kv: torch.Tensor, pages: list[int], layers: list[tuple[torch.Te
         t.index_copy_(0, torch.tensor(blocks, dtype=torch.int64), kv[i].index_select(0, src))
 
 
-def _median_ms(fns: dict[str, Callable[[], None]], reps: int) -> dict[str, float]:
+def _median_ms(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
     times: dict[str, list[float]] = {k: [] for k in fns}
     for fn in fns.values():
         fn()  # warm
@@ -166,6 +170,22 @@ def main() -> None:
         assert written == bytes(data), "import_kv wrote other bytes than the blob's"
         st.pages.free(idx)
         st.check_invariants()
+    # a publication's KV read out of host pages (on the thread that publishes: vLLM's scheduler's)
+    codec = PagedKVCodec(store)
+    idx = codec.import_kv(data, n * a.block)
+    assert idx is not None
+    pages_t = store.pages.pages(idx)
+    ms = _median_ms(
+        {
+            "ours": partial(codec.export_kv, idx, None),
+            "indexed": lambda: store.kv[:, pages_t].contiguous().numpy().tobytes(),
+            "memcpy": memcpy,
+        },
+        a.reps,
+    )
+    out["export_kv_ms"] = {**ms, **_ratios(ms)}
+    assert bytes(codec.export_kv(idx, None)) == bytes(data), "export_kv read other bytes than were written"
+    store.pages.free(idx)
     # and the copies: a save and a hit of the same pages give the engine back its blocks
     pages, blocks = cases["scattered"]
     mem.copy_in_pages(pages, [(t, blocks) for t in engine])

@@ -251,7 +251,7 @@ class FaultyCodec:
         self.identity = inner.identity
         self.faults = 0
 
-    def export_kv(self, kv_indices: torch.Tensor, after: Fence | None) -> bytes:
+    def export_kv(self, kv_indices: torch.Tensor, after: Fence | None) -> bytes | memoryview:
         """The inner codec's, or a raise."""
         if self.p and self.rng.random() < self.p:
             self.faults += 1

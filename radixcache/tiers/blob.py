@@ -42,7 +42,9 @@ def blob_digest(key: str, signed: bytes | memoryview, secret: bytes | None = Non
     return h.digest()
 
 
-def encode_blob(header: dict[str, object], state: bytes, kv: bytes, *, key: str, secret: bytes | None = None) -> bytes:
+def encode_blob(
+    header: dict[str, object], state: bytes, kv: bytes | memoryview, *, key: str, secret: bytes | None = None
+) -> bytes:
     """A blob: magic, header length, JSON header (which must give ``state_bytes`` and
     ``kv_bytes``), the state's raw bytes (conv rows, then recurrent rows), the KV bytes, then
     :func:`blob_digest` of all that under ``key`` (keyed with ``secret``): a blob verifies only

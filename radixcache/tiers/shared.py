@@ -93,8 +93,10 @@ class KVCodec(Protocol):
 
     identity: str
 
-    def export_kv(self, kv_indices: torch.Tensor, after: Fence | None) -> bytes:
-        """The KV of these indices (one per token, in order), read once ``after`` completed."""
+    def export_kv(self, kv_indices: torch.Tensor, after: Fence | None) -> bytes | memoryview:
+        """The KV of these indices (one per token, in order), read once ``after`` completed:
+        ``bytes``, or a flat byte ``memoryview`` of a buffer nothing else writes (the tier keeps
+        it until the blob is encoded)."""
         ...
 
     def import_kv(self, data: bytes | memoryview, num_tokens: int) -> torch.Tensor | None:
@@ -1013,7 +1015,7 @@ class _Upload:
     depth: int
     conv: torch.Tensor  # host copies of the slot's state
     rec: torch.Tensor
-    kv: bytes
+    kv: bytes | memoryview
 
     @property
     def nbytes(self) -> int:
