@@ -89,6 +89,14 @@ def serve_engine(flags: list[str], wl: Workload) -> Served:
     import sglang as sgl
 
     engine = sgl.Engine(**_engine_kwargs(flags), log_level="warning")
+    try:
+        return _serve_on(engine, wl)
+    finally:  # on an error too (the caller then kills the engine's processes)
+        _remove_load_snapshot(engine)
+
+
+def _serve_on(engine: Any, wl: Workload) -> Served:
+    """Every round of ``wl`` through ``engine``, which is shut down at the end."""
     resolved = engine.tokenizer_manager.server_args.resolved_dict()  # what `auto` resolved to
     out = Served(config={k: resolved.get(k) for k in CONFIG_KEYS})
     n = 0
@@ -142,7 +150,6 @@ def serve_engine(flags: list[str], wl: Workload) -> Served:
         wl.answered([a for a, _, _ in got])
         _wait_idle()
     engine.shutdown()
-    _remove_load_snapshot(engine)
     return out
 
 
