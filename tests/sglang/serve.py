@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -84,15 +85,19 @@ def _margin(top: list[float]) -> float:
 Answer = tuple[list[int], int, list[float]]  # answer ids, cached tokens, per-token margins
 
 
-def serve_engine(flags: list[str], wl: Workload) -> Served:
-    """Every round of ``wl`` through SGLang's ``Engine``."""
+def serve_engine(flags: list[str], wl: Workload, left: Path | None = None) -> Served:
+    """Every round of ``wl`` through SGLang's ``Engine``; the files it leaves in ``/dev/shm``
+    named in ``left`` as soon as they are known (see :func:`remove_left_behind`)."""
     import sglang as sgl
 
     engine = sgl.Engine(**_engine_kwargs(flags), log_level="warning")
+    files = _load_snapshot_path(engine)
+    _name_left_behind(left, files)
     try:
         return _serve_on(engine, wl)
-    finally:  # on an error too (the caller then kills the engine's processes)
-        _remove_load_snapshot(engine)
+    finally:  # on an error too (unless SGLang killed this process first: the caller then removes them)
+        for path in files:
+            path.unlink(missing_ok=True)
 
 
 def _serve_on(engine: Any, wl: Workload) -> Served:
@@ -173,14 +178,36 @@ def _load_snapshot_files(pid: int) -> set[Path]:
     return out
 
 
-def _remove_load_snapshot(engine: Any) -> None:
-    """Remove the load-snapshot file SGLang's scheduler keeps in ``/dev/shm``: its shutdown kills
-    the scheduler (SIGKILL), so nothing else does, and each engine left one behind."""
+def _load_snapshot_path(engine: Any) -> list[Path]:
+    """The load-snapshot file SGLang's scheduler keeps in ``/dev/shm``: its shutdown kills the
+    scheduler (SIGKILL), so nothing removes it, and each engine left one behind."""
     try:
         from sglang.srt.managers.load_snapshot import shm_path_for
     except ImportError:  # an SGLang without one
-        return
-    Path(shm_path_for(engine.port_args.instance_id)).unlink(missing_ok=True)
+        return []
+    return [Path(shm_path_for(engine.port_args.instance_id))]
+
+
+def _name_left_behind(left: Path | None, files: Iterable[Path]) -> None:
+    if left is not None:
+        with left.open("a") as f:
+            f.writelines(f"{p}\n" for p in files)
+
+
+def left_behind_file(out: Path) -> Path:
+    """Where a serve process writing ``out`` names the files it leaves in ``/dev/shm``."""
+    return out.with_suffix(".shm-files")
+
+
+def remove_left_behind(left: Path) -> None:
+    """Remove the files a serve process named in ``left`` (its servers' load-snapshot files), once
+    it has ended, however it ended: SGLang kills the process that holds its engine when a
+    scheduler dies, before that process can remove them itself."""
+    if left.exists():
+        for line in left.read_text().splitlines():
+            if Path(line).name.startswith("sglang_loads_"):
+                Path(line).unlink(missing_ok=True)
+        left.unlink()
 
 
 def _record(out: Served, batch: list[Request], got: list[Answer]) -> None:
@@ -209,8 +236,9 @@ def _ids(text: str) -> list[int]:
     return [int(w[1:]) for w in text.split() if w.startswith("w") and w[1:].isdigit()]
 
 
-def serve_http(flags: list[str], wl: Workload) -> Served:
-    """Every round of ``wl`` through the OpenAI-compatible endpoint of ``launch_server``."""
+def serve_http(flags: list[str], wl: Workload, left_file: Path | None = None) -> Served:
+    """Every round of ``wl`` through the OpenAI-compatible endpoint of ``launch_server``
+    (``left_file`` as for :func:`serve_engine`)."""
     import requests  # type: ignore[import-untyped]
 
     port = _free_port()
@@ -235,6 +263,7 @@ def serve_http(flags: list[str], wl: Workload) -> Served:
                 raise TimeoutError("launch_server did not come up in 300 s")
             time.sleep(1)
         left = _load_snapshot_files(proc.pid)  # the server's own: its processes hold them open
+        _name_left_behind(left_file, left)
 
         def one(req: Request) -> Answer:
             body = {
@@ -290,7 +319,8 @@ def main(argv: list[str] | None = None) -> None:
     flags = server_flags(a.model, cache=a.cache, strategy=a.strategy, page_size=a.page_size)
     wl = Workload(seed=a.seed)
     try:
-        served = serve_engine(flags, wl) if a.mode == "engine" else serve_http(flags, wl)
+        left = left_behind_file(a.out)
+        served = serve_engine(flags, wl, left) if a.mode == "engine" else serve_http(flags, wl, left)
     except BaseException:
         import os
         import traceback

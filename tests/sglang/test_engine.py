@@ -38,6 +38,7 @@ from .engine_harness import (
     serve_command,
     serve_env,
 )
+from .serve import left_behind_file, remove_left_behind
 
 SERVE_TIMEOUT_S = 900
 MIN_REQUESTS = 60
@@ -105,6 +106,7 @@ def serve(
         rc, err = p.returncode, p.stderr
     except subprocess.TimeoutExpired as e:
         rc, err = -1, str(e.stderr or "")
+    remove_left_behind(left_behind_file(out))
     served = Served.from_json(json.loads(out.read_text())) if rc == 0 and out.exists() else None
     noise = [tuple(int(x) for x in line.split()) for line in log.read_text().splitlines()] if log.exists() else []
     _RUNS[key] = Run(rc, served, noise, err[-4000:])  # type: ignore[arg-type]
