@@ -91,17 +91,7 @@ def serve_engine(flags: list[str], wl: Workload, left: Path | None = None) -> Se
     import sglang as sgl
 
     engine = sgl.Engine(**_engine_kwargs(flags), log_level="warning")
-    files = _load_snapshot_path(engine)
-    _name_left_behind(left, files)
-    try:
-        return _serve_on(engine, wl)
-    finally:  # on an error too (unless SGLang killed this process first: the caller then removes them)
-        for path in files:
-            path.unlink(missing_ok=True)
-
-
-def _serve_on(engine: Any, wl: Workload) -> Served:
-    """Every round of ``wl`` through ``engine``, which is shut down at the end."""
+    _name_left_behind(left, _load_snapshot_path(engine))
     resolved = engine.tokenizer_manager.server_args.resolved_dict()  # what `auto` resolved to
     out = Served(config={k: resolved.get(k) for k in CONFIG_KEYS})
     n = 0
@@ -200,9 +190,9 @@ def left_behind_file(out: Path) -> Path:
 
 
 def remove_left_behind(left: Path) -> None:
-    """Remove the files a serve process named in ``left`` (its servers' load-snapshot files), once
-    it has ended, however it ended: SGLang kills the process that holds its engine when a
-    scheduler dies, before that process can remove them itself."""
+    """Remove the files a serve process named in ``left`` (its servers' load-snapshot files) once
+    its servers are down: the serve process does at its end, and the test after it, however it
+    ended (SGLang kills the process that holds its engine when a scheduler dies)."""
     if left.exists():
         for line in left.read_text().splitlines():
             if Path(line).name.startswith("sglang_loads_"):
@@ -248,7 +238,6 @@ def serve_http(flags: list[str], wl: Workload, left_file: Path | None = None) ->
         stderr=sys.stderr,
     )
     url = f"http://127.0.0.1:{port}"
-    left: set[Path] = set()
     try:
         deadline = time.monotonic() + 300
         while True:
@@ -262,8 +251,8 @@ def serve_http(flags: list[str], wl: Workload, left_file: Path | None = None) ->
             if time.monotonic() > deadline:
                 raise TimeoutError("launch_server did not come up in 300 s")
             time.sleep(1)
-        left = _load_snapshot_files(proc.pid)  # the server's own: its processes hold them open
-        _name_left_behind(left_file, left)
+        # the server's own: its processes hold them open
+        _name_left_behind(left_file, _load_snapshot_files(proc.pid))
 
         def one(req: Request) -> Answer:
             body = {
@@ -301,8 +290,6 @@ def serve_http(flags: list[str], wl: Workload, left_file: Path | None = None) ->
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
-        for path in left:
-            path.unlink(missing_ok=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -318,8 +305,8 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     flags = server_flags(a.model, cache=a.cache, strategy=a.strategy, page_size=a.page_size)
     wl = Workload(seed=a.seed)
+    left = left_behind_file(a.out)
     try:
-        left = left_behind_file(a.out)
         served = serve_engine(flags, wl, left) if a.mode == "engine" else serve_http(flags, wl, left)
     except BaseException:
         import os
@@ -330,7 +317,9 @@ def main(argv: list[str] | None = None) -> None:
         traceback.print_exc()
         sys.stderr.flush()
         kill_process_tree(os.getpid(), include_parent=False)  # a dead scheduler leaves its siblings
+        remove_left_behind(left)
         os._exit(3)
+    remove_left_behind(left)
     a.out.write_text(json.dumps(served.to_json()))
 
 
