@@ -63,7 +63,7 @@ class _GatedStore(RedisStore):
         self.gate.wait()
         return super().exists(keys)
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str) -> bytes | memoryview | None:
         self.gate.wait()
         return super().get(key)
 

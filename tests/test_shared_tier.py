@@ -277,7 +277,7 @@ def test_a_blob_re_signed_with_a_wrong_fingerprint_is_refused_by_the_fingerprint
     hl = int.from_bytes(blob[n : n + 4], "little")
     header = json.loads(blob[n + 4 : n + 4 + hl])
     header["fingerprint"] ^= 1
-    store.blobs[key] = encode_blob(header, blob[at:kv], blob[kv:end], key=key)  # a valid digest
+    store.blobs[key] = bytes(encode_blob(header, blob[at:kv], blob[kv:end], key=key))  # a valid digest
     rejected: list[str] = []
     tier.on_reject = lambda rej: rejected.append(rej.reason.value)
     assert tier.fetch(np.arange(9, dtype=np.int64), None, 0) is None
@@ -370,7 +370,7 @@ class _DownStore(MemoryStore):
         self._gate()
         return super().get(key)
 
-    def put(self, key: str, blob: bytes) -> bool:
+    def put(self, key: str, blob: bytes | memoryview) -> bool:
         self._gate()
         return super().put(key, blob)
 
@@ -458,7 +458,7 @@ class _GatedStore(MemoryStore):
         self.delay_s = delay_s
         self.put_threads: list[str] = []
 
-    def put(self, key: str, blob: bytes) -> bool:
+    def put(self, key: str, blob: bytes | memoryview) -> bool:
         assert self.gate.wait(10), "test store: gate never opened"
         time.sleep(self.delay_s)
         self.put_threads.append(threading.current_thread().name)
@@ -659,6 +659,75 @@ def test_a_fetched_blobs_kv_is_a_view_of_the_stores_reply_not_a_copy() -> None:
     tier.check_invariants()
 
 
+def test_a_blob_encoded_from_tensors_is_the_blob_of_their_bytes_and_stays_as_encoded() -> None:
+    from radixcache.tiers.blob import bytes_tensor, parse_blob
+
+    conv = torch.randn(2, 4, 3).to(torch.bfloat16)
+    rec = torch.randn(2, 6, 4).transpose(1, 2)  # not contiguous
+    kv = np.arange(10, dtype=np.float32)  # a codec's buffer of another item size
+    header: dict[str, object] = {"state_bytes": conv.nbytes + rec.nbytes, "kv_bytes": kv.nbytes}
+    state = (
+        conv.reshape(-1).view(torch.uint8).numpy().tobytes()
+        + rec.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    )
+    blob = encode_blob(header, (conv, rec), kv.data, key="k")
+    assert isinstance(blob, memoryview) and blob.readonly
+    assert bytes(blob) == bytes(encode_blob(header, state, kv.tobytes(), key="k"))
+    assert len(blob) == len(bytes(blob)) > conv.nbytes + rec.nbytes + kv.nbytes
+    with pytest.raises(TypeError):
+        blob[0] = 0
+    conv.zero_()  # the blob holds its own bytes: the tensors it came from may change
+    parsed = parse_blob(blob)
+    assert parsed is not None
+    got, body = parsed
+    assert got == header
+    conv_n = 2 * 4 * 3 * 2
+    back = bytes_tensor(body[:conv_n], torch.bfloat16, (2, 4, 3))
+    assert back.reshape(-1).view(torch.uint8).numpy().tobytes() == state[:conv_n]
+    rec_back = bytes_tensor(body[conv_n : conv_n + rec.nbytes], rec.dtype, (2, 4, 6))
+    assert torch.equal(rec_back, rec)
+    rec_back.add_(1)  # a copy of its own: writable, and the blob unchanged
+    assert torch.equal(bytes_tensor(body[conv_n : conv_n + rec.nbytes], rec.dtype, (2, 4, 6)), rec)
+    assert bytes_tensor(b"", torch.float32, (0, 3)).shape == (0, 3)
+    with pytest.raises(TypeError, match="on the CPU"):
+        encode_blob(header, (conv, torch.empty(3, device="meta")), b"", key="k")
+
+
+class _FloatKV:
+    """A KV codec exporting a float32 view (``len`` counts items, not bytes)."""
+
+    identity = "float-kv"
+
+    def export_kv(self, kv_indices: torch.Tensor, after: object) -> memoryview:
+        return kv_indices.to(torch.float32).numpy().data
+
+    def import_kv(self, data: bytes | memoryview, num_tokens: int) -> torch.Tensor | None:
+        return torch.from_numpy(np.frombuffer(bytes(data), dtype=np.float32).astype(np.int64))
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_kv_export_of_wider_items_is_published_and_fetched_whole(background: bool) -> None:
+    store = MemoryStore()
+    layout = StateLayout(2, (4, 3), (2, 4, 4))
+    pool, slot = _written_slot(layout)
+    tier = SharedTier(store, model="m", kv=_FloatKV(), background=background)
+    tier.bind(layout)
+    ids, kv = np.arange(40), torch.arange(100, 140)
+    assert tier.publish(ids, None, pool, slot, kv, None)
+    assert tier.flush(timeout_s=10)
+    got = tier.fetch(np.arange(50), None, 0)
+    assert got is not None and got.depth == 40, tier.stats.as_dict()
+    assert memoryview(got.kv).nbytes == 160
+    back = tier.kv.import_kv(got.kv, 40)
+    assert back is not None and torch.equal(back, kv)
+    assert got.state is None
+    stage, stage_slot, _ = tier.staging
+    conv, rec = pool.read(slot)
+    assert tuple(x.tolist() for x in stage.read(stage_slot)) == (conv.tolist(), rec.tolist())
+    tier.close()
+    tier.check_invariants()
+
+
 class _CountingStore(MemoryStore):
     """A memory store that records how many keys each existence check asked about (and, having no
     ``deepest``, answers a probe's batches from one ``depths`` call: counted too)."""
@@ -738,6 +807,44 @@ def test_a_probe_on_redis_reads_only_the_batches_it_checks(
     assert store.asked == asked
     assert store.answered == asked  # what the server sent: each batch checked, never the whole range
     store.close()
+
+
+def test_redis_reads_a_large_blob_in_ranges_whole_and_a_blob_removed_meanwhile_as_absent(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import redis
+
+    store = RedisStore(redis_server.url, read_chunk=4096)
+    rng = np.random.default_rng(0)
+    for size in (1, 4095, 4096, 4097, 3 * 4096, 3 * 4096 + 17):
+        blob = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+        assert store.put(f"b{size}", blob)
+        got = store.get(f"b{size}")
+        assert got is not None and bytes(got) == blob, size
+        assert isinstance(got, bytes) if size <= 4096 else isinstance(got, memoryview) and got.readonly
+    assert store.get("absent") is None
+    other = redis.Redis.from_url(redis_server.url)
+    execute = redis.client.Pipeline.execute
+    removed: list[str] = []
+
+    def execute_then_remove(pipe: redis.client.Pipeline, *a: object, **kw: object) -> list[object]:
+        out: list[object] = execute(pipe, *a, **kw)  # type: ignore[arg-type]
+        if not removed:  # between the first round trip (its size, its first range) and the rest
+            removed.append("b12305")
+            other.delete("b12305")
+        return out
+
+    monkeypatch.setattr(redis.client.Pipeline, "execute", execute_then_remove)
+    assert store.get("b12305") is None, "a blob removed while it was read is absent, not cut"
+    assert removed
+    monkeypatch.undo()
+    assert store.get("b12305") is None and store.get("b12288") is not None
+    with pytest.raises(ValueError, match="read_chunk"):
+        RedisStore(redis_server.url, read_chunk=4095)
+    with pytest.raises(TypeError, match="read_chunk"):
+        RedisStore(redis_server.url, read_chunk=4096.0)  # type: ignore[arg-type]
+    store.close()
+    other.close()
 
 
 def test_redis_deepest_answers_as_the_depths_it_cuts_from(redis_server: RedisServer) -> None:

@@ -158,7 +158,7 @@ class FaultyStore:
             self.faults.foreign += 1
             raise RuntimeError(f"faulty store: {call} raised outside the protocol on purpose")
 
-    def _land(self, key: str, blob: bytes) -> bool:
+    def _land(self, key: str, blob: bytes | memoryview) -> bool:
         stored = self.inner.put(self.prefix + key, blob)
         if stored:
             self._keys[key] = None
@@ -171,7 +171,7 @@ class FaultyStore:
             self.faults.misplaced += 1
         return stored
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str) -> bytes | memoryview | None:
         """See :class:`~radixcache.tiers.shared.SharedStore`; may drop or corrupt the blob."""
         self._tick("get", key)
         blob = self.inner.get(self.prefix + key)
@@ -185,14 +185,16 @@ class FaultyStore:
             where = self._draw("where", key)
             at = where % len(blob)
             self.faults.corrupted += 1
-            blob = blob[:at] + bytes([blob[at] ^ (1 << (where >> 56) % 8)]) + blob[at + 1 :]
+            flipped = bytearray(blob)  # a copy of its own: the store's reply may be a read-only view
+            flipped[at] ^= 1 << (where >> 56) % 8
+            blob = bytes(flipped)
             bad = True
         if bad:
             self.faults.served_bad.add(key)
             self.faults.unrejected.add(key)
         return blob
 
-    def put(self, key: str, blob: bytes) -> bool:
+    def put(self, key: str, blob: bytes | memoryview) -> bool:
         """See :class:`~radixcache.tiers.shared.SharedStore`; may land later, or also overwrite
         another key."""
         self._tick("put", key)

@@ -437,7 +437,7 @@ class _LRUEvictsLockedTree(HybridRadixCache):
 class _TrustingTier(SharedTier):
     def _verify(
         self,
-        blob: bytes,
+        blob: bytes | memoryview,
         key: str,
         depth: int,
         stage: LinearStatePool | None,

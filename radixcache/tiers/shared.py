@@ -68,7 +68,7 @@ from linear_state import Fence, LinearStatePool, RequestOwner, StateLayout
 
 from ..core.errors import ProtocolError
 from ..core.keys import MAX_ID
-from .blob import DIGEST_BYTES, blob_digest, bytes_tensor, encode_blob, parse_blob, tensor_bytes
+from .blob import DIGEST_BYTES, blob_digest, bytes_tensor, encode_blob, parse_blob
 from .store import SharedStore, SharedStoreError, deepest_of, finite_seconds
 
 __all__ = [
@@ -551,16 +551,15 @@ class SharedTier:
         """Encode one publication and upload it, recording its depth (the caller's thread or the
         writer's): whether the store answered, and whether the blob was stored (not there
         already)."""
-        state = tensor_bytes(job.conv) + tensor_bytes(job.rec)
         header = {
             "identity": self._identity,
             "depth": job.depth,
             "fingerprint": fingerprint,
-            "state_bytes": len(state),
-            "kv_bytes": len(job.kv),
+            "state_bytes": sum(t.numel() * t.element_size() for t in (job.conv, job.rec)),
+            "kv_bytes": memoryview(job.kv).nbytes,
             "publisher": self.publisher,
         }
-        blob = encode_blob(header, state, job.kv, key=job.key, secret=self._secret)
+        blob = encode_blob(header, (job.conv, job.rec), job.kv, key=job.key, secret=self._secret)
         key, index, depth = job.key, job.index, job.depth
 
         def put() -> bool:
@@ -715,7 +714,7 @@ class SharedTier:
                     return None
                 if blob is None:  # deleted in between
                     continue
-                assert isinstance(blob, bytes)
+                assert isinstance(blob, (bytes, memoryview))
                 got_blob = self._verify(blob, k, d, stage, slot, owner, keep_state)
                 if got_blob is None:
                     self._guarded(lambda k=k: self.store.delete(k))  # type: ignore[misc]
@@ -895,7 +894,7 @@ class SharedTier:
 
     def _verify(
         self,
-        blob: bytes,
+        blob: bytes | memoryview,
         key: str,
         depth: int,
         stage: LinearStatePool | None,
@@ -1019,7 +1018,7 @@ class _Upload:
 
     @property
     def nbytes(self) -> int:
-        return self.conv.nbytes + self.rec.nbytes + len(self.kv)
+        return self.conv.nbytes + self.rec.nbytes + memoryview(self.kv).nbytes
 
 
 @dataclass(eq=False)
