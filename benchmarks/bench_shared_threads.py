@@ -163,8 +163,8 @@ def codec_cases(layout: StateLayout, kv_bytes: int, reps: int) -> dict[str, Any]
 
 
 def store_cases(url: str, blob_bytes: int, reps: int) -> dict[str, Any]:
-    """One blob read back from Redis, whole (one ``GET``) and in ranges (:class:`RedisStore`'s
-    default), alternating; medians over ``reps``."""
+    """One blob read back from Redis, whole (one request for all of it, as a ``GET``) and in
+    ranges (:class:`RedisStore`'s default), alternating; medians over ``reps``."""
     ranges = RedisStore(url, timeout_s=60.0)
     whole = RedisStore(url, timeout_s=60.0, read_chunk=blob_bytes + 1)
     blob = np.random.default_rng(0).integers(0, 256, blob_bytes, dtype=np.uint8).tobytes()

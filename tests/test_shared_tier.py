@@ -827,14 +827,14 @@ def test_redis_reads_a_large_blob_in_ranges_whole_and_a_blob_removed_meanwhile_a
     execute = redis.client.Pipeline.execute
     removed: list[str] = []
 
-    def execute_then_remove(pipe: redis.client.Pipeline, *a: object, **kw: object) -> list[object]:
-        out: list[object] = execute(pipe, *a, **kw)  # type: ignore[arg-type]
-        if not removed:  # between the first round trip (its size, its first range) and the rest
+    def remove_then_execute(pipe: redis.client.Pipeline, *a: object, **kw: object) -> list[object]:
+        if not removed:  # after its first range and its size, before the other ranges
             removed.append("b12305")
             other.delete("b12305")
+        out: list[object] = execute(pipe, *a, **kw)  # type: ignore[arg-type]
         return out
 
-    monkeypatch.setattr(redis.client.Pipeline, "execute", execute_then_remove)
+    monkeypatch.setattr(redis.client.Pipeline, "execute", remove_then_execute)
     assert store.get("b12305") is None, "a blob removed while it was read is absent, not cut"
     assert removed
     monkeypatch.undo()

@@ -150,7 +150,7 @@ class RedisStore:
     :param ttl_s: expire blobs after this many seconds, at least 0.001 (Redis counts whole
         milliseconds; ``None``: keep them; bound the server's memory with its own ``maxmemory``
         and an eviction policy instead).
-    :param read_chunk: bytes read per range when a blob is larger (:meth:`get`), at least 4,096:
+    :param read_chunk: bytes read per range (:meth:`get`), at least 4,096:
         each range's reply holds the interpreter lock while the client builds it (about 0.5 ms
         per MiB on a 2-core machine), each costs the client some microseconds.
     :raises ValueError: a URL that is not a Redis URL, a ``timeout_s`` that is not a finite number
@@ -210,31 +210,25 @@ class RedisStore:
             raise SharedStoreError(f"redis at {self.url}: {what} failed: {e}") from e
 
     def get(self, key: str) -> bytes | memoryview | None:
-        """See :class:`SharedStore`. A blob larger than ``read_chunk`` bytes is read in ranges of
-        that size, in one more round trip (pipelined), into a buffer of its own (returned as a
-        read-only view): the client builds each reply while holding the interpreter lock, about
-        0.5 ms per MiB here, so one ``GET`` of a 100 MB snapshot stopped the scheduler's thread
-        for 45 ms while the fetcher thread read it (``benchmarks/bench_shared_threads.py``).
-        The ranges are not read atomically: a blob removed meanwhile is None (absent); one
-        replaced meanwhile by another blob of the same size reads as a mix, which the tier's digest
-        refuses."""
+        """See :class:`SharedStore`. The first ``read_chunk`` bytes come in one round trip (a
+        smaller blob is then whole, as one ``GET`` would bring it); a larger blob's size and its
+        other ranges of ``read_chunk`` bytes come in two more (the ranges pipelined), into a buffer
+        of its own (returned as a read-only view): the client builds each reply while holding the
+        interpreter lock, about 0.5 ms per MiB here, so one ``GET`` of a 100 MB snapshot stopped
+        the scheduler's thread for 45 ms while the fetcher thread read it
+        (``benchmarks/bench_shared_threads.py``). The ranges are not read atomically: a blob
+        removed or cut meanwhile is None (absent); one replaced meanwhile by another blob of the
+        same size reads as a mix, which the tier's digest refuses."""
         chunk = self.read_chunk
-
-        def first() -> list[object]:
-            pipe = self._r.pipeline(transaction=False)
-            pipe.strlen(key)
-            pipe.getrange(key, 0, chunk - 1)
-            return list(pipe.execute())
-
-        got = self._call("GET", first)
-        assert isinstance(got, list)
-        size, head = got
-        assert isinstance(size, int) and isinstance(head, bytes)
-        if not head:
-            return None  # absent (a blob is never empty)
-        if len(head) >= size:
-            return head
-        starts = range(len(head), size, chunk)
+        head = self._call("GET", lambda: self._r.getrange(key, 0, chunk - 1))
+        assert isinstance(head, bytes)
+        if len(head) < chunk:
+            return head or None  # the whole blob; nothing: absent (a blob is never empty)
+        size = self._call("GET", lambda: self._r.strlen(key))
+        assert isinstance(size, int)
+        if size <= chunk:
+            return head if size == chunk else None  # None: removed or cut meanwhile
+        starts = range(chunk, size, chunk)
 
         def rest() -> list[object]:
             pipe = self._r.pipeline(transaction=False)
@@ -245,7 +239,7 @@ class RedisStore:
         parts = self._call("GET", rest)
         assert isinstance(parts, list)
         out = np.empty(size, dtype=np.uint8)
-        out[: len(head)] = np.frombuffer(head, dtype=np.uint8)
+        out[:chunk] = np.frombuffer(head, dtype=np.uint8)
         for at, part in zip(starts, parts, strict=True):
             assert isinstance(part, bytes)
             if len(part) != min(chunk, size - at):
