@@ -1,6 +1,6 @@
 import json
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -15,10 +15,22 @@ from radixcache.testing.model import HybridConfig, HybridModel
 
 from .host_sim import Host, cold_state
 
+_OPENED: list[Forensics] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_ledgers() -> Iterator[None]:
+    """Close the ledger files this module's tests opened (an open file collected later is a
+    ``ResourceWarning`` blamed on whichever test runs then)."""
+    yield
+    while _OPENED:
+        _OPENED.pop().close()
+
 
 def forensic_host(tmp_path: Path, mode: str = "raise", **kw: object) -> Host:
     h = Host(**kw)  # type: ignore[arg-type]
     fx = Forensics(h.pool, ledger=Ledger(tmp_path / "ledger.jsonl"), mode=mode)  # type: ignore[arg-type]
+    _OPENED.append(fx)
     h.mgr.forensics = fx  # the manager hands the tree's events to whatever forensics it has now
     return h
 

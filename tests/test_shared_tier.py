@@ -207,6 +207,7 @@ def test_a_bad_blob_is_a_miss_and_a_forensics_finding_never_a_restore(
     # the refused blobs were deleted from the store, so a healthy replica can publish them again
     assert b.manager.publish_pending(wait=True) >= 0
     b.manager.check_invariants()
+    b.close()  # its ledger's file
 
 
 def _publish_under(store: MemoryStore, tier: SharedTier, blob: bytes, ids: Sequence[int], namespace: object) -> str:
@@ -1439,6 +1440,7 @@ def test_a_prefetched_bad_blob_is_reported_on_the_schedulers_thread(model: Hybri
     assert b.shared is not None and b.shared.stats.hits == 0 and sum(b.shared.stats.rejected.values()) >= 1
     assert b.forensics is not None and len(b.forensics.findings) == sum(b.shared.stats.rejected.values())
     b.manager.check_invariants()
+    b.close()  # its ledger's file and the fetcher thread
 
 
 def test_prefetches_are_bounded_cancelled_and_validated() -> None:
