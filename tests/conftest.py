@@ -30,3 +30,19 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
         yield server
     finally:
         server.stop()
+
+
+_ENGINE_SUITES = ("sglang", "vllm")  # the engines' own code opens what it opens: not held to this
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Outside the engine suites a file, socket or subprocess pipe left open is a failure of the
+    test that leaked it (a ``ResourceWarning``, or the unraisable warning pytest reports when one
+    is collected during the test): library and tests close what they open."""
+    here = Path(__file__).parent
+    for item in items:
+        parts = item.path.relative_to(here).parts if item.path.is_relative_to(here) else ()
+        if parts and parts[0] in _ENGINE_SUITES:
+            continue
+        item.add_marker(pytest.mark.filterwarnings("error::ResourceWarning"))
+        item.add_marker(pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning"))
