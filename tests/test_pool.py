@@ -384,3 +384,34 @@ def test_storage_and_pinned_memory_are_one_or_the_other() -> None:
         LinearStatePool(layout, 2, pin_memory=True, storage=storage)
     with pytest.raises(TypeError, match="storage must be a"):
         LinearStatePool(layout, 2, storage=[storage[0], storage[1]])  # type: ignore[arg-type]
+
+
+def test_read_into_given_tensors_copies_the_slot_and_refuses_a_pair_that_does_not_fit(pool: LinearStatePool) -> None:
+    s = pool.alloc(A)
+    conv = torch.randn(3, 6, 3).to(torch.bfloat16)
+    rec = torch.randn(3, 2, 4, 4)
+    pool.write(s, conv, rec, owner=A).wait()
+    out = (torch.zeros(3, 6, 3, dtype=torch.bfloat16), torch.zeros(3, 2, 4, 4))
+    got = pool.read(s, out=out)
+    assert got[0] is out[0] and got[1] is out[1]
+    assert torch.equal(out[0], conv) and torch.equal(out[1], rec)
+    fresh = pool.read(s)
+    assert torch.equal(fresh[0], conv) and fresh[0].data_ptr() != out[0].data_ptr()
+    kept = torch.zeros(3, 6, 3, dtype=torch.bfloat16)  # a conv tensor that fits, beside one that does not
+    bad: list[tuple[object, type[Exception], str]] = [
+        ((kept,), TypeError, "pair"),
+        ([kept, out[1]], TypeError, "pair"),
+        ((kept, torch.zeros(3, 2, 4, 5)), ValueError, "recurrent"),
+        ((kept, torch.zeros(2, 2, 4, 4)), ValueError, "recurrent"),
+        ((kept, torch.zeros(3, 2, 4, 4, dtype=torch.float64)), ValueError, "recurrent"),
+        ((kept.float(), out[1]), ValueError, "conv"),
+        ((kept, torch.zeros(3, 2, 4, 4, device="meta")), TypeError, "CPU"),
+    ]
+    for arg, err, word in bad:
+        with pytest.raises(err, match=word):
+            pool.read(s, out=arg)  # type: ignore[arg-type]
+    assert not kept.any(), "nothing copied when it raises"
+    free = next(i for i in range(pool.capacity) if pool.owner_of(i) is None)
+    with pytest.raises(SlotMisuse):
+        pool.read(free, out=out)
+    pool.check_invariants()

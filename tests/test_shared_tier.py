@@ -466,6 +466,85 @@ class _GatedStore(MemoryStore):
         return super().put(key, blob)
 
 
+class _ArrivingStore(_GatedStore):
+    """A gated store that says when the first upload reached it (encoded, waiting at the gate)."""
+
+    def __init__(self) -> None:
+        super().__init__(delay_s=0.0)
+        self.arrived = threading.Event()
+
+    def put(self, key: str, blob: bytes | memoryview) -> bool:
+        self.arrived.set()
+        return super().put(key, blob)
+
+
+class _RecordingPool(LinearStatePool):
+    """A pool that records, per :meth:`read`, the tensors it was given to copy into (None: new)."""
+
+    def __init__(self, layout: StateLayout, capacity: int) -> None:
+        super().__init__(layout, capacity)
+        self.outs: list[tuple[int, int] | None] = []
+
+    def read(
+        self, slot: int, *, out: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.outs.append(None if out is None else (out[0].data_ptr(), out[1].data_ptr()))
+        return super().read(slot, out=out)
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_publications_reuse_host_copies_only_once_encoded_and_each_blob_holds_its_own_state(
+    background: bool,
+) -> None:
+    layout = StateLayout(2, (4, 3), (2, 4, 4))
+    store = _ArrivingStore()  # with background: uploads wait at the gate, the writer holds its job
+    if not background:
+        store.gate.set()
+    tier = SharedTier(store, model="m", kv=_NoKV(), background=background)
+    tier.bind(layout)
+    pool = _RecordingPool(layout, 2)
+    owner = RequestOwner("r")
+    slot = pool.alloc(owner)
+    published: list[tuple[np.ndarray, torch.Tensor, torch.Tensor]] = []
+
+    def publish(i: int) -> None:
+        conv = torch.randn(2, 4, 3).to(layout.conv_dtype)
+        rec = torch.randn(2, 2, 4, 4).to(layout.recurrent_dtype)
+        pool.write(slot, conv, rec, owner=owner).wait()
+        ids = np.arange(100 * i, 100 * i + 20, dtype=np.int64)
+        assert tier.publish(ids, None, pool, slot, torch.zeros(20, dtype=torch.int64), None)
+        published.append((ids, conv, rec))
+
+    publish(0)
+    if background:
+        assert store.arrived.wait(10), "the writer never reached the store"
+    publish(1)
+    publish(2)
+    if background:
+        # The writer encoded the first and waits at the gate with it: its copies are done with
+        # and the second publication copies into them; the second's copies are queued, so the
+        # third gets new ones.
+        assert pool.outs[0] is None and pool.outs[1] is not None and pool.outs[2] is None, pool.outs
+        store.gate.set()
+        assert tier.flush(timeout_s=10)
+    else:
+        assert pool.outs[0] is None and pool.outs[1] is not None and pool.outs[2] == pool.outs[1]
+    tier.check_invariants()
+    publish(3)
+    assert pool.outs[3] is not None, "a publication after the others were encoded copies into their tensors"
+    assert tier.flush(timeout_s=10)
+    reader = SharedTier(store, model="m", kv=_NoKV())
+    reader.bind(layout)
+    stage, stage_slot, _ = reader.staging
+    for ids, conv, rec in published:
+        got = reader.fetch(np.append(ids, 7), None, 0)
+        assert got is not None and got.depth == 20, reader.stats.as_dict()
+        staged = stage.read(stage_slot)
+        assert torch.equal(staged[0], conv) and torch.equal(staged[1], rec)
+    tier.close()
+    tier.check_invariants()
+
+
 def test_a_background_tier_uploads_on_its_own_thread_and_flush_waits_for_it(model: HybridModel) -> None:
     store = _GatedStore()
     a = ReferenceEngine(model, shared_store=store, publisher="A", shared_background=True)
