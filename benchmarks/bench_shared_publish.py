@@ -25,6 +25,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ from radixcache.tiers.shared import SharedTier
 from radixcache.tiers.store import RedisStore
 
 
-class _BytesKV:
+class BytesKV:
     """A KV codec whose export is ``bytes_per_token`` zero bytes per token (a host's KV blob)."""
 
     identity = "bench"
@@ -59,11 +60,20 @@ class _BytesKV:
         return torch.arange(num_tokens)
 
 
+def random_slot(layout: StateLayout) -> tuple[LinearStatePool, int]:
+    """A one-slot pool of ``layout`` whose slot holds a random state: the snapshot published."""
+    pool = LinearStatePool(layout, 1)
+    slot = pool.alloc(RequestOwner("bench"))
+    pool.conv[:, slot].normal_()
+    pool.recurrent[:, slot].normal_()
+    return pool, slot
+
+
 def run_mode(
     url: str,
     background: bool,
     layout: StateLayout,
-    kv: _BytesKV,
+    kv: BytesKV,
     tokens: int,
     blobs: int,
     tag: str,
@@ -75,10 +85,7 @@ def run_mode(
     store = RedisStore(url, timeout_s=30.0)
     tier = SharedTier(store, model=f"bench-{tag}", kv=kv, background=background, max_queued_bytes=1 << 40)
     tier.bind(layout)
-    pool = LinearStatePool(layout, 1)
-    slot = pool.alloc(RequestOwner("bench"))
-    pool.conv[:, slot].normal_()
-    pool.recurrent[:, slot].normal_()
+    pool, slot = random_slot(layout)
     kv_idx = torch.arange(tokens)
     calls: list[float] = []
     t0 = time.perf_counter()
@@ -106,21 +113,47 @@ def run_mode(
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+@dataclass
+class BlobSetup:
+    """A shared-tier benchmark's command line, applied: the layout, prefix length, blob count and
+    repetitions (``--quick``: 2 layers, 64 tokens, ``quick_blobs`` blobs, 1 rep) and the codec."""
+
+    args: argparse.Namespace
+    layout: StateLayout
+    tokens: int
+    blobs: int
+    reps: int
+    kv: BytesKV
+
+    @property
+    def blob_bytes(self) -> int:
+        return self.layout.slot_bytes + self.tokens * self.kv.bytes_per_token
+
+
+def blob_setup(description: str | None, *, blobs: int, reps: int, quick_blobs: int) -> BlobSetup:
+    """Parse a shared-tier benchmark's common options (``--preset``, ``--tokens``, ``--blobs``,
+    ``--reps``, ``--redis-url``, ``--quick``) and apply them."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="qwen3-next-80b", choices=sorted(PRESETS))
     ap.add_argument("--tokens", type=int, default=1024, help="prefix length whose KV travels with each state")
-    ap.add_argument("--blobs", type=int, default=8)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--blobs", type=int, default=blobs)
+    ap.add_argument("--reps", type=int, default=reps)
     ap.add_argument("--redis-url", help="an existing server (default: start one of our own)")
-    ap.add_argument("--quick", action="store_true", help="smoke size for CI: 2 layers, 64 tokens, 3 blobs, 1 rep")
+    ap.add_argument(
+        "--quick", action="store_true", help=f"smoke size for CI: 2 layers, 64 tokens, {quick_blobs} blobs, 1 rep"
+    )
     args = ap.parse_args()
     preset = PRESETS[args.preset]
-    layout, tokens, blobs, reps = preset.layout, args.tokens, args.blobs, args.reps
+    layout, tokens, n, r = preset.layout, args.tokens, args.blobs, args.reps
     if args.quick:
         layout = StateLayout(2, layout.conv_shape, layout.recurrent_shape, layout.conv_dtype, layout.recurrent_dtype)
-        tokens, blobs, reps = 64, 3, 1
-    kv = _BytesKV(preset.kv_bytes_per_token)
+        tokens, n, r = 64, quick_blobs, 1
+    return BlobSetup(args, layout, tokens, n, r, BytesKV(preset.kv_bytes_per_token))
+
+
+def main() -> None:
+    setup = blob_setup(__doc__, blobs=8, reps=3, quick_blobs=3)
+    args, layout, tokens, blobs, reps, kv = setup.args, setup.layout, setup.tokens, setup.blobs, setup.reps, setup.kv
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tests.redis_server import redis_url
 
@@ -137,7 +170,7 @@ def main() -> None:
     out: dict[str, Any] = {
         "bench": "shared_publish",
         "preset": args.preset,
-        "blob_bytes": layout.slot_bytes + tokens * preset.kv_bytes_per_token,
+        "blob_bytes": setup.blob_bytes,
         "blobs": blobs,
         "reps": reps,
     }

@@ -28,7 +28,6 @@ encode, decode and get cases alternate ``--reps`` times; medians over reps. Prin
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -40,9 +39,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from bench_shared_publish import BytesKV, blob_setup, random_slot
 
-from linear_state import LinearStatePool, RequestOwner, StateLayout
-from radixcache.simulator.replay import PRESETS
+from linear_state import StateLayout
 from radixcache.tiers.blob import bytes_tensor, encode_blob, parse_blob
 from radixcache.tiers.shared import SharedTier
 from radixcache.tiers.store import RedisStore
@@ -109,21 +108,6 @@ def _decode_before(data: memoryview, dtype: torch.dtype, shape: tuple[int, ...])
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
 
 
-class _BytesKV:
-    """A KV codec whose export is ``bytes_per_token`` bytes per token (a host's KV blob)."""
-
-    identity = "bench"
-
-    def __init__(self, bytes_per_token: int) -> None:
-        self.bytes_per_token = bytes_per_token
-
-    def export_kv(self, kv_indices: torch.Tensor, after: object) -> bytes:
-        return bytes(self.bytes_per_token * int(kv_indices.numel()))
-
-    def import_kv(self, data: bytes | memoryview, num_tokens: int) -> torch.Tensor | None:
-        return torch.arange(num_tokens)
-
-
 def codec_cases(layout: StateLayout, kv_bytes: int, reps: int) -> dict[str, Any]:
     """Encode and decode one blob, before and now, alternating; medians over ``reps``."""
     conv = torch.randn(layout.num_layers, *layout.conv_shape).to(layout.conv_dtype)
@@ -158,7 +142,8 @@ def codec_cases(layout: StateLayout, kv_bytes: int, reps: int) -> dict[str, Any]
     }
     for what in ("encode", "decode"):
         before, now = out[f"{what}_before"], out[f"{what}_now"]
-        out[f"{what}_longest_wait_now_over_before"] = round(now["longest_wait_ms"] / before["longest_wait_ms"], 3)
+        waited = before["longest_wait_ms"]  # 0 for a blob too small to make the loop wait (--quick)
+        out[f"{what}_longest_wait_now_over_before"] = round(now["longest_wait_ms"] / waited, 3) if waited else None
     return out
 
 
@@ -182,22 +167,20 @@ def store_cases(url: str, blob_bytes: int, reps: int) -> dict[str, Any]:
     out: dict[str, Any] = {
         name: {k: round(statistics.median(x[k] for x in rs), 3) for k in rs[0]} for name, rs in runs.items()
     }
-    out["get_longest_wait_ranges_over_whole"] = round(
-        out["get_ranges"]["longest_wait_ms"] / out["get_whole"]["longest_wait_ms"], 3
+    waited = out["get_whole"]["longest_wait_ms"]
+    out["get_longest_wait_ranges_over_whole"] = (
+        round(out["get_ranges"]["longest_wait_ms"] / waited, 3) if waited else None
     )
     return out
 
 
-def tier_cases(url: str, layout: StateLayout, kv: _BytesKV, tokens: int, blobs: int) -> dict[str, Any]:
+def tier_cases(url: str, layout: StateLayout, kv: BytesKV, tokens: int, blobs: int) -> dict[str, Any]:
     """The writer thread publishing ``blobs`` snapshots, then another replica's fetcher thread
     prefetching them, each beside the scheduler loop."""
     store = RedisStore(url, timeout_s=60.0)
     a = SharedTier(store, model="bench-threads", kv=kv, publisher="A", background=True, max_queued_bytes=1 << 40)
     a.bind(layout)
-    pool = LinearStatePool(layout, 1)
-    slot = pool.alloc(RequestOwner("bench"))
-    pool.conv[:, slot].normal_()
-    pool.recurrent[:, slot].normal_()
+    pool, slot = random_slot(layout)
     kv_idx = torch.arange(tokens)
     prompts = [np.arange(i * tokens, (i + 1) * tokens + 1, dtype=np.int64) for i in range(blobs)]
     t = time.perf_counter()
@@ -230,34 +213,22 @@ def tier_cases(url: str, layout: StateLayout, kv: _BytesKV, tokens: int, blobs: 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="qwen3-next-80b", choices=sorted(PRESETS))
-    ap.add_argument("--tokens", type=int, default=1024, help="prefix length whose KV travels with each state")
-    ap.add_argument("--blobs", type=int, default=4)
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--redis-url", help="an existing server (default: start one of our own)")
-    ap.add_argument("--quick", action="store_true", help="smoke size for CI: 2 layers, 64 tokens, 2 blobs, 1 rep")
-    args = ap.parse_args()
-    preset = PRESETS[args.preset]
-    layout, tokens, blobs, reps = preset.layout, args.tokens, args.blobs, args.reps
-    if args.quick:
-        layout = StateLayout(2, layout.conv_shape, layout.recurrent_shape, layout.conv_dtype, layout.recurrent_dtype)
-        tokens, blobs, reps = 64, 2, 1
-    kv = _BytesKV(preset.kv_bytes_per_token)
+    setup = blob_setup(__doc__, blobs=4, reps=5, quick_blobs=2)
     out: dict[str, Any] = {
         "bench": "shared_threads",
-        "preset": args.preset,
-        "blob_bytes": layout.slot_bytes + tokens * preset.kv_bytes_per_token,
-        "reps": reps,
+        "preset": setup.args.preset,
+        "blob_bytes": setup.blob_bytes,
+        "reps": setup.reps,
         "switch_interval_ms": round(1e3 * sys.getswitchinterval(), 3),
     }
-    out["codec"] = codec_cases(layout, tokens * preset.kv_bytes_per_token, reps)
+    layout, tokens, reps = setup.layout, setup.tokens, setup.reps
+    out["codec"] = codec_cases(layout, tokens * setup.kv.bytes_per_token, reps)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tests.redis_server import redis_url
 
-    with redis_url(args.redis_url) as url:
-        out["store"] = store_cases(url, out["blob_bytes"], reps)
-        out["tier"] = tier_cases(url, layout, kv, tokens, blobs)
+    with redis_url(setup.args.redis_url) as url:
+        out["store"] = store_cases(url, setup.blob_bytes, reps)
+        out["tier"] = tier_cases(url, layout, setup.kv, tokens, setup.blobs)
     print(json.dumps(out, indent=2))
 
 
