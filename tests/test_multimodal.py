@@ -40,6 +40,27 @@ def test_same_image_same_ids_and_image_types() -> None:
     assert image_cache_ids([PH, PH], PH, [arr + 1]).tolist() != a.tolist()
 
 
+def test_an_image_of_any_dtype_is_keyed_by_its_raw_bytes() -> None:
+    pixels = torch.randn(3, 4, 5).to(torch.bfloat16)  # numpy has no bfloat16: keyed through a byte view
+    raw = pixels.view(torch.int16).numpy().tobytes()
+    keyed = image_cache_ids([PH, PH], PH, [pixels])
+    assert keyed.tolist() == image_cache_ids([PH, PH], PH, [raw]).tolist()
+    turned = pixels.transpose(0, 2)  # not contiguous: keyed by its elements in order
+    turned_raw = turned.contiguous().view(torch.int16).numpy().tobytes()
+    assert image_cache_ids([PH], PH, [turned]).tolist() == image_cache_ids([PH], PH, [turned_raw]).tolist()
+    changed = pixels.clone()
+    changed[0, 0, 0] += 1
+    assert image_cache_ids([PH, PH], PH, [changed]).tolist() != keyed.tolist()
+    strided = np.arange(24, dtype=np.int32).reshape(4, 6)[:, ::2]  # not contiguous: its elements in order
+    assert (
+        image_cache_ids([PH], PH, [strided]).tolist() == image_cache_ids([PH], PH, [strided.copy().tobytes()]).tolist()
+    )
+    every_other = memoryview(b"hello world")[::2]
+    assert image_cache_ids([PH], PH, [every_other]).tolist() == image_cache_ids([PH], PH, [b"hlowrd"]).tolist()
+    with pytest.raises(TypeError, match="pointers"):
+        image_cache_ids([PH], PH, [np.array([object()])])
+
+
 def test_run_image_count_mismatch_uses_one_combined_digest() -> None:
     ids = [PH, PH, 1, PH]
     two_runs_three_images = image_cache_ids(ids, PH, [b"a", b"b", b"c"])

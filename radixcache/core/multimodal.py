@@ -41,20 +41,26 @@ def _as_ids(input_ids: _IDS) -> np.ndarray:
     return arr
 
 
-def _bytes_of(image: ImageBytes, index: int) -> bytes:
+def _bytes_of(image: ImageBytes, index: int) -> memoryview:
+    """The image's raw bytes as a flat byte view (no copy of a contiguous array, tensor or
+    buffer), for any dtype: a bfloat16 tensor of pixel values included, which numpy cannot hold."""
     if isinstance(image, torch.Tensor):
-        return image.detach().cpu().contiguous().numpy().tobytes()
+        t = image.detach().cpu().contiguous().reshape(-1)
+        return t.view(torch.uint8).numpy().data
     if isinstance(image, np.ndarray):
-        return np.ascontiguousarray(image).tobytes()
+        if image.dtype.hasobject:
+            raise TypeError(f"image {index} is a numpy array of {image.dtype}: its bytes are pointers, not pixels")
+        return np.ascontiguousarray(image).reshape(-1).view(np.uint8).data
     if isinstance(image, (bytes, bytearray, memoryview)):
-        return bytes(image)
+        view = memoryview(image)
+        return view.cast("B") if view.c_contiguous else memoryview(view.tobytes())
     raise TypeError(f"image {index} is a {type(image).__name__}; pass its bytes, a numpy array or a tensor")
 
 
-def _digest(*parts: bytes) -> int:
+def _digest(*parts: memoryview) -> int:
     h = hashlib.blake2b(digest_size=8, person=b"radixcache-img")
     for p in parts:
-        h.update(len(p).to_bytes(8, "little"))  # length-prefixed: no two image lists hash alike
+        h.update(p.nbytes.to_bytes(8, "little"))  # length-prefixed: no two image lists hash alike
         h.update(p)
     return int.from_bytes(h.digest(), "little") % IMAGE_ID_BASE
 

@@ -302,7 +302,7 @@ def injected(inject: str | None) -> Iterator[None]:
 
         real = multimodal._digest
 
-        def first_4k(*parts: bytes) -> int:
+        def first_4k(*parts: memoryview) -> int:
             return real(*(p[:4096] for p in parts))  # BUG: the rest of each image is ignored
 
         multimodal._digest = first_4k
