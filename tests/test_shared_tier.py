@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from linear_state import LinearStatePool, RequestOwner, StateLayout
+from linear_state import LinearStatePool, RequestOwner, SlotMisuse, StateLayout
 from radixcache import Admission, CacheManager, HybridRadixCache, ProtocolError
 from radixcache.forensics import analyze, format_forensics
 from radixcache.testing.engine import EngineRequest, ReferenceEngine, generate_cold
@@ -543,6 +543,22 @@ def test_publications_reuse_host_copies_only_once_encoded_and_each_blob_holds_it
         assert torch.equal(staged[0], conv) and torch.equal(staged[1], rec)
     tier.close()
     tier.check_invariants()
+
+
+def test_a_publication_that_raises_leaves_the_spare_copies_to_the_next() -> None:
+    layout = StateLayout(2, (4, 3), (2, 4, 4))
+    tier = SharedTier(MemoryStore(), model="m", kv=_NoKV())
+    tier.bind(layout)
+    pool = _RecordingPool(layout, 2)
+    slot = pool.alloc(RequestOwner("r"))
+    kv = torch.zeros(20, dtype=torch.int64)
+    assert tier.publish(np.arange(20), None, pool, slot, kv, None)
+    with pytest.raises(SlotMisuse):
+        tier.publish(np.arange(100, 120), None, pool, 1 - slot, kv, None)  # a free slot
+    assert pool.outs[1] is not None, "the spare was offered to the failing read"
+    tier.check_invariants()
+    assert tier.publish(np.arange(200, 220), None, pool, slot, kv, None)
+    assert pool.outs[2] == pool.outs[1], "and is still there for the next publication"
 
 
 def test_a_background_tier_uploads_on_its_own_thread_and_flush_waits_for_it(model: HybridModel) -> None:

@@ -60,7 +60,7 @@ def encode_blob(
     Returned as a read-only view of a buffer of its own, which nothing else writes: the caller may
     keep it. Each byte is copied once, and the copies of more than a few bytes and the digest run
     without the interpreter lock: a writer thread encoding a 100 MB snapshot leaves the scheduler's
-    thread to run (``benchmarks/bench_shared_publish.py``). O(blob bytes).
+    thread to run (``benchmarks/bench_shared_threads.py``). O(blob bytes).
 
     :raises TypeError: a state tensor not on the CPU.
     """

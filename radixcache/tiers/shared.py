@@ -533,7 +533,12 @@ class SharedTier:
         if pool.layout == self._layout:
             with self._lock:
                 spare = self._spares.pop() if self._spares else None
-        conv, rec = pool.read(slot, out=spare)  # host copies: the slot may be reused once this returns
+        try:
+            conv, rec = pool.read(slot, out=spare)  # host copies: the slot may be reused once this returns
+        except BaseException:
+            if spare is not None:
+                self._spare(spare)  # nothing changes when it raises
+            raise
         try:
             kv = self.kv.export_kv(kv_indices, kv_after)
         except Exception as e:  # the host's code: this publication is dropped, serving goes on
