@@ -42,7 +42,7 @@ import torch
 from bench_shared_publish import BytesKV, blob_setup, random_slot
 
 from linear_state import StateLayout
-from radixcache.tiers.blob import bytes_tensor, encode_blob, parse_blob
+from radixcache.tiers.blob import BLOB_MAGIC, blob_digest, bytes_tensor, encode_blob, parse_blob
 from radixcache.tiers.shared import SharedTier
 from radixcache.tiers.store import RedisStore
 
@@ -95,8 +95,6 @@ def _beside(work: Callable[[], object]) -> dict[str, float]:
 def _encode_before(header: dict[str, object], conv: torch.Tensor, rec: torch.Tensor, kv: bytes) -> bytes:
     """The encoding before 2026-12-06, restated as the baseline: each state tensor's bytes through
     numpy's ``tobytes``, then byte strings concatenated (every copy under the interpreter lock)."""
-    from radixcache.tiers.blob import BLOB_MAGIC, blob_digest
-
     state = b"".join(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() for t in (conv, rec))
     h = json.dumps(header, sort_keys=True).encode()
     signed = BLOB_MAGIC + len(h).to_bytes(4, "little") + h + state + kv

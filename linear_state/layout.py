@@ -104,6 +104,12 @@ class StateLayout:
         return math.prod(self.recurrent_shape) * self.recurrent_dtype.itemsize
 
     @property
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The shapes of one slot's conv and recurrent state as whole tensors, every layer's:
+        ``(num_layers, *conv_shape)`` and ``(num_layers, *recurrent_shape)``."""
+        return (self.num_layers, *self.conv_shape), (self.num_layers, *self.recurrent_shape)
+
+    @property
     def slot_bytes(self) -> int:
         """Bytes of one slot: every layer's conv window plus recurrent state."""
         return self.num_layers * (self.conv_bytes_per_layer + self.recurrent_bytes_per_layer)

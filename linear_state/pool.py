@@ -528,8 +528,7 @@ class LinearStatePool:
         if not isinstance(conv, torch.Tensor) or not isinstance(recurrent, torch.Tensor):
             raise TypeError(f"write takes tensors, got {type(conv).__name__} and {type(recurrent).__name__}")
         after, stream = _fences(after), _check_stream(stream)
-        want_c = (self.layout.num_layers, *self.layout.conv_shape)
-        want_r = (self.layout.num_layers, *self.layout.recurrent_shape)
+        want_c, want_r = self.layout.state_shapes
         if tuple(conv.shape) != want_c or tuple(recurrent.shape) != want_r:
             raise ValueError(
                 f"state shapes {tuple(conv.shape)}, {tuple(recurrent.shape)} "
@@ -586,9 +585,8 @@ class LinearStatePool:
         ):
             raise TypeError(f"out must be a pair of CPU tensors (conv, recurrent), got {out!r:.200}")
         lay = self.layout
-        for what, t, shape, dtype in (
-            ("conv", out[0], (lay.num_layers, *lay.conv_shape), lay.conv_dtype),
-            ("recurrent", out[1], (lay.num_layers, *lay.recurrent_shape), lay.recurrent_dtype),
+        for what, t, shape, dtype in zip(
+            ("conv", "recurrent"), out, lay.state_shapes, (lay.conv_dtype, lay.recurrent_dtype), strict=True
         ):
             if tuple(t.shape) != shape or t.dtype != dtype:
                 raise ValueError(

@@ -16,6 +16,7 @@ def test_qwen3_next_80b_slot_bytes_by_hand() -> None:
     assert layout.recurrent_shape == (32, 128, 128)
     assert layout.conv_dtype == torch.bfloat16 and layout.recurrent_dtype == torch.float32
     assert layout.slot_bytes == 36 * (conv_per_layer + recurrent_per_layer) == 77_266_944
+    assert layout.state_shapes == ((36, 8192, 3), (36, 32, 128, 128))
 
 
 def test_mamba2_layout() -> None:

@@ -460,10 +460,9 @@ class _TrustingTier(SharedTier):
             return super()._verify(blob, key, depth, stage, slot, owner, keep_state)
         # BUG: the sizes match, so the blob is taken: its digest and its state's fingerprint unchecked
         conv_n = layout.num_layers * layout.conv_bytes_per_layer
-        conv = bytes_tensor(body[:conv_n], layout.conv_dtype, (layout.num_layers, *layout.conv_shape))
-        rec = bytes_tensor(
-            body[conv_n : layout.slot_bytes], layout.recurrent_dtype, (layout.num_layers, *layout.recurrent_shape)
-        )
+        conv_shape, rec_shape = layout.state_shapes
+        conv = bytes_tensor(body[:conv_n], layout.conv_dtype, conv_shape)
+        rec = bytes_tensor(body[conv_n : layout.slot_bytes], layout.recurrent_dtype, rec_shape)
         stage.write(slot, conv, rec, owner=owner).wait()
         publisher = str(header.get("publisher", "?"))
         state = (conv, rec) if keep_state else None

@@ -575,8 +575,7 @@ class SharedTier:
         lay = self._layout
         return (
             lay is not None
-            and tuple(state[0].shape) == (lay.num_layers, *lay.conv_shape)
-            and tuple(state[1].shape) == (lay.num_layers, *lay.recurrent_shape)
+            and (tuple(state[0].shape), tuple(state[1].shape)) == lay.state_shapes
             and state[0].dtype == lay.conv_dtype
             and state[1].dtype == lay.recurrent_dtype
             and state[0].device.type == state[1].device.type == "cpu"
@@ -591,7 +590,7 @@ class SharedTier:
             "identity": self._identity,
             "depth": job.depth,
             "fingerprint": fingerprint,
-            "state_bytes": sum(t.numel() * t.element_size() for t in (job.conv, job.rec)),
+            "state_bytes": job.conv.nbytes + job.rec.nbytes,
             "kv_bytes": memoryview(job.kv).nbytes,
             "publisher": self.publisher,
         }
@@ -979,10 +978,9 @@ class SharedTier:
             )
             return None
         conv_n = layout.num_layers * layout.conv_bytes_per_layer
-        conv = bytes_tensor(body[:conv_n], layout.conv_dtype, (layout.num_layers, *layout.conv_shape))
-        rec = bytes_tensor(
-            body[conv_n : layout.slot_bytes], layout.recurrent_dtype, (layout.num_layers, *layout.recurrent_shape)
-        )
+        conv_shape, rec_shape = layout.state_shapes
+        conv = bytes_tensor(body[:conv_n], layout.conv_dtype, conv_shape)
+        rec = bytes_tensor(body[conv_n : layout.slot_bytes], layout.recurrent_dtype, rec_shape)
         stage.write(slot, conv, rec, owner=owner).wait()
         found = stage.fingerprint(slot)
         if found != fp:
