@@ -561,6 +561,30 @@ def test_a_publication_that_raises_leaves_the_spare_copies_to_the_next() -> None
     assert pool.outs[2] == pool.outs[1], "and is still there for the next publication"
 
 
+def test_the_tier_invariants_name_spare_copies_that_break_their_rules() -> None:
+    layout = StateLayout(2, (4, 3), (2, 4, 4))
+    tier = SharedTier(MemoryStore(), model="m", kv=_NoKV())
+    tier.bind(layout)
+    pool, slot = _written_slot(layout)
+    assert tier.publish(np.arange(20), None, pool, slot, torch.zeros(20, dtype=torch.int64), None)
+    tier.check_invariants()
+    spares = tier._spares  # the structure under test: broken by hand, one rule at a time
+    assert len(spares) == 1
+    kept = spares[0]
+    other = (torch.zeros(2, 4, 2, dtype=layout.conv_dtype), kept[1].clone())
+    fresh = (kept[0].clone(), kept[1].clone())
+    for broken, word in (
+        ([kept, kept], "kept twice"),
+        ([other], "another layout"),
+        ([kept, fresh, (fresh[0].clone(), fresh[1].clone())], "cap 2"),
+    ):
+        spares[:] = broken
+        with pytest.raises(AssertionError, match=word):
+            tier.check_invariants()
+    spares[:] = [kept]
+    tier.check_invariants()
+
+
 def test_a_background_tier_uploads_on_its_own_thread_and_flush_waits_for_it(model: HybridModel) -> None:
     store = _GatedStore()
     a = ReferenceEngine(model, shared_store=store, publisher="A", shared_background=True)
