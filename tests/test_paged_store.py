@@ -5,6 +5,7 @@ checked on the CPU in the main suite; tests/vllm proves it inside vLLM."""
 from __future__ import annotations
 
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -372,6 +373,31 @@ def test_a_prefix_filed_by_one_store_is_fetched_verified_by_another() -> None:
     assert other.shared is not None and other.shared.stats.hits == 0
     other.check_invariants()
     assert other.pages.free_pages == other.num_pages and other.pool.num_free == other.num_slots
+    a.close(5.0)
+    b.close(5.0)
+
+
+def test_a_fetched_prefix_leaves_the_process_warning_filters_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fetch writes the blob's pages on the scheduler's thread while the tier's threads run:
+    ``warnings.catch_warnings`` (not thread-safe: it swaps the process's filters) must not be
+    how it keeps quiet, and it warns nothing."""
+    shared = MemoryStore()
+    a, b = _store(shared=shared, model="m"), _store(shared=shared, model="m")
+    eng = Engine()
+    ids = list(range(700, 700 + 2 * B))
+    eng.compute(ids, [0, 1])
+    assert _save(a, eng, "a", ids, [0, 1]) and a.flush_shared(5.0)
+
+    def forbidden(*a: object, **kw: object) -> None:
+        raise AssertionError("warnings.catch_warnings used on the fetch path")
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        monkeypatch.setattr(warnings, "catch_warnings", forbidden)
+        _hit_equals(b, eng, ids, [0, 1], "b")
+        monkeypatch.undo()
+    assert b.shared is not None and b.shared.stats.hits == 1
+    assert not seen, [str(w.message) for w in seen]
     a.close(5.0)
     b.close(5.0)
 

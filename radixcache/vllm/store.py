@@ -27,7 +27,6 @@ Nothing here imports vLLM; the connector maps vLLM's blocks and layers onto thes
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -216,16 +215,17 @@ class PagedKVCodec:
             return None
         pages = st.pages.pages(idx).tolist()
         if pages:
-            # PERF: a view of the blob (no copy of it), copied a page at a time: torch's uint8
-            # indexed assignment of a bytearray copy took 9x as long (41 ms against 4.5 for a
-            # 48 MiB prefix, on the scheduler's thread; benchmarks/bench_vllm_store.py). The view is only
-            # read: torch's warning that the blob is not writable says nothing here.
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
-                src = torch.frombuffer(data, dtype=torch.uint8)
-            src = src.view(lay.kv_layers, n, lay.kv_page_bytes)
+            # PERF: a read-only numpy view of the blob (no copy of it), copied a page at a time by
+            # numpy, which lets go of the interpreter lock while it copies: torch's uint8 indexed
+            # assignment of a bytearray copy took 9x as long (41 ms against 4.5 for a 48 MiB
+            # prefix, on the scheduler's thread; benchmarks/bench_vllm_store.py). NOTE: not
+            # ``torch.frombuffer``: it warns that the view is not writable, and silencing that with
+            # ``warnings.catch_warnings`` swaps the process's warning filters while the tier's
+            # threads run (it is not thread-safe).
+            src = np.frombuffer(data, dtype=np.uint8).reshape(lay.kv_layers, n, lay.kv_page_bytes)
+            dst = st.kv.numpy()
             for j, p in enumerate(pages):
-                st.kv[:, p].copy_(src[:, j])
+                dst[:, p] = src[:, j]
         st.record_pages(pages)
         return idx
 
