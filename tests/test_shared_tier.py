@@ -967,6 +967,56 @@ def test_redis_reads_a_large_blob_in_ranges_whole_and_a_blob_removed_meanwhile_a
     other.close()
 
 
+def test_redis_reads_a_blob_replaced_meanwhile_as_one_version_or_absent_never_a_mix(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A blob deleted and published again (expired, evicted, refused by another replica) by a
+    blob of the same size between two of the ranges that read it: a mix of the two would fail the
+    tier's digest, count as a corrupted blob and have the new, valid one deleted."""
+    import redis
+
+    store = RedisStore(redis_server.url, read_chunk=4096)
+    other = redis.Redis.from_url(redis_server.url)
+    rng = np.random.default_rng(1)
+    old, new = (rng.integers(0, 256, 3 * 4096 + 5, dtype=np.uint8).tobytes() for _ in range(2))
+    execute, watch = redis.client.Pipeline.execute, redis.client.Pipeline.watch
+    replaced: list[str] = []
+
+    def replace(key: str) -> None:
+        if not replaced:
+            replaced.append(key)
+            other.delete(key)
+            other.set(key, new)
+
+    def replace_then_execute(pipe: redis.client.Pipeline, *a: object, **kw: object) -> list[object]:
+        if not pipe.watching:  # the ranges, after the first one was read
+            replace("k")
+        out: list[object] = execute(pipe, *a, **kw)  # type: ignore[arg-type]
+        return out
+
+    assert store.put("k", old)
+    monkeypatch.setattr(redis.client.Pipeline, "execute", replace_then_execute)
+    assert store.get("k") is None, "a blob replaced while its ranges were read is absent, not a mix"
+    assert replaced == ["k"]
+    monkeypatch.undo()
+    got = store.get("k")
+    assert got is not None and bytes(got) == new  # nothing deleted: the next read has the new blob whole
+
+    def replace_then_watch(pipe: redis.client.Pipeline, *names: str) -> object:
+        replace(names[0])  # after the first range, before the watch: the ranges all read the new one
+        return watch(pipe, *names)  # type: ignore[no-untyped-call]
+
+    replaced.clear()
+    other.delete("k")
+    assert store.put("k", old)
+    monkeypatch.setattr(redis.client.Pipeline, "watch", replace_then_watch)
+    got = store.get("k")
+    assert replaced == ["k"] and got is not None and bytes(got) == new
+    monkeypatch.undo()
+    store.close()
+    other.close()
+
+
 def test_redis_deepest_answers_as_the_depths_it_cuts_from(redis_server: RedisServer) -> None:
     import redis
 

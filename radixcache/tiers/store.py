@@ -51,7 +51,8 @@ class SharedStore(Protocol):
 
     def get(self, key: str) -> bytes | memoryview | None:
         """The blob under ``key`` (bytes, or a read-only view of a buffer nobody else writes), or
-        None."""
+        None. One version of it: a store that reads a blob in parts answers None when the blob
+        changed between them (a mix would fail the tier's digest and the valid blob be deleted)."""
         ...
 
     def put(self, key: str, blob: bytes | memoryview) -> bool:
@@ -183,6 +184,7 @@ class RedisStore:
         self.read_chunk = read_chunk
         self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
         self._refused: type[BaseException] = redis.ResponseError
+        self._changed: type[BaseException] = redis.WatchError
         self._r = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         # One server-side loop answers a probe's existence checks: 1,024 keys in 1.6 ms against
         # 4.7 ms for a pipeline of EXISTS (redis-py builds each command in Python). A server that
@@ -211,39 +213,50 @@ class RedisStore:
 
     def get(self, key: str) -> bytes | memoryview | None:
         """See :class:`SharedStore`. The first ``read_chunk`` bytes come in one round trip (a
-        smaller blob is then whole, as one ``GET`` would bring it); a larger blob's size and its
-        other ranges of ``read_chunk`` bytes come in two more (the ranges pipelined), into a buffer
-        of its own (returned as a read-only view): the client builds each reply while holding the
-        interpreter lock, about 0.5 ms per MiB here, so one ``GET`` of a 100 MB snapshot stopped
-        the scheduler's thread for 45 ms while the fetcher thread read it
-        (``benchmarks/bench_shared_threads.py``). The ranges are not read atomically: a blob
-        removed or cut meanwhile is None (absent); one replaced meanwhile by another blob of the
-        same size reads as a mix, which the tier's digest refuses."""
+        smaller blob is then whole, as one ``GET`` would bring it); a larger blob comes in ranges of
+        ``read_chunk`` bytes, pipelined, into a buffer of its own (returned as a read-only view):
+        the client builds each reply while holding the interpreter lock, about 0.5 ms per MiB here,
+        so one ``GET`` of a 100 MB snapshot stopped the scheduler's thread for 45 ms while the
+        fetcher thread read it (``benchmarks/bench_shared_threads.py``). The ranges are read under
+        a ``WATCH`` of the key, checked by an empty transaction after them (five round trips in
+        all): they are one version of the blob, or the blob changed while it was read (removed,
+        expired, replaced) and the answer is None (absent), never a mix of two versions, which the
+        tier's digest would refuse as a corrupted blob, and delete."""
         chunk = self.read_chunk
         head = self._call("GET", lambda: self._r.getrange(key, 0, chunk - 1))
         assert isinstance(head, bytes)
         if len(head) < chunk:
             return head or None  # the whole blob; nothing: absent (a blob is never empty)
-        size = self._call("GET", lambda: self._r.strlen(key))
-        assert isinstance(size, int)
-        if size <= chunk:
-            return head if size == chunk else None  # None: removed or cut meanwhile
-        starts = range(chunk, size, chunk)
+        got = self._call("GET", lambda: self._get_watched(key, chunk))
+        assert got is None or isinstance(got, (bytes, memoryview))
+        return got
 
-        def rest() -> list[object]:
-            pipe = self._r.pipeline(transaction=False)
+    def _get_watched(self, key: str, chunk: int) -> bytes | memoryview | None:
+        """The blob under ``key`` read in ranges of ``chunk`` bytes while one connection watches it,
+        or None when it is absent or changed before the check that ends the watch."""
+        with self._r.pipeline(transaction=True) as watch:
+            watch.watch(key)  # type: ignore[no-untyped-call]
+            size = watch.strlen(key)
+            assert isinstance(size, int)
+            if size == 0:
+                return None
+            starts = range(0, size, chunk)  # the first range again: the one read above was not watched
+            ranges = self._r.pipeline(transaction=False)
             for at in starts:
-                pipe.getrange(key, at, min(at + chunk, size) - 1)
-            return list(pipe.execute())
-
-        parts = self._call("GET", rest)
-        assert isinstance(parts, list)
+                ranges.getrange(key, at, min(at + chunk, size) - 1)
+            parts = ranges.execute()
+            try:
+                watch.execute()  # an empty transaction: refused when the key changed since the WATCH
+            except self._changed:
+                return None
+        whole = (isinstance(p, bytes) and len(p) == min(chunk, size - at) for at, p in zip(starts, parts, strict=True))
+        if not all(whole):
+            return None  # a store that let the key change under the watch (a proxy that ignores it)
+        if size <= chunk:
+            first: bytes = parts[0]
+            return first
         out = np.empty(size, dtype=np.uint8)
-        out[:chunk] = np.frombuffer(head, dtype=np.uint8)
         for at, part in zip(starts, parts, strict=True):
-            assert isinstance(part, bytes)
-            if len(part) != min(chunk, size - at):
-                return None  # removed (or cut) while it was read
             out[at : at + len(part)] = np.frombuffer(part, dtype=np.uint8)  # copied without the lock
         return out.data.toreadonly()
 
