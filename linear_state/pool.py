@@ -564,7 +564,9 @@ class LinearStatePool:
             2-core machine.
         :raises SlotMisuse: the slot is free.
         :raises TypeError: ``out`` not a pair of CPU tensors. :raises ValueError: ``out`` of
-            another shape or dtype. Nothing was copied when it raises.
+            another shape or dtype, or in the pool's own memory (views of :attr:`conv` or
+            :attr:`recurrent`: the copy would write slots without their owner). Nothing was copied
+            when it raises.
         """
         s = self._check_readable(slot, None)
         if out is not None:
@@ -591,6 +593,11 @@ class LinearStatePool:
             if tuple(t.shape) != shape or t.dtype != dtype:
                 raise ValueError(
                     f"out's {what} tensor is {tuple(t.shape)} {t.dtype}; the slot's {what} state is {shape} {dtype}"
+                )
+            if self.device.type == "cpu" and any(_overlaps(t, mine) for mine in (self.conv, self.recurrent)):
+                raise ValueError(
+                    f"out's {what} tensor lies in the pool's own memory (pool {self.pool_id}): reading into it "
+                    "would write slots without their owner"
                 )
 
     def _probe_rows(self, s: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -754,6 +761,20 @@ class LinearStatePool:
         for s in slots:
             self._last_use[s] = fence
         return fence
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory spans of two CPU tensors (first to last element, strides included)
+    overlap. Torch strides are never negative, so a tensor's span starts at its first element."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        last = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
 
 
 def _given_storage(

@@ -415,3 +415,35 @@ def test_read_into_given_tensors_copies_the_slot_and_refuses_a_pair_that_does_no
     with pytest.raises(SlotMisuse):
         pool.read(free, out=out)
     pool.check_invariants()
+
+
+def test_read_refuses_tensors_in_the_pools_own_memory(pool: LinearStatePool) -> None:
+    """``out`` must not be the pool's own rows: reading slot ``s`` into another slot's rows would
+    write that slot (a node's frozen snapshot, say) without its owner."""
+    s, t = pool.alloc(A), pool.alloc(B)
+    pool.write(s, torch.ones(3, 6, 3), torch.ones(3, 2, 4, 4), owner=A).wait()
+    before = pool.fingerprint(t)
+    rows = (pool.conv[:, t], pool.recurrent[:, t])
+    for arg, word in [
+        (rows, "conv"),
+        ((torch.zeros(3, 6, 3, dtype=torch.bfloat16), rows[1]), "recurrent"),
+        ((pool.conv[:, s], pool.recurrent[:, s]), "conv"),  # a slot into itself: still the pool's memory
+    ]:
+        with pytest.raises(ValueError, match=f"out's {word} tensor lies in the pool's own memory"):
+            pool.read(s, out=arg)
+    assert pool.fingerprint(t) == before
+    pool.check_invariants()
+    # beside a pool's memory, not in it: tensors of the same buffer right after its rows are taken
+    lay = pool.layout
+    n_conv, n_rec = lay.num_layers * 2 * 6 * 3, lay.num_layers * 2 * 2 * 4 * 4
+    conv_buf, rec_buf = torch.zeros(2 * n_conv, dtype=torch.bfloat16), torch.zeros(2 * n_rec)
+    given = LinearStatePool(lay, 2, storage=(conv_buf[:n_conv].view(3, 2, 6, 3), rec_buf[:n_rec].view(3, 2, 2, 4, 4)))
+    g = given.alloc(A)
+    given.write(g, torch.ones(3, 6, 3), torch.ones(3, 2, 4, 4), owner=A).wait()
+    after = (conv_buf[n_conv : n_conv + 3 * 6 * 3].view(3, 6, 3), rec_buf[n_rec : n_rec + 3 * 32].view(3, 2, 4, 4))
+    got = given.read(g, out=after)
+    assert got[0].eq(1).all() and got[1].eq(1).all()
+    last = (conv_buf[n_conv - 1 : n_conv - 1 + 3 * 6 * 3].view(3, 6, 3), after[1])  # one element inside
+    with pytest.raises(ValueError, match="own memory"):
+        given.read(g, out=last)
+    given.check_invariants()

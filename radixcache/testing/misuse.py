@@ -250,7 +250,17 @@ class MisuseMachine(HostMachine):
                 Misuse("pool free: not the owner", lambda: pool.free(slot, RequestOwner(fresh))),
                 Misuse("tree restore: into the snapshot itself", lambda: cache.restore(node, slot)),
                 Misuse("tree restore: into another pool's slot", lambda: cache.restore(node, self.foreign.slot)),
+                Misuse("pool read: out not a pair", lambda: pool.read(slot, out=_wrong([pool.conv[:, 0]]))),
             ]
+            others = [s for s in range(pool.capacity) if s != slot and pool.owner_of(s) is not None]
+            if others:
+                src = data.draw(st.sampled_from(others), label="slot read")
+                out.append(
+                    Misuse(
+                        "pool read: into a snapshot's own rows",
+                        lambda: pool.read(src, out=(pool.conv[:, slot], pool.recurrent[:, slot])),
+                    )
+                )
             out.append(Misuse("tree relock: onto a foreign node", lambda: cache.relock(node, self.foreign.node)))
             if node.snap_lock == 0:
                 out.append(Misuse("tree unlock: not locked", lambda: cache.unlock(node)))
