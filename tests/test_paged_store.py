@@ -402,6 +402,53 @@ def test_a_fetched_prefix_leaves_the_process_warning_filters_alone(monkeypatch: 
     b.close(5.0)
 
 
+def test_the_kv_codec_exports_into_buffers_handed_back_and_keeps_two_within_its_cap() -> None:
+    from radixcache.vllm.store import PagedKVCodec
+
+    st = _store(budget_pages=16)
+    codec = PagedKVCodec(st)
+    idx = codec.import_kv(bytes(range(256)) * (2 * LAYOUT.kv_layers * LAYOUT.kv_page_bytes // 256), 2 * B)
+    assert idx is not None
+    want = st.kv[:, st.pages.pages(idx)].contiguous().numpy().tobytes()
+    first = codec.export_kv(idx, None)
+    assert bytes(first) == want
+    again = codec.export_kv(idx, None)  # the first not handed back: a buffer of its own
+    assert np.shares_memory(np.frombuffer(first, np.uint8), np.frombuffer(again, np.uint8)) is False
+    addr = np.frombuffer(first, np.uint8).ctypes.data
+    codec.reuse_kv(first)
+    assert codec.spare_bytes == len(first)
+    del first
+    third = codec.export_kv(idx[:B], None)  # one page: into the spare, which is larger
+    assert np.frombuffer(third, np.uint8).ctypes.data == addr and codec.spare_bytes == 0
+    assert bytes(third) == st.kv[:, st.pages.pages(idx[:B])].contiguous().numpy().tobytes()
+    # what it did not export, or handed back before, is ignored: never written by a later export
+    codec.reuse_kv(third)
+    codec.reuse_kv(third)
+    codec.reuse_kv(b"foreign")
+    codec.reuse_kv(np.zeros(len(want), np.uint8).data)
+    codec.reuse_kv(memoryview(b""))
+    assert codec.spare_bytes == len(want)
+    # at most two kept, the largest, together within a quarter of the store's KV bytes
+    views = [codec.export_kv(idx, None) for _ in range(3)]
+    for v in views:
+        codec.reuse_kv(v)
+    cap = st.kv.numel() // 4
+    assert codec.spare_bytes == 2 * len(want) == cap
+    page_bytes = LAYOUT.kv_layers * LAYOUT.kv_page_bytes
+    idx5 = codec.import_kv(bytes(5 * page_bytes), 5 * B)
+    assert idx5 is not None
+    big = codec.export_kv(idx5[: 3 * B], None)  # no spare fits: a new buffer
+    codec.reuse_kv(big)
+    assert codec.spare_bytes == 3 * page_bytes  # the largest kept, the others dropped to stay within the cap
+    huge = codec.export_kv(idx5, None)
+    assert len(huge) > cap
+    codec.reuse_kv(huge)
+    assert codec.spare_bytes == 3 * page_bytes  # above the cap: never kept
+    st.pages.free(idx)
+    st.pages.free(idx5)
+    st.check_invariants()
+
+
 def test_a_corrupted_shared_blob_is_a_miss_a_finding_and_deleted() -> None:
     shared = MemoryStore()
     a, b = _store(shared=shared, model="m"), _store(shared=shared, model="m")

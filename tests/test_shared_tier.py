@@ -752,6 +752,57 @@ class _IndexKV:
         return torch.frombuffer(bytearray(data), dtype=torch.int64)
 
 
+class _ReusingKV(_IndexKV):
+    """An index codec that records what the tier hands back through ``reuse_kv``."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.exported: list[bytes | memoryview] = []
+        self.reused: list[bytes | memoryview] = []
+        self.fail = fail
+
+    def export_kv(self, kv_indices: torch.Tensor, after: object) -> bytes:
+        got = super().export_kv(kv_indices, after)
+        self.exported.append(got)
+        return got
+
+    def reuse_kv(self, kv: bytes | memoryview) -> None:
+        if self.fail:
+            raise RuntimeError("reuse_kv raised on purpose")
+        self.reused.append(kv)
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_the_tier_hands_each_exported_kv_back_once_encoded_or_dropped(background: bool) -> None:
+    store = MemoryStore()
+    layout = StateLayout(2, (4, 3), (2, 4, 4))
+    pool = LinearStatePool(layout, 2)
+    slot = pool.alloc(RequestOwner("r"))
+    codec = _ReusingKV()
+    tier = SharedTier(store, model="m", kv=codec, background=background)
+    tier.bind(layout)
+    for n in (10, 20):
+        assert tier.publish(np.arange(n), None, pool, slot, torch.arange(n), None)
+    assert tier.flush(10.0)
+    assert len(codec.exported) == 2 and [id(k) for k in codec.reused] == [id(k) for k in codec.exported]
+    assert tier.fetch(np.arange(30), None, 0) is not None  # what was encoded before the hand-back is served
+    if background:  # a publication the writer cannot take: its KV handed back at once
+        tier.max_queued_bytes = 0
+        assert not tier.publish(np.arange(5), None, pool, slot, torch.arange(5), None)
+        assert codec.reused[-1] is codec.exported[-1] and len(codec.reused) == 3
+    tier.close()
+    # a codec whose reuse_kv raises: counted as a codec error, the blob still stored
+    failing = _ReusingKV(fail=True)
+    other = SharedTier(MemoryStore(), model="m", kv=failing, background=background)
+    other.bind(layout)
+    with pytest.warns(RuntimeWarning, match="reuse_kv"):
+        assert other.publish(np.arange(10), None, pool, slot, torch.arange(10), None)
+        assert other.flush(10.0)
+    assert other.stats.codec_errors == 1 and other.stats.published == 1
+    other.close()
+    tier.check_invariants()
+    other.check_invariants()
+
+
 def test_a_fetched_blobs_kv_is_a_view_of_the_stores_reply_not_a_copy() -> None:
     store = MemoryStore()
     layout = StateLayout(2, (4, 3), (2, 4, 4))

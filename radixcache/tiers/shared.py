@@ -97,7 +97,13 @@ class KVCodec(Protocol):
     def export_kv(self, kv_indices: torch.Tensor, after: Fence | None) -> bytes | memoryview:
         """The KV of these indices (one per token, in order), read once ``after`` completed:
         ``bytes``, or a flat byte ``memoryview`` of a buffer nothing else writes (the tier keeps
-        it until the blob is encoded)."""
+        it until the blob is encoded).
+
+        A codec may also have ``reuse_kv(kv)``: the tier calls it, on whichever thread encoded
+        the blob, with what ``export_kv`` returned once it is encoded or its publication dropped,
+        after which the tier never reads it again and the codec may write its buffer for a later
+        export (a buffer already written costs less to copy into than fresh memory). Without it,
+        the tier just drops its reference."""
         ...
 
     def import_kv(self, data: bytes | memoryview, num_tokens: int) -> torch.Tensor | None:
@@ -433,8 +439,10 @@ class SharedTier:
 
     def codec_failed(self, what: str, error: BaseException) -> None:
         """The host's KV codec raised during ``what``: counted, warned about the first time."""
-        self.stats.codec_errors += 1
-        if self.stats.codec_errors == 1:
+        with self._lock:  # the writer thread's reuse_kv too
+            self.stats.codec_errors += 1
+            first = self.stats.codec_errors == 1
+        if first:
             warnings.warn(
                 f"shared tier: the KV codec raised during {what} ({type(error).__name__}: {error}); "
                 "served as a miss / publication dropped (counted in stats.codec_errors)",
@@ -553,6 +561,8 @@ class SharedTier:
             if self._writer is None or not self._writer.submit(job):
                 with self._lock:
                     self.stats.publish_skipped += 1
+                self._spare((conv, rec))
+                self._reuse_kv(kv)
                 return False
             self._remember(key)  # a failed upload is not retried: the tree still serves it here
             return True
@@ -569,6 +579,16 @@ class SharedTier:
         with self._lock:
             if len(self._spares) < _SPARES:
                 self._spares.append(state)
+
+    def _reuse_kv(self, kv: bytes | memoryview) -> None:
+        """Hand an exported KV the tier is done with back to a codec that reuses its buffers."""
+        reuse = getattr(self.kv, "reuse_kv", None)
+        if reuse is None:
+            return
+        try:
+            reuse(kv)
+        except Exception as e:  # the host's code: its buffer is lost to it, nothing else
+            self.codec_failed("reuse_kv", e)
 
     def _spare_fits(self, state: tuple[torch.Tensor, torch.Tensor]) -> bool:
         """Whether ``state`` is a host pair of the bound layout's shapes and dtypes."""
@@ -596,6 +616,7 @@ class SharedTier:
         }
         blob = encode_blob(header, (job.conv, job.rec), job.kv, key=job.key, secret=self._secret)
         self._spare((job.conv, job.rec))  # fingerprinted and encoded: the copies are done with
+        self._reuse_kv(job.kv)
         key, index, depth = job.key, job.index, job.depth
 
         def put() -> bool:

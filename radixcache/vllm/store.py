@@ -27,6 +27,8 @@ Nothing here imports vLLM; the connector maps vLLM's blocks and layers onto thes
 from __future__ import annotations
 
 import math
+import threading
+import weakref
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -171,31 +173,88 @@ class StoreStats:
         self.saves_skipped[why] = self.saves_skipped.get(why, 0) + 1
 
 
+_KV_SPARES = 2  # exported KV buffers a codec keeps for later exports (see PagedKVCodec.reuse_kv)
+
+
 class PagedKVCodec:
     """The shared tier's :class:`~radixcache.tiers.shared.KVCodec` over a store's host pages: a
     prefix's KV travels as its pages' bytes (``[kv_layers, pages, kv_page_bytes]``, C order).
-    Built by :class:`PagedHostStore` when it is given a shared store."""
+    Built by :class:`PagedHostStore` when it is given a shared store.
+
+    It keeps up to two of the buffers it exported once the tier has encoded them
+    (:meth:`reuse_kv`), together at most a quarter of the store's KV bytes, and exports into the
+    smallest that fits: a copy into memory already written skips the fresh pages' first touch
+    (``benchmarks/bench_vllm_store.py``: ``export_kv_ms``)."""
 
     def __init__(self, store: PagedHostStore) -> None:
         self._store = store
         self.identity = store.layout.identity
+        self._lock = threading.Lock()  # exports on the scheduler's thread, reuse on the writer's
+        self._spares: list[np.ndarray] = []  # flat uint8 buffers, written before, nobody's now
+        # the buffers exported and not handed back, by id; weak: one the tier dropped is forgotten
+        self._lent: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
+        self._spare_cap = int(store.kv.numel()) // 4  # bytes (uint8 pages)
 
     def export_kv(self, kv_indices: torch.Tensor, after: Fence | None) -> memoryview:
         """The bytes of the whole pages ``kv_indices`` name (``[kv_layers, pages, kv_page_bytes]``,
-        C order), read once ``after`` completed: a flat view of a buffer of their own.
+        C order), read once ``after`` completed: a flat view of a buffer of their own (one handed
+        back through :meth:`reuse_kv` when one fits).
 
         :raises ValueError: not whole pages of the store in order."""
         if after is not None:
             after.wait()
-        st = self._store
+        st, lay = self._store, self._store.layout
         pages = st.pages.pages(kv_indices).tolist()
-        # PERF: page by page into a buffer of its own, handed over as it is: torch's indexed uint8
-        # gather and then ``tobytes`` took 52 ms for a 48 MiB prefix, on the thread that publishes
-        # (vLLM's scheduler's), against 13 (benchmarks/bench_vllm_store.py)
-        out = torch.empty((st.layout.kv_layers, len(pages), st.layout.kv_page_bytes), dtype=torch.uint8)
+        need = lay.kv_layers * len(pages) * lay.kv_page_bytes
+        if not need:
+            return memoryview(b"")
+        buf = self._take(need)
+        out = buf[:need].reshape(lay.kv_layers, len(pages), lay.kv_page_bytes)
+        # PERF: page by page by numpy (which lets go of the interpreter lock) into a buffer of its
+        # own, handed over as it is: torch's indexed uint8 gather and then ``tobytes`` took 52 ms
+        # for a 48 MiB prefix, on the thread that publishes (vLLM's scheduler's), against 13
+        # into fresh memory (benchmarks/bench_vllm_store.py)
+        src = st.kv.numpy()
         for j, p in enumerate(pages):
-            out[:, j].copy_(st.kv[:, p])
-        return out.numpy().data.cast("B")
+            out[:, j] = src[:, p]
+        return buf[:need].data
+
+    def _take(self, need: int) -> np.ndarray:
+        """The smallest spare buffer of at least ``need`` bytes, else a new one; lent out."""
+        with self._lock:
+            fits = [k for k, b in enumerate(self._spares) if b.size >= need]
+            buf = self._spares.pop(min(fits, key=lambda k: self._spares[k].size)) if fits else None
+        if buf is None:
+            buf = np.empty(need, dtype=np.uint8)
+        with self._lock:
+            self._lent[id(buf)] = buf
+        return buf
+
+    def reuse_kv(self, kv: bytes | memoryview) -> None:
+        """The tier is done with ``kv``, a view :meth:`export_kv` returned: its buffer may be
+        written by a later export. Anything else (bytes, another view, one handed back before) is
+        ignored. Keeps the largest two buffers within the cap (see the class docstring)."""
+        obj = kv.obj if isinstance(kv, memoryview) else None
+        buf = obj.base if isinstance(obj, np.ndarray) else None
+        if not isinstance(buf, np.ndarray):
+            return
+        with self._lock:
+            if self._lent.get(id(buf)) is not buf:
+                return
+            del self._lent[id(buf)]
+            if buf.size > self._spare_cap:
+                return
+            self._spares.append(buf)
+            self._spares.sort(key=lambda b: b.size, reverse=True)
+            del self._spares[_KV_SPARES:]
+            while sum(b.size for b in self._spares) > self._spare_cap:
+                self._spares.pop()
+
+    @property
+    def spare_bytes(self) -> int:
+        """Bytes of the exported buffers kept for later exports."""
+        with self._lock:
+            return sum(b.size for b in self._spares)
 
     def import_kv(self, data: bytes | memoryview, num_tokens: int) -> torch.Tensor | None:
         """Pages for ``num_tokens`` tokens (a whole number of blocks) holding ``data``, their
