@@ -350,6 +350,19 @@ def _hit_equals(store: PagedHostStore, eng: Engine, ids: list[int], blocks: list
     store.check_invariants()
 
 
+def _published(first_id: int, n_blocks: int) -> tuple[MemoryStore, PagedHostStore, PagedHostStore, Engine, list[int]]:
+    """Two stores on one in-memory shared store, ``a`` having computed, saved and published the
+    ``n_blocks``-block prompt starting at ``first_id`` (blocks 0, 1, ... of its engine)."""
+    shared = MemoryStore()
+    a, b = _store(shared=shared, model="m"), _store(shared=shared, model="m")
+    eng = Engine()
+    ids = list(range(first_id, first_id + n_blocks * B))
+    blocks = list(range(n_blocks))
+    eng.compute(ids, blocks)
+    assert _save(a, eng, "a", ids, blocks) and a.flush_shared(5.0)
+    return shared, a, b, eng, ids
+
+
 def test_a_prefix_filed_by_one_store_is_fetched_verified_by_another() -> None:
     shared = MemoryStore()
     a, b = _store(shared=shared, model="m"), _store(shared=shared, model="m")
@@ -381,12 +394,7 @@ def test_a_fetched_prefix_leaves_the_process_warning_filters_alone(monkeypatch: 
     """The fetch writes the blob's pages on the scheduler's thread while the tier's threads run:
     ``warnings.catch_warnings`` (not thread-safe: it swaps the process's filters) must not be
     how it keeps quiet, and it warns nothing."""
-    shared = MemoryStore()
-    a, b = _store(shared=shared, model="m"), _store(shared=shared, model="m")
-    eng = Engine()
-    ids = list(range(700, 700 + 2 * B))
-    eng.compute(ids, [0, 1])
-    assert _save(a, eng, "a", ids, [0, 1]) and a.flush_shared(5.0)
+    _, a, b, eng, ids = _published(700, 2)
 
     def forbidden(*a: object, **kw: object) -> None:
         raise AssertionError("warnings.catch_warnings used on the fetch path")
@@ -450,12 +458,7 @@ def test_the_kv_codec_exports_into_buffers_handed_back_and_keeps_two_within_its_
 
 
 def test_a_corrupted_shared_blob_is_a_miss_a_finding_and_deleted() -> None:
-    shared = MemoryStore()
-    a, b = _store(shared=shared, model="m"), _store(shared=shared, model="m")
-    eng = Engine()
-    ids = list(range(500, 500 + 2 * B))
-    eng.compute(ids, [0, 1])
-    assert _save(a, eng, "a", ids, [0, 1]) and a.flush_shared(5.0)
+    shared, _, b, _, ids = _published(500, 2)
     (key,) = list(shared.blobs)
     blob = bytearray(shared.blobs[key])
     blob[len(blob) // 2] ^= 0x40  # one bit, in the KV pages' bytes
@@ -530,12 +533,7 @@ def test_fetch_shared_refuses_bad_input_and_without_a_tier_is_the_local_match() 
 
 
 def test_a_prefetched_lookup_takes_the_answer_of_the_fetcher_thread() -> None:
-    shared = MemoryStore()
-    a, b = _store(shared=shared, model="m"), _store(shared=shared, model="m")
-    eng = Engine()
-    ids = list(range(1100, 1100 + 3 * B))
-    eng.compute(ids, [0, 1, 2])
-    assert _save(a, eng, "a", ids, [0, 1, 2]) and a.flush_shared(5.0)
+    _, _, b, eng, ids = _published(1100, 3)
     assert b.prefetch("b", ids)
     deadline = time.monotonic() + 5
     while b.prefetch_pending("b") and time.monotonic() < deadline:
@@ -552,12 +550,7 @@ def test_a_prefetched_lookup_takes_the_answer_of_the_fetcher_thread() -> None:
 
 
 def test_a_page_fetched_from_the_shared_store_is_fingerprinted_and_a_later_change_is_caught() -> None:
-    shared = MemoryStore()
-    a, b = _store(shared=shared, model="m"), _store(shared=shared, model="m")
-    eng = Engine()
-    ids = list(range(1300, 1300 + 2 * B))
-    eng.compute(ids, [0, 1])
-    assert _save(a, eng, "a", ids, [0, 1]) and a.flush_shared(5.0)
+    _, _, b, eng, ids = _published(1300, 2)
     _hit_equals(b, eng, ids, [0, 1], "b")  # fetched: its pages came in through the codec
     hit = b.lookup("c", ids, computed=0)
     assert hit is not None
