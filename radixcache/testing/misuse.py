@@ -334,6 +334,11 @@ class MisuseMachine(HostMachine):
             Misuse("redis store: ttl 0", lambda: RedisStore("redis://127.0.0.1:1/0", ttl_s=0)),
             Misuse("redis store: negative timeout", lambda: RedisStore("redis://127.0.0.1:1/0", timeout_s=-1)),
             Misuse("redis store: not a URL", lambda: RedisStore("notaurl")),
+            Misuse("redis store: read_chunk under 4 KiB", lambda: RedisStore("redis://127.0.0.1:1/0", read_chunk=4095)),
+            Misuse(
+                "redis store: read_chunk a float",
+                lambda: RedisStore("redis://127.0.0.1:1/0", read_chunk=_wrong(65536.0)),
+            ),
         ]
 
     def refused(self, case: Misuse) -> None:
