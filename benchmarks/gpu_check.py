@@ -28,7 +28,11 @@
   before the host queues the next copy), clean, and with each fence bug injected
   (``no-donate-fence``, ``no-restore-fence``), which must then serve wrong answers.
 
-    python benchmarks/gpu_check.py [--reps 20] [--hammer-requests 200] [--delay-us 20000]
+    python benchmarks/gpu_check.py [--reps 20] [--hammer-requests 200] [--delay-us 20000] [--out FILE]
+
+A section that raises is reported as ``{"ok": false, "error": ...}`` and the others still run;
+``--out`` rewrites the JSON after each section, so a run cut short by a time limit keeps what it
+measured.
 """
 
 from __future__ import annotations
@@ -309,44 +313,63 @@ def hammer(requests: int, delay_us: float) -> dict[str, Any]:
     return out
 
 
+def _guarded(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``fn()``, or ``{"ok": False, "error": ...}`` when it raises: one section's failure must not
+    lose the others' figures (a lent GPU's minutes are few)."""
+    try:
+        return fn()
+    except Exception as e:
+        return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+
+
+def _verdict(out: dict[str, Any], hammer_runs: bool) -> bool:
+    """Whether every check that ran passed (and the hammer ran, when asked for)."""
+    ham = out.get("hammer", {})
+    fences_ok = out["fences"].get("ordered_ok") is True and out["fences"].get("unordered_stale") is True
+    ok = fences_ok and out["hosted_stream"].get("ok") is True and out["shared_tier"].get("ok") is True
+    ok = ok and "error" not in out["clone"] and "error" not in out["fingerprint"]
+    if hammer_runs:
+        if "error" in ham:
+            return False
+        clean = [ham[k]["ok"] for k in ("clean", "forensics", "clean-delayed")]
+        caught = [not ham[k]["ok"] for k in ("no-donate-fence-delayed", "no-restore-fence-delayed")]
+        ok = ok and all(clean) and all(caught)
+    return bool(ok)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--hammer-requests", type=int, default=200, help="requests of each clean hammer run; 0: none")
     ap.add_argument("--delay-us", type=float, default=20000.0, help="forward delay of the delayed hammer runs")
+    ap.add_argument(
+        "--out", help="also write the JSON here after each section (a run stopped by a time limit leaves its figures)"
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print(json.dumps({"error": "no CUDA device: this script is for a machine with a GPU"}))
         raise SystemExit(2)
     out: dict[str, Any] = {"bench": "gpu_check", "device": device_info()}
-    out["fences"] = fences()
-    out["hosted_stream"] = hosted_stream()
-    try:
-        out["shared_tier"] = shared_tier()
-    except Exception as e:  # the other figures still come out
-        out["shared_tier"] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-    out["clone"], out["fingerprint"] = clone_and_fingerprint(args.reps)
-    clean: list[bool] = []
+
+    def save() -> None:
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(out, f, indent=1)
+
+    def run(name: str, fn: Callable[[], dict[str, Any]]) -> None:
+        out[name] = _guarded(fn)
+        save()
+
+    run("fences", fences)
+    run("hosted_stream", hosted_stream)
+    run("shared_tier", shared_tier)
+    pair = _guarded(lambda: dict(zip(("clone", "fingerprint"), clone_and_fingerprint(args.reps), strict=True)))
+    out["clone"], out["fingerprint"] = (pair, pair) if "error" in pair else (pair["clone"], pair["fingerprint"])
+    save()
     if args.hammer_requests:
-        try:
-            out["hammer"] = hammer(args.hammer_requests, args.delay_us)
-            clean = [out["hammer"][k]["ok"] for k in ("clean", "forensics", "clean-delayed")]
-        except Exception as e:  # the device figures above still come out
-            out["hammer"] = {"error": f"{type(e).__name__}: {e}"}
-            clean = [False]
-    caught = (
-        [not out["hammer"][k]["ok"] for k in ("no-donate-fence-delayed", "no-restore-fence-delayed")]
-        if (args.hammer_requests and "error" not in out["hammer"])
-        else []
-    )
-    out["ok"] = (
-        out["fences"]["ordered_ok"]
-        and out["fences"]["unordered_stale"]
-        and out["hosted_stream"]["ok"]
-        and out["shared_tier"]["ok"]
-        and all(clean)
-        and all(caught)
-    )
+        run("hammer", lambda: hammer(args.hammer_requests, args.delay_us))
+    out["ok"] = _verdict(out, bool(args.hammer_requests))
+    save()
     print(json.dumps(out, indent=1))
 
 
