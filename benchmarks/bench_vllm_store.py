@@ -8,6 +8,9 @@ against torch's indexed copies (what the store did until 2026-12-06), side by si
 - ``import_kv``: a shared-tier hit, a fetched blob's KV written into host pages
   (``PagedKVCodec.import_kv``, on vLLM's scheduler thread), with and without the fingerprints a
   verifying store records;
+- ``lookup_hit``: a hit of the whole prefix looked up (``PagedHostStore.lookup`` and
+  ``release``, on vLLM's scheduler thread), with verification (every page of the hit
+  fingerprinted first, and the snapshot) and without;
 - ``export_kv``: a publication's KV read out of host pages (``PagedKVCodec.export_kv``, on the
   thread that files the save: vLLM's scheduler's; the encoding and upload run on the tier's
   writer thread): ``ours`` into a fresh buffer each time, ``ours_reused`` into the buffer of the
@@ -190,6 +193,32 @@ def main() -> None:
     assert reusing.spare_bytes == n * a.kv_layers * page_row, "the export's buffer kept for the next one"
     assert bytes(codec.export_kv(idx, None)) == bytes(data), "export_kv read other bytes than were written"
     store.pages.free(idx)
+    # a hit's lookup on vLLM's scheduler thread, with and without verification (the difference:
+    # every page of the hit fingerprinted before it is offered)
+    ids = list(range(n * a.block))
+    conv = torch.randn(state.num_layers, *state.conv_shape).to(state.conv_dtype)
+    rec = torch.randn(state.num_layers, *state.recurrent_shape).to(state.recurrent_dtype)
+    lookups: dict[str, Callable[[], object]] = {}
+    for verify, st in stores.items():
+        plan = st.plan_save("saved", ids)
+        assert plan is not None
+        st.copy_in_pages(plan.pages, [(t, list(range(n))) for t in engine])
+        st.copy_in_state(plan, conv, rec)
+        assert st.commit(plan)
+
+        def lookup(st: PagedHostStore = st) -> None:
+            hit = st.lookup("hit", ids, computed=0)
+            assert hit is not None and hit.end == len(ids), hit
+            st.release(hit)
+
+        lookups["verified" if verify else "unverified"] = lookup
+    ms = _median_ms({**lookups, "memcpy": memcpy}, a.reps)
+    prefix_mib = a.kv_layers * n * page_row / 2**20
+    out["lookup_hit_ms"] = {
+        **ms,
+        "verified_over_memcpy": round(ms["verified"] / ms["memcpy"], 2),
+        "verification_us_per_mib": round(1e3 * (ms["verified"] - ms["unverified"]) / prefix_mib, 1),
+    }
     # and the copies: a save and a hit of the same pages give the engine back its blocks
     pages, blocks = cases["scattered"]
     mem.copy_in_pages(pages, [(t, blocks) for t in engine])
