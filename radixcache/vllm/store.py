@@ -208,8 +208,8 @@ class PagedKVCodec:
         need = lay.kv_layers * len(pages) * lay.kv_page_bytes
         if not need:
             return memoryview(b"")
-        buf = self._take(need)
-        out = buf[:need].reshape(lay.kv_layers, len(pages), lay.kv_page_bytes)
+        flat = self._take(need)[:need]
+        out = flat.reshape(lay.kv_layers, len(pages), lay.kv_page_bytes)
         # PERF: page by page by numpy (which lets go of the interpreter lock) into a buffer of its
         # own, handed over as it is: torch's indexed uint8 gather and then ``tobytes`` took 52 ms
         # for a 48 MiB prefix, on the thread that publishes (vLLM's scheduler's), against 13
@@ -217,16 +217,13 @@ class PagedKVCodec:
         src = st.kv.numpy()
         for j, p in enumerate(pages):
             out[:, j] = src[:, p]
-        return buf[:need].data
+        return flat.data
 
     def _take(self, need: int) -> np.ndarray:
         """The smallest spare buffer of at least ``need`` bytes, else a new one; lent out."""
         with self._lock:
             fits = [k for k, b in enumerate(self._spares) if b.size >= need]
-            buf = self._spares.pop(min(fits, key=lambda k: self._spares[k].size)) if fits else None
-        if buf is None:
-            buf = np.empty(need, dtype=np.uint8)
-        with self._lock:
+            buf = self._spares.pop(min(fits, key=lambda k: self._spares[k].size)) if fits else np.empty(need, np.uint8)
             self._lent[id(buf)] = buf
         return buf
 
