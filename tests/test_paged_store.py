@@ -457,6 +457,37 @@ def test_the_kv_codec_exports_into_buffers_handed_back_and_keeps_two_within_its_
     st.check_invariants()
 
 
+def test_the_store_invariants_name_kv_buffers_that_break_the_codecs_rules() -> None:
+    st = _store(budget_pages=16, shared=MemoryStore(), model="m")
+    codec = st.kv_codec
+    assert codec is not None and st.shared is not None and st.shared.kv is codec
+    idx = st.pages.alloc(B)
+    assert idx is not None
+    views = [codec.export_kv(idx, None) for _ in range(3)]
+    st.pages.free(idx)  # the exports are copies
+    codec.reuse_kv(views[0])
+    st.check_invariants()
+    spares = codec._spares  # the structure under test: broken by hand, one rule at a time
+    kept = spares[0]
+    obj = views[1].obj
+    assert isinstance(obj, np.ndarray) and isinstance(obj.base, np.ndarray)
+    lent = obj.base  # the buffer export_kv lent for views[1], not handed back
+    big = np.empty(st.kv.numel(), np.uint8)
+    for broken, word in [
+        ([kept, kept.copy(), kept.copy()], "cap"),
+        ([big], "past"),
+        ([kept.view(np.int16)], "flat bytes"),
+        ([kept, kept], "twice"),
+        ([kept, lent], "lent"),
+    ]:
+        spares[:] = broken
+        with pytest.raises(AssertionError, match=word):
+            st.check_invariants()
+    spares[:] = [kept]
+    st.check_invariants()
+    st.close(5.0)
+
+
 def test_a_corrupted_shared_blob_is_a_miss_a_finding_and_deleted() -> None:
     shared, _, b, _, ids = _published(500, 2)
     (key,) = list(shared.blobs)

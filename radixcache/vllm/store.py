@@ -253,6 +253,18 @@ class PagedKVCodec:
         with self._lock:
             return sum(b.size for b in self._spares)
 
+    def check_invariants(self) -> None:
+        """The kept buffers: at most two, within the cap, flat bytes, each kept once and none
+        both kept and lent (``AssertionError`` otherwise)."""
+        with self._lock:
+            spares = list(self._spares)
+            lent = {id(b) for b in self._lent.values()}
+        assert len(spares) <= _KV_SPARES, f"{len(spares)} KV buffers kept, cap {_KV_SPARES}"
+        assert sum(b.size for b in spares) <= self._spare_cap, f"KV buffers kept past {self._spare_cap} bytes"
+        assert all(b.dtype == np.uint8 and b.ndim == 1 for b in spares), "a kept KV buffer not flat bytes"
+        assert len({id(b) for b in spares}) == len(spares), "a KV buffer kept twice"
+        assert not lent & {id(b) for b in spares}, "a KV buffer both kept and lent"
+
     def import_kv(self, data: bytes | memoryview, num_tokens: int) -> torch.Tensor | None:
         """Pages for ``num_tokens`` tokens (a whole number of blocks) holding ``data``, their
         fingerprints recorded (with ``verify``); ``None`` when no page is free for them.
@@ -365,11 +377,14 @@ class PagedHostStore:
         self.bytes = mem
         self.kv = mem.kv
         self.pages = KVPageList(n_pages, layout.block_tokens)
+        #: The shared tier's KV codec over these pages (with ``shared``), else ``None``.
+        self.kv_codec: PagedKVCodec | None = None
         tier = None
         if shared is not None:
             assert model is not None
+            self.kv_codec = PagedKVCodec(self)
             tier = SharedTier(
-                shared, model=model, kv=PagedKVCodec(self), namespace=shared_namespace, secret=secret, background=True
+                shared, model=model, kv=self.kv_codec, namespace=shared_namespace, secret=secret, background=True
             )
         tree = HybridRadixCache(self.pool, page_size=layout.block_tokens)
         self.forensics = Forensics(self.pool, ledger=ledger, mode="record") if verify else None
@@ -766,6 +781,8 @@ class PagedHostStore:
         self.manager.check_invariants(host_slots=self._held + len(self._planned))
         self.pages.check_invariants()
         self.pool.check_invariants()
+        if self.kv_codec is not None:
+            self.kv_codec.check_invariants()
         planned = sum(len(p.pages) for p in self._planned.values())
         tree = self.manager.cache.total_kv_tokens // self.block
         assert self.pages.free_pages + planned + tree == self.num_pages, (
