@@ -41,7 +41,7 @@ SGLANG_STAMP := $(SGLANG_VENV)/.installed
 SGLANG_DEPS := aiohttp dill einops fastapi huggingface_hub ipython msgspec numpy openai==2.8.0 orjson \
 	partial-json-parser pillow prometheus_client psutil pybase64 pydantic pyyaml pyzmq requests setproctitle \
 	starlette tqdm transformers==5.19.0 triton==3.9.0 opentelemetry-api sortedcontainers xxhash zstandard \
-	uvloop uvicorn jsonschema soundfile python-multipart pytest hypothesis
+	uvloop uvicorn jsonschema soundfile python-multipart pytest hypothesis 'redis>=5' 'hiredis>=2'
 SGLANG_NODEPS := sglang==0.5.23 xgrammar==0.2.7 apache-tvm-ffi==0.1.11 compressed-tensors==0.18.0 loguru gguf
 
 $(SGLANG_STAMP): pyproject.toml Makefile $(NATIVE_SRC)

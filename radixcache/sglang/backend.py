@@ -30,6 +30,11 @@ How it maps SGLang's calls (see docs/sglang.md):
   state into the other track slot, so the one cloned is not being written.
 - ``evict``: both currencies through radixcache's policy (:class:`~radixcache.CacheManager`'s
   ``evict``), KV freed through SGLang's allocator.
+- The shared tier (opt in, ``shared=`` or ``RADIXCACHE_SHARED_URL``): every snapshot filed is
+  published with its prefix's KV rows (:class:`~radixcache.sglang.kv.SGLangKVCodec`) by the
+  tier's writer thread; an admission whose local match is shorter than the request first takes a
+  deeper verified prefix from the store (``CacheManager.fetch_shared``), a waiting-queue probe
+  issues the request's prefetch.
 
 Refused at start with a message (not served correctly yet): the lazy extra buffer
 (``extra_buffer_lazy``: track slots taken on demand), speculative decoding, int8 state
@@ -73,6 +78,9 @@ from ..core.tree import HybridRadixCache, TreeNode
 from ..manager.cache_manager import CacheManager
 from ..manager.metrics import SkipReason
 from ..policies import HitDensity, RequestInfo
+from ..tiers.shared import SharedTier
+from ..tiers.store import RedisStore, SharedStore
+from .kv import SGLangKVCodec
 
 __all__ = ["RadixcacheHybridCache", "SGLangSlots", "sglang_state_pool"]
 
@@ -271,6 +279,32 @@ _ADMITTED_MEMORY = 1 << 16  # requests remembered as admitted (a bound: aborted 
 _SLOT_INDEX_MEMORY = 1 << 14  # 0-d slot index tensors kept for reuse (_slot_index): ~16K slots, a few MB
 
 
+def _shared_from_env(server_args: Any) -> dict[str, Any]:
+    """The shared tier's arguments from SGLang's environment: ``RADIXCACHE_SHARED_URL`` (a
+    ``redis://``, ``rediss://`` or ``unix://`` URL; unset or empty: no shared tier),
+    ``RADIXCACHE_SHARED_NAMESPACE`` (default ``radixcache``), ``RADIXCACHE_SHARED_SECRET`` (its
+    UTF-8 bytes) and ``RADIXCACHE_MODEL_IDENTITY`` (default: the model path, revision and dtype
+    of ``server_args``).
+
+    :raises ValueError: a URL of another scheme, naming it."""
+    url = os.environ.get("RADIXCACHE_SHARED_URL", "")
+    if not url:
+        return {}
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError(f"RADIXCACHE_SHARED_URL must be a redis://, rediss:// or unix:// URL, got {url!r}")
+    identity = os.environ.get("RADIXCACHE_MODEL_IDENTITY") or (
+        f"{getattr(server_args, 'model_path', None)}@{getattr(server_args, 'revision', None)}"
+        f" dtype={getattr(server_args, 'dtype', None)}"
+    )
+    secret = os.environ.get("RADIXCACHE_SHARED_SECRET")
+    return {
+        "shared": RedisStore(url),
+        "model_identity": identity,
+        "shared_namespace": os.environ.get("RADIXCACHE_SHARED_NAMESPACE", "radixcache"),
+        "secret": secret.encode() if secret else None,
+    }
+
+
 def _namespace(extra_key: Any, cache_salt: Any) -> Hashable:
     return None if extra_key is None and cache_salt is None else (extra_key, cache_salt)
 
@@ -330,9 +364,26 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         verified, findings in ``manager.forensics``; :class:`~radixcache.CacheManager`'s
         ``forensics``) or ``None`` (off; on the CPU harness a sampled fingerprint costs about 2 us
         in C, docs/sglang.md). The factory reads ``RADIXCACHE_FORENSICS`` (``sampled`` or ``off``).
-    :raises NotImplementedError: a configuration listed in the module's docstring, each named.
+    :param shared: a store other replicas reach too (a :class:`~radixcache.tiers.store.RedisStore`,
+        docs/host_tier.md): every snapshot the tree files is published there with its prefix's KV
+        rows (:class:`~radixcache.sglang.kv.SGLangKVCodec`) by the tier's writer thread, and an
+        admission whose local match is shorter than the request takes a deeper verified prefix
+        from it (its KV from SGLang's allocator, its state cloned into a snapshot) before the hit
+        is restored. ``None`` (default): no shared tier. The factory reads
+        ``RADIXCACHE_SHARED_URL`` (a ``redis://`` URL), ``RADIXCACHE_SHARED_NAMESPACE`` and
+        ``RADIXCACHE_SHARED_SECRET``.
+    :param model_identity: what names the model in the shared tier's content address (required
+        with ``shared``; the factory's default: the model path, revision and dtype SGLang loaded):
+        replicas share blobs only when it agrees.
+    :param shared_namespace: the deployment's key prefix in the store (default ``"radixcache"``).
+    :param secret: the shared tier's key for its blob digests (1 to 64 bytes; default none):
+        replicas with the same secret accept each other's blobs, a blob written by anyone else is
+        refused.
+    :raises NotImplementedError: a configuration listed in the module's docstring, each named; with
+        ``shared``, a KV pool the codec cannot read (MLA, per-row scales, head-major layout).
     :raises ValueError: a negative ``host_budget_bytes``; a ``forensics`` other than
-        ``"sampled"`` or ``None``.
+        ``"sampled"`` or ``None``; ``shared`` without a ``model_identity``.
+    :raises TypeError: ``shared`` not a :class:`~radixcache.tiers.store.SharedStore`.
     """
 
     def __init__(
@@ -344,12 +395,31 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         clock: Any = time.monotonic,
         host_budget_bytes: int | None = None,
         forensics: Literal["sampled"] | None = "sampled",
+        shared: SharedStore | None = None,
+        model_identity: str | None = None,
+        shared_namespace: str = "radixcache",
+        secret: bytes | None = None,
     ) -> None:
         if forensics not in ("sampled", None):
             raise ValueError(f"forensics must be 'sampled' or None, got {forensics!r}")
+        if shared is not None and not isinstance(shared, SharedStore):
+            raise TypeError(f"shared must be a SharedStore, got {type(shared).__name__}")
+        if shared is not None and (not isinstance(model_identity, str) or not model_identity):
+            raise ValueError(f"a shared store needs the model's identity (model_identity=), got {model_identity!r}")
         refused = _refusals(params)
         if refused:
             raise NotImplementedError("the radixcache backend does not serve " + "; ".join(refused) + " yet")
+        tier = None
+        if shared is not None:
+            assert model_identity is not None
+            tier = SharedTier(
+                shared,
+                model=model_identity,
+                kv=SGLangKVCodec(params.token_to_kv_pool_allocator),
+                namespace=shared_namespace,
+                secret=secret,
+                background=True,
+            )
         self.req_to_token_pool = params.req_to_token_pool
         self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
         self.page_size = int(params.page_size)
@@ -381,7 +451,10 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
             host_budget_bytes=host_budget_bytes,
             clock=clock,
             forensics=forensics,
+            shared=tier,
         )
+        self.shared = tier
+        """The shared tier (``shared=``), else None: its ``stats`` say what it published and served."""
         self.policy = self.manager.policy
         self.stats = dict.fromkeys(
             ("admissions", "hit_tokens", "restores", "host_restores", "donations", "skipped_donations"), 0
@@ -437,7 +510,11 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         if fx not in ("sampled", "off"):
             raise ValueError(f"RADIXCACHE_FORENSICS must be 'sampled' or 'off', got {fx!r}")
         return cls(
-            ctx.params, stream=stream, host_budget_bytes=host_bytes, forensics="sampled" if fx == "sampled" else None
+            ctx.params,
+            stream=stream,
+            host_budget_bytes=host_bytes,
+            forensics="sampled" if fx == "sampled" else None,
+            **_shared_from_env(sa),
         )
 
     # ------------------------------------------------------------------ SGLang's interface
@@ -464,8 +541,13 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         mgr = self.manager
         # NOTE: no KV gathered: SGLang reads the hit's KV itself later (prefix_device_indices ->
         # path_device_indices), ~3 us per admission gathered twice otherwise (session 35)
-        m = mgr.lookup(ids, namespace=ns, kv=False) if not self.disable and len(ids) else None
         admission = bool(params.cow_mamba) and req is not None
+        if self.disable or not len(ids):
+            m = None
+        elif self.shared is not None and req is not None:
+            m = self._shared_match(req.rid, ids, ns, admission)
+        else:
+            m = mgr.lookup(ids, namespace=ns, kv=False)
         info = None  # what the policy hears of this admission: computed once, for both calls
         if admission:
             self.stats["admissions"] += 1
@@ -484,6 +566,17 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
             self.stats["hit_tokens"] += m.cached_length
         n = m.cached_length
         return MatchResult(n, node, node, node, cache_protected_len=n, full_kv_hit_length=n)
+
+    def _shared_match(self, rid: Hashable, ids: CacheKey, ns: Hashable, admission: bool) -> Any:
+        """The match with the shared tier on: at an admission, a deeper verified prefix from the
+        store filed into the tree first (the answer of a prefetch this request's earlier probe
+        issued, else the store asked now); at a probe of the waiting queue, the prefetch issued
+        (answered on the tier's fetcher thread) and the local match."""
+        mgr = self.manager
+        if admission:
+            return mgr.fetch_shared(ids, namespace=ns, rid=rid)
+        mgr.prefetch(rid, ids, namespace=ns, limit=len(ids))
+        return mgr.lookup(ids, namespace=ns, kv=False)
 
     def dfs_weight_order(self, node_handles: Sequence[Any]) -> list[int]:
         """Request indices in depth-first, subtree-weight order (SGLang's DFS-weight scheduling),
@@ -664,6 +757,8 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
             old.receipt.node_id = node.id
         kvr.cache_protected_len = depth
         req.last_node = node
+        if self.shared is not None:  # what this checkpoint filed goes to the tier's writer now
+            self.manager.publish_pending()
 
     def _tracked(self, req: Any, up_to: int) -> tuple[int, int] | None:
         """The extra buffer's state to file at a checkpoint up to ``up_to``: ``(depth, track slot)``,

@@ -230,9 +230,11 @@ def serve_command(
     strategy: str = "no_buffer",
     page_size: int = 1,
     seed: int = 0,
+    chunk: int | None = None,
 ) -> list[str]:
     """The command line that serves the workload on one SGLang server in processes of its own and
-    writes :class:`Served` as JSON to ``out``."""
+    writes :class:`Served` as JSON to ``out`` (``chunk``: SGLang's ``--chunked-prefill-size``)."""
+    more = [] if chunk is None else ["--chunked-prefill-size", str(chunk)]
     return [
         sys.executable,
         "-m",
@@ -251,14 +253,20 @@ def serve_command(
         str(page_size),
         "--seed",
         str(seed),
+        *more,
     ]
 
 
 def serve_env(
-    *, noise_seed: int | None = 0, noise_log: Path | None = None, inject: str | None = None
+    *,
+    noise_seed: int | None = 0,
+    noise_log: Path | None = None,
+    inject: str | None = None,
+    shared_url: str | None = None,
 ) -> dict[str, str]:
     """The environment of a serve process: SGLang's CPU engine, the stand-ins first on the path,
-    the tests' noise and injected bug switched on as asked (see ``standin/radixcache_test_hooks.py``)."""
+    the tests' noise and injected bug switched on as asked (see ``standin/radixcache_test_hooks.py``),
+    and with ``shared_url`` the backend's shared tier on that Redis server."""
     env = dict(os.environ)
     env["SGLANG_USE_CPU_ENGINE"] = "1"
     # SGLang keeps conv windows in bf16 by default: a prefix served from cache then reads its
@@ -269,6 +277,10 @@ def serve_env(
     env["PYTHONPATH"] = os.pathsep.join([str(STANDIN), str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     for key in ("RADIXCACHE_SGLANG_NOISE", "RADIXCACHE_SGLANG_NOISE_LOG", "RADIXCACHE_SGLANG_INJECT"):
         env.pop(key, None)
+    for key in [k for k in env if k.startswith(("RADIXCACHE_SHARED_", "RADIXCACHE_MODEL_IDENTITY"))]:
+        env.pop(key)
+    if shared_url is not None:
+        env["RADIXCACHE_SHARED_URL"] = shared_url
     if noise_seed is not None:
         env["RADIXCACHE_SGLANG_NOISE"] = str(noise_seed)
     if noise_log is not None:

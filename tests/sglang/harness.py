@@ -21,6 +21,7 @@ import random
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -83,6 +84,7 @@ class Env:
     kv_size: int
     mamba_size: int
     track_grid: int = 0  # the extra buffer's tracking grid (0: no extra buffer)
+    keys: torch.Tensor | None = None  # with a KV pool: its one layer's K rows ([rows, 1, 2], float32)
     mismatches: list[str] = field(default_factory=list)
     hit_tokens: int = 0
     requests: int = 0  # admissions, resumed requests included
@@ -125,12 +127,31 @@ class Env:
                 f"forward from {start} needs hash {hashes[start]}"
             )
         self.write_state(slot, end, hashes[end])
+        if self.keys is not None:
+            self._check_kv(req, start, end, hashes)
         grid = self.track_grid
         if grid:
             # a prefill chunk: its deepest whole grid step from its start; a decode step: its new length on the grid
             depth = start + (end - start) // grid * grid if end - start > 1 else end - end % grid
             if depth > start:
                 self.track(req, depth, hashes[depth])
+
+    def _check_kv(self, req: Req, start: int, end: int, hashes: list[int]) -> None:
+        """With a KV pool: the row of token ``i`` holds ``(i, hash of t[0:i+1])``. The forward
+        checks the rows of ``[0, start)`` (a hit's KV: the tree's, or imported from the shared
+        tier) and writes those of ``[start, end)``."""
+        keys = self.keys
+        assert keys is not None
+        idx = self.rtp.req_to_token[req.kv.req_pool_idx, :end].to(torch.int64)
+        want = torch.tensor([[float(i), float(hashes[i + 1])] for i in range(end)], dtype=torch.float32)
+        got = keys[idx[:start], 0]
+        bad = (got != want[:start]).any(dim=1).nonzero()
+        if bad.numel():
+            i = int(bad[0, 0])
+            self.mismatches.append(
+                f"{req.rid}: KV row {int(idx[i])} of token {i} holds {got[i].tolist()}, wants {want[i].tolist()}"
+            )
+        keys[idx[start:end], 0] = want[start:end]
 
     def track(self, req: Req, depth: int, h: int) -> None:
         """SGLang's extra-buffer tracking of the state after ``depth`` tokens (hash ``h``): written
@@ -188,12 +209,15 @@ def make_env(
     tree_core: str = "python",
     extra_buffer: bool = False,
     cache_kwargs: dict[str, Any] | None = None,
+    kv_pool: bool = False,
 ) -> Env:
     """``kind``: ``"builtin"`` (SGLang's UnifiedRadixCache, FULL + MAMBA, over its ``tree_core``:
     ``"python"`` or SGLang's default ``"rust"``) or ``"radixcache"``. ``extra_buffer``: SGLang's
     extra-buffer strategy with overlap scheduling (two track slots per request, tracked on a grid
     of ``lcm(64, page_size)`` tokens). ``cache_kwargs``: more keyword arguments for radixcache's
-    backend (``policy``, ``forensics``)."""
+    backend (``policy``, ``forensics``, ``shared``). ``kv_pool``: the allocator gets SGLang's KV
+    pool (a hybrid pool over one attention layer, one head of two floats), and each forward
+    checks the KV rows of what it resumes from (:meth:`Env._check_kv`)."""
     setup_sglang(page_size)
     shape = Mamba2StateShape.create(
         tp_world_size=1, intermediate_size=16, n_groups=1, num_heads=2, head_dim=8, state_size=4, conv_kernel=4
@@ -211,7 +235,19 @@ def make_env(
         enable_mamba_extra_buffer=extra_buffer,
         enable_overlap_schedule=extra_buffer,
     )
-    alloc = TokenToKVPoolAllocator(size=kv_size, dtype=torch.bfloat16, device="cpu", kvcache=None, need_sort=False)
+    kvcache = None
+    if kv_pool:
+        from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, MHATokenToKVPool
+
+        full = MHATokenToKVPool(
+            size=kv_size, page_size=page_size, dtype=torch.float32, head_num=1, head_dim=2, layer_num=1,
+            device="cpu", enable_memory_saver=False,
+        )  # fmt: skip
+        kvcache = HybridLinearKVPool(
+            size=kv_size, dtype=torch.float32, page_size=page_size, head_num=1, head_dim=2,
+            full_attention_layer_ids=[LAYERS], device="cpu", mamba_pool=rtp.mamba_pool, full_kv_pool=full,
+        )  # fmt: skip
+    alloc = TokenToKVPoolAllocator(size=kv_size, dtype=torch.bfloat16, device="cpu", kvcache=kvcache, need_sort=False)
     init = CacheInitParams(
         req_to_token_pool=rtp,
         token_to_kv_pool_allocator=alloc,
@@ -231,7 +267,22 @@ def make_env(
 
         cache = RadixcacheHybridCache(init, clock=StepClock(), **(cache_kwargs or {}))
     grid = math.lcm(64, page_size) if extra_buffer else 0
-    return Env(cache, init, rtp, alloc, kv_size, mamba_size, grid)
+    keys = kvcache.full_kv_pool.k_buffer[0] if kvcache is not None else None
+    return Env(cache, init, rtp, alloc, kv_size, mamba_size, grid, keys)
+
+
+def build_context(params: Any, **server_args: Any) -> SimpleNamespace:
+    """SGLang's ``TreeCacheBuildContext`` for a hybrid model without hierarchical cache, its
+    ``server_args`` SGLang's defaults for what the factory reads, overridden by ``server_args``."""
+    sa = {"speculative_algorithm": None, "radix_eviction_policy": "lru", **server_args}
+    return SimpleNamespace(
+        params=params,
+        is_hybrid_ssm=True,
+        is_hybrid_swa=False,
+        enable_hierarchical_cache=False,
+        disable_radix_cache=False,
+        server_args=SimpleNamespace(**sa),
+    )
 
 
 # -------------------------------------------------------------------- the request stream

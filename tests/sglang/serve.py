@@ -32,11 +32,12 @@ STATE_SLOTS = 128
 ROUND_TIMEOUT_S = 180
 
 
-def server_flags(model: Path, *, cache: str, strategy: str, page_size: int) -> list[str]:
+def server_flags(model: Path, *, cache: str, strategy: str, page_size: int, chunk: int | None = None) -> list[str]:
     """``launch_server``'s flags for one of the three servers (``cache``: ``none`` disables SGLang's
     prefix cache, ``builtin`` keeps SGLang's own, ``radixcache`` selects ours). ``strategy``
     ``auto`` passes no strategy flag: SGLang's default, which with overlap scheduling on (its
-    default too) resolves to ``extra_buffer``; ``no_buffer`` needs overlap scheduling off."""
+    default too) resolves to ``extra_buffer``; ``no_buffer`` needs overlap scheduling off.
+    ``chunk``: SGLang's ``--chunked-prefill-size`` (default: SGLang's)."""
     flags = [
         "--model-path", str(model), "--device", "cpu", "--attention-backend", "torch_native",
         "--dtype", "float32", "--disable-cuda-graph", "--max-total-tokens", "16384",
@@ -44,6 +45,8 @@ def server_flags(model: Path, *, cache: str, strategy: str, page_size: int) -> l
         "--mem-fraction-static", "0.3", "--random-seed", "0", "--skip-server-warmup",
         "--enable-cache-report", "--page-size", str(page_size),
     ]  # fmt: skip
+    if chunk is not None:
+        flags += ["--chunked-prefill-size", str(chunk)]
     if strategy != "auto":
         flags += ["--mamba-radix-cache-strategy", strategy]
     if strategy == "no_buffer":
@@ -302,8 +305,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--strategy", choices=("no_buffer", "extra_buffer", "auto"), default="no_buffer")
     ap.add_argument("--page-size", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--chunked-prefill-size", type=int, default=None)
     a = ap.parse_args(argv)
-    flags = server_flags(a.model, cache=a.cache, strategy=a.strategy, page_size=a.page_size)
+    chunk = a.chunked_prefill_size
+    flags = server_flags(a.model, cache=a.cache, strategy=a.strategy, page_size=a.page_size, chunk=chunk)
     wl = Workload(seed=a.seed)
     left = left_behind_file(a.out)
     try:

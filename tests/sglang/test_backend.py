@@ -33,23 +33,9 @@ def test_sglangs_plugin_loader_resolves_our_backend_name_to_our_factory() -> Non
     assert get_radix_cache_factory(BACKEND_NAME) is rc_plugin.factory
 
 
-def _build_context(params: Any, **server_args: Any) -> SimpleNamespace:
-    """SGLang's ``TreeCacheBuildContext`` for a hybrid model without hierarchical cache, its
-    ``server_args`` SGLang's defaults for what the factory reads, overridden by ``server_args``."""
-    sa = {"speculative_algorithm": None, "radix_eviction_policy": "lru", **server_args}
-    return SimpleNamespace(
-        params=params,
-        is_hybrid_ssm=True,
-        is_hybrid_swa=False,
-        enable_hierarchical_cache=False,
-        disable_radix_cache=False,
-        server_args=SimpleNamespace(**sa),
-    )
-
-
 def test_factory_refuses_what_it_does_not_serve_by_name() -> None:
     env = H.make_env("builtin")  # pools only; the factory never reaches them when it refuses
-    ctx = _build_context(SimpleNamespace(req_to_token_pool=env.rtp), speculative_algorithm="EAGLE")
+    ctx = H.build_context(SimpleNamespace(req_to_token_pool=env.rtp), speculative_algorithm="EAGLE")
     ctx.enable_hierarchical_cache = True
     with pytest.raises(NotImplementedError, match=r"hierarchical cache.*speculative decoding"):
         rc_plugin.factory(ctx)
@@ -71,7 +57,7 @@ def test_factory_refuses_what_it_does_not_serve_by_name() -> None:
 )
 def test_flags_that_bypass_the_cache_are_refused_at_start_by_name(flag: str, value: object, named: str) -> None:
     env = H.make_env("builtin")
-    ctx = _build_context(SimpleNamespace(req_to_token_pool=env.rtp), **{flag: value})
+    ctx = H.build_context(SimpleNamespace(req_to_token_pool=env.rtp), **{flag: value})
     with pytest.raises(NotImplementedError, match=re.escape(named)):
         rc_plugin.factory(ctx)
 
@@ -566,7 +552,7 @@ def test_the_factory_refuses_bad_environment_values_by_name(
     env = H.make_env("radixcache")
     monkeypatch.setenv(var, value)
     with pytest.raises(ValueError, match=message):
-        rc_plugin.factory(_build_context(env.cache_params))
+        rc_plugin.factory(H.build_context(env.cache_params))
     env.cache.sanity_check()
 
 
@@ -580,7 +566,7 @@ def test_forensics_is_sampled_by_default_and_off_when_asked(
     monkeypatch.delenv("RADIXCACHE_FORENSICS", raising=False)
     if env_value is not None:
         monkeypatch.setenv("RADIXCACHE_FORENSICS", env_value)
-    cache = rc_plugin.factory(_build_context(env.cache_params))
+    cache = rc_plugin.factory(H.build_context(env.cache_params))
     assert (cache.manager.forensics is not None) is watched
     env.cache = cache
     H.run_stream(env, 0, 40)

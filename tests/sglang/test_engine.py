@@ -24,6 +24,7 @@ import json
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,6 +33,7 @@ pytest.importorskip("sglang")
 from .engine_harness import (
     ROOT,
     Served,
+    Workload,
     build_tiny_qwen3_5,
     compare,
     foreign_codewords,
@@ -83,12 +85,15 @@ def serve(
     mode: str = "engine",
     strategy: str = "no_buffer",
     inject: str | None = None,
+    shared: tuple[str, str] | None = None,
+    chunk: int | None = None,
 ) -> Run:
     """Run the workload on one server (cached per module: the ground truth serves several tests;
-    with the radix cache disabled the strategy does not matter, so one truth serves both)."""
+    with the radix cache disabled the strategy does not matter, so one truth serves both).
+    ``shared``: the backend's shared tier on a Redis server, as ``(url, name of this run)``."""
     if cache == "none":
         strategy = "no_buffer"
-    key = (cache, mode, strategy, inject or "")
+    key = (cache, mode, strategy, inject or "", "" if shared is None else shared[1], str(chunk or ""))
     if key in _RUNS:
         return _RUNS[key]
     name = "-".join(k for k in key if k)
@@ -96,8 +101,8 @@ def serve(
     flag, page = _setting(strategy, mode)
     try:
         p = subprocess.run(
-            serve_command(model, out, cache=cache, mode=mode, strategy=flag, page_size=page),
-            env=serve_env(noise_seed=0, noise_log=log, inject=inject),
+            serve_command(model, out, cache=cache, mode=mode, strategy=flag, page_size=page, chunk=chunk),
+            env=serve_env(noise_seed=0, noise_log=log, inject=inject, shared_url=None if shared is None else shared[0]),
             cwd=ROOT,
             capture_output=True,
             text=True,
@@ -156,7 +161,7 @@ def test_three_servers_answer_alike_with_noise_in_every_free_slot(
         f"\n{mode}, {strategy}: near ties {ties}; cached tokens built-in {sum(builtin.cached)}, ours {sum(ours.cached)}"
     )
     for cache in ("none", "builtin", "radixcache"):
-        noise = _RUNS[(cache, mode, "no_buffer" if cache == "none" else strategy, "")].noise
+        noise = _RUNS[(cache, mode, "no_buffer" if cache == "none" else strategy, "", "", "")].noise
         assert len(noise) >= 6 and all(s > 0 and r > 0 for s, r, _ in noise[1:]), noise  # every round
         assert max(b for _, _, b in noise) >= MIN_IN_FLIGHT, noise
 
@@ -180,6 +185,47 @@ def test_a_backend_bug_is_caught_by_the_same_oracle(
         assert compare(truth, run.served)[0] != [], f"{inject}: every answer matched the cold server"
     else:
         assert "Traceback" in run.log, run.log  # the server failed loudly, it did not serve
+
+
+@pytest.mark.parametrize("strategy", ["no_buffer", "default"])
+def test_two_servers_share_prefixes_through_one_redis_server(
+    model: Path, tmp_path_factory: pytest.TempPathFactory, redis_server: Any, strategy: str
+) -> None:
+    """Server A (``RADIXCACHE_SHARED_URL``) serves the workload and publishes every snapshot it
+    files, with its prefix's KV rows, to a real redis-server; server B, started after A is gone,
+    with empty pools and the same setting, serves the same workload, its first round's prefixes
+    fetched from Redis. Both answer as the cold server does (noise in every free slot and KV row
+    between rounds), and B's first round is served more cached tokens than A's, which found Redis
+    empty. A first round's prompts are shared system prompts with tails of their own: only a
+    snapshot inside the system prompt serves them, which the extra buffer tracks on its grid of
+    64 tokens and ``no_buffer`` takes at chunk ends only, so ``no_buffer`` runs with 64-token
+    prefill chunks (SGLang's default chunk holds a whole prompt)."""
+    import redis
+
+    tmp = tmp_path_factory.mktemp(f"shared-{strategy}")
+    truth = _ok(serve(model, tmp, cache="none"))
+    url = redis_server.url
+    chunk = 64 if strategy == "no_buffer" else None
+    a = _ok(serve(model, tmp, cache="radixcache", strategy=strategy, shared=(url, "shared-a"), chunk=chunk))
+    blobs = len(redis.Redis.from_url(url).keys("radixcache:*"))
+    assert blobs >= 10, f"server A left {blobs} keys in Redis"
+    b = _ok(serve(model, tmp, cache="radixcache", strategy=strategy, shared=(url, "shared-b"), chunk=chunk))
+    for name, got in (("A", a), ("B", b)):
+        _ran_as_asked(got, strategy, "engine")
+        wrong, ties = compare(truth, got)
+        assert wrong == [], f"server {name} answered differently from the cold server (not at a near tie)"
+        assert foreign_codewords(got) == [], f"server {name}: an answer holds another request's codeword"
+        assert len(ties) <= 3, ties
+    first = Workload().users  # the first round: one request per user, all in flight at once
+    cached_a, cached_b = sum(a.cached[:first]), sum(b.cached[:first])
+    print(f"\n{strategy}: first round's cached tokens A {cached_a}, B {cached_b}; {blobs} keys in Redis")
+    assert cached_b > cached_a, (cached_a, cached_b)
+    if strategy == "default":
+        # Negative control: server C fetches the same blobs but writes their KV bytes rotated
+        # (``shared-kv``): the same oracle must catch it.
+        c = serve(model, tmp, cache="radixcache", strategy=strategy, shared=(url, "shared-c"), inject="shared-kv")
+        assert c.rc == 0 and c.served is not None, c.log
+        assert compare(truth, c.served)[0] != [], "shared-kv: every answer matched the cold server"
 
 
 def _doc_commands() -> list[list[str]]:

@@ -27,7 +27,9 @@ When the variables below are set:
     (radixcache's injected ownership transfer: the tree keeps the donor's own slot as its snapshot
     instead of a private clone, see :mod:`radixcache.testing.inject`) or ``working-slot`` (with
     SGLang's extra buffer, a checkpoint clones the request's working slot, which the runner has
-    carried past the tracked depth, instead of the track slot holding the state at that depth).
+    carried past the tracked depth, instead of the track slot holding the state at that depth) or
+    ``shared-kv`` (with the shared tier, a fetched prefix's KV bytes are written rotated by one
+    token's worth: every row gets another token's bytes; the blob itself verified).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from track_copy import track_mamba_states  # type: ignore[import-not-found]
 NOISE = os.environ.get("RADIXCACHE_SGLANG_NOISE")
 NOISE_LOG = os.environ.get("RADIXCACHE_SGLANG_NOISE_LOG")
 INJECT = os.environ.get("RADIXCACHE_SGLANG_INJECT")
-INJECTS = ("skip-restore", "alias", "working-slot")
+INJECTS = ("skip-restore", "alias", "working-slot", "shared-kv")
 
 
 def _free_kv_rows(alloc: Any) -> torch.Tensor:
@@ -140,6 +142,15 @@ def _patch_backend(module: types.ModuleType) -> None:
             return got[0], int(req.kv.mamba_pool_idx)  # BUG: the working slot, not the track slot
 
         cls._tracked = tracked
+    elif INJECT == "shared-kv":
+        codec = mod.SGLangKVCodec
+        real_import = codec.import_kv
+
+        def import_kv(self: Any, data: Any, num_tokens: int) -> Any:
+            b, k = bytes(data), self.bytes_per_token
+            return real_import(self, b[-k:] + b[:-k], num_tokens)  # BUG: every row another token's bytes
+
+        codec.import_kv = import_kv
 
 
 def _lift_extra_buffer_gate(module: types.ModuleType) -> None:

@@ -1,0 +1,234 @@
+"""The shared (Redis) tier inside the SGLang backend, on SGLang's real pools: the KV codec over
+SGLang's KV pool, and replicas that resume from each other's snapshots through one store. The
+harness's forward checks the state *and* the KV rows a request resumes from (``kv_pool=True``), so
+a prefix fetched from the store with wrong state or KV shows up as a mismatch."""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("sglang", reason="SGLang is not installed here (CI runs these in their own venv)")
+
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+from sglang.srt.mem_cache.radix_cache import RadixKey
+
+from radixcache.sglang import plugin as rc_plugin
+from radixcache.sglang.backend import RadixcacheHybridCache
+from radixcache.sglang.kv import SGLangKVCodec
+from radixcache.tiers.store import MemoryStore, RedisStore, SharedStore
+
+from . import harness as H  # noqa: N812
+
+SEED, REQUESTS = 1, 60
+
+
+def _replica(store: SharedStore | None, **kw: Any) -> H.Env:
+    shared = {} if store is None else {"shared": store, "model_identity": "tiny-hybrid"}
+    return H.make_env("radixcache", kv_pool=True, mamba_size=30, cache_kwargs=shared, **kw)
+
+
+def _serve_and_publish(env: H.Env) -> None:
+    H.run_stream(env, SEED, REQUESTS)
+    env.cache.manager.publish_pending(wait=True)  # the writer thread stored every blob
+
+
+def _served_alike_from(store: SharedStore) -> tuple[H.Env, H.Env]:
+    """Replica A serves the stream and publishes to ``store``; replica B, fresh pools, serves the
+    same stream from ``store``. Both without a mismatch, accounting checked whenever idle."""
+    a = _replica(store)
+    _serve_and_publish(a)
+    b = _replica(store)
+    H.run_stream(b, SEED, REQUESTS)
+    for env in (a, b):
+        assert env.mismatches == [], env.mismatches[:3]
+        env.cache.manager.check_invariants()
+    return a, b
+
+
+def test_a_second_replica_resumes_from_the_first_ones_snapshots_through_the_store() -> None:
+    """B's hits from the store carry the right state and KV rows, and it serves more hit tokens
+    than A did cold and than a replica without a store."""
+    alone = _replica(None)
+    H.run_stream(alone, SEED, REQUESTS)
+    a, b = _served_alike_from(MemoryStore())
+    assert a.cache.shared is not None and b.cache.shared is not None
+    assert a.cache.shared.stats.published > 0
+    st = b.cache.shared.stats
+    assert st.hits > 0 and st.hit_tokens > 0 and st.rejected == {} and st.codec_errors == 0
+    assert b.hit_tokens > max(a.hit_tokens, alone.hit_tokens), (b.hit_tokens, a.hit_tokens, alone.hit_tokens)
+
+
+def test_the_oracle_catches_a_codec_that_writes_the_wrong_kv_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: an import that writes the KV bytes rotated by one token's worth (every
+    row gets another token's bytes; the blob itself verified) must show up as a KV mismatch in
+    the forward."""
+    store = MemoryStore()
+    _serve_and_publish(_replica(store))
+    real = SGLangKVCodec.import_kv
+
+    def rotated(self: SGLangKVCodec, data: Any, num_tokens: int) -> torch.Tensor | None:
+        b = bytes(data)
+        return real(self, b[-self.bytes_per_token :] + b[: -self.bytes_per_token], num_tokens)
+
+    monkeypatch.setattr(SGLangKVCodec, "import_kv", rotated)
+    b = _replica(store)
+    H.run_stream(b, SEED, REQUESTS)
+    assert b.cache.shared is not None and b.cache.shared.stats.hits > 0
+    assert any("KV row" in m for m in b.mismatches), b.mismatches[:3]
+
+
+def test_corrupted_blobs_are_refused_and_the_stream_is_served_locally() -> None:
+    """One bit flipped in every blob A published: B refuses each it reaches (its digest), deletes
+    it, and serves from its own tree, answers right."""
+    store = MemoryStore()
+    _serve_and_publish(_replica(store))
+    corrupted: dict[str, bytes] = {}
+    for k, blob in list(store.blobs.items()):
+        flipped = bytearray(blob)
+        flipped[len(flipped) // 2] ^= 0x01
+        store.blobs[k] = corrupted[k] = bytes(flipped)
+    b = _replica(store)
+    H.run_stream(b, SEED, REQUESTS)
+    assert b.mismatches == [], b.mismatches[:3]
+    st = b.cache.shared
+    # each blob refused once, then deleted (B may publish a valid one under its key later); a
+    # hit can only be one B published itself meanwhile
+    assert st is not None and st.stats.rejected.get("digest", 0) > 0
+    unread = [k for k, bad in corrupted.items() if store.blobs.get(k) == bad]
+    assert len(unread) + st.stats.rejected["digest"] == len(corrupted)
+    assert st.stats.hits <= st.stats.published
+    b.cache.manager.check_invariants()
+
+
+def test_replicas_share_prefixes_through_a_real_redis_server(redis_server: Any) -> None:
+    _, b = _served_alike_from(RedisStore(redis_server.url))
+    assert b.cache.shared is not None and b.cache.shared.stats.hits > 0
+
+
+def test_a_waiting_queue_probe_prefetches_and_the_admission_takes_the_answer() -> None:
+    """A probe of the waiting queue (``match_prefix`` with the request, without ``cow_mamba``)
+    issues the tier's prefetch and answers locally; the admission then takes the fetched prefix
+    without asking the store again."""
+    store = MemoryStore()
+    _serve_and_publish(_replica(store))
+    b = _replica(store)
+    prompt, _, _ = H.stream(SEED, REQUESTS)[0]
+    run = H.new_request("probe", prompt, 2, False, random.Random(0))
+    key = RadixKey(list(prompt))
+    shared = b.cache.shared
+    assert shared is not None
+    assert b.cache.match_prefix(MatchPrefixParams(key=key, req=run.req)).device_prefix_len == 0
+    assert shared.stats.prefetches == 1
+    deadline = time.monotonic() + 10
+    while b.cache.manager.shared_pending("probe") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    probes = shared.stats.probes
+    assert H.admit(b, run)
+    assert run.req.prefix_len > 0 and shared.stats.hits == 1 and shared.stats.probes == probes
+    while H.step(b, run, 48):
+        pass
+    assert b.mismatches == [], b.mismatches[:3]
+    b.cache.manager.check_invariants()
+
+
+# ------------------------------------------------------------------------------ the codec
+def test_the_codec_exports_rows_and_imports_them_into_fresh_indices() -> None:
+    env = _replica(None)
+    codec = SGLangKVCodec(env.alloc)
+    assert env.keys is not None
+    assert codec.bytes_per_token == 2 * 2 * 4  # K and V of one layer, one head of two float32
+    assert codec.identity == "sglang-kv layers=1 k,v=1x2,1x2 dtype=torch.float32"
+    src = env.alloc.alloc(5)
+    vals = torch.arange(10, dtype=torch.float32).view(5, 1, 2)
+    env.keys[src] = vals
+    vbuf = env.alloc.get_kvcache().full_kv_pool.v_buffer[0]
+    vbuf[src] = -vals
+    blob = bytes(codec.export_kv(src, None))
+    assert len(blob) == 5 * codec.bytes_per_token
+    free = env.alloc.available_size()
+    dst = codec.import_kv(memoryview(blob), 5)
+    assert dst is not None and dst.dtype == torch.int64 and env.alloc.available_size() == free - 5
+    assert set(dst.tolist()).isdisjoint(src.tolist())
+    assert torch.equal(env.keys[dst], vals) and torch.equal(vbuf[dst], -vals)
+    env.alloc.free(torch.cat([src, dst]))
+
+
+def test_the_codec_refuses_bad_data_and_reports_no_room_allocating_nothing() -> None:
+    env = _replica(None, kv_size=16)
+    codec = SGLangKVCodec(env.alloc)
+    free = env.alloc.available_size()
+    with pytest.raises(ValueError, match=r"KV data of 15 bytes for 1 tokens of 16 bytes each"):
+        codec.import_kv(b"\0" * 15, 1)
+    assert env.alloc.available_size() == free
+    assert codec.import_kv(b"\0" * (free + 1) * 16, free + 1) is None
+    assert env.alloc.available_size() == free
+    with pytest.raises(ValueError, match=r"KV indices must be in \[0, 17\), got \[3, 99\]"):
+        codec.export_kv(torch.tensor([3, 99]), None)
+
+
+@pytest.mark.parametrize(
+    ("spoil", "why"),
+    [
+        ({"use_hnd": True}, "the head-major KV layout"),
+        ({"k_scale_buffer": [torch.zeros(1)]}, "a KV cache quantized with per-row scales"),
+        ({"k_buffer": None}, "a KV pool without per-layer K and V buffers"),
+    ],
+)
+def test_the_codec_refuses_pools_it_cannot_read_by_name(spoil: dict[str, Any], why: str) -> None:
+    env = _replica(None)
+    full = env.alloc.get_kvcache().full_kv_pool
+    for k, v in spoil.items():
+        setattr(full, k, v)
+    with pytest.raises(NotImplementedError, match=why):
+        SGLangKVCodec(env.alloc)
+    with pytest.raises(TypeError, match="SGLang's token-to-KV allocator"):
+        SGLangKVCodec(object())
+
+
+def test_a_shared_store_without_a_model_identity_or_of_the_wrong_type_is_refused() -> None:
+    env = _replica(None)
+    with pytest.raises(ValueError, match="model's identity"):
+        RadixcacheHybridCache(env.cache_params, shared=MemoryStore())
+    with pytest.raises(TypeError, match="shared must be a SharedStore, got dict"):
+        RadixcacheHybridCache(env.cache_params, shared={}, model_identity="m")  # type: ignore[arg-type]
+
+
+def test_the_factory_reads_the_shared_tier_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    env = _replica(None)
+    for v in ("RADIXCACHE_SHARED_NAMESPACE", "RADIXCACHE_SHARED_SECRET", "RADIXCACHE_MODEL_IDENTITY"):
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.delenv("RADIXCACHE_SHARED_URL", raising=False)
+    assert rc_plugin.factory(H.build_context(env.cache_params)).shared is None
+    monkeypatch.setenv("RADIXCACHE_SHARED_URL", "http://127.0.0.1:1")
+    with pytest.raises(ValueError, match="RADIXCACHE_SHARED_URL must be a redis://, rediss:// or unix:// URL, got 'ht"):
+        rc_plugin.factory(H.build_context(env.cache_params))
+    monkeypatch.setenv("RADIXCACHE_SHARED_URL", "redis://127.0.0.1:1/0")
+    monkeypatch.setenv("RADIXCACHE_SHARED_NAMESPACE", "team")
+    ctx = H.build_context(env.cache_params, model_path="/m/tiny", revision=None, dtype="float32")
+    cache = rc_plugin.factory(ctx)
+    tier = cache.shared
+    assert tier is not None and isinstance(tier.store, RedisStore)
+    assert tier.model == "/m/tiny@None dtype=float32" and tier.namespace == "team"
+    monkeypatch.setenv("RADIXCACHE_MODEL_IDENTITY", "mine")
+    assert rc_plugin.factory(ctx).shared.model == "mine"
+
+
+def test_a_namespace_the_tier_cannot_address_is_served_locally() -> None:
+    """SGLang's extra key / cache salt pair is not part of a content address: such requests are
+    cached in the tree as usual and never published."""
+    store = MemoryStore()
+    env = _replica(store)
+    run = H.new_request("salted", list(range(1, 70)), 2, False, random.Random(0))
+    run.req.extra_key = "tenant"
+    assert H.admit(env, run)
+    while H.step(env, run, 48):
+        pass
+    env.cache.manager.publish_pending(wait=True)
+    assert store.blobs == {} and env.mismatches == []
+    assert np.count_nonzero([n.snapshot is not None for n in env.cache.tree.iter_nodes()]) > 0
