@@ -574,6 +574,13 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         (answered on the tier's fetcher thread) and the local match."""
         mgr = self.manager
         if admission:
+            if mgr.shared_pending(rid):
+                # NOTE: SGLang admits a request right after its probe when the batch has room: a
+                # prefetch not answered by then is dropped and the store asked now, so a hit is
+                # never lost to the race (the manager would serve the admission locally)
+                assert self.shared is not None
+                self.shared.cancel(rid)
+                rid = None
             return mgr.fetch_shared(ids, namespace=ns, rid=rid)
         mgr.prefetch(rid, ids, namespace=ns, limit=len(ids))
         return mgr.lookup(ids, namespace=ns, kv=False)

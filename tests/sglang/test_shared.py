@@ -6,6 +6,7 @@ a prefix fetched from the store with wrong state or KV shows up as a mismatch.""
 from __future__ import annotations
 
 import random
+import threading
 import time
 from typing import Any
 
@@ -131,6 +132,55 @@ def test_a_waiting_queue_probe_prefetches_and_the_admission_takes_the_answer() -
     probes = shared.stats.probes
     assert H.admit(b, run)
     assert run.req.prefix_len > 0 and shared.stats.hits == 1 and shared.stats.probes == probes
+    while H.step(b, run, 48):
+        pass
+    assert b.mismatches == [], b.mismatches[:3]
+    b.cache.manager.check_invariants()
+
+
+class _HeldStore(MemoryStore):
+    """A :class:`MemoryStore` whose answers to any thread but the test's wait for ``release``:
+    the tier's fetcher thread stays busy with a prefetch for as long as the test likes."""
+
+    def __init__(self, inner: MemoryStore) -> None:
+        super().__init__()
+        self.blobs, self.indexes = inner.blobs, inner.indexes
+        self.release = threading.Event()
+        self._main = threading.get_ident()
+
+    def _hold(self) -> None:
+        if threading.get_ident() != self._main:
+            self.release.wait(30)
+
+    def get(self, key: str) -> bytes | None:
+        self._hold()
+        return super().get(key)
+
+    def depths(self, index: str, lo: int, hi: int) -> list[int]:
+        self._hold()
+        return super().depths(index, lo, hi)
+
+
+def test_an_admission_whose_prefetch_is_unanswered_asks_the_store_itself() -> None:
+    """SGLang admits a request right after probing it when the batch has room: its prefetch is
+    still out then. The admission drops it and asks the store on its own thread: the hit is
+    served, never lost to the race."""
+    store = MemoryStore()
+    _serve_and_publish(_replica(store))
+    held = _HeldStore(store)
+    b = _replica(held)
+    prompt, _, _ = H.stream(SEED, REQUESTS)[0]
+    run = H.new_request("raced", prompt, 2, False, random.Random(0))
+    shared = b.cache.shared
+    assert shared is not None
+    try:
+        b.cache.match_prefix(MatchPrefixParams(key=RadixKey(list(prompt)), req=run.req))
+        assert b.cache.manager.shared_pending("raced")
+        assert H.admit(b, run)
+        assert run.req.prefix_len > 0 and shared.stats.hits == 1 and shared.stats.prefetch_late == 0
+        assert not b.cache.manager.shared_pending("raced")
+    finally:
+        held.release.set()
     while H.step(b, run, 48):
         pass
     assert b.mismatches == [], b.mismatches[:3]
