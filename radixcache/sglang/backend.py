@@ -275,6 +275,10 @@ SGLANG_HIT_BONUS = 300.0
 RECYCLED_SLOTS = 8
 TAKE_BATCH = 4
 
+PREFETCH_WAIT_S = 0.02
+"""How long an admission waits for its request's prefetch to be answered before asking the store
+itself (seconds)."""
+_PREFETCH_POLL_S = 0.0002
 _ADMITTED_MEMORY = 1 << 16  # requests remembered as admitted (a bound: aborted waiters never release)
 _SLOT_INDEX_MEMORY = 1 << 14  # 0-d slot index tensors kept for reuse (_slot_index): ~16K slots, a few MB
 
@@ -574,16 +578,48 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         (answered on the tier's fetcher thread) and the local match."""
         mgr = self.manager
         if admission:
-            if mgr.shared_pending(rid):
-                # NOTE: SGLang admits a request right after its probe when the batch has room: a
-                # prefetch not answered by then is dropped and the store asked now, so a hit is
-                # never lost to the race (the manager would serve the admission locally)
+            if mgr.shared_pending(rid) and not self._answered(rid):
+                # NOTE: the fetcher still at it after PREFETCH_WAIT_S: the prefetch is dropped and
+                # the store asked now, so a hit is never lost to the race (the manager would serve
+                # the admission locally)
                 assert self.shared is not None
                 self.shared.cancel(rid)
                 rid = None
             return mgr.fetch_shared(ids, namespace=ns, rid=rid)
         mgr.prefetch(rid, ids, namespace=ns, limit=len(ids))
         return mgr.lookup(ids, namespace=ns, kv=False)
+
+    def _answered(self, rid: Hashable) -> bool:
+        """Wait, at most :data:`PREFETCH_WAIT_S`, for ``rid``'s prefetch to be answered (SGLang
+        admits a request in the scheduler step it arrived in when the batch has room: its
+        prefetch is then a round trip or two from its answer, less than asking the store anew)."""
+        mgr = self.manager
+        deadline = time.monotonic() + PREFETCH_WAIT_S
+        while mgr.shared_pending(rid):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(_PREFETCH_POLL_S)  # lets go of the interpreter lock: the fetcher runs
+        return True
+
+    def prefetch_request(self, req: Any) -> bool:
+        """When ``req`` arrives (the plugin's hook after SGLang's ``Scheduler._prefetch_kvcache``,
+        :func:`radixcache.sglang.plugin.register`): start the shared tier's probe and fetch for
+        its prompt on the tier's fetcher thread, so that its admission takes the answer with one
+        look-up instead of asking the store on the scheduler's thread. True when issued; False
+        without a shared tier, for a prefix the tree holds already, a namespace the tier cannot
+        address (an extra key or cache salt), a request whose prefix SGLang does not cache
+        (positional embedding overrides), or one with a prefetch out. O(match).
+
+        :raises TypeError, ValueError: token ids SGLang would refuse too (as ``match_prefix``)."""
+        if self.shared is None or self.disable or getattr(req, "positional_embed_overrides", None) is not None:
+            return False
+        out = req.output_ids
+        ids = _ids(req.origin_input_ids if not out else [*req.origin_input_ids, *out])
+        n = req._compute_max_prefix_len(len(ids))
+        if n <= 0:
+            return False
+        ns = _namespace(req.extra_key, getattr(req, "cache_salt", None))
+        return self.manager.prefetch(req.rid, ids, namespace=ns, limit=n)
 
     def dfs_weight_order(self, node_handles: Sequence[Any]) -> list[int]:
         """Request indices in depth-first, subtree-weight order (SGLang's DFS-weight scheduling),

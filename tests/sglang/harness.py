@@ -453,24 +453,37 @@ def run_stream(
     chunk: int = 48,
     retract_p: float = 0.0,
     between: Callable[[Env, random.Random], None] | None = None,
+    queued: int = 0,
+    arrived: Callable[[Env, Running], None] | None = None,
 ) -> None:
     """The seeded stream through ``env``, ``concurrency`` requests in flight, idle checks whenever
     none runs. With ``retract_p``, each decode step first retracts its request with that
     probability (it waits, then resumes with its outputs as prompt). ``between`` runs after every
-    scheduler step (the misuse test's wrong calls). Mismatches are collected in
-    ``env.mismatches``."""
+    scheduler step (the misuse test's wrong calls). ``queued``: that many requests arrive ahead of
+    their admission and wait in a queue (``arrived`` runs for each as it arrives, as SGLang's
+    scheduler calls ``_prefetch_kvcache``); 0: each arrives when admitted. Mismatches are
+    collected in ``env.mismatches``."""
     rng = random.Random(seed * 7919 + 1)
     reqs = stream(seed, n)
     i = 0
     running: list[Running] = []
     waiting: list[Running] = []
+    queue: list[Running] = []
     clock = getattr(env.cache, "clock", None)
-    while i < len(reqs) or running or waiting:
+    while i < len(reqs) or running or waiting or queue:
         if isinstance(clock, StepClock):
             clock.tick()
-        while (waiting or i < len(reqs)) and len(running) < concurrency:
+        while len(queue) < queued and i < len(reqs):
+            prompt, outputs, abort = reqs[i]
+            queue.append(new_request(f"r{i}", prompt, outputs, abort, rng))
+            i += 1
+            if arrived is not None:
+                arrived(env, queue[-1])
+        while (waiting or queue or i < len(reqs)) and len(running) < concurrency:
             if waiting:
                 r = waiting.pop(0)
+            elif queue:
+                r = queue.pop(0)
             else:
                 prompt, outputs, abort = reqs[i]
                 r = new_request(f"r{i}", prompt, outputs, abort, rng)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -20,7 +21,7 @@ from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from radixcache.sglang import plugin as rc_plugin
-from radixcache.sglang.backend import RadixcacheHybridCache
+from radixcache.sglang.backend import PREFETCH_WAIT_S, RadixcacheHybridCache
 from radixcache.sglang.kv import SGLangKVCodec
 from radixcache.tiers.store import MemoryStore, RedisStore, SharedStore
 
@@ -161,10 +162,10 @@ class _HeldStore(MemoryStore):
         return super().depths(index, lo, hi)
 
 
-def test_an_admission_whose_prefetch_is_unanswered_asks_the_store_itself() -> None:
-    """SGLang admits a request right after probing it when the batch has room: its prefetch is
-    still out then. The admission drops it and asks the store on its own thread: the hit is
-    served, never lost to the race."""
+def test_an_admission_whose_prefetch_stays_unanswered_asks_the_store_itself() -> None:
+    """SGLang admits a request right after it arrives when the batch has room: its prefetch is
+    still out then. The admission waits for it at most ``PREFETCH_WAIT_S``, then drops it and asks
+    the store on its own thread: the hit is served, never lost to the race."""
     store = MemoryStore()
     _serve_and_publish(_replica(store))
     held = _HeldStore(store)
@@ -178,13 +179,77 @@ def test_an_admission_whose_prefetch_is_unanswered_asks_the_store_itself() -> No
         assert b.cache.manager.shared_pending("raced")
         assert H.admit(b, run)
         assert run.req.prefix_len > 0 and shared.stats.hits == 1 and shared.stats.prefetch_late == 0
-        assert not b.cache.manager.shared_pending("raced")
+        assert shared.stats.prefetch_dropped == 1 and not b.cache.manager.shared_pending("raced")
     finally:
         held.release.set()
     while H.step(b, run, 48):
         pass
     assert b.mismatches == [], b.mismatches[:3]
     b.cache.manager.check_invariants()
+
+
+def test_an_admission_waits_briefly_for_its_prefetch_and_takes_the_answer() -> None:
+    """The fetcher answers a few milliseconds after the admission began: the admission waits for
+    it and takes it, without asking the store itself (no probe on the scheduler's thread)."""
+    store = MemoryStore()
+    _serve_and_publish(_replica(store))
+    held = _HeldStore(store)
+    b = _replica(held)
+    prompt, _, _ = H.stream(SEED, REQUESTS)[0]
+    run = H.new_request("waited", prompt, 2, False, random.Random(0))
+    shared = b.cache.shared
+    assert shared is not None
+    assert b.cache.prefetch_request(run.req)
+    probes = shared.stats.probes
+    timer = threading.Timer(PREFETCH_WAIT_S / 4, held.release.set)
+    timer.start()
+    try:
+        assert H.admit(b, run)
+    finally:
+        held.release.set()
+        timer.join()
+    assert run.req.prefix_len > 0 and shared.stats.hits == 1
+    assert shared.stats.prefetch_dropped == 0 and shared.stats.probes == probes + 1  # the fetcher's one
+    while H.step(b, run, 48):
+        pass
+    assert b.mismatches == [], b.mismatches[:3]
+
+
+def test_prefetches_at_arrival_serve_a_queued_stream_as_the_store_would() -> None:
+    """Requests arrive eight ahead of their admission, each prefetched as it arrives (what the
+    plugin's hook does in SGLang's scheduler): the stream's hits come from the prefetches' answers,
+    with the state and KV right."""
+    store = MemoryStore()
+    _serve_and_publish(_replica(store))
+    b = _replica(store)
+    H.run_stream(b, SEED, REQUESTS, queued=8, arrived=lambda env, r: env.cache.prefetch_request(r.req))
+    st = b.cache.shared
+    assert st is not None and b.mismatches == [], b.mismatches[:3]
+    assert st.stats.prefetches >= REQUESTS // 2 and st.stats.hits > 0, st.stats
+    b.cache.manager.check_invariants()
+
+
+def test_the_plugin_hooks_sglangs_arrival_and_prefetches_for_our_cache_only() -> None:
+    """After SGLang loads its plugins, its scheduler's ``_prefetch_kvcache`` (called for each
+    arriving request) runs our hook: a prefetch for radixcache's cache, nothing for another; a
+    prefetch that raises is warned about, never raised into SGLang's arrival path."""
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    store = MemoryStore()
+    _serve_and_publish(_replica(store))
+    b = _replica(store)
+    prompt, _, _ = H.stream(SEED, REQUESTS)[0]
+    run = H.new_request("arrives", prompt, 2, False, random.Random(0))
+    sched = SimpleNamespace(tree_cache=b.cache, enable_hicache_storage=False, enable_lmcache=False)
+    Scheduler._prefetch_kvcache(sched, run.req)
+    assert b.cache.shared is not None and b.cache.shared.stats.prefetches == 1
+    other = SimpleNamespace(tree_cache=object(), enable_hicache_storage=False, enable_lmcache=False)
+    Scheduler._prefetch_kvcache(other, run.req)
+    run.req.origin_input_ids = [-1, 2]  # an id SGLang's own key would refuse too
+    with pytest.warns(RuntimeWarning, match="prefetch at arrival raised"):
+        Scheduler._prefetch_kvcache(sched, run.req)
 
 
 # ------------------------------------------------------------------------------ the codec
