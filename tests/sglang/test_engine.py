@@ -56,6 +56,8 @@ class Run:
     served: Served | None
     noise: list[tuple[int, int, int]]
     log: str
+    shared: dict[str, Any] | None = None
+    """With the shared tier: its counters at the last idle fill (``SharedStats`` as a dict)."""
 
 
 @pytest.fixture(scope="module")
@@ -114,8 +116,15 @@ def serve(
     remove_left_behind(left_behind_file(out))
     served = Served.from_json(json.loads(out.read_text())) if rc == 0 and out.exists() else None
     noise = [tuple(int(x) for x in line.split()) for line in log.read_text().splitlines()] if log.exists() else []
-    _RUNS[key] = Run(rc, served, noise, err[-4000:])  # type: ignore[arg-type]
+    counters = log.with_name(log.name + ".shared")
+    last = counters.read_text().splitlines()[-1] if counters.exists() else None
+    _RUNS[key] = Run(rc, served, noise, err[-4000:], None if last is None else json.loads(last))  # type: ignore[arg-type]
     return _RUNS[key]
+
+
+def _key(name: str, strategy: str, chunk: int | None) -> tuple[str, ...]:
+    """The :data:`_RUNS` key of a radixcache engine run with the shared tier named ``name``."""
+    return ("radixcache", "engine", strategy, "", name, str(chunk or ""))
 
 
 def _ok(run: Run) -> Served:
@@ -220,6 +229,11 @@ def test_two_servers_share_prefixes_through_one_redis_server(
     cached_a, cached_b = sum(a.cached[:first]), sum(b.cached[:first])
     print(f"\n{strategy}: first round's cached tokens A {cached_a}, B {cached_b}; {blobs} keys in Redis")
     assert cached_b > cached_a, (cached_a, cached_b)
+    # inside B's scheduler: each arrival prefetched (the plugin's hook), hits verified and served
+    sa, sb = _RUNS[_key("shared-a", strategy, chunk)].shared, _RUNS[_key("shared-b", strategy, chunk)].shared
+    print(f"A's tier {sa}\nB's tier {sb}")
+    assert sa is not None and sb is not None and sa["published"] > 0
+    assert sb["prefetches"] >= Workload().users and sb["hits"] > 0 and sb["rejected"] == {}, sb
     if strategy == "default":
         # Negative control: server C fetches the same blobs but writes their KV bytes rotated
         # (``shared-kv``): the same oracle must catch it.

@@ -19,7 +19,8 @@ When the variables below are set:
     slot and every free KV token row is filled with noise: a state that was not restored (or was
     restored from the wrong place) is garbage, never a lucky reuse of a slot that still held the
     right one. Each fill appends ``<state slots> <kv rows> <largest batch so far>`` to the file named by
-    ``RADIXCACHE_SGLANG_NOISE_LOG`` (if set), so a test can check that it happened.
+    ``RADIXCACHE_SGLANG_NOISE_LOG`` (if set), so a test can check that it happened, and, with
+    radixcache's shared tier on, the tier's counters as a JSON line to that name plus ``.shared``.
 
 ``RADIXCACHE_SGLANG_INJECT=<bug>``
     A bug committed in the radixcache backend on purpose, for negative controls:
@@ -34,9 +35,11 @@ When the variables below are set:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.abc
 import importlib.machinery
+import json
 import os
 import sys
 import types
@@ -94,6 +97,10 @@ def _patch_scheduler(mod: types.ModuleType) -> None:
             if NOISE_LOG:
                 with open(NOISE_LOG, "a") as f:
                     f.write(f"{n[0]} {n[1]} {getattr(self, '_radixcache_max_batch', 0)}\n")
+                shared = getattr(self.tree_cache, "shared", None)
+                if shared is not None:  # the shared tier's counters so far, one JSON line per fill
+                    with open(NOISE_LOG + ".shared", "a") as f:
+                        f.write(json.dumps(dataclasses.asdict(shared.stats)) + "\n")
         return out
 
     def run_batch(self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
