@@ -144,7 +144,8 @@ class Meter:
         self.current = None
 
 
-def _pct(xs: list[int], q: float) -> float:
+def pct(xs: list[int], q: float) -> float:
+    """The ``q`` quantile of nanosecond samples ``xs``, in microseconds (0 for none)."""
     s = sorted(xs)
     return s[min(len(s) - 1, int(q * len(s)))] / 1e3 if s else 0.0
 
@@ -253,13 +254,13 @@ def run_one(kind: str, size: int, requests: int, seed: int, variant: str = "defa
         "cache": kind if kind == "radixcache" else "sglang-unified-rust",
         "timed_requests": len(per_req),
         "per_request_us": {
-            "p50": _pct(per_req, 0.5),
-            "p99": _pct(per_req, 0.99),
+            "p50": pct(per_req, 0.5),
+            "p99": pct(per_req, 0.99),
             "mean": round(total_ns / max(1, len(per_req)) / 1e3, 2),
         },
         "unattributed_us": round(meter.unattributed / 1e3, 1),
         "per_op": {
-            op: {"calls": len(v), "p50_us": _pct(v, 0.5), "p99_us": _pct(v, 0.99), "total_ms": round(sum(v) / 1e6, 2)}
+            op: {"calls": len(v), "p50_us": pct(v, 0.5), "p99_us": pct(v, 0.99), "total_ms": round(sum(v) / 1e6, 2)}
             for op, v in sorted(meter.per_op.items())
         },
         "state_copies_per_request": round(copies() / max(1, len(per_req)), 2),
@@ -303,7 +304,13 @@ def run_isolated(kind: str, size: int, requests: int, seed: int, variant: str = 
     concatenated its 1.5M-entry free list at every free: checkpoints 3x slower, in one variant
     and not another, by the order of the runs)."""
     cmd = [sys.executable, os.path.abspath(__file__), "--one", kind, variant]
-    cmd += ["--sizes", str(size), "--requests", str(requests), "--seed", str(seed)]
+    return json_of([*cmd, "--sizes", str(size), "--requests", str(requests), "--seed", str(seed)])
+
+
+def json_of(cmd: list[str]) -> dict[str, Any]:
+    """What ``cmd`` (a benchmark's own run in a fresh interpreter) printed, as JSON.
+
+    :raises RuntimeError: it failed (its command, exit status and the tail of its stderr)."""
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-4000:]}")

@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 from typing import Any
 
@@ -59,7 +58,7 @@ def run_one(mode: str, url: str, requests: int, seed: int) -> dict[str, Any]:
     into a flushed server); ``local``, ``shared``,
     ``prefetched``: replica B serves it timed, without the shared tier, with it (each admission
     asks the store), with it and each request prefetched as it arrives (the plugin's hook)."""
-    from sglang_scheduler_cost import Meter, _pct
+    from sglang_scheduler_cost import Meter, pct
 
     env = _env(None if mode == "local" else url, requests, seed)
     if mode == "publish":
@@ -90,12 +89,12 @@ def run_one(mode: str, url: str, requests: int, seed: int) -> dict[str, Any]:
     st = env.cache.shared.stats if env.cache.shared is not None else None
     return {
         "per_request_us": {
-            "p50": _pct(per_req, 0.5),
-            "p99": _pct(per_req, 0.99),
+            "p50": pct(per_req, 0.5),
+            "p99": pct(per_req, 0.99),
             "mean": round((sum(per_req) + meter.unattributed) / max(1, len(per_req)) / 1e3, 2),
         },
         "per_op": {
-            op: {"calls": len(v), "p50_us": _pct(v, 0.5), "p99_us": _pct(v, 0.99), "total_ms": round(sum(v) / 1e6, 2)}
+            op: {"calls": len(v), "p50_us": pct(v, 0.5), "p99_us": pct(v, 0.99), "total_ms": round(sum(v) / 1e6, 2)}
             for op, v in sorted(meter.per_op.items())
             if op in ("match_prefix", "checkpoint", "prefetch_request")
         },
@@ -115,12 +114,10 @@ def run_one(mode: str, url: str, requests: int, seed: int) -> dict[str, Any]:
 
 
 def _isolated(mode: str, url: str, requests: int, seed: int) -> dict[str, Any]:
+    from sglang_scheduler_cost import json_of
+
     cmd = [sys.executable, os.path.abspath(__file__), "--one", mode, url, "--requests", str(requests)]
-    done = subprocess.run([*cmd, "--seed", str(seed)], capture_output=True, text=True, check=False)
-    if done.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-4000:]}")
-    out: dict[str, Any] = json.loads(done.stdout)
-    return out
+    return json_of([*cmd, "--seed", str(seed)])
 
 
 def main() -> None:

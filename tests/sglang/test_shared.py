@@ -162,20 +162,26 @@ class _HeldStore(MemoryStore):
         return super().depths(index, lo, hi)
 
 
-def test_an_admission_whose_prefetch_stays_unanswered_asks_the_store_itself() -> None:
-    """SGLang admits a request right after it arrives when the batch has room: its prefetch is
-    still out then. The admission waits for it at most ``PREFETCH_WAIT_S``, then drops it and asks
-    the store on its own thread: the hit is served, never lost to the race."""
+def _held_replica(rid: str) -> tuple[_HeldStore, H.Env, H.Running, Any]:
+    """A published to a store, B over it through a :class:`_HeldStore`, a request ``rid`` of the
+    stream's first prompt, and B's tier."""
     store = MemoryStore()
     _serve_and_publish(_replica(store))
     held = _HeldStore(store)
     b = _replica(held)
     prompt, _, _ = H.stream(SEED, REQUESTS)[0]
-    run = H.new_request("raced", prompt, 2, False, random.Random(0))
-    shared = b.cache.shared
-    assert shared is not None
+    run = H.new_request(rid, prompt, 2, False, random.Random(0))
+    assert b.cache.shared is not None
+    return held, b, run, b.cache.shared
+
+
+def test_an_admission_whose_prefetch_stays_unanswered_asks_the_store_itself() -> None:
+    """SGLang admits a request right after it arrives when the batch has room: its prefetch is
+    still out then. The admission waits for it at most ``PREFETCH_WAIT_S``, then drops it and asks
+    the store on its own thread: the hit is served, never lost to the race."""
+    held, b, run, shared = _held_replica("raced")
     try:
-        b.cache.match_prefix(MatchPrefixParams(key=RadixKey(list(prompt)), req=run.req))
+        b.cache.match_prefix(MatchPrefixParams(key=RadixKey(list(run.req.origin_input_ids)), req=run.req))
         assert b.cache.manager.shared_pending("raced")
         assert H.admit(b, run)
         assert run.req.prefix_len > 0 and shared.stats.hits == 1 and shared.stats.prefetch_late == 0
@@ -191,14 +197,7 @@ def test_an_admission_whose_prefetch_stays_unanswered_asks_the_store_itself() ->
 def test_an_admission_waits_briefly_for_its_prefetch_and_takes_the_answer() -> None:
     """The fetcher answers a few milliseconds after the admission began: the admission waits for
     it and takes it, without asking the store itself (no probe on the scheduler's thread)."""
-    store = MemoryStore()
-    _serve_and_publish(_replica(store))
-    held = _HeldStore(store)
-    b = _replica(held)
-    prompt, _, _ = H.stream(SEED, REQUESTS)[0]
-    run = H.new_request("waited", prompt, 2, False, random.Random(0))
-    shared = b.cache.shared
-    assert shared is not None
+    held, b, run, shared = _held_replica("waited")
     assert b.cache.prefetch_request(run.req)
     probes = shared.stats.probes
     timer = threading.Timer(PREFETCH_WAIT_S / 4, held.release.set)
