@@ -1486,6 +1486,7 @@ SHARED_CORRUPTIONS: dict[str, Callable[[ReferenceEngine], object]] = {
     "shared hits from": lambda e: setattr(_tier(e).stats, "probes", 0),
     "foreign hits of": lambda e: setattr(_tier(e).stats, "foreign_hits", 10**6),
     "stats.errors": lambda e: setattr(_tier(e).stats, "errors", -1),
+    "answered prefetches hold": lambda e: setattr(_tier(e), "_prefetch_bytes", 5),
     "publications queued": lambda e: e.manager._to_publish.extend([_queued_item(e)] * (_tier(e).max_pending + 1)),
     "with a key of": lambda e: e.manager._to_publish.append(
         (_queued_item(e)[0], np.zeros(3, dtype=np.int64), None, None)
@@ -1688,6 +1689,48 @@ def test_prefetches_are_bounded_cancelled_and_validated() -> None:
     assert tier.take("r3", ids, None, 0) in ((True, None),)  # a miss (or late): nothing published
     assert tier.close(timeout_s=5)
     tier.check_invariants()
+
+
+def _answer_all(tier: SharedTier, rids: list[str]) -> None:
+    deadline = time.monotonic() + 10
+    while any(tier.prefetch_pending(r) for r in rids):
+        assert time.monotonic() < deadline, "prefetches never answered"
+        time.sleep(0.001)
+
+
+def test_answered_prefetches_hold_at_most_max_prefetch_bytes_the_oldest_dropped(model: HybridModel) -> None:
+    """A host that prefetches at arrival keeps an answer per waiting request: beyond
+    ``max_prefetch_bytes`` the oldest answers go (their admissions ask the store themselves), and
+    an answer larger than the cap alone is not kept."""
+    store = MemoryStore()
+    a = ReferenceEngine(model, shared_store=store, publisher="A")
+    prompts = _prompts(1, seed=14)
+    _publish(a, prompts)
+    b = ReferenceEngine(model, shared_store=store, publisher="B")
+    tier = _tier(b)
+    ids = np.asarray(prompts[0], dtype=np.int64)
+    assert b.manager.prefetch("r0", ids)
+    _answer_all(tier, ["r0"])
+    one = tier.prefetch_bytes
+    assert one > 0
+    assert tier.take("r0", ids, None, 0)[1] is not None and tier.prefetch_bytes == 0
+    tier.max_prefetch_bytes = 2 * one + one // 2  # two answers of this blob fit, not three
+    for r in ("r1", "r2", "r3"):
+        assert b.manager.prefetch(r, ids)
+    _answer_all(tier, ["r1", "r2", "r3"])
+    assert tier.prefetch_bytes == 2 * one and tier.stats.prefetch_dropped == 1
+    b.manager.check_invariants()
+    assert tier.take("r1", ids, None, 0) == (False, None), "the oldest answer was dropped"
+    assert tier.take("r2", ids, None, 0)[1] is not None and tier.take("r3", ids, None, 0)[1] is not None
+    tier.max_prefetch_bytes = one - 1  # one answer alone is too large: not kept
+    assert b.manager.prefetch("r4", ids)
+    _answer_all(tier, ["r4"])
+    assert tier.prefetch_bytes == 0 and tier.stats.prefetch_dropped == 2
+    assert tier.take("r4", ids, None, 0) == (False, None)
+    b.manager.check_invariants()
+    with pytest.raises(ValueError, match="max_prefetch_bytes must be an int >= 1, got 0"):
+        SharedTier(store, model="m", kv=_NoKV(), max_prefetch_bytes=0)
+    b.close()
 
 
 def _fetcher_threads() -> int:

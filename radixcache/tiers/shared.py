@@ -134,7 +134,8 @@ class SharedStats:
     :ivar prefetches: probes issued ahead of an admission (:meth:`SharedTier.prefetch`), answered
         on the tier's fetcher thread; :ivar prefetch_late: admissions that came before their
         prefetch was answered (served locally); :ivar prefetch_dropped: prefetches not issued or
-        dropped unread (too many outstanding, or cancelled);
+        dropped unread (too many outstanding, answered beyond ``max_prefetch_bytes``, or
+        cancelled);
     :ivar trimmed: depths removed from the depth index because every blob at them had expired.
     """
 
@@ -211,6 +212,16 @@ class Fetched:
     state: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
+def _held_bytes(got: Fetched) -> int:
+    """What a prefetch's answer keeps alive: the whole blob its KV view is a view of, and its
+    state's host copy."""
+    kv = got.kv
+    n = memoryview(kv.obj if isinstance(kv, memoryview) else kv).nbytes
+    if got.state is not None:
+        n += sum(t.numel() * t.element_size() for t in got.state)
+    return int(n)
+
+
 def _check_ids(ids: object) -> None:
     """Cache ids as the tier takes them: a 1-D integer numpy array."""
     if not isinstance(ids, np.ndarray) or ids.dtype.kind not in "iu":
@@ -265,6 +276,11 @@ class SharedTier:
         publication that would pass it is dropped (``stats.publish_skipped``).
     :param max_prefetches: prefetches (:meth:`prefetch`) outstanding at most; the oldest goes
         beyond it.
+    :param max_prefetch_bytes: what the answered prefetches waiting for their admissions may hold
+        at most (each its blob and its state's host copy); beyond it the oldest answered ones are
+        dropped (``stats.prefetch_dropped``: their admissions ask the store themselves). A host
+        that prefetches at arrival keeps one answer per waiting request: with large states and
+        long prompts a count alone does not bound the memory.
     :param secret: a deployment secret (1 to 64 bytes) that keys every blob's digest: replicas
         share blobs only when they hold the same secret, and a writer without it cannot plant a
         blob that verifies. ``None`` (default): an unkeyed digest, which still catches every
@@ -291,6 +307,7 @@ class SharedTier:
         max_queued_bytes: int = 1 << 30,
         secret: bytes | None = None,
         max_prefetches: int = 1024,
+        max_prefetch_bytes: int = 1 << 30,
     ) -> None:
         if not isinstance(store, SharedStore):
             raise TypeError(f"store must implement SharedStore, got {type(store).__name__}")
@@ -316,8 +333,9 @@ class SharedTier:
                 raise ValueError(f"secret must hold 1 to 64 bytes (blake2b's key), got {len(secret)}")
         if not isinstance(background, bool):
             raise TypeError(f"background must be a bool, got {background!r}")
-        if isinstance(max_queued_bytes, bool) or not isinstance(max_queued_bytes, int) or max_queued_bytes < 1:
-            raise ValueError(f"max_queued_bytes must be an int >= 1, got {max_queued_bytes!r}")
+        for name, v in (("max_queued_bytes", max_queued_bytes), ("max_prefetch_bytes", max_prefetch_bytes)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         if publisher is None:
             import os
             import socket
@@ -356,7 +374,9 @@ class SharedTier:
         self._warned_foreign = False
         self._client: object | None = None
         self.max_prefetches = max_prefetches
+        self.max_prefetch_bytes = max_prefetch_bytes
         self._prefetches: OrderedDict[Hashable, _Prefetch] = OrderedDict()  # by request, under _lock
+        self._prefetch_bytes = 0  # what the listed answered prefetches hold (their nbytes), under _lock
         self._fetcher: _Fetcher | None = None
         # What lookups on the fetcher thread learnt, for the scheduler's thread: rejections
         # (reason, key, depth, publisher, details) and keys fetched. Under _lock.
@@ -841,6 +861,7 @@ class SharedTier:
                 _, old = self._prefetches.popitem(last=False)
                 old.cancelled = True
                 self.stats.prefetch_dropped += 1
+                self._release(old)
         self.start_prefetching()  # a host that did not call it at set-up: started here
         assert self._fetcher is not None
         self._fetcher.submit(job)
@@ -867,6 +888,13 @@ class SharedTier:
         """Whether the fetcher thread was started (and the tier not closed since)."""
         return self._fetcher is not None and not self._closed
 
+    @property
+    def prefetch_bytes(self) -> int:
+        """What the answered prefetches waiting for their admissions hold now (bytes, at most
+        ``max_prefetch_bytes``)."""
+        with self._lock:
+            return self._prefetch_bytes
+
     def prefetch_pending(self, rid: Hashable) -> bool:
         """Whether ``rid`` has a prefetch the fetcher thread has not answered yet (a host may hold
         the request back until it is answered, as the vLLM connector does)."""
@@ -886,6 +914,29 @@ class SharedTier:
         skips it, and it counts as dropped when it was not answered."""
         job.cancelled = True
         self.stats.prefetch_dropped += not job.done
+        self._release(job)
+
+    def _release(self, job: _Prefetch) -> None:
+        """An unlisted prefetch lets go of its answer (the caller holds the lock)."""
+        self._prefetch_bytes -= job.nbytes
+        job.nbytes = 0
+        job.result = None
+
+    def _answered(self, job: _Prefetch, got: Fetched | None) -> None:
+        """The fetcher's answer to ``job`` (the caller holds the lock): kept while the request is
+        still listed, then the oldest answers dropped while they hold more than
+        ``max_prefetch_bytes`` (this one last)."""
+        job.done = True
+        if job.cancelled or got is None or self._prefetches.get(job.rid) is not job:
+            return
+        job.result, job.nbytes = got, _held_bytes(got)
+        self._prefetch_bytes += job.nbytes
+        while self._prefetch_bytes > self.max_prefetch_bytes:
+            rid, old = next((r, j) for r, j in self._prefetches.items() if j.nbytes)
+            del self._prefetches[rid]
+            old.cancelled = True
+            self.stats.prefetch_dropped += 1
+            self._release(old)
 
     def take(
         self,
@@ -915,8 +966,9 @@ class SharedTier:
             if late:
                 job.cancelled = True
                 self.stats.prefetch_late += 1
+            got = None if late else job.result
+            self._release(job)
         self._drain_deferred()
-        got = None if late else job.result
         if got is None:
             return True, None
         d = got.depth
@@ -1047,6 +1099,10 @@ class SharedTier:
                 f"{len(self._prefetches)} prefetches outstanding, cap {self.max_prefetches}"
             )
             assert all(not job.cancelled for job in self._prefetches.values()), "a cancelled prefetch still listed"
+            held = sum(job.nbytes for job in self._prefetches.values())
+            assert held == self._prefetch_bytes <= self.max_prefetch_bytes, (
+                f"answered prefetches hold {held} bytes, counted {self._prefetch_bytes}, cap {self.max_prefetch_bytes}"
+            )
         if self._fetcher is not None:
             self._fetcher.check_invariants()
         st = self.stats
@@ -1094,6 +1150,7 @@ class _Prefetch:
     done: bool = False
     cancelled: bool = False
     result: Fetched | None = None
+    nbytes: int = 0  # what its answer holds while listed (SharedTier.max_prefetch_bytes)
 
 
 class _Fetcher:
@@ -1146,8 +1203,7 @@ class _Fetcher:
                     f"shared tier fetcher: a prefetch raised {type(e).__name__}: {e}", RuntimeWarning, stacklevel=1
                 )
             with tier._lock:
-                job.result = got
-                job.done = True
+                tier._answered(job, got)
 
     def close(self, timeout_s: float | None) -> None:
         with self._cv:
