@@ -621,6 +621,13 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         ns = _namespace(req.extra_key, getattr(req, "cache_salt", None))
         return self.manager.prefetch(req.rid, ids, namespace=ns, limit=n)
 
+    def release_aborted_request(self, handle: Any) -> None:
+        """SGLang's call (through ``finish(handle, ABORT)``) for a request aborted while it waited
+        or refused at arrival: its shared-tier prefetch is dropped, and the answer's memory with
+        it. Nothing else of the cache is the request's before its admission."""
+        if self.shared is not None:
+            self.shared.cancel(getattr(handle, "rid", None))
+
     def dfs_weight_order(self, node_handles: Sequence[Any]) -> list[int]:
         """Request indices in depth-first, subtree-weight order (SGLang's DFS-weight scheduling),
         per tree: requests under one extra key stay together, trees in order of first appearance."""

@@ -228,6 +228,24 @@ def test_prefetches_at_arrival_serve_a_queued_stream_as_the_store_would() -> Non
     b.cache.manager.check_invariants()
 
 
+def test_a_request_aborted_while_it_waits_lets_go_of_its_prefetch() -> None:
+    """SGLang's scheduler drops a waiting request it aborts through ``_release_aborted_request``,
+    which tells the cache (``finish(handle, ABORT)``): its prefetch and the answer's memory go."""
+    from sglang.srt.managers.scheduler import Scheduler
+
+    held, b, run, shared = _held_replica("aborted")
+    held.release.set()
+    assert b.cache.prefetch_request(run.req)
+    deadline = time.monotonic() + 10
+    while b.cache.manager.shared_pending("aborted") and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert shared.prefetch_bytes > 0
+    Scheduler._release_aborted_request(SimpleNamespace(tree_cache=b.cache), run.req)
+    ids = np.asarray(run.req.origin_input_ids)
+    assert shared.prefetch_bytes == 0 and shared.take("aborted", ids, None, 0) == (False, None)
+    b.cache.manager.check_invariants()
+
+
 def test_the_plugin_hooks_sglangs_arrival_and_prefetches_for_our_cache_only() -> None:
     """After SGLang loads its plugins, its scheduler's ``_prefetch_kvcache`` (called for each
     arriving request) runs our hook: a prefetch for radixcache's cache, nothing for another; a
