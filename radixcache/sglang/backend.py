@@ -44,6 +44,7 @@ cache and disabled radix cache.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from array import array
@@ -310,7 +311,15 @@ def _shared_from_env(server_args: Any) -> dict[str, Any]:
 
 
 def _namespace(extra_key: Any, cache_salt: Any) -> Hashable:
-    return None if extra_key is None and cache_salt is None else (extra_key, cache_salt)
+    """The tree's namespace of SGLang's ``extra_key`` (a LoRA adapter's, say) and ``cache_salt``:
+    None without either; for strings, one string per pair (the pair's JSON: injective), which the
+    shared tier can put in a content address, so replicas share such prefixes only under the same
+    pair; anything else the pair itself (served locally only)."""
+    if extra_key is None and cache_salt is None:
+        return None
+    if isinstance(extra_key, (str, type(None))) and isinstance(cache_salt, (str, type(None))):
+        return "sglang:" + json.dumps([extra_key, cache_salt])
+    return (extra_key, cache_salt)
 
 
 def _key(key: Any) -> tuple[CacheKey, CacheKey, Hashable]:
