@@ -327,6 +327,14 @@ class MisuseMachine(HostMachine):
             Misuse("tier: retry_s a string", lambda: SharedTier(sh.store, model="m", kv=_NoKV(), retry_s=_wrong("1"))),
             Misuse("tier: an empty secret", lambda: SharedTier(sh.store, model="m", kv=_NoKV(), secret=b"")),
             Misuse(
+                "tier: max_prefetch_bytes 0",
+                lambda: SharedTier(sh.store, model="m", kv=_NoKV(), max_prefetch_bytes=0),
+            ),
+            Misuse(
+                "tier: max_prefetch_bytes a bool",
+                lambda: SharedTier(sh.store, model="m", kv=_NoKV(), max_prefetch_bytes=_wrong(True)),
+            ),
+            Misuse(
                 "tier: a clock that is not callable",
                 lambda: SharedTier(sh.store, model="m", kv=_NoKV(), clock=_wrong(1)),
             ),
