@@ -27,8 +27,6 @@ Nothing here imports vLLM; the connector maps vLLM's blocks and layers onto thes
 from __future__ import annotations
 
 import math
-import threading
-import weakref
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +42,7 @@ from ..core.policy import Policy
 from ..core.tree import HybridRadixCache, TreeNode
 from ..forensics import Forensics, Ledger
 from ..manager import CacheManager
+from ..tiers.export_buffers import ExportBuffers
 from ..tiers.shared import SharedTier
 from ..tiers.store import SharedStore
 from .memory import StoreBytes, StoreMapping
@@ -173,27 +172,20 @@ class StoreStats:
         self.saves_skipped[why] = self.saves_skipped.get(why, 0) + 1
 
 
-_KV_SPARES = 2  # exported KV buffers a codec keeps for later exports (see PagedKVCodec.reuse_kv)
-
-
 class PagedKVCodec:
     """The shared tier's :class:`~radixcache.tiers.shared.KVCodec` over a store's host pages: a
     prefix's KV travels as its pages' bytes (``[kv_layers, pages, kv_page_bytes]``, C order).
     Built by :class:`PagedHostStore` when it is given a shared store.
 
-    It keeps up to two of the buffers it exported once the tier has encoded them
-    (:meth:`reuse_kv`), together at most a quarter of the store's KV bytes, and exports into the
-    smallest that fits: a copy into memory already written skips the fresh pages' first touch
-    (``benchmarks/bench_vllm_store.py``: ``export_kv_ms``)."""
+    It exports into :class:`~radixcache.tiers.export_buffers.ExportBuffers` (``buffers``): up to
+    two of the buffers the tier handed back (:meth:`reuse_kv`), together at most a quarter of the
+    store's KV bytes, the smallest that fits taken: a copy into memory already written skips the
+    fresh pages' first touch (``benchmarks/bench_vllm_store.py``: ``export_kv_ms``)."""
 
     def __init__(self, store: PagedHostStore) -> None:
         self._store = store
         self.identity = store.layout.identity
-        self._lock = threading.Lock()  # exports on the scheduler's thread, reuse on the writer's
-        self._spares: list[np.ndarray] = []  # flat uint8 buffers, written before, nobody's now
-        # the buffers exported and not handed back, by id; weak: one the tier dropped is forgotten
-        self._lent: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
-        self._spare_cap = int(store.kv.numel()) // 4  # bytes (uint8 pages)
+        self.buffers = ExportBuffers(int(store.kv.numel()) // 4)  # bytes (uint8 pages)
 
     def export_kv(self, kv_indices: torch.Tensor, after: Fence | None) -> memoryview:
         """The bytes of the whole pages ``kv_indices`` name (``[kv_layers, pages, kv_page_bytes]``,
@@ -208,7 +200,7 @@ class PagedKVCodec:
         need = lay.kv_layers * len(pages) * lay.kv_page_bytes
         if not need:
             return memoryview(b"")
-        flat = self._take(need)[:need]
+        flat = self.buffers.take(need)[:need]
         out = flat.reshape(lay.kv_layers, len(pages), lay.kv_page_bytes)
         # PERF: page by page by numpy (which lets go of the interpreter lock) into a buffer of its
         # own, handed over as it is: torch's indexed uint8 gather and then ``tobytes`` took 52 ms
@@ -219,51 +211,19 @@ class PagedKVCodec:
             out[:, j] = src[:, p]
         return flat.data
 
-    def _take(self, need: int) -> np.ndarray:
-        """The smallest spare buffer of at least ``need`` bytes, else a new one; lent out."""
-        with self._lock:
-            fits = [k for k, b in enumerate(self._spares) if b.size >= need]
-            buf = self._spares.pop(min(fits, key=lambda k: self._spares[k].size)) if fits else np.empty(need, np.uint8)
-            self._lent[id(buf)] = buf
-        return buf
-
     def reuse_kv(self, kv: bytes | memoryview) -> None:
         """The tier is done with ``kv``, a view :meth:`export_kv` returned: its buffer may be
-        written by a later export. Anything else (bytes, another view, one handed back before) is
-        ignored. Keeps the largest two buffers within the cap (see the class docstring)."""
-        obj = kv.obj if isinstance(kv, memoryview) else None
-        buf = obj.base if isinstance(obj, np.ndarray) else None
-        if not isinstance(buf, np.ndarray):
-            return
-        with self._lock:
-            if self._lent.get(id(buf)) is not buf:
-                return
-            del self._lent[id(buf)]
-            if buf.size > self._spare_cap:
-                return
-            self._spares.append(buf)
-            self._spares.sort(key=lambda b: b.size, reverse=True)
-            del self._spares[_KV_SPARES:]
-            while sum(b.size for b in self._spares) > self._spare_cap:
-                self._spares.pop()
+        written by a later export (:meth:`ExportBuffers.give_back`: anything else is ignored)."""
+        self.buffers.give_back(kv)
 
     @property
     def spare_bytes(self) -> int:
         """Bytes of the exported buffers kept for later exports."""
-        with self._lock:
-            return sum(b.size for b in self._spares)
+        return self.buffers.spare_bytes
 
     def check_invariants(self) -> None:
-        """The kept buffers: at most two, within the cap, flat bytes, each kept once and none
-        both kept and lent (``AssertionError`` otherwise)."""
-        with self._lock:
-            spares = list(self._spares)
-            lent = {id(b) for b in self._lent.values()}
-        assert len(spares) <= _KV_SPARES, f"{len(spares)} KV buffers kept, cap {_KV_SPARES}"
-        assert sum(b.size for b in spares) <= self._spare_cap, f"KV buffers kept past {self._spare_cap} bytes"
-        assert all(b.dtype == np.uint8 and b.ndim == 1 for b in spares), "a kept KV buffer not flat bytes"
-        assert len({id(b) for b in spares}) == len(spares), "a KV buffer kept twice"
-        assert not lent & {id(b) for b in spares}, "a KV buffer both kept and lent"
+        """The kept buffers' rules (:meth:`ExportBuffers.check_invariants`)."""
+        self.buffers.check_invariants()
 
     def import_kv(self, data: bytes | memoryview, num_tokens: int) -> torch.Tensor | None:
         """Pages for ``num_tokens`` tokens (a whole number of blocks) holding ``data``, their
