@@ -21,6 +21,11 @@ The server: ``--redis-url``, or one of the benchmark's own on a free loopback po
 ``.venv-sglang``)::
 
     .venv-sglang/bin/python benchmarks/sglang_shared.py [--requests 300] [--reps 3] [--seed 1]
+
+``--codec`` instead times the KV codec's export on the thread that publishes (the scheduler's):
+a 2,048-token prefix of a Qwen3-Next-80B-like KV pool (12 full-attention layers, 2 KV heads of
+256, bf16: 48 MiB) into fresh memory, against into a buffer the tier handed back
+(``SGLangKVCodec.reuse_kv``), alternating, ms per export.
 """
 
 from __future__ import annotations
@@ -109,7 +114,57 @@ def run_one(mode: str, url: str, requests: int, seed: int) -> dict[str, Any]:
             "published": st.published,
             "prefetches": st.prefetches,
             "prefetch_dropped": st.prefetch_dropped,
+            # a store call that failed or timed out, and the calls skipped while it was held down
+            # (a loaded machine's smoke run would otherwise fail without saying why)
+            "errors": st.errors,
+            "skipped_down": st.skipped_down,
+            "no_room": st.no_room,
+            "rejected": dict(st.rejected),
         },
+    }
+
+
+def codec_export_ms(reps: int, tokens: int = 2048) -> dict[str, Any]:
+    """``SGLangKVCodec.export_kv`` of ``tokens`` scattered KV indices, each export into fresh
+    memory (the buffer dropped) against into the one handed back before (``reuse_kv``), the two
+    alternating; ms per export, median and min over ``reps``."""
+    import time
+
+    import torch
+    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    from radixcache.sglang.kv import SGLangKVCodec
+
+    H.setup_sglang(1)
+    size = 8 * tokens  # the kept buffers are capped at a quarter of the pool: 4x the export
+    pool = MHATokenToKVPool(
+        size=size, page_size=1, dtype=torch.bfloat16, head_num=2, head_dim=256, layer_num=12,
+        device="cpu", enable_memory_saver=False,
+    )  # fmt: skip
+    alloc = TokenToKVPoolAllocator(size=size, dtype=torch.bfloat16, device="cpu", kvcache=pool, need_sort=False)
+    for t in (*pool.k_buffer, *pool.v_buffer):
+        t.normal_()
+    fresh, reusing = SGLangKVCodec(alloc, keep_bytes=0), SGLangKVCodec(alloc)
+    idx = torch.randperm(size)[:tokens] + 1
+    reusing.reuse_kv(reusing.export_kv(idx, None))
+    times: dict[str, list[float]] = {"fresh": [], "reused": []}
+    for _ in range(reps):
+        for name, codec in (("fresh", fresh), ("reused", reusing)):
+            t0 = time.perf_counter()
+            out = codec.export_kv(idx, None)
+            times[name].append((time.perf_counter() - t0) * 1e3)
+            codec.reuse_kv(out)  # kept by ``reusing``; ``fresh`` keeps nothing (its cap is 0)
+            del out
+    # the comparison means something only if the buffer was kept (within the cap) and taken
+    assert reusing.buffers.spare_bytes == tokens * reusing.bytes_per_token, reusing.buffers.spare_bytes
+    assert bytes(fresh.export_kv(idx, None)) == bytes(reusing.export_kv(idx, None))
+    return {
+        "bench": "sglang_kv_codec_export",
+        "tokens": tokens,
+        "mib": round(tokens * fresh.bytes_per_token / 2**20, 1),
+        "export_ms": {k: {"median": round(statistics.median(v), 2), "min": round(min(v), 2)} for k, v in times.items()},
+        "reused_over_fresh": round(statistics.median(times["reused"]) / statistics.median(times["fresh"]), 3),
     }
 
 
@@ -127,7 +182,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--redis-url", help="an existing server (default: start one of our own)")
     ap.add_argument("--one", nargs=2, metavar=("MODE", "URL"), help=argparse.SUPPRESS)
+    ap.add_argument("--codec", action="store_true", help="instead: the KV codec's export, fresh memory or reused")
     args = ap.parse_args()
+    if args.codec:
+        print(json.dumps(codec_export_ms(max(args.reps, 1) * 10), indent=1))
+        return
     if args.one:
         print(json.dumps(run_one(args.one[0], args.one[1], args.requests, args.seed)))
         return

@@ -412,6 +412,39 @@ class _NoKV:
         return torch.arange(num_tokens)
 
 
+class _FreeKV(_NoKV):
+    def __init__(self, answer: Callable[[], Any]) -> None:
+        self.answer = answer
+
+    def free_tokens(self) -> Any:
+        return self.answer()
+
+
+def _raise() -> int:
+    raise RuntimeError("allocator gone")
+
+
+@pytest.mark.parametrize(
+    ("answer", "want", "errors"),
+    [(lambda: 7, 7, 0), (lambda: np.int32(0), 0, 0), (_raise, None, 1), (lambda: -1, None, 1),
+     (lambda: True, None, 1), (lambda: "3", None, 1)],
+)  # fmt: skip
+def test_what_the_codec_says_the_host_has_free_is_read_checked(
+    answer: Callable[[], Any], want: int | None, errors: int
+) -> None:
+    """``kv_free_tokens``: the codec's ``free_tokens()`` when it answers an int >= 0; None (and a
+    codec error counted, warned about) when it raises or answers anything else; None without it."""
+    store = MemoryStore()
+    assert SharedTier(store, model="m", kv=_NoKV()).kv_free_tokens() is None
+    tier = SharedTier(store, model="m", kv=_FreeKV(answer))
+    if errors:
+        with pytest.warns(RuntimeWarning, match="free_tokens"):
+            assert tier.kv_free_tokens() is want
+    else:
+        assert tier.kv_free_tokens() == want
+    assert tier.stats.codec_errors == errors
+
+
 def test_bad_tier_arguments_raise_typed_errors() -> None:
     store = MemoryStore()
     with pytest.raises(TypeError, match="SharedStore"):

@@ -869,7 +869,8 @@ class CacheManager:
         """The shared tier's deepest verified blob for ``ids`` past ``local`` (at most ``limit``
         deep), with ``slots`` pool slots free for it (evicting snapshots through the policy, never
         ``hold``, the local match, or its path) and its KV imported through the codec (with
-        ``kv_room``, KV evicted first for it when the manager owns the allocator). A request with a
+        ``kv_room``, KV evicted first for it when the manager owns the allocator or the codec
+        says what the host's has free, ``KVCodec``'s ``free_tokens``). A request with a
         prefetch takes its answer (never waiting for it); without one the store is asked now.
         None: a miss; nothing changed but the tier's counters and what the evictions freed."""
         shared = self.shared
@@ -888,8 +889,10 @@ class CacheManager:
         try:
             if not self.pool.can_alloc(slots):
                 self._evict_snapshots(slots - self.pool.num_free, now, EvictionReason.ADMISSION)
-            if kv_room and self.pool.can_alloc(slots) and self.kv is not None and self.kv.num_free < d:
-                self._evict_kv(min(d - self.kv.num_free, self.cache.evictable_kv_tokens), now, None)
+            if kv_room and self.pool.can_alloc(slots):
+                free = self.kv.num_free if self.kv is not None else shared.kv_free_tokens()
+                if free is not None and free < d:
+                    self._evict_kv(min(d - free, self.cache.evictable_kv_tokens), now, None)
         finally:
             if local:
                 self.cache.unlock(hold)
@@ -927,8 +930,11 @@ class CacheManager:
         tokens deep (default: every id; cap them as for :meth:`lookup`) and a whole number of
         pages; a verified blob is filed into the tree (its KV through the tier's codec, its state
         cloned into a snapshot, announced to the policy and recorded by forensics) before the
-        match is taken. Returns the match, as :meth:`lookup` (not locked, recency refreshed). No
-        shared tier, a namespace the tier cannot address, a miss, or no room: the local match.
+        match is taken. Room is made for it through the policy, never on the local match's path:
+        snapshots for its two slots, and the tree's KV when the manager owns the allocator or the
+        codec says what the host's has free (``KVCodec``'s ``free_tokens``). Returns the match,
+        as :meth:`lookup` (not locked, recency refreshed). No shared tier, a namespace the tier
+        cannot address, a miss, or no room: the local match.
         Publications whose fences completed go out first. With ``rid`` and a :meth:`prefetch` of
         it, its answer is taken instead of asking the store now (not answered yet: the local
         match). O(match + blob).

@@ -20,7 +20,11 @@ import torch
 
 from linear_state import Fence
 
-__all__ = ["SGLangKVCodec"]
+from ..tiers.export_buffers import ExportBuffers
+
+__all__ = ["KEEP_BYTES", "SGLangKVCodec"]
+
+KEEP_BYTES = 1 << 30  # the default cap on the exported buffers a codec keeps (host memory)
 
 
 def _kv_buffers(kvcache: Any) -> tuple[list[torch.Tensor], list[str]]:
@@ -48,19 +52,26 @@ class SGLangKVCodec:
     token allocator (``token_to_kv_pool_allocator``, whose ``get_kvcache()`` is the pool).
 
     - :meth:`export_kv`: the rows of the given KV indices, read once the fence completed (on a
-      CUDA pool, once the device finished what was queued before), into a buffer of their own.
+      CUDA pool, once the device finished what was queued before), into a buffer of their own:
+      one the tier handed back (:meth:`reuse_kv`) when one fits, memory written before (up to
+      two kept, together at most ``keep_bytes``: :class:`~radixcache.tiers.export_buffers.ExportBuffers`).
     - :meth:`import_kv`: ``num_tokens`` indices from SGLang's allocator (a whole number of pages:
       the tier fetches whole pages) when it has that many free, the rows written, the device
       synchronized after a CUDA write, so any later forward reads them. None when the allocator
       has too few free (nothing allocated).
+    - :meth:`free_tokens`: what the allocator has free, so a fetch evicts the tree's KV (never a
+      locked path) for a prefix that does not fit, as SGLang's own admission does.
 
     :ivar identity: the layers' row shapes and storage dtype: replicas share blobs only when
         their KV rows mean the same.
     :ivar bytes_per_token: what one token's rows take, every layer's K and V.
+    :param keep_bytes: what the buffers kept for later exports take together, at most (default:
+        a quarter of the pool's KV bytes, at most :data:`KEEP_BYTES`).
     :raises NotImplementedError: a pool this codec cannot read (see the module docstring), naming why.
+    :raises ValueError: ``keep_bytes`` not an int >= 0.
     """
 
-    def __init__(self, allocator: Any) -> None:
+    def __init__(self, allocator: Any, *, keep_bytes: int | None = None) -> None:
         get = getattr(allocator, "get_kvcache", None)
         if not callable(get) or not callable(getattr(allocator, "alloc", None)):
             raise TypeError(f"allocator must be SGLang's token-to-KV allocator, got {type(allocator).__name__}")
@@ -78,10 +89,18 @@ class SGLangKVCodec:
         # On the CPU, each buffer as rows of bytes (numpy views, made once): numpy copies rows
         # without holding the interpreter lock.
         self._rows_np = None if self._cuda else [t.view(torch.uint8).reshape(t.shape[0], -1).numpy() for t in bufs]
+        pool_bytes = int(bufs[0].shape[0]) * self.bytes_per_token
+        self.buffers = ExportBuffers(min(pool_bytes // 4, KEEP_BYTES) if keep_bytes is None else keep_bytes)
+
+    def free_tokens(self) -> int:
+        """KV tokens SGLang's allocator can hand out now (its ``available_size()``: whole free
+        pages' tokens)."""
+        return int(self.allocator.available_size())
 
     def export_kv(self, kv_indices: torch.Tensor, after: Fence | None) -> memoryview:
         """The rows of ``kv_indices`` (one per token, in order), layer by layer, K then V, read
-        once ``after`` completed: a flat byte view of a buffer of their own.
+        once ``after`` completed: a flat byte view of a buffer of their own (one handed back
+        through :meth:`reuse_kv` when one fits).
 
         :raises ValueError: an index outside the pool."""
         if after is not None:
@@ -93,7 +112,10 @@ class SGLangKVCodec:
         rows = int(self._bufs[0].shape[0])
         if n and not (int(idx.min()) >= 0 and int(idx.max()) < rows):
             raise ValueError(f"KV indices must be in [0, {rows}), got [{int(idx.min())}, {int(idx.max())}]")
-        out = np.empty(n * self.bytes_per_token, np.uint8)
+        need = n * self.bytes_per_token
+        if not need:
+            return memoryview(b"")
+        out = self.buffers.take(need)[:need]
         at = 0
         if self._rows_np is not None:
             where = idx.numpy()
@@ -107,6 +129,11 @@ class SGLangKVCodec:
                 dst.copy_(t.index_select(0, dev).view(torch.uint8).reshape(n, rb))
                 at += n * rb
         return out.data
+
+    def reuse_kv(self, kv: bytes | memoryview) -> None:
+        """The tier is done with ``kv``, a view :meth:`export_kv` returned: its buffer may be
+        written by a later export (anything else is ignored: :meth:`ExportBuffers.give_back`)."""
+        self.buffers.give_back(kv)
 
     def import_kv(self, data: bytes | memoryview, num_tokens: int) -> torch.Tensor | None:
         """``num_tokens`` KV indices from SGLang's allocator with ``data`` (what :meth:`export_kv`

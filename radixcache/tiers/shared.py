@@ -111,7 +111,14 @@ class KVCodec(Protocol):
         them, ordered before any later forward of the host's, and return them (the host's, until
         the tree takes them); None when the host has no room (nothing allocated). ``data`` is a
         bytes-like object: a fetched blob's KV arrives as a read-only ``memoryview`` of the blob
-        (no copy; ``bytes(data)`` makes one where a ``bytes`` is needed)."""
+        (no copy; ``bytes(data)`` makes one where a ``bytes`` is needed).
+
+        A codec over an allocator the host keeps (the manager was given no ``kv``) may also have
+        ``free_tokens() -> int``: how many KV tokens :meth:`import_kv` could allocate now. With
+        it, :meth:`CacheManager.fetch_shared` evicts the tree's KV (through the policy, never the
+        request's local match or a locked path) until a fetched prefix fits, as it does with an
+        allocator it owns. Without it, a fetch that finds the host's allocator full is a miss
+        (``stats.no_room``), however much of the tree's KV could have been evicted for it."""
         ...
 
 
@@ -609,6 +616,22 @@ class SharedTier:
             reuse(kv)
         except Exception as e:  # the host's code: its buffer is lost to it, nothing else
             self.codec_failed("reuse_kv", e)
+
+    def kv_free_tokens(self) -> int | None:
+        """What the codec's ``free_tokens()`` says the host's allocator has free (see
+        :class:`KVCodec`), or None: no such method, or it raised (counted as a codec error) or
+        answered something other than an int >= 0 (counted too)."""
+        free = getattr(self.kv, "free_tokens", None)
+        if free is None:
+            return None
+        try:
+            n = free()
+            if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+                raise TypeError(f"free_tokens() must return an int >= 0, got {n!r}")
+        except Exception as e:  # the host's code: no eviction for this fetch, nothing else
+            self.codec_failed("free_tokens", e)
+            return None
+        return int(n)
 
     def _spare_fits(self, state: tuple[torch.Tensor, torch.Tensor]) -> bool:
         """Whether ``state`` is a host pair of the bound layout's shapes and dtypes."""

@@ -108,6 +108,34 @@ def test_corrupted_blobs_are_refused_and_the_stream_is_served_locally() -> None:
     b.cache.manager.check_invariants()
 
 
+def test_a_fetch_evicts_the_trees_kv_when_sglangs_allocator_is_full(monkeypatch: pytest.MonkeyPatch) -> None:
+    """B's KV pool is nearly full of its own tree's KV (another stream served first): a fetched
+    prefix evicts some of it (the codec's ``free_tokens``), as SGLang's admission would, instead of
+    being refused for want of room. Without ``free_tokens`` most of the same fetches are lost."""
+    store = MemoryStore()
+    _serve_and_publish(_replica(store))
+
+    def second_stream() -> tuple[int, int, int, int]:
+        b = _replica(store, kv_size=1024)
+        H.run_stream(b, 7, REQUESTS)  # fills B's tree (another stream: few of its prefixes stored)
+        st = b.cache.shared
+        assert st is not None
+        free, hits0, no_room0, served0 = b.alloc.available_size(), st.stats.hits, st.stats.no_room, b.hit_tokens
+        H.run_stream(b, SEED, REQUESTS)
+        assert b.mismatches == [], b.mismatches[:3]
+        b.cache.manager.check_invariants()
+        return free, st.stats.hits - hits0, st.stats.no_room - no_room0, b.hit_tokens - served0
+
+    free, hits, no_room, served = second_stream()
+    assert free < 200 and hits >= 20 and no_room == 0, (free, hits, no_room)
+    monkeypatch.delattr(SGLangKVCodec, "free_tokens")
+    _, hits_without, no_room_without, served_without = second_stream()
+    assert no_room_without >= 10 and hits_without < hits and served_without < served, (
+        (hits_without, no_room_without, served_without),
+        (hits, served),
+    )
+
+
 def test_replicas_share_prefixes_through_a_real_redis_server(redis_server: Any) -> None:
     _, b = _served_alike_from(RedisStore(redis_server.url))
     assert b.cache.shared is not None and b.cache.shared.stats.hits > 0
@@ -289,6 +317,29 @@ def test_the_codec_exports_rows_and_imports_them_into_fresh_indices() -> None:
     assert set(dst.tolist()).isdisjoint(src.tolist())
     assert torch.equal(env.keys[dst], vals) and torch.equal(vbuf[dst], -vals)
     env.alloc.free(torch.cat([src, dst]))
+
+
+def test_the_codec_exports_into_a_buffer_the_tier_handed_back() -> None:
+    """``reuse_kv``: the next export that fits is written into the buffer handed back (memory
+    written before), with the right rows; ``free_tokens`` is the allocator's free count."""
+    env = _replica(None)
+    codec = SGLangKVCodec(env.alloc)
+    assert env.keys is not None and codec.free_tokens() == env.alloc.available_size()
+    src = env.alloc.alloc(6)
+    env.keys[src] = torch.arange(12, dtype=torch.float32).view(6, 1, 2)
+    first = codec.export_kv(src, None)
+    addr = np.frombuffer(first, np.uint8).ctypes.data
+    want = bytes(codec.export_kv(src[:4], None))  # not handed back: a buffer of its own
+    codec.reuse_kv(first)
+    assert codec.buffers.spare_bytes == 6 * codec.bytes_per_token
+    del first
+    again = codec.export_kv(src[:4], None)
+    assert np.frombuffer(again, np.uint8).ctypes.data == addr and bytes(again) == want
+    assert codec.buffers.spare_bytes == 0
+    assert SGLangKVCodec(env.alloc, keep_bytes=0).buffers.cap_bytes == 0
+    with pytest.raises(ValueError, match="cap_bytes"):
+        SGLangKVCodec(env.alloc, keep_bytes=-1)
+    env.alloc.free(src)
 
 
 def test_the_codec_refuses_bad_data_and_reports_no_room_allocating_nothing() -> None:
