@@ -286,6 +286,9 @@ def test_a_blob_re_signed_with_a_wrong_fingerprint_is_refused_by_the_fingerprint
 
 
 def test_a_keyed_digest_refuses_blobs_of_writers_without_the_secret() -> None:
+    """A writer without the secret that plants a blob under the keyed replicas' address (key names
+    are readable in the store; the header's identity is plain text, copied) fails the keyed
+    digest, and the planted blob is deleted. Replicas that share the secret share blobs."""
     layout = StateLayout(2, (4, 3), (2, 4, 4))
     store = MemoryStore()
     pool, slot = _written_slot(layout)
@@ -294,21 +297,59 @@ def test_a_keyed_digest_refuses_blobs_of_writers_without_the_secret() -> None:
     for name, secret in (("keyed", b"deployment secret"), ("other", b"another secret"), ("plain", None)):
         tiers[name] = SharedTier(store, model="m", kv=_NoKV(), publisher=name, secret=secret)
         tiers[name].bind(layout)
-    for planter in ("other", "plain"):  # a writer without the secret plants a blob
+    keyed = tiers["keyed"]
+    for n, planter in enumerate(("other", "plain"), 1):
         store.blobs.clear()
         assert tiers[planter].publish(ids, None, pool, slot, torch.zeros(8, dtype=torch.int64), None)
-        assert tiers["keyed"].fetch(longer, None, 0) is None
-        assert tiers["keyed"].stats.rejected.get("digest") == {"other": 1, "plain": 2}[planter]
+        (blob,) = store.blobs.values()
+        store.blobs[keyed.key(ids, None)] = _with_header(blob, identity=keyed.identity)
+        store.add_depth(keyed.index(None), 8)
+        assert keyed.fetch(longer, None, 0) is None
+        assert keyed.stats.rejected.get("digest") == n
+        assert keyed.key(ids, None) not in store.blobs  # deleted: a keyed replica may publish it
     store.blobs.clear()
-    assert tiers["keyed"].publish(ids, None, pool, slot, torch.zeros(8, dtype=torch.int64), None)
+    assert keyed.publish(ids, None, pool, slot, torch.zeros(8, dtype=torch.int64), None)
     fresh = SharedTier(store, model="m", kv=_NoKV(), publisher="keyed-2", secret=b"deployment secret")
     fresh.bind(layout)
     got = fresh.fetch(longer, None, 0)
     assert got is not None and got.depth == 8  # replicas that share the secret share blobs
+    assert "deployment secret" not in fresh.identity and fresh.identity == keyed.identity
     with pytest.raises(ValueError, match="1 to 64 bytes"):
         SharedTier(store, model="m", kv=_NoKV(), secret=b"")
     with pytest.raises(TypeError, match="secret must be bytes"):
         SharedTier(store, model="m", kv=_NoKV(), secret="text")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("other", ["another secret", "no secret", "another blob format"])
+def test_a_replica_of_another_identity_never_reads_nor_deletes_the_deployments_blobs(
+    other: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replica given another secret (or none), or one mid-upgrade to another blob format, reads
+    and writes addresses of its own: it refuses nothing of the deployment's, so it deletes
+    nothing, and the deployment's replicas go on sharing their blobs."""
+    layout = StateLayout(2, (4, 3), (2, 4, 4))
+    store = MemoryStore()
+    pool, slot = _written_slot(layout)
+    ids, longer = np.arange(8, dtype=np.int64), np.arange(9, dtype=np.int64)
+    a = SharedTier(store, model="m", kv=_NoKV(), publisher="A", secret=b"deployment secret")
+    a.bind(layout)
+    assert a.publish(ids, None, pool, slot, torch.zeros(8, dtype=torch.int64), None)
+    published = dict(store.blobs)
+    if other == "another blob format":
+        import radixcache.tiers.shared as shared_mod
+
+        monkeypatch.setattr(shared_mod, "BLOB_MAGIC", b"RCSHARE9")
+    secret = {"another secret": b"rotated secret", "no secret": None}.get(other, b"deployment secret")
+    b = SharedTier(store, model="m", kv=_NoKV(), publisher="B", secret=secret)
+    b.bind(layout)
+    assert b.fetch(longer, None, 0) is None
+    assert b.stats.rejected == {} and store.blobs == published  # nothing refused, nothing deleted
+    assert b.identity != a.identity
+    monkeypatch.undo()
+    c = SharedTier(store, model="m", kv=_NoKV(), publisher="C", secret=b"deployment secret")
+    c.bind(layout)
+    got = c.fetch(longer, None, 0)
+    assert got is not None and got.depth == 8
 
 
 def test_without_the_digest_check_a_corrupted_kv_region_would_serve_a_wrong_answer(

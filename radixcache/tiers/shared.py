@@ -2,17 +2,20 @@
 
 A replica's manager publishes every snapshot its tree takes (the linear state, the KV of the
 prefix through the host's :class:`KVCodec`, and the slot fingerprint) under a content address: the
-tier's namespace, the model and layout identity, the request's namespace and the cache ids up to
-the snapshot's depth. Another replica admitting a request whose local match is shorter asks the
-store for the deepest published prefix of its ids, verifies the blob (format, layout identity,
-lengths, its digest, then the fingerprint of the state as it will be restored) and only then writes
-it into the request's live slot and inserts it into its own tree. A blob that fails any check is a
+tier's namespace, its identity (the model, the state layout, the KV codec's identity, the blob
+format and which secret keys the digests), the request's namespace and the cache ids up to the
+snapshot's depth. Replicas of another identity never read each other's blobs: one mid-upgrade to
+another blob format, or one given another secret, neither refuses nor deletes the others'.
+Another replica admitting a request whose local match is shorter asks the store for the deepest
+published prefix of its ids, verifies the blob (format, layout identity, lengths, its digest,
+then the fingerprint of the state as it will be restored) and only then writes it into the
+request's live slot and inserts it into its own tree. A blob that fails any check is a
 miss (and a forensics finding when the manager has forensics), never a restore; it is deleted from
 the store so that a healthy replica can publish it again.
 
 Which check covers what. Every blob ends in a 32-byte blake2b digest over its address (the store
-key, itself a blake2b digest of the tier's namespace, the model, layout and KV identity, the request
-namespace and every cache id up to the depth) and every byte before the digest: magic, header, state
+key, itself a blake2b digest of the tier's namespace, its identity, the request namespace and
+every cache id up to the depth) and every byte before the digest: magic, header, state
 and KV. It is what makes bytes that crossed a network and a store trustworthy: a flipped bit
 anywhere, a region replaced by another prompt's, or a whole blob stored under another key (another
 prompt's, or the same ids in another namespace) fails it. With ``secret`` the digest is keyed (a
@@ -68,7 +71,7 @@ from linear_state import Fence, LinearStatePool, RequestOwner, StateLayout
 
 from ..core.errors import ProtocolError
 from ..core.keys import MAX_ID
-from .blob import DIGEST_BYTES, blob_digest, bytes_tensor, encode_blob, parse_blob
+from .blob import BLOB_MAGIC, DIGEST_BYTES, blob_digest, bytes_tensor, encode_blob, parse_blob
 from .store import SharedStore, SharedStoreError, deepest_of, finite_seconds
 
 __all__ = [
@@ -249,6 +252,12 @@ def _check_timeout(timeout_s: float | None) -> None:
         raise ValueError(f"timeout_s must be None or a number >= 0, got {timeout_s!r}")
 
 
+def _secret_id(secret: bytes) -> str:
+    """Which secret keys a tier's digests, as its address shows it: a blake2b keyed with it of a
+    fixed text (16 hex digits), which says nothing of the secret itself."""
+    return hashlib.blake2b(b"radixcache shared-tier secret id", key=secret, digest_size=8).hexdigest()
+
+
 def _ns_name(namespace: Hashable) -> str:
     """A request namespace as it enters a content address (stable across processes)."""
     if namespace is None or isinstance(namespace, (str, int, bytes)):
@@ -413,7 +422,16 @@ class SharedTier:
             return
         self._client = client
         self._layout = layout
-        self._identity = f"model={self.model}|layout={layout!r}|kv={self.kv.identity}"
+        # NOTE: the blob format and the secret (a keyed hash of it, never the secret) are part of
+        # the address: a replica of another format (mid-upgrade) or with another secret
+        # (misconfigured) reads and writes keys of its own, never refusing, and so never deleting,
+        # the deployment's blobs. Refusal (and deletion) is left to bytes that changed under an
+        # address of this identity.
+        secret_id = "none" if self._secret is None else _secret_id(self._secret)
+        self._identity = (
+            f"model={self.model}|layout={layout!r}|kv={self.kv.identity}"
+            f"|format={BLOB_MAGIC.decode('ascii')}|secret={secret_id}"
+        )
         self._id_digest = hashlib.blake2b(self._identity.encode(), digest_size=10).hexdigest()
         self._stage = LinearStatePool(layout, 1)
         self._stage_slot = self._stage.alloc(self._stage_owner)
@@ -430,7 +448,9 @@ class SharedTier:
 
     @property
     def identity(self) -> str:
-        """Model, layout and KV identity this tier's blobs carry (empty until bound)."""
+        """What this tier's blobs carry and are addressed by (empty until bound): the model, the
+        state layout, the KV codec's identity, the blob format and which secret keys the digests
+        (a keyed hash of it, ``none`` without one). Replicas share blobs only when it is equal."""
         return self._identity
 
     def key(self, ids: np.ndarray, namespace: Hashable) -> str:
