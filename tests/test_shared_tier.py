@@ -1142,6 +1142,64 @@ def test_redis_reads_a_blob_replaced_meanwhile_as_one_version_or_absent_never_a_
     other.close()
 
 
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+def test_delete_version_removes_a_blob_only_while_it_ends_in_the_version_read(
+    kind: str, request: pytest.FixtureRequest
+) -> None:
+    store: Any = MemoryStore() if kind == "memory" else RedisStore(request.getfixturevalue("redis_server").url)
+    store.put("k", b"header" + b"A" * 32)
+    assert not store.delete_version("k", b"B" * 32)  # another version there: kept
+    assert not store.delete_version("k", b"")  # no version named: nothing removed
+    assert not store.delete_version("absent", b"A" * 32)
+    assert store.get("k") is not None
+    assert store.delete_version("k", b"A" * 32)
+    assert store.get("k") is None
+    store.put("short", b"xyz")  # shorter than a digest: the whole blob is its version
+    assert store.delete_version("short", b"xyz") and store.get("short") is None
+
+
+class _RepublishedMeanwhile(MemoryStore):
+    """Hands out the stored (corrupted) blob once, then, before the tier can remove it, another
+    replica's valid blob replaces it (as after another replica removed it and published again)."""
+
+    def __init__(self, valid: dict[str, bytes]) -> None:
+        super().__init__()
+        self.valid = valid
+
+    def get(self, key: str) -> bytes | None:
+        got = super().get(key)
+        if key in self.valid:
+            self.blobs[key] = self.valid.pop(key)
+        return got
+
+
+@pytest.mark.parametrize("versioned", [True, False])
+def test_a_refused_blob_is_removed_but_not_a_valid_one_stored_meanwhile(versioned: bool) -> None:
+    """The tier removes a blob it refused only while it is the version it read: a valid blob
+    another replica stored under the key in between stays (a store without ``delete_version``
+    removes by key, and loses it: the race the optional method closes)."""
+    layout = StateLayout(2, (4, 3), (2, 4, 4))
+    pool, slot = _written_slot(layout)
+    ids, longer = np.arange(8, dtype=np.int64), np.arange(9, dtype=np.int64)
+    plain = MemoryStore()
+    a = SharedTier(plain, model="m", kv=_NoKV(), publisher="A")
+    a.bind(layout)
+    assert a.publish(ids, None, pool, slot, torch.zeros(8, dtype=torch.int64), None)
+    ((key, valid),) = plain.blobs.items()
+    store = _RepublishedMeanwhile({key: valid})
+    if not versioned:
+        store.delete_version = None  # type: ignore[assignment,method-assign]  # a store without it
+    store.blobs[key] = _flip_kv_byte(valid)
+    store.indexes = {k: set(v) for k, v in plain.indexes.items()}
+    b = SharedTier(store, model="m", kv=_NoKV(), publisher="B")
+    b.bind(layout)
+    assert b.fetch(longer, None, 0) is None and b.stats.rejected == {"digest": 1}
+    assert (store.blobs.get(key) == valid) is versioned
+    if versioned:
+        got = b.fetch(longer, None, 0)
+        assert got is not None and got.depth == 8
+
+
 def test_redis_deepest_answers_as_the_depths_it_cuts_from(redis_server: RedisServer) -> None:
     import redis
 

@@ -837,13 +837,24 @@ class SharedTier:
                 assert isinstance(blob, (bytes, memoryview))
                 got_blob = self._verify(blob, k, d, stage, slot, owner, keep_state)
                 if got_blob is None:
-                    self._guarded(lambda k=k: self.store.delete(k))  # type: ignore[misc]
+                    self._remove_refused(k, blob)
                     return None
                 return got_blob
             if len(got) < ask:  # the index has nothing shallower
                 return None
             hi, batch = raw[-1] - 1, 2 * batch
         return None
+
+    def _remove_refused(self, key: str, blob: bytes | memoryview) -> None:
+        """Remove the refused ``blob`` from the store, so that a healthy replica can publish the
+        prefix again: only while it is still the version read (its last bytes, where a valid
+        blob's digest is), when the store can say (``delete_version``), else by key."""
+        tail = bytes(memoryview(blob)[-DIGEST_BYTES:])
+        remove = getattr(self.store, "delete_version", None)
+        if remove is not None:
+            self._guarded(lambda: remove(key, tail))
+        else:
+            self._guarded(lambda: self.store.delete(key))
 
     def _trim(self, index: str) -> None:
         """Drop the depths of ``index`` whose every blob expired (stores that know: a

@@ -47,6 +47,12 @@ class SharedStore(Protocol):
     """What the shared tier needs of a store (keys and index names are ASCII strings).
 
     Every method raises :class:`SharedStoreError` when the store cannot be reached.
+
+    Optional methods the tier uses when a store has them: ``deepest`` (see :func:`deepest_of`) and
+    ``delete_version(key, tail) -> bool``: remove ``key`` only while its blob still ends in
+    ``tail`` (the bytes of the version the tier read and refused), atomically; True when removed.
+    Without it a refused blob is removed by :meth:`delete`, and a valid blob another replica
+    stored under the key between the read and the removal goes with it.
     """
 
     def get(self, key: str) -> bytes | memoryview | None:
@@ -127,6 +133,14 @@ class MemoryStore:
         """See :class:`SharedStore`."""
         self.blobs.pop(key, None)
 
+    def delete_version(self, key: str, tail: bytes) -> bool:
+        """See :class:`SharedStore` (the optional method)."""
+        blob = self.blobs.get(key)
+        if blob is None or not tail or not blob.endswith(tail):
+            return False
+        del self.blobs[key]
+        return True
+
     def exists(self, keys: Sequence[str]) -> list[bool]:
         """See :class:`SharedStore`."""
         return [k in self.blobs for k in keys]
@@ -191,6 +205,12 @@ class RedisStore:
         # refuses scripts (or a cluster's cross-slot rule) falls back to the pipeline for good.
         self._exists_script: Callable[..., object] | None = self._r.register_script(
             "local r = {} for i, k in ipairs(KEYS) do r[i] = redis.call('EXISTS', k) end return r"
+        )
+        # A refused blob removed only while it is the version read (its last bytes, the digest):
+        # a valid blob stored under the key since then stays.
+        self._delete_script: Callable[..., object] | None = self._r.register_script(
+            "if redis.call('GETRANGE', KEYS[1], -#ARGV[1], -1) == ARGV[1] then "
+            "return redis.call('DEL', KEYS[1]) end return 0"
         )
         # Depths last published before the cutoff, removed from the index and its publish times
         # in one server-side step (so a depth published meanwhile is not removed), in chunks.
@@ -268,6 +288,21 @@ class RedisStore:
     def delete(self, key: str) -> None:
         """See :class:`SharedStore`."""
         self._call("DEL", lambda: self._r.delete(key))
+
+    def delete_version(self, key: str, tail: bytes) -> bool:
+        """See :class:`SharedStore` (the optional method): one server-side step compares the
+        value's last ``len(tail)`` bytes and deletes it only if they are ``tail``. A server that
+        refuses scripts: :meth:`delete` (the race it closes open again), for good."""
+        if not tail:
+            return False
+        if self._delete_script is not None:
+            script = self._delete_script
+            try:
+                return bool(self._call("DEL", lambda: script(keys=[key], args=[tail])))
+            except self._refused:
+                self._delete_script = None
+        self.delete(key)
+        return True
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         """See :class:`SharedStore`."""
