@@ -486,6 +486,25 @@ def test_what_the_codec_says_the_host_has_free_is_read_checked(
     assert tier.stats.codec_errors == errors
 
 
+def test_the_tiers_invariants_include_its_codecs() -> None:
+    """A codec with ``check_invariants`` (the engines': their kept export buffers) is checked with
+    the tier (so through the manager's); one without is not asked."""
+
+    class Checked(_NoKV):
+        broken = False
+
+        def check_invariants(self) -> None:
+            assert not self.broken, "the codec's rule"
+
+    codec = Checked()
+    tier = SharedTier(MemoryStore(), model="m", kv=codec)
+    tier.check_invariants()
+    codec.broken = True
+    with pytest.raises(AssertionError, match="the codec's rule"):
+        tier.check_invariants()
+    SharedTier(MemoryStore(), model="m", kv=_NoKV()).check_invariants()
+
+
 def test_bad_tier_arguments_raise_typed_errors() -> None:
     store = MemoryStore()
     with pytest.raises(TypeError, match="SharedStore"):

@@ -1130,7 +1130,8 @@ class SharedTier:
         """Raise ``AssertionError`` naming the first broken rule: the staging pool holds exactly
         its one slot, owned by the staging owner, and passes its own invariants; the remembered
         keys stay bounded; the counters are consistent (no hit without a probe, no foreign hit
-        without a hit, none negative). O(counters)."""
+        without a hit, none negative); the KV codec's own ``check_invariants`` when it has one
+        (the engines' codecs: their kept export buffers). O(counters)."""
         if self._stage is not None:
             stage = self._stage
             stage.check_invariants()
@@ -1159,6 +1160,9 @@ class SharedTier:
             )
         if self._fetcher is not None:
             self._fetcher.check_invariants()
+        codec_check = getattr(self.kv, "check_invariants", None)  # a codec's own (its kept buffers)
+        if codec_check is not None:
+            codec_check()
         st = self.stats
         for name, v in st.as_dict().items():
             values = v.values() if isinstance(v, dict) else [v]
