@@ -74,6 +74,13 @@ def test_no_cap_keeps_nothing_and_bad_caps_are_refused() -> None:
     for bad in (-1, 1.5, True, "8"):
         with pytest.raises(ValueError, match="cap_bytes"):
             ExportBuffers(bad)  # type: ignore[arg-type]
+    b = ExportBuffers(1000)
+    b.give_back(b.take(100).data)
+    for bad in (-1, 2.0, True, None):
+        with pytest.raises(ValueError, match=f"need must be an int >= 0 \\(bytes\\), got {bad!r}"):
+            b.take(bad)  # type: ignore[arg-type]
+    assert b.spare_bytes == 100  # nothing lent
+    b.check_invariants()
 
 
 def test_exports_and_hand_backs_on_two_threads_keep_the_rules() -> None:

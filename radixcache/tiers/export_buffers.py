@@ -47,7 +47,11 @@ class ExportBuffers:
 
     def take(self, need: int) -> np.ndarray:
         """A flat uint8 buffer of at least ``need`` bytes (slice it to ``need``), lent: the
-        smallest kept one that fits, else a new one. O(kept)."""
+        smallest kept one that fits, else a new one. O(kept).
+
+        :raises ValueError: ``need`` not an int >= 0 (nothing lent)."""
+        if isinstance(need, bool) or not isinstance(need, (int, np.integer)) or need < 0:
+            raise ValueError(f"need must be an int >= 0 (bytes), got {need!r}")
         with self._lock:
             fits = [k for k, b in enumerate(self._spares) if b.size >= need]
             buf = self._spares.pop(min(fits, key=lambda k: self._spares[k].size)) if fits else np.empty(need, np.uint8)
