@@ -71,12 +71,14 @@ def test_no_cap_keeps_nothing_and_bad_caps_are_refused() -> None:
     b = ExportBuffers(0)
     b.give_back(b.take(10).data)
     assert b.spare_bytes == 0
-    for bad in (-1, 1.5, True, "8"):
+    bad_caps: tuple[object, ...] = (-1, 1.5, True, "8")
+    for bad in bad_caps:
         with pytest.raises(ValueError, match="cap_bytes"):
             ExportBuffers(bad)  # type: ignore[arg-type]
     b = ExportBuffers(1000)
     b.give_back(b.take(100).data)
-    for bad in (-1, 2.0, True, None):
+    bad_needs: tuple[object, ...] = (-1, 2.0, True, None)
+    for bad in bad_needs:
         with pytest.raises(ValueError, match=f"need must be an int >= 0 \\(bytes\\), got {bad!r}"):
             b.take(bad)  # type: ignore[arg-type]
     assert b.spare_bytes == 100  # nothing lent
