@@ -177,8 +177,14 @@ class DeferredStream(Stream):
         # The fences above may not touch this queue (a stream cannot wait on its own future), so
         # the head is still ``item``.
         self._queue.popleft()
-        item.work()
-        self.completed_seq = item.seq
+        try:
+            item.work()
+        finally:
+            # Work that raised has run too: its error reaches the one waiter, and later waits on
+            # this stream go on past it (left incomplete, the next item behind it waited for it,
+            # found it gone from the queue and recursed until Python's stack overflowed, a
+            # RecursionError that hid the error the work had raised).
+            self.completed_seq = item.seq
         return True
 
     def run_ready(self) -> int:

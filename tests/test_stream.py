@@ -154,3 +154,22 @@ def test_run_ready_stops_at_the_first_blocked_item() -> None:
     assert copies.run_ready() == 1 and log == ["free-standing"], "in order: the fenced item blocks the rest"
     producer.synchronize()
     assert copies.run_ready() == 2 and log == ["free-standing", "write", "fenced", "behind"]
+
+
+def test_work_that_raises_reaches_its_waiter_once_and_the_stream_goes_on() -> None:
+    """Before, the failed item stayed incomplete and out of the queue: the next wait recursed
+    until a RecursionError, which the fuzz machine's teardown reported instead of the error."""
+    s, other = DeferredStream("s"), DeferredStream("o")
+    ran: list[str] = []
+
+    def fail() -> None:
+        raise ValueError("kernel fault")
+
+    bad = s.submit(fail, label="bad")
+    after_bad = s.submit(lambda: ran.append("next"), after=[bad])
+    behind = other.submit(lambda: ran.append("other"), after=[after_bad])
+    with pytest.raises(ValueError, match="kernel fault"):
+        behind.wait()
+    assert bad.is_complete() and ran == []
+    behind.wait()  # the failed item is not run again, nor waited for ever
+    assert ran == ["next", "other"] and s.pending == other.pending == 0
