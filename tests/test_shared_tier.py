@@ -1170,6 +1170,9 @@ def test_delete_version_removes_a_blob_only_while_it_ends_in_the_version_read(
     assert not store.delete_version("k", b"B" * 32)  # another version there: kept
     assert not store.delete_version("k", b"")  # no version named: nothing removed
     assert not store.delete_version("absent", b"A" * 32)
+    for bad in ("A" * 32, None, 7):  # a str tail: a TypeError on both stores, not a silent miss
+        with pytest.raises(TypeError, match=f"tail must be bytes .*got {type(bad).__name__}"):
+            store.delete_version("k", bad)
     assert store.get("k") is not None
     assert store.delete_version("k", b"A" * 32)
     assert store.get("k") is None

@@ -38,6 +38,13 @@ def finite_seconds(v: object) -> bool:
     return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
 
 
+def _check_tail(tail: object) -> None:
+    """``delete_version``'s ``tail`` is bytes (a str would compare as never equal in memory and be
+    encoded by the Redis client: the two stores would disagree)."""
+    if not isinstance(tail, (bytes, bytearray, memoryview)):
+        raise TypeError(f"tail must be bytes (the end of the blob read), got {type(tail).__name__}")
+
+
 class SharedStoreError(RadixCacheError, ConnectionError):
     """The shared store could not be reached or answered out of protocol."""
 
@@ -134,7 +141,10 @@ class MemoryStore:
         self.blobs.pop(key, None)
 
     def delete_version(self, key: str, tail: bytes) -> bool:
-        """See :class:`SharedStore` (the optional method)."""
+        """See :class:`SharedStore` (the optional method).
+
+        :raises TypeError: ``tail`` is not bytes (nothing removed)."""
+        _check_tail(tail)
         blob = self.blobs.get(key)
         if blob is None or not tail or not blob.endswith(tail):
             return False
@@ -292,7 +302,10 @@ class RedisStore:
     def delete_version(self, key: str, tail: bytes) -> bool:
         """See :class:`SharedStore` (the optional method): one server-side step compares the
         value's last ``len(tail)`` bytes and deletes it only if they are ``tail``. A server that
-        refuses scripts: :meth:`delete` (the race it closes open again), for good."""
+        refuses scripts: :meth:`delete` (the race it closes open again), for good.
+
+        :raises TypeError: ``tail`` is not bytes (nothing removed)."""
+        _check_tail(tail)
         if not tail:
             return False
         if self._delete_script is not None:
