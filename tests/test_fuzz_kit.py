@@ -18,7 +18,7 @@ from radixcache import image_cache_ids
 from radixcache.testing.adapter import HostAdapter, ManagerAdapter, prefix_state
 from radixcache.testing.fuzz import make_machine, run_fuzz, run_machine
 from radixcache.testing.inject import FUZZ_BUGS
-from radixcache.testing.strategies import Lifecycle, image_prompts, lifecycles
+from radixcache.testing.strategies import FUZZ_IMAGES, FuzzRequest, Lifecycle, image_prompts, lifecycles, requests
 
 TestHostMachine = make_machine(lambda: ManagerAdapter.build(), name="HostMachine").TestCase
 TestPagedHostMachine = make_machine(lambda: ManagerAdapter.build(page_size=2), name="PagedHostMachine").TestCase
@@ -134,3 +134,35 @@ def test_the_kit_is_exported_from_radixcache_testing() -> None:
     assert set(kit.FUZZ_BUGS) == set(FUZZ_BUGS) and callable(kit.shared_prefix_keys)
     with pytest.raises(AttributeError, match="no attribute"):
         kit.not_a_thing  # noqa: B018
+
+
+def test_a_failed_steps_error_is_reported_not_the_teardowns_that_follows_it() -> None:
+    """Hypothesis runs the teardown while a failed step's error propagates; the teardown's own
+    error (here the pending work it drains, as after a write into a freed slot) used to replace
+    the step's, so the finding printed was a consequence and not the bug."""
+
+    class Broken(ManagerAdapter):
+        failed = False
+
+        def extend(self, rid: int) -> bool:
+            type(self).failed = True
+            raise AssertionError("the step's finding")
+
+        def run_pending(self) -> bool:
+            if type(self).failed:
+                raise RuntimeError("the teardown's consequence")
+            return super().run_pending()
+
+    with pytest.raises(AssertionError, match="the step's finding"):
+        run_machine(make_machine(lambda: Broken.build()), 50, 0, shrink=False)
+
+
+@given(requests())
+def test_a_printed_request_names_its_images_and_runs_as_python(req: FuzzRequest) -> None:
+    """A failing program prints each request on one line, each image as ``FUZZ_IMAGES[i]``
+    (printed as their bytes, a request took tens of kilobytes), and the line rebuilds the request."""
+    from hypothesis.vendor.pretty import pretty
+
+    shown = pretty(req)
+    assert shown == repr(req) and "\n" not in shown and "\\x01" not in shown
+    assert eval(shown, {"FuzzRequest": FuzzRequest, "FUZZ_IMAGES": FUZZ_IMAGES}) == req

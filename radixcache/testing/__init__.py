@@ -3,7 +3,8 @@
 - the reference hybrid model and engine, and the ground-truth hammer (``model``, ``engine``,
   ``hammer``);
 - the fuzzing kit: hypothesis strategies, the host-adapter protocol with our default adapter, the
-  state machine and a seeded runner (``strategies``, ``adapter``, ``fuzz``);
+  state machine and a seeded runner whose programs depend on the seed alone (``strategies``,
+  ``adapter``, ``fuzz``, ``reproducible``);
 - the misuse fuzzer: wrong calls between valid steps, each refused with nothing changed
   (``misuse``), and the state digest it compares (``digest``);
 - the historical bugs to inject (``inject``), a shared store and a KV codec that misbehave on
@@ -38,6 +39,7 @@ _EXPORTS = {
     "HostMachine": "fuzz",
     "make_machine": "fuzz",
     "run_fuzz": "fuzz",
+    "seed_only_constants": "reproducible",
     "token_keys": "strategies",
     "shared_prefix_keys": "strategies",
     "image_prompts": "strategies",

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 import time
 from collections.abc import Callable
 
@@ -37,7 +38,8 @@ from linear_state import RequestOwner
 
 from .adapter import PLACEHOLDER, HostAdapter, ManagerAdapter, default_bridge, ns_salt, prefix_state
 from .inject import injected
-from .strategies import FuzzRequest, requests, token_keys
+from .reproducible import seed_only_constants
+from .strategies import FUZZ_IMAGES, FuzzRequest, requests, token_keys
 
 __all__ = ["HostMachine", "fuzz_hosts", "make_machine", "run_fuzz", "run_machine"]
 
@@ -96,6 +98,18 @@ class HostMachine(RuleBasedStateMachine):
         if PLACEHOLDER in (req.ids[at], new):  # keep the prompt's image runs as they were
             return
         self._admit(FuzzRequest(ids, req.namespace, req.images))
+
+    @precondition(lambda self: len(self.active) < self.max_active and any(r.images for r in self.sent))
+    @rule(data=st.data())
+    def resend_other_image(self, data: st.DataObject) -> None:
+        """A sent prompt with the same ids and one image swapped for another (often its twin, which
+        agrees on the first 4 KiB): every id matches, so only the image's part of the key keeps
+        the hit from serving the other image's state."""
+        req = data.draw(st.sampled_from([r for r in self.sent if r.images]), label="image changed in")
+        at = data.draw(st.integers(0, len(req.images) - 1), label="image")
+        others = [i for i, im in enumerate(FUZZ_IMAGES) if im != req.images[at]]
+        new = FUZZ_IMAGES[data.draw(st.sampled_from(others), label="to FUZZ_IMAGES[i], i")]
+        self._admit(FuzzRequest(req.ids, req.namespace, (*req.images[:at], new, *req.images[at + 1 :])))
 
     def _admit(self, req: FuzzRequest) -> None:
         self.sent.append(req)
@@ -205,10 +219,18 @@ class HostMachine(RuleBasedStateMachine):
         self.fingerprints = {k: v for k, v in self.fingerprints.items() if k in live}
 
     def teardown(self) -> None:
-        for rid in list(self.active):
-            self.host.abort(rid)
-        while self.host.run_pending():
-            pass
+        """Abort what is live and run the pending device work. After a failed step (hypothesis
+        runs the teardown while the step's error propagates) an error here is a consequence of
+        that one and is not raised in its place: the step's error is the finding."""
+        failing = sys.exc_info()[1]
+        try:
+            for rid in list(self.active):
+                self.host.abort(rid)
+            while self.host.run_pending():
+                pass
+        except Exception:
+            if failing is None:
+                raise
 
 
 def make_machine(factory: AdapterFactory, *, name: str = "FuzzedHost") -> type[HostMachine]:
@@ -305,9 +327,11 @@ def run_machine(
     progress: Callable[[int], None] | None = None,
     shrink: bool = True,
 ) -> None:
-    """Run ``examples`` programs of ``machine`` with ``seed`` (deterministic, no example database);
-    raise on the first failure after shrinking it (hypothesis attaches the shrunk program; with
-    ``shrink=False``, the program as found)."""
+    """Run ``examples`` programs of ``machine`` with ``seed`` (no example database; the same seed
+    and count run the same programs in any process, whatever else it imported: see
+    :func:`~radixcache.testing.reproducible.seed_only_constants`); raise on the first failure
+    after shrinking it (hypothesis attaches the shrunk program; with ``shrink=False``, the program
+    as found)."""
     count = [0]
 
     def tick() -> None:
@@ -317,16 +341,17 @@ def run_machine(
 
     machine.on_example = staticmethod(tick)
     hyp_seed(seed)(machine)
-    run_state_machine_as_test(
-        machine,
-        settings=settings(
-            max_examples=examples,
-            stateful_step_count=stateful_step_count,
-            deadline=None,
-            database=None,
-            derandomize=False,
-            suppress_health_check=list(HealthCheck),
-            print_blob=True,
-            phases=list(Phase) if shrink else [p for p in Phase if p not in (Phase.shrink, Phase.explain)],
-        ),
-    )
+    with seed_only_constants():  # the seed alone decides the programs, not what else is loaded
+        run_state_machine_as_test(
+            machine,
+            settings=settings(
+                max_examples=examples,
+                stateful_step_count=stateful_step_count,
+                deadline=None,
+                database=None,
+                derandomize=False,
+                suppress_health_check=list(HealthCheck),
+                print_blob=True,
+                phases=list(Phase) if shrink else [p for p in Phase if p not in (Phase.shrink, Phase.explain)],
+            ),
+        )

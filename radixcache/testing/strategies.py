@@ -8,6 +8,7 @@ alphabet so that collisions are common.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from hypothesis import strategies as st
 
@@ -94,6 +95,20 @@ class FuzzRequest:
     ids: list[int]
     namespace: str | None
     images: tuple[bytes, ...]
+
+    def __repr__(self) -> str:
+        """As the constructor call, each of :data:`FUZZ_IMAGES` by its name: a printed failing
+        program stays readable (the images are kilobytes) and still runs as Python."""
+        images = ", ".join(
+            f"FUZZ_IMAGES[{FUZZ_IMAGES.index(im)}]" if im in FUZZ_IMAGES else repr(im) for im in self.images
+        )
+        if len(self.images) == 1:
+            images += ","
+        return f"FuzzRequest(ids={self.ids!r}, namespace={self.namespace!r}, images=({images}))"
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        """What hypothesis's pretty printer (and IPython's) shows: the same one line as repr."""
+        printer.text(repr(self))
 
 
 @st.composite
