@@ -1249,7 +1249,9 @@ class HybridRadixCache:
                 return False
             self._drop_host(victim, remove=True)  # never n (no host copy) nor n's ancestors (n below)
         slot = n.snapshot
-        assert slot is not None and not n.snap_lock
+        assert slot is not None and not n.snap_lock, (
+            f"demoting {n!r}: only an unlocked device snapshot moves to the host"
+        )
         owner = self._owner_of(n)
         hs, fence = hp.clone_from(self.pool, slot, owner, stream=self.stream, after=(n.snapshot_fence,))
         self.pool.free(slot, owner, after=(fence,))  # the pool also waits the copy: its last use
