@@ -1,4 +1,6 @@
-"""Test configuration: hypothesis runs derandomized with bounded examples unless told otherwise."""
+"""Test configuration: hypothesis runs derandomized with bounded examples unless told otherwise, and
+draws no constants from the modules the session happened to import (a test's examples are the
+same alone and in the suite)."""
 
 import os
 from collections.abc import Iterator
@@ -19,6 +21,17 @@ settings.register_profile(
 )
 settings.register_profile("dev", max_examples=300, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _examples_independent_of_imports() -> Iterator[None]:
+    """Derandomized hypothesis still drew constants read from every local module imported so far,
+    so a test's examples changed with the tests run before it (radixcache.testing.reproducible).
+    Imported here, not at the top: the engine suites' own conftests stub modules first."""
+    from radixcache.testing.reproducible import seed_only_constants
+
+    with seed_only_constants():
+        yield
 
 
 @pytest.fixture

@@ -2,72 +2,58 @@
 
 from __future__ import annotations
 
-import importlib
+import json
+import subprocess
 import sys
-import warnings
 from pathlib import Path
-from typing import Any
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import seed as hyp_seed
-from hypothesis import strategies as st
 
-from radixcache.testing.adapter import ManagerAdapter
-from radixcache.testing.fuzz import make_machine, run_machine
 from radixcache.testing.reproducible import seed_only_constants
 
+_DRAWS = """
+import importlib, json, sys
+from hypothesis import given, settings, seed, strategies as st
+from radixcache.testing.reproducible import seed_only_constants
 
-@pytest.fixture
-def import_constants(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    """``load(values)`` imports a module outside site-packages (local, to hypothesis) whose source
-    holds ``values`` as integer literals (at most 1024: hypothesis reads no more from a module), as
-    a host's own code adds constants to the process. Each test loads values no other test does:
-    a value already in the pool changes nothing."""
-    made: list[str] = []
+def draws(pin):
+    seen = []
 
-    def load(values: range) -> None:
-        name = f"extra_constants_{values.start}_{values.stop}"
-        literals = ", ".join(str(v) for v in values)
-        (tmp_path / f"{name}.py").write_text(f"VALUES = ({literals})\n")
-        monkeypatch.syspath_prepend(str(tmp_path))
-        importlib.import_module(name)
-        made.append(name)
-
-    yield load
-    for name in made:
-        sys.modules.pop(name, None)
-
-
-def _draws(pin: bool) -> list[list[int]]:
-    """Sixty seeded examples of fifty integers in [0, 10_000), as hypothesis generates them."""
-    seen: list[list[int]] = []
-
-    @hyp_seed(3)
+    @seed(3)
     @settings(max_examples=60, database=None, derandomize=False, deadline=None)
     @given(st.lists(st.integers(0, 9_999), min_size=50, max_size=50))
-    def record(xs: list[int]) -> None:
+    def record(xs):
         seen.append(xs)
 
     if pin:
-        with seed_only_constants():
+        with seed_only_constants() as pinned:
+            assert pinned, "this hypothesis draws no constants from loaded modules"
             record()
     else:
         record()
     return seen
 
+before = (draws(True), draws(False))
+sys.path.insert(0, sys.argv[1])
+importlib.import_module("extra_constants")
+after = (draws(True), draws(False))
+print(json.dumps({"pinned_same": before[0] == after[0], "unpinned_same": before[1] == after[1]}))
+"""
 
-def test_the_pin_keeps_a_seeded_runs_draws_when_a_local_module_is_imported(import_constants: Any) -> None:
-    with seed_only_constants() as pinned:
-        pass
-    if not pinned:
+
+def test_the_pin_keeps_a_seeded_runs_draws_when_a_local_module_is_imported(tmp_path: Path) -> None:
+    """In a process of its own (the suite's runs are pinned by conftest): sixty seeded examples of
+    fifty integers, before and after importing a local module holding 1,000 new constants."""
+    (tmp_path / "extra_constants.py").write_text(f"VALUES = ({', '.join(str(v) for v in range(1000, 2000))})\n")
+    out = subprocess.run(
+        [sys.executable, "-c", _DRAWS, str(tmp_path)], capture_output=True, text=True, timeout=300, check=False
+    )
+    if "draws no constants from loaded modules" in out.stderr:
         pytest.skip("this hypothesis draws no constants from loaded modules")
-    before, before_unpinned = _draws(pin=True), _draws(pin=False)
-    import_constants(range(1000, 2000))
-    after, after_unpinned = _draws(pin=True), _draws(pin=False)
-    assert before == after
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
     # the control: without the pin, the new module's constants are drawn and the run changes
-    assert before_unpinned != after_unpinned
+    assert got == {"pinned_same": True, "unpinned_same": False}
 
 
 def test_the_pin_nests_and_restores_what_it_replaced() -> None:
@@ -85,25 +71,47 @@ def test_the_pin_nests_and_restores_what_it_replaced() -> None:
     assert providers._get_local_constants is original
 
 
-def _machine_trace(seed: int, examples: int) -> list[dict[str, Any]]:
-    made: list[ManagerAdapter] = []
+_MACHINE = """
+import contextlib, importlib, json, sys, warnings
+import radixcache.testing.fuzz as fuzz
+from radixcache.testing.adapter import ManagerAdapter
 
-    def factory() -> ManagerAdapter:
+def trace(pin):
+    made = []
+
+    def factory():
         made.append(ManagerAdapter.build())
         return made[-1]
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # the faulty store's warned-once failures
-        run_machine(make_machine(factory), examples, seed, stateful_step_count=30)
+    pinned = fuzz.seed_only_constants
+    if not pin:  # the control: run_machine as it was, without its pin
+        fuzz.seed_only_constants = contextlib.nullcontext
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the faulty store's warned-once failures
+            fuzz.run_machine(fuzz.make_machine(factory), 60, 3, stateful_step_count=30)
+    finally:
+        fuzz.seed_only_constants = pinned
     return [a.manager.metrics().as_dict() for a in made]
 
+before = (trace(True), trace(False))
+sys.path.insert(0, sys.argv[1])
+importlib.import_module("extra_constants")
+after = (trace(True), trace(False))
+same = {"pinned_same": before[0] == after[0], "unpinned_same": before[1] == after[1]}
+print(json.dumps({"programs": len(before[0]), **same}))
+"""
 
-def test_the_fuzz_machine_runs_the_same_programs_after_a_local_module_is_imported(import_constants: Any) -> None:
-    """run_machine's contract: the seed and the count decide the programs. Before the pin, a
-    process that had imported one more module of ours ran other programs for the same seed."""
-    # NOTE: seed 2's 60 examples drew one of the new module's constants at the 11th program when
-    # run_machine did not pin the pool (checked: this test failed)
-    before = _machine_trace(seed=2, examples=60)
-    import_constants(range(100, 255))  # the machine draws integers in [0, 254]
-    after = _machine_trace(seed=2, examples=60)
-    assert len(before) == len(after) and before == after
+
+def test_the_fuzz_machine_runs_the_same_programs_after_a_local_module_is_imported(tmp_path: Path) -> None:
+    """run_machine's contract, in a process of its own (the suite's runs are pinned by conftest):
+    the seed and the count decide the programs. The control runs without run_machine's pin: seed
+    3's 60 examples then ran other programs once a module holding the integers 100 to 999 was
+    imported (seeds 0 to 2 happened not to draw one of them)."""
+    (tmp_path / "extra_constants.py").write_text(f"VALUES = ({', '.join(str(v) for v in range(100, 1000))})\n")
+    out = subprocess.run(
+        [sys.executable, "-c", _MACHINE, str(tmp_path)], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["programs"] >= 60 and got["pinned_same"] and not got["unpinned_same"], got
