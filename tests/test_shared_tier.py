@@ -1361,6 +1361,25 @@ def test_redis_existence_checks_answer_per_key_with_and_without_server_scripts(r
     assert store.exists(keys[:3]) == want[:3] and store.exists([]) == []
 
 
+def test_redis_removes_a_refused_version_on_a_server_that_refuses_scripts(redis_server: RedisServer) -> None:
+    """Without scripts, ``delete_version`` removes by key (the race it closes open again) and stays
+    so; before, the server's refusal came out as a SharedStoreError and the blob stayed."""
+    import redis
+
+    store = RedisStore(redis_server.url)
+
+    def refuse(**kw: object) -> object:
+        raise redis.ResponseError("NOSCRIPT scripting is disabled on this server (test)")
+
+    store._delete_script = refuse
+    store.put("k", b"header" + b"A" * 32)
+    assert store.delete_version("k", b"A" * 32) and store.get("k") is None
+    assert store._delete_script is None  # and it stays on delete
+    store.put("k", b"header" + b"B" * 32)
+    assert store.delete_version("k", b"A" * 32) and store.get("k") is None  # by key: any version
+    store.close()
+
+
 def test_a_replica_keeps_serving_while_redis_is_down_and_uses_it_again_when_it_returns(
     model: HybridModel, redis_server: RedisServer
 ) -> None:

@@ -308,14 +308,17 @@ class RedisStore:
         _check_tail(tail)
         if not tail:
             return False
-        if self._delete_script is not None:
-            script = self._delete_script
-            try:
-                return bool(self._call("DEL", lambda: script(keys=[key], args=[tail])))
-            except self._refused:
-                self._delete_script = None
-        self.delete(key)
-        return True
+
+        def run() -> object:
+            if self._delete_script is not None:
+                try:
+                    return self._delete_script(keys=[key], args=[tail])
+                except self._refused:  # scripting off here (inside _call, which would convert it)
+                    self._delete_script = None
+            self._r.delete(key)
+            return True
+
+        return bool(self._call("DEL", run))
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         """See :class:`SharedStore`."""
