@@ -31,8 +31,9 @@ _saved: Callable[[], Any] | None = None
 
 
 def _internals() -> tuple[Any, Any, Any] | None:
-    """hypothesis's provider module, its local-constants reader and its constants cache, or None
-    where this hypothesis has no such thing."""
+    """hypothesis's provider module (whose local-constants reader the pin replaces), its
+    ``Constants`` class (an empty one is the pinned pool) and its constants cache, or None where
+    this hypothesis has no such things."""
     try:
         from hypothesis.internal.conjecture import providers
     except ImportError:  # pragma: no cover - hypothesis is the test extra
