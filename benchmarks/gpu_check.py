@@ -12,6 +12,11 @@
   read pass over the slot (``torch.sum`` of its words: the floor of any fingerprint); ``kernel``
   says which path the pool took (``triton``: the fused kernel, when Triton imports), beside the
   torch path's time and whether both give the same value (``equal_to_torch_path``);
+- ``fingerprint_warm_up``: a hasher over fresh CUDA tensors whose slots alternate between two
+  alignments (so the fused kernel has two variants per tensor): ``SlotHasher.warm_up`` (what
+  forensics runs at start-up) must build every variant the hasher's slots launch: fingerprinting
+  each slot afterwards compiles nothing more (``variants_after_warm_up == variants_after_all_slots``)
+  and no slot's first fingerprint takes a compile's time (``slowest_first_fingerprint_ms``);
 - ``hosted_stream``: an engine's own state tensors and slot list wrapped by a
   :class:`~linear_state.HostedStatePool` whose stream is the engine's forward stream
   (``CudaStream(stream=...)``, what the SGLang backend does): a long producer writes a request's
@@ -58,6 +63,7 @@ from linear_state import (
     cuda_fence_check,
 )
 from linear_state.fingerprint import SlotHasher
+from linear_state.fingerprint_triton import compiled_variants
 from radixcache import HybridRadixCache
 from radixcache.testing.engine import EngineRequest, ReferenceEngine, generate_cold
 from radixcache.testing.hammer import HammerConfig, run_hammer
@@ -243,6 +249,39 @@ def clone_and_fingerprint(reps: int) -> tuple[dict[str, Any], dict[str, Any]]:
     return clone_row, fingerprint_row
 
 
+def fingerprint_warm_up(slots: int = 32) -> dict[str, Any]:
+    """The hasher's warm-up against the fingerprints that follow it (see the module docstring)."""
+    # conv: 24-byte rows, slot addresses alternate between multiples of 16 bytes and not; shapes no
+    # other section uses, so that Triton has compiled none of their variants yet.
+    conv = torch.randn(3, slots, 3, 2, device="cuda")
+    rec = torch.randn(5, slots, 6, device="cuda").to(torch.bfloat16)  # 12-byte rows: int32 words
+    hasher = SlotHasher([conv, rec])
+    before = compiled_variants()
+    t0 = time.perf_counter()
+    warmed = hasher.warm_up()
+    torch.cuda.synchronize()
+    warm_ms = (time.perf_counter() - t0) * 1e3
+    after_warm = compiled_variants()
+    firsts = []
+    for s in range(slots):
+        t0 = time.perf_counter()
+        hasher.fingerprint(s)
+        firsts.append((time.perf_counter() - t0) * 1e3)
+    after_all = compiled_variants()
+    known = None not in (after_warm, after_all)
+    return {
+        "kernel": hasher.kernel,
+        "slots_warmed": list(warmed),
+        "warm_up_ms": round(warm_ms, 3),
+        "variants_before": before,
+        "variants_after_warm_up": after_warm,
+        "variants_after_all_slots": after_all,
+        "slowest_first_fingerprint_ms": round(max(firsts), 4),
+        "median_first_fingerprint_ms": round(statistics.median(firsts), 4),
+        "ok": hasher.kernel == "triton" and (after_warm == after_all if known else max(firsts) < 5.0),
+    }
+
+
 def shared_tier() -> dict[str, Any]:
     """Publish from one CUDA engine, fetch into another (inline, then background); exact answers."""
     model = HybridModel(HybridConfig(), device="cuda")
@@ -327,6 +366,7 @@ def _verdict(out: dict[str, Any], hammer_runs: bool) -> bool:
     ham = out.get("hammer", {})
     fences_ok = out["fences"].get("ordered_ok") is True and out["fences"].get("unordered_stale") is True
     ok = fences_ok and out["hosted_stream"].get("ok") is True and out["shared_tier"].get("ok") is True
+    ok = ok and out["fingerprint_warm_up"].get("ok") is True
     ok = ok and "error" not in out["clone"] and "error" not in out["fingerprint"]
     if hammer_runs:
         if "error" in ham:
@@ -363,6 +403,7 @@ def main() -> None:
     run("fences", fences)
     run("hosted_stream", hosted_stream)
     run("shared_tier", shared_tier)
+    run("fingerprint_warm_up", fingerprint_warm_up)
     pair = _guarded(lambda: dict(zip(("clone", "fingerprint"), clone_and_fingerprint(args.reps), strict=True)))
     out["clone"], out["fingerprint"] = (pair, pair) if "error" in pair else (pair["clone"], pair["fingerprint"])
     save()

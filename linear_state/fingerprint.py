@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .fingerprint_triton import DEFAULT_CHUNK, TritonFingerprint, available, word_dtype, word_rows
+from .fingerprint_triton import DEFAULT_CHUNK, TritonFingerprint, alignment_cover, available, word_dtype, word_rows
 from .native import MODULE as _NATIVE
 
 __all__ = ["BLOCK", "NATIVE_MAX_SLOT_BYTES", "NUMPY_MAX_SLOT_BYTES", "Fingerprint", "SlotHasher", "WORD_WEIGHT_SEED"]
@@ -161,6 +161,21 @@ class SlotHasher:
         if self._np_words is None:
             return "torch"
         return "native" if self._native else "numpy"
+
+    def warm_up(self) -> tuple[int, ...]:
+        """Build now what a first fingerprint would build inside the caller's hot path (a
+        scheduler step): on the fused Triton path, every variant of the kernel this hasher's slots
+        launch (Triton compiles one per tensor and per alignment of a slot's first word: seconds
+        each without its disk cache), by fingerprinting the slots of
+        :func:`~linear_state.fingerprint_triton.alignment_cover`. The other paths compile nothing
+        and read nothing. Returns the slots read; their values are discarded (slots being written
+        meanwhile are harmless). O(slots read x slot bytes)."""
+        if self._fused is None:
+            return ()
+        slots = alignment_cover(self._tensors)
+        for s in slots:
+            self._fused.fingerprint(s)
+        return slots
 
     def fingerprint(self, slot: int) -> Fingerprint:
         """Fingerprint of ``slot`` across all tensors and layers.

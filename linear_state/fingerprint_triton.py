@@ -24,9 +24,23 @@ from typing import Any
 
 import torch
 
-__all__ = ["DEFAULT_CHUNK", "TritonFingerprint", "available", "word_dtype", "word_rows"]
+__all__ = [
+    "ALIGNMENT",
+    "DEFAULT_CHUNK",
+    "TritonFingerprint",
+    "alignment_cover",
+    "available",
+    "compiled_variants",
+    "word_dtype",
+    "word_rows",
+]
 
 DEFAULT_CHUNK = 16  # blocks per program: 8 KiB read per program
+
+ALIGNMENT = 16
+"""Triton compiles a kernel once per set of argument properties it specializes on; the one that
+changes from slot to slot here is whether the address of a slot's first word is a multiple of
+``ALIGNMENT`` bytes (the other arguments are fixed per state tensor)."""
 
 
 @functools.cache
@@ -70,6 +84,20 @@ def _kernel() -> Any:
     return fingerprint_rows
 
 
+def compiled_variants(device: int | None = None) -> int | None:
+    """How many variants of the fused kernel Triton has compiled in this process for CUDA device
+    ``device`` (default: the current one): what :meth:`~linear_state.fingerprint.SlotHasher.warm_up`
+    builds and a later fingerprint must not add to. ``None`` where it cannot be told (Triton does
+    not import, no CUDA device, the interpreter, a Triton without per-device caches)."""
+    if not available() or not torch.cuda.is_available():
+        return None
+    caches = getattr(_kernel(), "device_caches", None)
+    if not isinstance(caches, dict):
+        return None
+    entry = caches.get(torch.cuda.current_device() if device is None else device)
+    return None if entry is None else len(entry[0])
+
+
 def word_dtype(nbytes: int) -> torch.dtype:
     """The word a row of ``nbytes`` bytes is summed in: int64 when 8 divides it, else int32, int16,
     uint8 (narrower words are widened to int64 before summing). The one rule both fingerprint
@@ -98,6 +126,30 @@ def word_rows(t: torch.Tensor, slot: int) -> torch.Tensor | None:
         return flat.view(dtype)
     except RuntimeError:
         return None
+
+
+def alignment_cover(tensors: list[torch.Tensor], alignment: int = ALIGNMENT) -> tuple[int, ...]:
+    """Leading slots (in increasing order, chosen greedily: at most two per tensor) that give every
+    tensor's slot rows each alignment class they take (first word at a multiple of ``alignment`` bytes, or not): the
+    slots whose fingerprints build every variant of the fused kernel the hasher's other slots
+    will launch. A slot's address is the tensor's plus ``slot x`` its slot stride, so the classes
+    repeat with a period dividing ``alignment``: the first ``alignment`` slots show them all.
+    Empty when the tensors hold no slot. O(tensors x alignment)."""
+    slots = min((t.shape[1] for t in tensors), default=0)
+    need: set[tuple[int, bool]] = set()
+    by_slot: list[set[tuple[int, bool]]] = []
+    for s in range(min(slots, alignment)):
+        classes = {
+            (i, (t.data_ptr() + s * t.stride(1) * t.element_size()) % alignment == 0) for i, t in enumerate(tensors)
+        }
+        by_slot.append(classes)
+        need |= classes
+    chosen: list[int] = []
+    for s, classes in enumerate(by_slot):
+        if classes & need:
+            chosen.append(s)
+            need -= classes
+    return tuple(chosen)
 
 
 class TritonFingerprint:

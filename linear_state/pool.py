@@ -650,6 +650,16 @@ class LinearStatePool:
         parts = [r.index_select(1, _probe_cols(r.shape[1], r.device)).reshape(-1) for r in self._probe_rows(s)]
         return torch.cat([p.to("cpu", torch.float64) for p in parts])
 
+    def warm_fingerprint(self) -> tuple[int, ...]:
+        """Make the pool's hasher now and build what its first fingerprint would otherwise build
+        in a hot path (on CUDA with Triton, the fused kernel's variants:
+        :meth:`~linear_state.fingerprint.SlotHasher.warm_up`); call it at start-up, before any
+        writer runs. Returns the slots read (bytes only: no owner, no state changes; none on the
+        CPU, nor for a pool of no slots). O(a few slots' bytes)."""
+        if not self.capacity:
+            return ()
+        return self._hasher.warm_up()
+
     def fingerprint(self, slot: int) -> Fingerprint:
         """64-bit fingerprint of ``slot``'s contents as they are now.
 

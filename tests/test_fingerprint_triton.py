@@ -17,6 +17,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 pytest.importorskip("triton", reason="the fused fingerprint needs Triton (pip install triton)")
 
@@ -111,3 +112,87 @@ def test_the_fused_kernel_refuses_what_it_cannot_read_and_auto_keeps_the_torch_p
         with pytest.raises(ValueError, match="triton_chunk must be"):
             SlotHasher([rec], triton_chunk=bad)  # type: ignore[arg-type]
     assert SlotHasher([conv, rec]).kernel == "torch"  # auto: Triton is for CUDA tensors
+
+
+def _aligned(t: torch.Tensor, slot: int) -> bool:
+    return (t.data_ptr() + slot * t.stride(1) * t.element_size()) % 16 == 0
+
+
+def _misaligned(shape: tuple[int, ...], offset: int) -> torch.Tensor:
+    """A float32 tensor of ``shape`` starting ``offset`` bytes into a 16-byte-aligned buffer."""
+    n = 1
+    for d in shape:
+        n *= d
+    buf = torch.zeros(n * 4 + 64, dtype=torch.uint8)
+    start = -buf.data_ptr() % 16 + offset
+    return buf[start : start + n * 4].view(torch.float32).view(shape)
+
+
+@pytest.mark.parametrize(
+    ("shapes", "offsets", "want"),
+    [
+        ([(2, 40, 4)], [0], (0,)),  # 16-byte slots, aligned: one variant
+        ([(2, 40, 4)], [4], (0,)),  # 16-byte slots, none aligned: one variant
+        ([(2, 40, 6)], [0], (0, 1)),  # 24-byte slots alternate
+        ([(2, 40, 3)], [4], (0, 1)),  # 12-byte slots from a misaligned start: slot 1 is the aligned one
+        ([(2, 40, 4), (3, 40, 1)], [0, 8], (0, 2)),  # 4-byte slots from 8: slot 2 is aligned
+        ([(1, 40, 5), (1, 40, 2)], [0, 0], (0, 1)),  # 20 and 8 bytes: both classes at slot 1
+    ],
+)
+def test_the_warm_up_slots_cover_every_alignment_the_slots_take(
+    shapes: list[tuple[int, ...]], offsets: list[int], want: tuple[int, ...]
+) -> None:
+    from linear_state.fingerprint_triton import alignment_cover
+
+    tensors = [_misaligned(s, o) for s, o in zip(shapes, offsets, strict=True)]
+    got = alignment_cover(tensors)
+    assert got == want
+    covered = {(i, _aligned(t, s)) for s in got for i, t in enumerate(tensors)}
+    for s in range(40):  # every slot's variant is among those the warm-up built
+        assert all((i, _aligned(t, s)) in covered for i, t in enumerate(tensors)), s
+    assert alignment_cover([t[:, :0] for t in tensors]) == ()
+
+
+def test_the_warm_up_reads_nothing_off_the_fused_path_nor_in_an_empty_pool() -> None:
+    import torch
+
+    from linear_state import HostedStatePool, LinearStatePool, StateLayout
+    from linear_state.fingerprint import SlotHasher
+
+    rec = torch.zeros(2, 4, 6)
+    for kernel in ("torch", "numpy", "auto"):
+        assert SlotHasher([rec], kernel=kernel).warm_up() == ()
+    layout = StateLayout(2, (3, 8), (2, 4, 4))
+    assert LinearStatePool(layout, 4).warm_fingerprint() == ()
+    conv, rec = torch.zeros(2, 0, 3, 8, dtype=torch.bfloat16), torch.zeros(2, 0, 2, 4, 4)
+
+    class Lender:
+        def take(self, n: int) -> None:
+            return None
+
+        def give(self, slots: object) -> None:
+            pass
+
+        def available(self) -> int:
+            return 0
+
+    assert HostedStatePool(layout, conv, rec, Lender()).warm_fingerprint() == ()
+
+
+def test_the_fused_warm_up_fingerprints_the_cover_and_changes_no_byte() -> None:
+    got = _child(
+        """
+        from linear_state.fingerprint_triton import alignment_cover
+        layout = StateLayout(2, (3,), (1, 3))  # 12-byte conv and recurrent rows: int32 words
+        tensors = random_pool(layout, 8, 5)
+        before = [t.clone() for t in tensors]
+        fused = SlotHasher(tensors, kernel="triton")
+        warmed = fused.warm_up()
+        raw = lambda t: t.contiguous().view(torch.uint8)  # bytes: random slots hold NaNs
+        same = all(torch.equal(raw(a), raw(b)) for a, b in zip(before, tensors))
+        print(json.dumps([list(warmed), list(alignment_cover(tensors)), same]))
+        """
+    )
+    assert isinstance(got, list)
+    warmed, cover, same = got
+    assert warmed == cover and len(cover) >= 2 and same is True

@@ -385,3 +385,22 @@ def test_a_watched_donations_key_is_digested_only_when_named_from_the_bytes_it_w
     assert [f.key for f in fx.findings] == [key_digest(b"m" * 16), key_digest(b"v" * 16)]
     with pytest.raises(TypeError):
         fx.donated(3, 10, 12345, slots[2], "c", COMPLETE, None)  # type: ignore[arg-type]
+
+
+def test_forensics_warms_the_pools_fingerprint_when_it_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    # On CUDA the first fingerprint compiles Triton's kernel: at start-up, not in a donation.
+    warmed: list[LinearStatePool] = []
+
+    def warm(self: LinearStatePool) -> tuple[int, ...]:
+        warmed.append(self)
+        return ()
+
+    monkeypatch.setattr(LinearStatePool, "warm_fingerprint", warm)
+    h = Host()  # its manager's default forensics warmed the pool
+    assert warmed == [h.pool]
+    warmed.clear()
+    Forensics(h.pool, sample=0.5)
+    assert warmed == [h.pool]
+    mgr = CacheManager(h.cache.__class__(h.pool))  # the default sampled forensics too
+    assert mgr.forensics is not None and warmed == [h.pool, h.pool]
+    assert CacheManager(h.cache.__class__(h.pool), forensics=None).forensics is None and len(warmed) == 2

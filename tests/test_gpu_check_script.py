@@ -36,6 +36,7 @@ def _run(mod: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsy
         "fences": lambda: {"ordered_ok": True, "unordered_stale": True},
         "hosted_stream": lambda: {"ok": True},
         "shared_tier": lambda: {"ok": True},
+        "fingerprint_warm_up": lambda: {"ok": True},
         "clone_and_fingerprint": lambda reps: ({"ratio": 0.9}, {"over_clone": 1.0}),
         "hammer": lambda requests, delay_us: _hammer(),
     }
@@ -75,6 +76,7 @@ def test_a_section_that_raises_is_reported_and_the_others_still_run(
         {"hammer": lambda requests, delay_us: _hammer(caught=False)},  # a fence bug the hammer missed
         {"fences": lambda: {"ordered_ok": True, "unordered_stale": False}},  # a check that cannot tell
         {"shared_tier": lambda: {"ok": False}},
+        {"fingerprint_warm_up": lambda: {"ok": False}},  # a fingerprint compiled after the warm-up
     ],
 )
 def test_a_missed_bug_or_failed_check_is_not_ok(

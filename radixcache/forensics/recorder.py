@@ -210,6 +210,9 @@ class Forensics:
         self._by_slot: dict[int, set[int]] = {}  # slot -> node ids claiming it (one, unless aliased)
         self._pending: list[_Snap] = []  # donated, fingerprint not taken yet (clone fence pending)
         self._holds: dict[int, _Holds] = {}
+        # On CUDA the first fingerprint would compile Triton's kernel inside a donation (a scheduler
+        # step): built here, at start-up, instead.
+        pool.warm_fingerprint()
 
     # ------------------------------------------------------------- ledger
     @staticmethod
