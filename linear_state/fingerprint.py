@@ -25,6 +25,8 @@ path stays the reference it is tested against. ``benchmarks/bench_forensics.py``
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
@@ -162,19 +164,36 @@ class SlotHasher:
             return "torch"
         return "native" if self._native else "numpy"
 
-    def warm_up(self) -> tuple[int, ...]:
+    def warm_up(self, *, fallback: bool = True) -> tuple[int, ...]:
         """Build now what a first fingerprint would build inside the caller's hot path (a
         scheduler step): on the fused Triton path, every variant of the kernel this hasher's slots
         launch (Triton compiles one per tensor and per alignment of a slot's first word: seconds
         each without its disk cache), by fingerprinting the slots of
         :func:`~linear_state.fingerprint_triton.alignment_cover`. The other paths compile nothing
         and read nothing. Returns the slots read; their values are discarded (slots being written
-        meanwhile are harmless). O(slots read x slot bytes)."""
-        if self._fused is None:
+        meanwhile are harmless). O(slots read x slot bytes).
+
+        Where the fused kernel cannot be built or run (a Triton that does not work with this
+        device or driver), ``fallback`` keeps the torch path from then on (the same values) and
+        warns once (``RuntimeWarning`` naming the error), so that a broken Triton costs speed, not
+        the first donation; without ``fallback`` the error is raised."""
+        fused = self._fused
+        if fused is None:
             return ()
         slots = alignment_cover(self._tensors)
-        for s in slots:
-            self._fused.fingerprint(s)
+        try:
+            for s in slots:
+                fused.fingerprint(s)
+        except Exception as e:
+            if not fallback:
+                raise
+            self._fused = None
+            warnings.warn(
+                f"the fused Triton fingerprint failed ({type(e).__name__}: {e}); fingerprints take the torch path",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return ()
         return slots
 
     def fingerprint(self, slot: int) -> Fingerprint:

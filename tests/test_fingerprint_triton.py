@@ -196,3 +196,19 @@ def test_the_fused_warm_up_fingerprints_the_cover_and_changes_no_byte() -> None:
     assert isinstance(got, list)
     warmed, cover, same = got
     assert warmed == cover and len(cover) >= 2 and same is True
+
+
+def test_a_fused_kernel_that_cannot_run_falls_back_to_the_torch_path_at_warm_up() -> None:
+    # Without a GPU driver (and without the interpreter) Triton cannot launch: what a Triton
+    # that does not work with the device looks like to the hasher.
+    from linear_state.fingerprint import SlotHasher
+
+    rec = torch.randn(2, 4, 8)
+    with pytest.raises(RuntimeError):
+        SlotHasher([rec], kernel="triton").warm_up(fallback=False)
+    hasher = SlotHasher([rec], kernel="triton")
+    with pytest.warns(RuntimeWarning, match="fused Triton fingerprint failed"):
+        assert hasher.warm_up() == ()
+    assert hasher.kernel == "torch"
+    reference = SlotHasher([rec], kernel="torch")
+    assert [hasher.fingerprint(s) for s in range(4)] == [reference.fingerprint(s) for s in range(4)]
