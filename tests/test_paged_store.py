@@ -152,6 +152,29 @@ def test_a_changed_kv_page_is_a_finding_and_the_hit_falls_back() -> None:
     store.check_invariants()
 
 
+def test_a_hit_that_does_not_fit_is_declined_before_it_is_verified_or_copied() -> None:
+    store, eng = _store(), Engine()
+    ids = list(range(1, 1 + 3 * B))
+    eng.compute(ids, [0, 1, 2])
+    assert _save(store, eng, "a", ids, [0, 1, 2])
+    st = store.stats
+    asked: list[int] = []
+
+    def no_room(tokens: int) -> bool:
+        asked.append(tokens)
+        return False
+
+    assert store.lookup("b", [*ids, 9], computed=B, fits=no_room) is None
+    assert asked == [2 * B], "asked with the tokens beyond the engine's own"
+    assert st.declined == 1 and st.verified_pages == 0 and st.restored_snapshots == 0 and st.offers == 0
+    store.check_invariants()
+    hit = store.lookup("b", [*ids, 9], computed=B, fits=lambda tokens: tokens == 2 * B)
+    assert hit is not None and hit.end == 3 * B
+    assert st.declined == 1 and st.verified_pages == 2 and st.restored_snapshots == 1 and st.offers == 1
+    store.release(hit)
+    store.check_invariants()
+
+
 def test_without_verification_a_changed_snapshot_is_served() -> None:
     """The negative control of the check above: ``verify=False`` serves the changed bytes."""
     store, eng = _store(verify=False), Engine()

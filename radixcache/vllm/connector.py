@@ -362,11 +362,16 @@ class RadixcacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
                     return None, False  # vLLM asks again at its next step
             elif self.store.prefetch_pending(rid) and time.monotonic() - asked < PREFETCH_WAIT_S:
                 return None, False
-        hit = self.store.lookup(rid, ids[:limit], namespace=ns, computed=num_computed_tokens)
+        # A hit vLLM has no room for is declined before its pages are verified and its state
+        # copied (the request computes it; the snapshot stays): a waiting request asks every step.
+        hit = self.store.lookup(
+            rid,
+            ids[:limit],
+            namespace=ns,
+            computed=num_computed_tokens,
+            fits=lambda tokens: self._room_for(request, num_computed_tokens, tokens),
+        )
         if hit is None:
-            return 0, False
-        if not self._room_for(request, num_computed_tokens, hit.end - hit.start):
-            self.store.release(hit, declined=True)  # the request computes it; the snapshot stays
             return 0, False
         self._pending[rid] = hit
         return hit.end - num_computed_tokens, False

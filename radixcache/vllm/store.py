@@ -27,7 +27,7 @@ Nothing here imports vLLM; the connector maps vLLM's blocks and layers onto thes
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -160,13 +160,15 @@ class StoreStats:
     offers: int = 0  # lookups that found a verified snapshot (held for the engine)
     offered_tokens: int = 0
     hits: int = 0  # offers the engine loaded (released with ``loaded=True``)
-    declined: int = 0  # offers withdrawn because the engine had no room to take them (``declined=True``)
+    declined: int = 0  # hits the engine had no room for: turned down by lookup(fits=) or withdrawn (declined=True)
     hit_tokens: int = 0
     saves: int = 0
     saved_pages: int = 0
     saves_skipped: dict[str, int] = field(default_factory=dict)
     corrupt_snapshots: int = 0
     corrupt_pages: int = 0
+    verified_pages: int = 0  # KV pages read to verify hits (each lookup reads every page of its hit)
+    restored_snapshots: int = 0  # snapshots copied (and verified) into a hit's slot
 
     def skip(self, why: str) -> None:
         self.saves_skipped[why] = self.saves_skipped.get(why, 0) + 1
@@ -423,13 +425,21 @@ class PagedHostStore:
                 "saves_skipped": dict(self.stats.saves_skipped),
                 "corrupt_snapshots": self.stats.corrupt_snapshots,
                 "corrupt_pages": self.stats.corrupt_pages,
+                "verified_pages": self.stats.verified_pages,
+                "restored_snapshots": self.stats.restored_snapshots,
             },
             "shared": None if self.shared is None else self.shared.stats.as_dict(),
         }
 
     # ---------------------------------------------------------------- lookups
     def lookup(
-        self, rid: Hashable, ids: Sequence[int] | np.ndarray, *, namespace: Hashable = None, computed: int = 0
+        self,
+        rid: Hashable,
+        ids: Sequence[int] | np.ndarray,
+        *,
+        namespace: Hashable = None,
+        computed: int = 0,
+        fits: Callable[[int], bool] | None = None,
     ) -> Hit | None:
         """The deepest verified snapshot on the path of ``ids`` deeper than ``computed`` (the
         tokens the engine holds already, a block multiple; cap ``ids`` yourself: the engine
@@ -437,6 +447,12 @@ class PagedHostStore:
         lookup of ``rid`` tells the policy of the request (call :meth:`finished` at its end). A
         snapshot or a KV page that fails verification is a finding and is discarded; the lookup
         then tries the next deeper-than-``computed`` snapshot. O(path + hit bytes).
+
+        ``fits``: asked with the tokens a snapshot would serve beyond ``computed`` before its
+        pages are verified and its state copied; ``False`` (the engine has no room for that hit)
+        ends the lookup with ``None``, counted in ``stats.declined``: a hit the engine would turn
+        down costs no verification and no copy (under memory pressure a waiting request is looked
+        up again at every step).
 
         :raises ValueError: ``computed`` not a block multiple >= 0; bad ids. Nothing changed.
         """
@@ -454,6 +470,9 @@ class PagedHostStore:
             d = m.cached_length
             if d <= computed:
                 return None
+            if fits is not None and not fits(d - computed):
+                self.stats.declined += 1
+                return None
             node = m.node
             mgr.lock(node)
             pages = tuple(self.pages.pages(m.kv_indices[computed:d]).tolist())
@@ -467,6 +486,7 @@ class PagedHostStore:
             owner = RequestOwner(("load", rid))
             slot = self.pool.alloc(owner)
             seen = self._findings()
+            self.stats.restored_snapshots += 1
             try:
                 mgr.restore(node, slot, dst_owner=owner, info=mgr.request_info(ids, d)).wait()
             except BaseException:
@@ -546,6 +566,7 @@ class PagedHostStore:
         for p in pages:
             want = self._kv_fp[p]
             found = hasher.fingerprint(p)
+            self.stats.verified_pages += 1
             if want is not None and found != want:
                 self.page_findings.append(PageCorruption(p, want, found, rid, depth))
                 self.stats.corrupt_pages += 1
