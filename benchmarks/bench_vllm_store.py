@@ -10,7 +10,9 @@ against torch's indexed copies (what the store did until 2026-12-06), side by si
   verifying store records;
 - ``lookup_hit``: a hit of the whole prefix looked up (``PagedHostStore.lookup`` and
   ``release``, on vLLM's scheduler thread), with verification (every page of the hit
-  fingerprinted first, and the snapshot) and without;
+  fingerprinted first, and the snapshot) and without, the snapshot read in place; beside them
+  ``private_state_copy``, the copy of the snapshot into a slot of the store each hit made until
+  2026-12-07 (``verified_with_private_copy_ms``: what a verified hit cost then);
 - ``export_kv``: a publication's KV read out of host pages (``PagedKVCodec.export_kv``, on the
   thread that files the save: vLLM's scheduler's; the encoding and upload run on the tier's
   writer thread): ``ours`` into a fresh buffer each time, ``ours_reused`` into the buffer of the
@@ -23,7 +25,8 @@ assigned through an index tensor (import), an indexed gather then ``tobytes`` (e
 the same tensors. The default layout is a
 Qwen3-Next-80B-like attention side: 12 attention layers, 512-token blocks, 2 KiB of K and V per
 token per layer (two KV heads of 256, bf16): 1 MiB page rows, a 2,048-token prefix in 4 pages
-(48 MiB). Medians over ``--reps``, the variants alternating. Prints one JSON object.
+(48 MiB); its snapshots a Qwen3-Next-80B-like state (36 Gated DeltaNet layers, 77 MB; ``--state
+tiny`` for a 2 KiB one). Medians over ``--reps``, the variants alternating. Prints one JSON object.
 
     python benchmarks/bench_vllm_store.py [--pages 4] [--reps 20] [--quick]
 """
@@ -43,7 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from linear_state import StateLayout
+from linear_state import RequestOwner, StateLayout
 from radixcache.vllm import PagedHostStore, PagedLayout
 from radixcache.vllm.store import PagedKVCodec
 
@@ -87,16 +90,22 @@ def main() -> None:
     ap.add_argument("--pages", type=int, default=4, help="pages of the prefix copied")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="3 reps, 2 pages (a smoke run)")
+    ap.add_argument(
+        "--state", choices=("qwen3-next-80b", "tiny"), default="qwen3-next-80b", help="the snapshots' state layout"
+    )
     a = ap.parse_args()
     if a.quick:
         a.reps, a.pages = 3, 2
     n = a.pages
     page_row = a.block * a.token_bytes
-    state = StateLayout(num_layers=1, conv_shape=(3, 8), recurrent_shape=(4, 8, 8))
+    if a.state == "tiny":
+        state = StateLayout(num_layers=1, conv_shape=(3, 8), recurrent_shape=(4, 8, 8))
+    else:  # 36 Gated DeltaNet layers: 77 MB a snapshot
+        state = StateLayout.for_gdn(36, num_k_heads=16, num_v_heads=32, head_k_dim=128, head_v_dim=128)
     layout = PagedLayout(block_tokens=a.block, kv_layers=a.kv_layers, kv_page_bytes=page_row, state=state)
     store_pages = 4 * n + 4  # a prefix is within a quarter of it: the KV codec keeps its buffers
-    budget = store_pages * layout.page_bytes + 2 * state.slot_bytes + 1
-    stores = {v: PagedHostStore(layout, budget, snapshots_per_block=2 / store_pages, verify=v) for v in (False, True)}
+    budget = store_pages * layout.page_bytes + 3 * state.slot_bytes + 1
+    stores = {v: PagedHostStore(layout, budget, snapshots_per_block=3 / store_pages, verify=v) for v in (False, True)}
     store = stores[False]
     assert store.num_pages >= 2 * n, (store.num_pages, n)
     gen = torch.Generator().manual_seed(0)
@@ -117,6 +126,7 @@ def main() -> None:
             "page_row_bytes": page_row,
             "prefix_tokens": n * a.block,
             "prefix_mib": round(a.kv_layers * n * page_row / 2**20, 1),
+            "state_mb": round(state.slot_bytes / 1e6, 1),
         },
         "reps": a.reps,
         "torch_threads": torch.get_num_threads(),
@@ -212,12 +222,28 @@ def main() -> None:
             st.release(hit)
 
         lookups["verified" if verify else "unverified"] = lookup
+    # what each hit also paid until 2026-12-07: the snapshot copied into a private slot of the
+    # store on the scheduler's thread (the worker now copies it out of the snapshot's own slot)
+    st = stores[True]
+    node = st.manager.lookup(ids).node
+    assert node.snapshot is not None
+
+    def private_copy(st: PagedHostStore = st, src: int = node.snapshot) -> None:
+        owner = RequestOwner("private copy")
+        slot = st.pool.alloc(owner)
+        st.pool.copy(src, slot, dst_owner=owner).wait()
+        st.pool.free(slot, owner)
+
+    lookups["private_state_copy"] = private_copy
     ms = _median_ms({**lookups, "memcpy": memcpy}, a.reps)
     prefix_mib = a.kv_layers * n * page_row / 2**20
+    verified_mib = prefix_mib + state.slot_bytes / 2**20
     out["lookup_hit_ms"] = {
         **ms,
         "verified_over_memcpy": round(ms["verified"] / ms["memcpy"], 2),
-        "verification_us_per_mib": round(1e3 * (ms["verified"] - ms["unverified"]) / prefix_mib, 1),
+        # per MiB read by verification: the hit's pages and its snapshot
+        "verification_us_per_mib": round(1e3 * (ms["verified"] - ms["unverified"]) / verified_mib, 1),
+        "verified_with_private_copy_ms": round(ms["verified"] + ms["private_state_copy"], 3),
     }
     # and the copies: a save and a hit of the same pages give the engine back its blocks
     pages, blocks = cases["scattered"]

@@ -103,6 +103,8 @@ def test_an_evicted_snapshot_is_demoted_keeps_its_kv_and_still_serves_a_hit() ->
     cache.lock(node)
     with pytest.raises(ValueError, match="holds no snapshot"):
         cache.evict_snapshot(node)  # nothing on the device to evict
+    with pytest.raises(ValueError, match="on the host tier"):
+        cache.snapshot_slot(node)  # a host reading in place gets a device slot or nothing
     cache.unlock(node)
     cache.check_invariants()
     assert hp.num_owned_by(NodeOwner) == 1

@@ -11,7 +11,16 @@ import pytest
 import torch
 
 from linear_state import LinearStatePool, RequestOwner, SlotId
-from radixcache import Admission, CacheKey, CacheManager, Forensics, HybridRadixCache, LockError
+from radixcache import (
+    Admission,
+    CacheKey,
+    CacheManager,
+    ForeignObjectError,
+    Forensics,
+    HybridRadixCache,
+    LockError,
+    SnapshotCorruption,
+)
 from radixcache.core.keys import key_bytes
 from radixcache.core.kv import KVFreeList
 from radixcache.core.policy import DonationReason, RequestInfo
@@ -328,3 +337,60 @@ def test_a_cache_key_is_heard_as_its_ids() -> None:
     assert res.snapshot_created
     assert mgr.lookup([1, 2, 3, 4]).node is res.node and mgr.lookup(CacheKey([1, 2, 3, 4])).cached_length == 4
     mgr.check_invariants()
+
+
+def test_serve_in_place_hands_out_the_locked_snapshots_own_slot_and_tells_the_policy() -> None:
+    """A host whose request's state lives outside the pool copies it out of the snapshot's slot
+    itself: no slot of the pool is taken, the policy and the metrics hear of the hit."""
+    mgr, pol = make()
+    file(mgr, [5, 6, 7])
+    m = mgr.lookup([5, 6, 7, 8])
+    info = mgr.request_info([5, 6, 7, 8], m.cached_length)
+    free = mgr.pool.num_free
+    with pytest.raises(ValueError, match="not locked"):
+        mgr.serve_in_place(m.node, info=info)  # the lock must come first: nothing heard
+    assert mgr.metrics().hits == 0 and not [h for h in pol.heard if h[0] == "touched"]
+    mgr.lock(m.node)
+    slot, fence = mgr.serve_in_place(m.node, info=info, rid="r")
+    fence.wait()
+    assert slot == m.node.snapshot and mgr.pool.num_free == free
+    assert float(mgr.pool.recurrent[:, slot].flatten()[0]) == prefix_value([5, 6, 7])
+    assert ("touched", m.node, info) in pol.heard
+    met = mgr.metrics()
+    assert (met.hits, met.hit_tokens, met.restores) == (1, 3, 0)
+    assert mgr.make_room(keep=None) and mgr.cache.num_snapshots == 1, "a locked snapshot is never evicted"
+    with pytest.raises(TypeError, match="RequestInfo"):
+        mgr.serve_in_place(m.node, info=None)  # type: ignore[arg-type]
+    mgr.unlock(m.node)
+    mgr.check_invariants()
+    other, _ = make()
+    file(other, [5, 6, 7])
+    theirs = other.lookup([5, 6, 7]).node
+    other.lock(theirs)
+    with pytest.raises(ForeignObjectError):
+        mgr.serve_in_place(theirs, info=info)
+    assert mgr.metrics().hits == 1
+
+
+def test_serve_in_place_verifies_the_snapshot_first() -> None:
+    pool = LinearStatePool(FUZZ_LAYOUT, 8)
+    fx = Forensics(pool)  # raise mode, every donation watched
+    mgr = CacheManager(HybridRadixCache(pool, page_size=1), FixedPoints(align=1), host_tier=None, forensics=fx)
+    file(mgr, [1, 2, 3])
+    node = mgr.lookup([1, 2, 3]).node
+    mgr.lock(node)
+    pool.recurrent[:, node.snapshot] += 1.0  # changed behind the tree's back
+    with pytest.raises(SnapshotCorruption):
+        mgr.serve_in_place(node, info=mgr.request_info([1, 2, 3], 3), rid="r")
+    assert mgr.metrics().hits == 0
+    mgr.unlock(node)
+    mgr.check_invariants()
+
+
+def test_snapshot_slot_refuses_a_node_without_a_snapshot() -> None:
+    # (a demoted one: tests/test_host_tier.py)
+    cache = HybridRadixCache(LinearStatePool(FUZZ_LAYOUT, 4), page_size=1)
+    with pytest.raises(ValueError, match="holds no device snapshot: none"):
+        cache.snapshot_slot(cache.match([1, 2]).node)  # the root
+    with pytest.raises(TypeError):
+        cache.snapshot_slot("node")  # type: ignore[arg-type]

@@ -83,6 +83,30 @@ def test_a_saved_prefix_is_served_back_byte_for_byte() -> None:
     assert store.lookup("c", ids, computed=3 * B) is None, "nothing deeper than what the engine has"
 
 
+def test_a_hit_is_read_out_of_its_snapshots_own_slot_which_its_hold_keeps() -> None:
+    """No private copy of the state on the scheduler's thread: the hit names the snapshot's
+    slot, takes no slot of the store, and its lock keeps the snapshot from every eviction until
+    it is released, even when the store needs the room."""
+    store, eng = _store(budget_pages=6), Engine()
+    ids = list(range(100, 100 + 2 * B))
+    eng.compute(ids, [0, 1])
+    assert _save(store, eng, "a", ids, [0, 1])
+    free = store.pool.num_free
+    hit = store.lookup("b", [*ids, 7])
+    assert hit is not None and hit.slot == hit.node.snapshot and store.pool.num_free == free
+    store.check_invariants()
+    for i in range(4):  # more saves than the store holds: they evict what is not held
+        other = list(range(1000 * (i + 1), 1000 * (i + 1) + 2 * B))
+        eng.compute(other, [2, 3])
+        _save(store, eng, f"o{i}", other, [2, 3])
+    assert sum(store.manager.metrics().evictions.values()) > 0
+    assert hit.node.snapshot == hit.slot
+    conv, rec = store.state_of(hit)
+    assert torch.equal(conv, eng.conv[1]) and torch.equal(rec, eng.rec[1])
+    store.release(hit, loaded=True)
+    store.check_invariants()
+
+
 def test_only_a_hit_the_engine_loaded_counts_as_a_hit() -> None:
     """A lookup's hit is an offer; released unloaded (the engine took none of it, or asks again
     at a later step) it must not count, or the store's hit tokens overstate the engine's."""
@@ -166,11 +190,11 @@ def test_a_hit_that_does_not_fit_is_declined_before_it_is_verified_or_copied() -
 
     assert store.lookup("b", [*ids, 9], computed=B, fits=no_room) is None
     assert asked == [2 * B], "asked with the tokens beyond the engine's own"
-    assert st.declined == 1 and st.verified_pages == 0 and st.restored_snapshots == 0 and st.offers == 0
+    assert st.declined == 1 and st.verified_pages == 0 and st.offers == 0
     store.check_invariants()
     hit = store.lookup("b", [*ids, 9], computed=B, fits=lambda tokens: tokens == 2 * B)
     assert hit is not None and hit.end == 3 * B
-    assert st.declined == 1 and st.verified_pages == 2 and st.restored_snapshots == 1 and st.offers == 1
+    assert st.declined == 1 and st.verified_pages == 2 and st.offers == 1
     store.release(hit)
     store.check_invariants()
 

@@ -1005,6 +1005,26 @@ class HybridRadixCache:
             after=(node.snapshot_fence,),
         )
 
+    def snapshot_slot(self, node: TreeNode) -> tuple[SlotId, Fence]:
+        """``node``'s device snapshot slot and the fence after which it holds the state, for a host
+        that copies the state out of it itself (into its own request's state, wherever that
+        lives) instead of :meth:`restore`'s copy into a slot of this pool. The slot stays the
+        tree's: read it only, only after the fence, and only while ``node`` stays locked (a
+        locked snapshot is neither evicted, demoted nor discarded, and nobody writes a tree slot).
+        O(1).
+
+        :raises ValueError: ``node`` is not locked (:meth:`lock` it first), or its snapshot is not
+            on the device (none, or demoted to the host tier: :meth:`restore` copies that one).
+        :raises ForeignObjectError: ``node`` is another cache's. :raises TypeError: not a node.
+        """
+        self._own(node)
+        if node.snapshot is None:
+            where = "on the host tier (restore copies it)" if node.host is not None else "none"
+            raise ValueError(f"node {node.id} at depth {node.depth} holds no device snapshot: {where}")
+        if not node.snap_lock:
+            raise ValueError(f"node {node.id} at depth {node.depth} is not locked: lock it before reading its slot")
+        return node.snapshot, node.snapshot_fence
+
     # ------------------------------------------------------------------ locks
     def lock(self, node: TreeNode) -> None:
         """Protect ``node``'s snapshot and the KV of its path to the root from eviction.

@@ -288,8 +288,10 @@ class Forensics:
         self._pending.append(snap)
         self._settle()
 
-    def before_restore(self, node: int, rid: Hashable, dst: int) -> None:
-        """Verify ``node``'s snapshot before it is restored into ``dst``."""
+    def before_restore(self, node: int, rid: Hashable, dst: int | None) -> None:
+        """Verify ``node``'s snapshot before it is restored into ``dst`` (``None``: the host copies
+        it out of the snapshot's own slot, :meth:`CacheManager.serve_in_place
+        <radixcache.CacheManager.serve_in_place>`)."""
         self.step += 1
         snap = self._snaps.get(node)
         if snap is None:

@@ -1874,6 +1874,36 @@ class CacheManager:
         return ready
 
     @_exclusive
+    def serve_in_place(
+        self, node: TreeNode, *, info: RequestInfo, rid: Hashable = None, now: float | None = None
+    ) -> tuple[SlotId, Fence]:
+        """Serve a hit of a host that copies the state itself, straight out of the snapshot's own
+        slot: no copy into a slot of the pool (:meth:`restore` makes one). For a host whose
+        request's state lives outside the pool (the vLLM connector's worker copies it into vLLM's
+        block). The host must hold a :meth:`lock` on ``node`` from before this call until its copy
+        completed, read the slot only, and order its copy after the returned fence. Forensics
+        verifies the snapshot first, as before a restore (``rid``: whose hit, for its record); the
+        policy hears of the hit (``info``'s request). Returns the slot and the fence. O(1) plus
+        the verification.
+
+        :raises ValueError: ``node`` not locked, or its snapshot not on the device (demoted: use
+            :meth:`restore`). :raises TypeError: ``info`` not a ``RequestInfo``, ``node`` not a
+            ``TreeNode``. :raises ForeignObjectError: another tree's node. Nothing changed.
+        :raises SnapshotCorruption: forensics in ``"raise"`` mode found the snapshot changed.
+        """
+        if not isinstance(info, RequestInfo):
+            raise TypeError(f"info must be a RequestInfo (request_info builds one), got {type(info).__name__}")
+        slot, fence = self.cache.snapshot_slot(node)
+        t = self._now(now)
+        if self.forensics is not None:
+            self.forensics.before_restore(node.id, rid, None)
+        self.policy.touched(node, info, t)
+        c = self._counters
+        c.hits += 1
+        c.hit_tokens += node.depth
+        return slot, fence
+
+    @_exclusive
     def checkpoint(
         self,
         cache_ids: KeyLike,

@@ -101,11 +101,12 @@ class PagedLayout:
 @dataclass(frozen=True, slots=True)
 class Hit:
     """A verified hit, held until :meth:`PagedHostStore.release`: the node is locked (its path's
-    KV pages stay), and ``slot`` holds a private copy of the snapshot (restored and verified).
+    KV pages and its snapshot stay, unwritten), and ``slot`` holds the snapshot's state, verified.
 
     :ivar rid: the engine's request. :ivar start: tokens the engine had already (a block
         multiple). :ivar end: the hit's depth (a block multiple, > ``start``). :ivar pages: host
         pages of blocks ``start / block_tokens`` .. ``end / block_tokens - 1``, in order.
+    :ivar slot: the snapshot's own slot (the tree's: read it only, while the hit is held).
     """
 
     rid: Hashable
@@ -114,7 +115,6 @@ class Hit:
     end: int
     pages: tuple[int, ...]
     slot: SlotId
-    owner: RequestOwner
 
 
 @dataclass(slots=True)
@@ -168,7 +168,6 @@ class StoreStats:
     corrupt_snapshots: int = 0
     corrupt_pages: int = 0
     verified_pages: int = 0  # KV pages read to verify hits (each lookup reads every page of its hit)
-    restored_snapshots: int = 0  # snapshots copied (and verified) into a hit's slot
 
     def skip(self, why: str) -> None:
         self.saves_skipped[why] = self.saves_skipped.get(why, 0) + 1
@@ -370,7 +369,6 @@ class PagedHostStore:
         self.stats = StoreStats()
         self._admitted: set[Hashable] = set()
         self._planned: dict[int, SavePlan] = {}  # by id(): plans not yet committed or abandoned
-        self._held = 0  # hits not yet released
 
     # ------------------------------------------------------------------ sizes
     @staticmethod
@@ -426,7 +424,6 @@ class PagedHostStore:
                 "corrupt_snapshots": self.stats.corrupt_snapshots,
                 "corrupt_pages": self.stats.corrupt_pages,
                 "verified_pages": self.stats.verified_pages,
-                "restored_snapshots": self.stats.restored_snapshots,
             },
             "shared": None if self.shared is None else self.shared.stats.as_dict(),
         }
@@ -480,32 +477,28 @@ class PagedHostStore:
                 mgr.unlock(node)
                 self._discard(node)
                 continue
-            if not mgr.make_room(keep=node):
-                mgr.unlock(node)
-                return None
-            owner = RequestOwner(("load", rid))
-            slot = self.pool.alloc(owner)
+            # NOTE: the worker copies the state out of the snapshot's own slot (the node stays
+            # locked until the hit is released): no private copy on vLLM's scheduler thread,
+            # 8.8 ms for a 77 MB Qwen3-Next-80B-like state on a 2-core CPU, and no slot taken
             seen = self._findings()
-            self.stats.restored_snapshots += 1
             try:
-                mgr.restore(node, slot, dst_owner=owner, info=mgr.request_info(ids, d)).wait()
+                slot, fence = mgr.serve_in_place(node, info=mgr.request_info(ids, d), rid=("load", rid))
+                fence.wait()
             except BaseException:
-                self.pool.free(slot, owner)
                 mgr.unlock(node)
                 raise
             if self._findings() > seen:  # forensics found the snapshot changed: never served
-                self.pool.free(slot, owner)
                 mgr.unlock(node)
                 self.stats.corrupt_snapshots += 1
                 self._discard(node)
                 continue
             self.stats.offers += 1
             self.stats.offered_tokens += d - computed
-            self._held += 1
-            return Hit(rid, node, computed, d, pages, slot, owner)
+            return Hit(rid, node, computed, d, pages, slot)
 
     def release(self, hit: Hit, *, loaded: bool = False, declined: bool = False) -> None:
-        """Let go of ``hit``: its slot goes back, its node is unlocked. ``loaded``: the engine
+        """Let go of ``hit``: its node is unlocked (the engine's copy out of its slot is done).
+        ``loaded``: the engine
         read the hit into its own blocks, and it counts in ``stats.hits`` / ``stats.hit_tokens``
         (a hit the engine did not take, or looked up again at a later step, is an offer only).
         ``declined``: withdrawn before the engine saw it (no room for it there), counted in
@@ -514,9 +507,7 @@ class PagedHostStore:
         :raises ValueError: both ``loaded`` and ``declined``. Nothing changed."""
         if loaded and declined:
             raise ValueError("a hit is either loaded or declined, not both")
-        self.pool.free(hit.slot, hit.owner)
         self.manager.unlock(hit.node)
-        self._held -= 1
         if loaded:
             self.stats.hits += 1
             self.stats.hit_tokens += hit.end - hit.start
@@ -751,15 +742,16 @@ class PagedHostStore:
         self.pool.write(plan.slot, conv, recurrent, owner=plan.owner).wait()
 
     def state_of(self, hit: Hit) -> tuple[torch.Tensor, torch.Tensor]:
-        """The hit's verified state copy: ``conv`` ``[layers, ...]``, ``recurrent`` ``[layers, ...]``."""
+        """Host copies of the hit's verified state: ``conv`` ``[layers, ...]``, ``recurrent``
+        ``[layers, ...]``."""
         return self.pool.read(hit.slot)
 
     # -------------------------------------------------------------- invariants
     def check_invariants(self) -> None:
         """The manager's, the page list's and the pool's invariants, and page accounting: every
-        page is free, held by the tree, or in a plan; every slot free, a snapshot, a held hit's or
-        a plan's (``AssertionError`` otherwise). Valid at any point between calls."""
-        self.manager.check_invariants(host_slots=self._held + len(self._planned))
+        page is free, held by the tree, or in a plan; every slot free, a snapshot (a held hit's
+        is its node's) or a plan's (``AssertionError`` otherwise). Valid at any point between calls."""
+        self.manager.check_invariants(host_slots=len(self._planned))
         self.pages.check_invariants()
         self.pool.check_invariants()  # the codec's kept buffers: the manager's shared tier checks them
         planned = sum(len(p.pages) for p in self._planned.values())

@@ -204,8 +204,8 @@ def test_a_pool_under_pressure_gets_only_the_hits_it_has_room_for(
     stats = facts["store"]["stats"]
     assert stats["declined"] > 0, f"no offer was declined: the pool was not under pressure ({stats})"
     assert facts["external"] > 0 and stats["hit_tokens"] == facts["external"], facts
-    # a hit vLLM had no room for was turned down before its pages were read and its state copied
-    assert stats["offers"] == stats["hits"] == stats["restored_snapshots"], stats
+    # a hit vLLM had no room for was turned down before its pages were read
+    assert stats["offers"] == stats["hits"], stats
 
 
 def test_aborted_requests_leave_nothing_held_and_what_they_saved_serves_right(
