@@ -214,6 +214,14 @@ class MisuseMachine(HostMachine):
             Misuse("tree unlock: foreign node", lambda: cache.unlock(self.foreign.node)),
             Misuse("tree evict_snapshot: foreign node", lambda: cache.evict_snapshot(self.foreign.node)),
             Misuse("tree kv_indices: foreign node", lambda: cache.kv_indices(self.foreign.node)),
+            Misuse("tree snapshot_slot: foreign node", lambda: cache.snapshot_slot(self.foreign.node)),
+            Misuse(
+                "serve_in_place: foreign node",
+                lambda: mgr.serve_in_place(self.foreign.node, info=mgr.request_info([1, 2], 0)),
+            ),
+            Misuse(
+                "serve_in_place: info not a RequestInfo", lambda: mgr.serve_in_place(self.foreign.node, info=_wrong(2))
+            ),
             Misuse("tree touch: foreign node", lambda: cache.touch(self.foreign.node)),
             Misuse("tree lock: not a node", lambda: cache.lock(_wrong("root"))),
             Misuse("tree relock: not nodes", lambda: cache.relock(_wrong("root"), _wrong("leaf"))),
@@ -264,6 +272,13 @@ class MisuseMachine(HostMachine):
             out.append(Misuse("tree relock: onto a foreign node", lambda: cache.relock(node, self.foreign.node)))
             if node.snap_lock == 0:
                 out.append(Misuse("tree unlock: not locked", lambda: cache.unlock(node)))
+                out.append(Misuse("tree snapshot_slot: not locked", lambda: cache.snapshot_slot(node)))
+                out.append(
+                    Misuse(
+                        "serve_in_place: not locked",
+                        lambda: mgr.serve_in_place(node, info=mgr.request_info([1, 2], 0)),
+                    )
+                )
                 out.append(Misuse("tree relock: old not locked", lambda: cache.relock(node, node)))
         if self.active:
             rid = data.draw(st.sampled_from(self.active), label="request")
