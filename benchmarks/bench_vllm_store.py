@@ -13,6 +13,10 @@ against torch's indexed copies (what the store did until 2026-12-06), side by si
   fingerprinted first, and the snapshot) and without, the snapshot read in place; beside them
   ``private_state_copy``, the copy of the snapshot into a slot of the store each hit made until
   2026-12-07 (``verified_with_private_copy_ms``: what a verified hit cost then);
+- ``save``: a save's calls on vLLM's scheduler thread, ``plan_save`` and ``commit`` (the
+  tree's clone of the staged state: copy-on-donate; with verification the donation's
+  fingerprint and the new pages'), a new prefix each time, verified and not; the worker's copies
+  between them are not timed;
 - ``export_kv``: a publication's KV read out of host pages (``PagedKVCodec.export_kv``, on the
   thread that files the save: vLLM's scheduler's; the encoding and upload run on the tier's
   writer thread): ``ours`` into a fresh buffer each time, ``ours_reused`` into the buffer of the
@@ -34,6 +38,7 @@ tiny`` for a 2 KiB one). Medians over ``--reps``, the variants alternating. Prin
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -244,6 +249,34 @@ def main() -> None:
         # per MiB read by verification: the hit's pages and its snapshot
         "verification_us_per_mib": round(1e3 * (ms["verified"] - ms["unverified"]) / verified_mib, 1),
         "verified_with_private_copy_ms": round(ms["verified"] + ms["private_state_copy"], 3),
+    }
+    # a save's two calls on vLLM's scheduler thread (the worker's copies between them untimed):
+    # plan_save (pages and a slot, evicting through the policy when the store is full) and
+    # commit (the tree's clone of the staged state, copy-on-donate; with verification the
+    # donation's fingerprint and the new pages' too); a new prefix each time
+    times: dict[str, dict[str, list[float]]] = {k: {"plan": [], "commit": []} for k in ("verified", "unverified")}
+    fresh = itertools.count(1)
+    for r in range(a.reps + 1):
+        for verify, st in stores.items():
+            base = 1_000_000 * next(fresh)
+            new = [base + i for i in range(n * a.block)]
+            t0 = time.perf_counter()
+            plan = st.plan_save("save", new)
+            t1 = time.perf_counter()
+            assert plan is not None
+            st.copy_in_pages(plan.pages, [(t, list(range(n))) for t in engine])
+            st.copy_in_state(plan, conv, rec)
+            t2 = time.perf_counter()
+            assert st.commit(plan)
+            t3 = time.perf_counter()
+            if r:  # the first of each is a warm-up
+                row = times["verified" if verify else "unverified"]
+                row["plan"].append(t1 - t0)
+                row["commit"].append(t3 - t2)
+    save = {k: {c: round(statistics.median(v) * 1e3, 3) for c, v in row.items()} for k, row in times.items()}
+    out["save_ms"] = {
+        **save,
+        "unverified_commit_over_state_copy": round(save["unverified"]["commit"] / ms["private_state_copy"], 2),
     }
     # and the copies: a save and a hit of the same pages give the engine back its blocks
     pages, blocks = cases["scattered"]

@@ -103,7 +103,15 @@ def test_a_hit_is_read_out_of_its_snapshots_own_slot_which_its_hold_keeps() -> N
     assert hit.node.snapshot == hit.slot
     conv, rec = store.state_of(hit)
     assert torch.equal(conv, eng.conv[1]) and torch.equal(rec, eng.rec[1])
+    second = store.lookup("c", [*ids, 7])  # a second hold of the same snapshot
+    assert second is not None and second.slot == hit.slot
     store.release(hit, loaded=True)
+    with pytest.raises(ValueError, match="released already"):
+        store.release(hit)  # would take the second hit's lock away
+    assert hit.node.snap_lock == 1
+    with pytest.raises(ValueError, match="not this store's"):
+        _store().release(second)
+    store.release(second)
     store.check_invariants()
 
 

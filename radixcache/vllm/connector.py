@@ -17,8 +17,8 @@ and only then does the scheduler side reuse or file what the step copied.
 Per step (vLLM runs them in this order):
 
 1. scheduler, ``get_num_new_matched_tokens``: the deepest verified snapshot beyond vLLM's own hit,
-   a block multiple, at most the request's tokens minus one; its node is locked and its state
-   restored into a private slot (forensics verifies it; its KV pages are verified too);
+   a block multiple, at most the request's tokens minus one; its node is locked (its snapshot's
+   slot is then read in place) and verified (forensics checks the snapshot, the store each KV page);
 2. scheduler, ``update_state_after_alloc``: the load is planned into the blocks vLLM allocated:
    attention pages into the attention groups' blocks of the hit, the state into each linear
    group's block that holds the state after the hit (``end / block - 1``);

@@ -13,11 +13,11 @@ host memory under a byte budget:
 The tree (``page_size=block_tokens``) is keyed on the prefix's ids in a namespace; the manager
 owns it, runs the policy (which snapshot and which KV go when the budget is full), forensics and
 the metrics. This module never touches the tree or the policy: it calls the manager's protocol for
-hosts that keep their own slots (``lookup``, ``lock``, ``restore``, ``checkpoint``, ``evict``,
-``discard``).
+hosts that keep their own slots (``lookup``, ``lock``, ``serve_in_place``, ``checkpoint``,
+``evict``, ``discard``).
 
 Verification (``verify=True``): every snapshot is fingerprinted when it is filed and checked
-before it is restored (:mod:`radixcache.forensics`), every KV page is fingerprinted when it is
+before a hit reads it (:mod:`radixcache.forensics`), every KV page is fingerprinted when it is
 copied in and checked before a hit that reads it is reported. A mismatch is a finding and a miss
 (the snapshot is discarded): a changed byte is never served.
 
@@ -369,6 +369,7 @@ class PagedHostStore:
         self.stats = StoreStats()
         self._admitted: set[Hashable] = set()
         self._planned: dict[int, SavePlan] = {}  # by id(): plans not yet committed or abandoned
+        self._held: dict[int, Hit] = {}  # by id(): hits not yet released (each holds a lock)
 
     # ------------------------------------------------------------------ sizes
     @staticmethod
@@ -446,10 +447,12 @@ class PagedHostStore:
         then tries the next deeper-than-``computed`` snapshot. O(path + hit bytes).
 
         ``fits``: asked with the tokens a snapshot would serve beyond ``computed`` before its
-        pages are verified and its state copied; ``False`` (the engine has no room for that hit)
-        ends the lookup with ``None``, counted in ``stats.declined``: a hit the engine would turn
-        down costs no verification and no copy (under memory pressure a waiting request is looked
-        up again at every step).
+        pages and its state are verified; ``False`` (the engine has no room for that hit) ends the
+        lookup with ``None``, counted in ``stats.declined``: a hit the engine would turn down costs
+        no verification (under memory pressure a waiting request is looked up at every step).
+
+        The hit's state is read in place: ``hit.slot`` is the snapshot's own slot, which the
+        node's lock keeps until :meth:`release` (no copy is made here).
 
         :raises ValueError: ``computed`` not a block multiple >= 0; bad ids. Nothing changed.
         """
@@ -494,19 +497,26 @@ class PagedHostStore:
                 continue
             self.stats.offers += 1
             self.stats.offered_tokens += d - computed
-            return Hit(rid, node, computed, d, pages, slot)
+            hit = Hit(rid, node, computed, d, pages, slot)
+            self._held[id(hit)] = hit
+            return hit
 
     def release(self, hit: Hit, *, loaded: bool = False, declined: bool = False) -> None:
-        """Let go of ``hit``: its node is unlocked (the engine's copy out of its slot is done).
-        ``loaded``: the engine
-        read the hit into its own blocks, and it counts in ``stats.hits`` / ``stats.hit_tokens``
+        """Let go of ``hit`` once the engine's copies out of it are done: its node is unlocked.
+        ``loaded``: the engine read the hit into its own blocks, and it counts in ``stats.hits`` /
+        ``stats.hit_tokens``
         (a hit the engine did not take, or looked up again at a later step, is an offer only).
         ``declined``: withdrawn before the engine saw it (no room for it there), counted in
         ``stats.declined``.
 
-        :raises ValueError: both ``loaded`` and ``declined``. Nothing changed."""
+        :raises ValueError: both ``loaded`` and ``declined``; ``hit`` released already, or not
+            this store's (its lock is another hit's: the snapshot a worker still reads would
+            become evictable). Nothing changed."""
         if loaded and declined:
             raise ValueError("a hit is either loaded or declined, not both")
+        if self._held.get(id(hit)) is not hit:
+            raise ValueError(f"the hit of {hit.rid!r} at depth {hit.end} was released already or is not this store's")
+        del self._held[id(hit)]
         self.manager.unlock(hit.node)
         if loaded:
             self.stats.hits += 1
@@ -749,9 +759,12 @@ class PagedHostStore:
     # -------------------------------------------------------------- invariants
     def check_invariants(self) -> None:
         """The manager's, the page list's and the pool's invariants, and page accounting: every
-        page is free, held by the tree, or in a plan; every slot free, a snapshot (a held hit's
-        is its node's) or a plan's (``AssertionError`` otherwise). Valid at any point between calls."""
+        page is free, held by the tree, or in a plan; every slot free, a snapshot or a plan's; each
+        held hit's node locked, its slot still the node's snapshot (``AssertionError`` otherwise).
+        Valid at any point between calls."""
         self.manager.check_invariants(host_slots=len(self._planned))
+        for hit in self._held.values():  # a held hit's snapshot is read in place: its lock keeps it
+            assert hit.node.snap_lock > 0 and hit.node.snapshot == hit.slot, (hit, hit.node)
         self.pages.check_invariants()
         self.pool.check_invariants()  # the codec's kept buffers: the manager's shared tier checks them
         planned = sum(len(p.pages) for p in self._planned.values())
