@@ -130,9 +130,9 @@ def word_rows(t: torch.Tensor, slot: int) -> torch.Tensor | None:
 
 def alignment_cover(tensors: list[torch.Tensor], alignment: int = ALIGNMENT) -> tuple[int, ...]:
     """Leading slots (in increasing order, chosen greedily: at most two per tensor) that give every
-    tensor's slot rows each alignment class they take (first word at a multiple of ``alignment`` bytes, or not): the
-    slots whose fingerprints build every variant of the fused kernel the hasher's other slots
-    will launch. A slot's address is the tensor's plus ``slot x`` its slot stride, so the classes
+    tensor's slot rows each alignment class they take (first word at a multiple of ``alignment``
+    bytes, or not): the slots whose fingerprints build every variant of the fused kernel the
+    hasher's other slots will launch. A slot's address is the tensor's plus ``slot x`` its slot stride, so the classes
     repeat with a period dividing ``alignment``: the first ``alignment`` slots show them all.
     Empty when the tensors hold no slot. O(tensors x alignment)."""
     slots = min((t.shape[1] for t in tensors), default=0)

@@ -504,10 +504,9 @@ class PagedHostStore:
     def release(self, hit: Hit, *, loaded: bool = False, declined: bool = False) -> None:
         """Let go of ``hit`` once the engine's copies out of it are done: its node is unlocked.
         ``loaded``: the engine read the hit into its own blocks, and it counts in ``stats.hits`` /
-        ``stats.hit_tokens``
-        (a hit the engine did not take, or looked up again at a later step, is an offer only).
-        ``declined``: withdrawn before the engine saw it (no room for it there), counted in
-        ``stats.declined``.
+        ``stats.hit_tokens`` (a hit the engine did not take, or looked up again at a later step,
+        is an offer only). ``declined``: withdrawn before the engine saw it (no room for it
+        there), counted in ``stats.declined``.
 
         :raises ValueError: both ``loaded`` and ``declined``; ``hit`` released already, or not
             this store's (its lock is another hit's: the snapshot a worker still reads would
