@@ -134,7 +134,11 @@ def alignment_cover(tensors: list[torch.Tensor], alignment: int = ALIGNMENT) -> 
     bytes, or not): the slots whose fingerprints build every variant of the fused kernel the
     hasher's other slots will launch. A slot's address is the tensor's plus ``slot x`` its slot stride, so the classes
     repeat with a period dividing ``alignment``: the first ``alignment`` slots show them all.
-    Empty when the tensors hold no slot. O(tensors x alignment)."""
+    Empty when the tensors hold no slot. O(tensors x alignment).
+
+    :raises ValueError: ``alignment`` not a positive int."""
+    if type(alignment) is not int or alignment < 1:
+        raise ValueError(f"alignment must be a positive int (bytes), got {alignment!r}")
     slots = min((t.shape[1] for t in tensors), default=0)
     need: set[tuple[int, bool]] = set()
     by_slot: list[set[tuple[int, bool]]] = []

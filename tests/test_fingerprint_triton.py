@@ -151,6 +151,9 @@ def test_the_warm_up_slots_cover_every_alignment_the_slots_take(
     for s in range(40):  # every slot's variant is among those the warm-up built
         assert all((i, _aligned(t, s)) in covered for i, t in enumerate(tensors)), s
     assert alignment_cover([t[:, :0] for t in tensors]) == ()
+    for bad in (0, -16, 16.0, True):
+        with pytest.raises(ValueError, match="alignment must be"):
+            alignment_cover(tensors, bad)  # type: ignore[arg-type]
 
 
 def test_the_warm_up_reads_nothing_off_the_fused_path_nor_in_an_empty_pool() -> None:

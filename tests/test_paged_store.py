@@ -111,6 +111,10 @@ def test_a_hit_is_read_out_of_its_snapshots_own_slot_which_its_hold_keeps() -> N
     assert hit.node.snap_lock == 1
     with pytest.raises(ValueError, match="not this store's"):
         _store().release(second)
+    store.manager.unlock(second.node)  # the hold taken away behind the store's back
+    with pytest.raises(AssertionError):
+        store.check_invariants()
+    store.manager.lock(second.node)
     store.release(second)
     store.check_invariants()
 
@@ -196,6 +200,9 @@ def test_a_hit_that_does_not_fit_is_declined_before_it_is_verified_or_copied() -
         asked.append(tokens)
         return False
 
+    with pytest.raises(TypeError, match="fits must be a callable"):
+        store.lookup("b", [*ids, 9], computed=B, fits=True)  # type: ignore[arg-type]
+    assert st.lookups == 0 and st.declined == 0, "refused before anything was counted"
     assert store.lookup("b", [*ids, 9], computed=B, fits=no_room) is None
     assert asked == [2 * B], "asked with the tokens beyond the engine's own"
     assert st.declined == 1 and st.verified_pages == 0 and st.offers == 0

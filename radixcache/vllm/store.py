@@ -454,10 +454,13 @@ class PagedHostStore:
         The hit's state is read in place: ``hit.slot`` is the snapshot's own slot, which the
         node's lock keeps until :meth:`release` (no copy is made here).
 
-        :raises ValueError: ``computed`` not a block multiple >= 0; bad ids. Nothing changed.
+        :raises ValueError: ``computed`` not a block multiple >= 0; bad ids. :raises TypeError:
+            ``fits`` neither callable nor ``None``. Nothing changed.
         """
         if isinstance(computed, bool) or not isinstance(computed, int) or computed < 0 or computed % self.block:
             raise ValueError(f"computed must be a multiple of {self.block} >= 0, got {computed!r}")
+        if fits is not None and not callable(fits):
+            raise TypeError(f"fits must be a callable of the hit's tokens or None, got {type(fits).__name__}")
         mgr = self.manager
         self.stats.lookups += 1
         if self.shared is not None:  # a deeper prefix published by another engine is filed first
