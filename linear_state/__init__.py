@@ -11,7 +11,17 @@ from .fingerprint import Fingerprint
 from .layout import StateLayout
 from .owners import NodeOwner, Owner, RequestOwner, SlotId
 from .pool import SLOT_VIEWS_KEPT, HostedStatePool, LinearStatePool, SlotLender, SlotWrite
-from .stream import COMPLETE, CudaStream, DeferredStream, Fence, ImmediateStream, Stream, device_synchronize
+from .stream import (
+    COMPLETE,
+    CudaStream,
+    DeferredStream,
+    Fence,
+    ImmediateStream,
+    Stream,
+    StreamFailed,
+    ThreadStream,
+    device_synchronize,
+)
 
 __all__ = [
     "COMPLETE",
@@ -38,6 +48,8 @@ __all__ = [
     "SlotWrite",
     "StateLayout",
     "Stream",
+    "StreamFailed",
+    "ThreadStream",
     "check_device",
     "cuda_fence_check",
     "device_synchronize",

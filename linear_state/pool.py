@@ -118,6 +118,7 @@ class LinearStatePool:
         self.device = check_device(device)
         self.stream: Stream = stream if stream is not None else ImmediateStream()
         self._immediate = isinstance(self.stream, ImmediateStream)
+        self._lazy_free = True  # free(wait=False) defers the wait to the next alloc of the slot
         L = layout.num_layers
         if pin_memory and self.device.type != "cpu":
             raise ValueError(f"pin_memory is for a pool on the CPU, not on {self.device}")
@@ -253,7 +254,10 @@ class LinearStatePool:
         _check_owner(owner)
         if not self._free:
             raise PoolExhausted(self.capacity, 1, owner)
-        s = self._free.pop()
+        s = self._free[-1]
+        if self._last_use.get(s, COMPLETE) is not COMPLETE:  # freed with wait=False: its work first
+            self._settle_freed(s)
+        self._free.pop()
         self._owner[s] = owner
         # NOTE: setdefault hashes the owner once (a Python-level dataclass hash); get-then-store twice.
         self._owned_by.setdefault(owner, set()).add(s)
@@ -272,6 +276,10 @@ class LinearStatePool:
             raise ValueError(f"cannot allocate a negative number of slots ({n})")
         if n > len(self._free):
             raise PoolExhausted(self.capacity, n, owner)
+        last = self._last_use
+        for s in self._free[len(self._free) - n :]:
+            if last.get(s, COMPLETE) is not COMPLETE:  # freed with wait=False: its work first
+                self._settle_freed(s)
         slots = [self._free.pop() for _ in range(n)]
         held = self._owned_by.setdefault(owner, set())
         for s in slots:
@@ -279,9 +287,15 @@ class LinearStatePool:
             held.add(s)
         return slots
 
-    def free(self, slot: int, owner: Owner, *, after: Iterable[Fence] = ()) -> None:
+    def free(self, slot: int, owner: Owner, *, after: Iterable[Fence] = (), wait: bool = True) -> None:
         """Return ``slot`` to the pool. The host waits ``after`` (the last writer's fences) and the
-        pool's own last write first, so the next owner never sees a late write land.
+        pool's own last use first, so the next owner never sees a late write land.
+
+        ``wait=False``: the pool's own pending work on the slot (a clone on a
+        :class:`~linear_state.ThreadStream` still reading it) is not waited now: the slot goes to
+        the end of the free list that is handed out last, and the :meth:`alloc` that hands it out
+        again waits that work first. The slot is free (counted in :attr:`num_free`) meanwhile. A
+        pool whose free slots are the host's (:class:`HostedStatePool`) waits either way.
 
         :raises SlotMisuse: ``slot`` is already free (double free) or owned by someone else;
             nothing changed. :raises TypeError: a bad slot, owner or fence; nothing changed.
@@ -305,9 +319,20 @@ class LinearStatePool:
                 fence.wait()
         last = self._last_use
         if last[s] is not COMPLETE:
-            last[s].wait()
-            last[s] = COMPLETE
+            if wait or not self._lazy_free:
+                last[s].wait()
+                last[s] = COMPLETE
+            else:
+                self._release(s, current)
+                self._free.insert(0, self._free.pop())  # handed out last: its work has time to run
+                return
         self._release(s, current)
+
+    def _settle_freed(self, s: int) -> None:
+        """Wait the pending work of a slot freed with ``wait=False`` before it is handed out (the
+        slot stays free if that work failed: the wait raises, nothing changed)."""
+        self._last_use[s].wait()
+        self._last_use[s] = COMPLETE
 
     def transfer(self, slot: int, owner: Owner, new_owner: RequestOwner) -> None:
         """Hand a request's slot to another request (for example a host re-queuing a request
@@ -904,6 +929,7 @@ class HostedStatePool(LinearStatePool):
         self.device = conv.device
         self.stream = stream if stream is not None else ImmediateStream()
         self._immediate = isinstance(self.stream, ImmediateStream)
+        self._lazy_free = False  # a freed slot is the host's at once: free waits its last use
         self.lender = lender
         self.reserved = frozenset(res)
         self._setup(conv, recurrent)

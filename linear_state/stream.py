@@ -15,6 +15,9 @@ DeferredStream      work is queued until a fence it guards is waited, ``synchron
                     on a CPU.
 CudaStream          a ``torch.cuda.Stream``; fences are CUDA events, ``after`` becomes
                     ``wait_event`` on the device (no host stall). Importable without CUDA.
+ThreadStream        work runs on a worker thread of the stream's own, in submission order:
+                    host copies (a CPU pool's clones) leave the calling thread, which torch's
+                    copy kernels let run on (they release the GIL).
 ==================  ========================================================================
 
 NOTE: a full-device synchronize is available (:func:`device_synchronize`) as defence in depth;
@@ -23,6 +26,7 @@ correctness never rests on it, only on fences.
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -36,6 +40,8 @@ __all__ = [
     "ImmediateStream",
     "DeferredStream",
     "CudaStream",
+    "ThreadStream",
+    "StreamFailed",
     "COMPLETE",
     "device_synchronize",
 ]
@@ -256,6 +262,145 @@ class CudaStream(Stream):
 
     def synchronize(self) -> None:
         self.stream.synchronize()
+
+
+class StreamFailed(RuntimeError):
+    """Work on a :class:`ThreadStream` raised: every fence at or behind it raises this, chained to
+    the work's own error (``__cause__``), and the stream runs nothing more.
+
+    :ivar stream: the stream's name; :ivar label: the failed work's label; :ivar seq: its number.
+    """
+
+    def __init__(self, stream: str, label: str, seq: int, error: BaseException) -> None:
+        self.stream, self.label, self.seq = stream, label, seq
+        super().__init__(
+            f"work #{seq} {label!r} on stream {stream!r} raised {type(error).__name__}: {error}; "
+            "the stream ran nothing after it"
+        )
+
+
+@dataclass(eq=False)
+class _ThreadFence(Fence):
+    stream: ThreadStream
+    seq: int
+
+    def is_complete(self) -> bool:
+        return self.stream.completed_seq >= self.seq
+
+    def wait(self) -> None:
+        self.stream.wait_seq(self.seq)
+
+    def __repr__(self) -> str:
+        state = "done" if self.is_complete() else "pending"
+        return f"<fence {self.stream.name}#{self.seq} {state}>"
+
+
+class ThreadStream(Stream):
+    """Runs work on one worker thread of its own, in submission order; fences complete as the
+    thread runs the work. The worker waits an item's ``after`` fences (of any stream but a
+    :class:`DeferredStream`, whose work runs on the thread that waits it) before running it.
+
+    Work that raises fails the stream, as a device error does: every fence at or behind it raises
+    :class:`StreamFailed` when waited, and later work is not run (a copy queued behind a failed
+    copy would read what the failed one left). The thread starts at the first submission; it is a
+    daemon, so a process that exits without :meth:`close` does not hang on it.
+
+    Only the thread that submits is expected to read pool bookkeeping; the worker runs the work's
+    tensor operations and nothing else, so the work must capture what it touches when submitted.
+
+    :param name: the thread's and the fences' name.
+    """
+
+    def __init__(self, name: str = "thread") -> None:
+        self.name = str(name)
+        self.completed_seq = 0
+        """The number of the last item run (items are numbered from 1)."""
+        self._cv = threading.Condition()
+        self._queue: deque[_Pending] = deque()
+        self._next_seq = 1
+        self._failed: StreamFailed | None = None
+        self._thread: threading.Thread | None = None
+        self._closing = False
+
+    def submit(self, work: Work, *, after: Iterable[Fence] = (), label: str = "") -> Fence:
+        """Queue ``work`` for the worker thread behind everything submitted before and behind
+        ``after`` (complete fences and this stream's own are dropped: its order covers them).
+
+        :raises TypeError: a fence of a :class:`DeferredStream` in ``after`` (its work would run on
+            the worker thread). :raises RuntimeError: the stream was closed. Nothing was queued.
+        """
+        waits = []
+        for fence in after:
+            if isinstance(fence, _DeferredFence):
+                raise TypeError(f"a ThreadStream cannot wait {fence!r}: deferred work runs where it is waited")
+            if not (isinstance(fence, _ThreadFence) and fence.stream is self) and not fence.is_complete():
+                waits.append(fence)
+        with self._cv:
+            if self._closing:
+                raise RuntimeError(f"stream {self.name!r} was closed")
+            item = _Pending(self._next_seq, work, tuple(waits), label)
+            self._next_seq += 1
+            self._queue.append(item)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=f"linear-state-{self.name}", daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+        return _ThreadFence(self, item.seq)
+
+    def record(self) -> Fence:
+        seq = self._next_seq - 1
+        return COMPLETE if self.completed_seq >= seq and self._failed is None else _ThreadFence(self, seq)
+
+    @property
+    def pending(self) -> int:
+        """How many submitted items have not run yet."""
+        return self._next_seq - 1 - self.completed_seq
+
+    def wait_seq(self, seq: int) -> None:
+        """Block until item ``seq`` has run. :raises StreamFailed: it or an item before it raised."""
+        if self.completed_seq < seq:
+            with self._cv:
+                self._cv.wait_for(lambda: self.completed_seq >= seq)
+        failed = self._failed
+        if failed is not None and failed.seq <= seq:
+            raise failed
+
+    def synchronize(self) -> None:
+        """Block until every submitted item has run. :raises StreamFailed: one raised."""
+        self.wait_seq(self._next_seq - 1)
+
+    def close(self) -> None:
+        """Run what is queued, then stop the thread (idempotent; later submissions raise). Does not
+        raise for failed work: its fences do."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: bool(self._queue) or self._closing)
+                if not self._queue:
+                    return
+                item = self._queue[0]
+            if self._failed is None:
+                try:
+                    for fence in item.after:
+                        fence.wait()
+                    item.work()
+                except BaseException as e:  # reaches every waiter of this fence and of those behind it
+                    self._failed = StreamFailed(self.name, item.label, item.seq, e)
+                    self._failed.__cause__ = e
+            with self._cv:
+                self._queue.popleft()
+                self.completed_seq = item.seq
+                self._cv.notify_all()
+
+    def __repr__(self) -> str:
+        return f"<ThreadStream {self.name!r} run {self.completed_seq} of {self._next_seq - 1}>"
 
 
 def device_synchronize(device: torch.device) -> None:

@@ -188,7 +188,7 @@ def test_reclaim_and_free_wait_the_pending_clone_first() -> None:
     s2 = pool.lend(h, A)
     pool.copy(w.slot, s2)
     assert stream.pending == 1
-    pool.free(w.slot, NodeOwner(1))  # given back to the host only once the copy read it
+    pool.free(w.slot, NodeOwner(1), wait=False)  # the host's at once: waited even so
     assert stream.pending == 0 and lender.given == [w.slot]
 
 

@@ -1,3 +1,6 @@
+import threading
+import time
+
 import pytest
 import torch
 
@@ -5,11 +8,15 @@ from linear_state import (
     COMPLETE,
     CudaStream,
     DeferredStream,
+    Fence,
     ImmediateStream,
     LinearStatePool,
     NodeOwner,
+    PoolExhausted,
     RequestOwner,
     StateLayout,
+    StreamFailed,
+    ThreadStream,
     cuda_fence_check,
 )
 
@@ -173,3 +180,186 @@ def test_work_that_raises_reaches_its_waiter_once_and_the_stream_goes_on() -> No
     assert bad.is_complete() and ran == []
     behind.wait()  # the failed item is not run again, nor waited for ever
     assert ran == ["next", "other"] and s.pending == other.pending == 0
+
+
+# ------------------------------------------------------------------ ThreadStream
+def _gate(stream: ThreadStream, log: list[str], name: str) -> tuple[threading.Event, Fence]:
+    """Work that waits for the test to open its gate: what runs when is the test's choice."""
+    gate = threading.Event()
+
+    def work() -> None:
+        assert gate.wait(10), f"{name}: the test never opened the gate"
+        log.append(name)
+
+    return gate, stream.submit(work, label=name)
+
+
+def test_thread_stream_runs_work_off_the_calling_thread_in_order() -> None:
+    s = ThreadStream("copies")
+    log: list[str] = []
+    threads: list[str] = []
+    gate, first = _gate(s, log, "first")
+    second = s.submit(lambda: (log.append("second"), threads.append(threading.current_thread().name)))
+    assert not first.is_complete() and not second.is_complete() and s.pending == 2
+    assert log == []  # submit never runs the work: the calling thread went on
+    gate.set()
+    second.wait()
+    assert log == ["first", "second"] and first.is_complete()
+    assert threads == ["linear-state-copies"] and s.pending == 0
+    assert s.record() is COMPLETE
+    s.close()
+
+
+def test_thread_stream_waits_other_streams_fences_before_running() -> None:
+    producer, copies = ThreadStream("producer"), ThreadStream("copies")
+    log: list[str] = []
+    gate, produced = _gate(producer, log, "produce")
+    copied = copies.submit(lambda: log.append("copy"), after=[produced])
+    free_standing = copies.submit(lambda: log.append("later"))
+    time.sleep(0.05)  # the copy stream has had time to run: it must still be waiting
+    assert not copied.is_complete() and not free_standing.is_complete() and log == []
+    gate.set()
+    free_standing.wait()
+    assert log == ["produce", "copy", "later"]
+    producer.close(), copies.close()
+
+
+def test_thread_stream_orders_a_pool_clone_behind_its_producer() -> None:
+    """A clone on a thread stream reads the producer's write, not what the slot held before."""
+    pool = _tiny_pool()
+    forward, copies = ThreadStream("forward"), ThreadStream("copies")
+    live = pool.alloc(RequestOwner("r"))
+    gate = threading.Event()
+
+    def produce() -> None:
+        assert gate.wait(10)
+        pool.recurrent[:, live].fill_(3.0)
+
+    produced = forward.submit(produce)
+    snap = pool.clone(live, NodeOwner(1), stream=copies, after=[produced])
+    assert not snap.fence.is_complete()
+    gate.set()
+    snap.fence.wait()
+    assert torch.all(pool.read(snap.slot)[1] == 3)
+    forward.close(), copies.close()
+
+
+def test_thread_stream_failure_reaches_every_later_waiter_and_stops_the_stream() -> None:
+    s = ThreadStream("s")
+    ran: list[str] = []
+    before = s.submit(lambda: ran.append("before"))
+
+    def fail() -> None:
+        raise ValueError("copy fault")
+
+    bad = s.submit(fail, label="bad copy")
+    behind = s.submit(lambda: ran.append("behind"))
+    before.wait()  # ahead of the failure: fine
+    for fence in (bad, behind, bad):  # each waiter hears of it, every time
+        with pytest.raises(StreamFailed, match="bad copy") as info:
+            fence.wait()
+        assert isinstance(info.value.__cause__, ValueError) and info.value.seq == 2
+    assert ran == ["before"], "work behind a failed item must not run"
+    with pytest.raises(StreamFailed):
+        s.synchronize()
+    with pytest.raises(StreamFailed):
+        s.record().wait()
+    s.close()
+
+
+def test_thread_stream_refuses_deferred_fences_and_work_after_close() -> None:
+    s, deferred = ThreadStream("s"), DeferredStream("d")
+    pending = deferred.submit(lambda: None)
+    with pytest.raises(TypeError, match="deferred"):
+        s.submit(lambda: None, after=[pending])
+    assert s.pending == 0 and deferred.pending == 1  # nothing queued, nothing run
+    s.close()
+    s.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        s.submit(lambda: None)
+
+
+def test_thread_stream_close_runs_what_was_queued() -> None:
+    s = ThreadStream("s")
+    log: list[str] = []
+    gate, fence = _gate(s, log, "queued")
+    threading.Timer(0.05, gate.set).start()
+    s.close()
+    assert fence.is_complete() and log == ["queued"]
+
+
+# --------------------------------------------------- free(wait=False): the wait moves to the alloc
+def test_free_without_wait_leaves_a_reading_clone_running_and_the_slot_is_handed_out_last() -> None:
+    """A save's staging slot freed while the tree's clone of it still runs on a thread stream:
+    the free returns at once, the slot is free, and only the alloc that hands it out again waits
+    the clone, which copied what the staging slot held before its next owner wrote it."""
+    pool = LinearStatePool(StateLayout(2, (4, 3), (2, 4, 4)), 3, "cpu", stream=ThreadStream("copies"))
+    stream = pool.stream
+    assert isinstance(stream, ThreadStream)
+    plan = RequestOwner("plan")
+    staging = pool.alloc(plan)
+    pool.write(staging, torch.full((2, 4, 3), 7.0), torch.full((2, 2, 4, 4), 7.0), owner=plan).wait()
+    gate = threading.Event()
+    stream.submit(lambda: gate.wait(10), label="busy")  # the clone queues behind this
+    snap = pool.clone(staging, NodeOwner(1))
+    pool.free(staging, plan, wait=False)
+    assert not snap.fence.is_complete(), "free(wait=False) must not wait the clone"
+    assert pool.owner_of(staging) is None and pool.num_free == 2
+    pool.check_invariants()
+    other = pool.alloc(RequestOwner("b"))  # another free slot first: no wait
+    assert other != staging and not snap.fence.is_complete()
+    threading.Timer(0.05, gate.set).start()
+    again = pool.alloc(RequestOwner("c"))  # the last free slot: waits the clone that reads it
+    assert again == staging and snap.fence.is_complete()
+    pool.recurrent[:, again].fill_(-1.0)  # its new owner's write (a host kernel)
+    assert torch.all(pool.read(snap.slot)[1] == 7.0)
+    pool.check_invariants()
+    stream.close()
+
+
+def test_free_without_wait_on_a_deferred_stream_runs_the_work_at_the_alloc() -> None:
+    stream = DeferredStream("copies")
+    pool = LinearStatePool(StateLayout(2, (4, 3), (2, 4, 4)), 2, "cpu", stream=stream)
+    plan = RequestOwner("plan")
+    staging = pool.alloc(plan)
+    stream.submit(lambda: pool.recurrent[:, staging].fill_(4.0))  # the host's write into it
+    pool.recurrent[:, staging].fill_(4.0)
+    snap = pool.clone(staging, NodeOwner(1))
+    pool.free(staging, plan, wait=False)
+    assert stream.pending == 2 and pool.num_free == 1
+    with pytest.raises(PoolExhausted):
+        pool.alloc_many(RequestOwner("b"), 2)
+    assert stream.pending == 2  # a refused alloc waits nothing
+    (again,) = pool.alloc_many(RequestOwner("b"), 1)
+    assert again == staging and stream.pending == 0 and snap.fence.is_complete()
+    assert torch.all(pool.read(snap.slot)[1] == 4.0)
+    pool.check_invariants()
+
+
+def test_free_with_wait_still_waits_the_pools_own_work() -> None:
+    stream = DeferredStream("copies")
+    pool = LinearStatePool(StateLayout(2, (4, 3), (2, 4, 4)), 2, "cpu", stream=stream)
+    plan = RequestOwner("plan")
+    staging = pool.alloc(plan)
+    snap = pool.clone(staging, NodeOwner(1))
+    pool.free(staging, plan)
+    assert snap.fence.is_complete() and stream.pending == 0
+
+
+def test_an_alloc_behind_a_failed_stream_raises_and_keeps_the_slot_free() -> None:
+    stream = ThreadStream("copies")
+    pool = LinearStatePool(StateLayout(2, (4, 3), (2, 4, 4)), 2, "cpu", stream=stream)
+    plan = RequestOwner("plan")
+    staging = pool.alloc(plan)
+
+    def fail() -> None:
+        raise ValueError("copy fault")
+
+    stream.submit(fail, label="fault")
+    pool.clone(staging, NodeOwner(1))  # queued behind the fault: never runs
+    pool.free(staging, plan, wait=False)
+    with pytest.raises(StreamFailed, match="fault"):
+        pool.alloc(RequestOwner("b"))
+    assert pool.owner_of(staging) is None and pool.num_free == 1
+    pool.check_invariants()
+    stream.close()
