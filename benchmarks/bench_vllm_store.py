@@ -15,8 +15,12 @@ against torch's indexed copies (what the store did until 2026-12-06), side by si
   2026-12-07 (``verified_with_private_copy_ms``: what a verified hit cost then);
 - ``save``: a save's calls on vLLM's scheduler thread, ``plan_save`` and ``commit`` (the
   tree's clone of the staged state: copy-on-donate; with verification the donation's
-  fingerprint and the new pages'), a new prefix each time, verified and not; the worker's copies
-  between them are not timed;
+  fingerprint and the new pages'), a new prefix each time, verified and not, with the store's
+  copies on its copy thread (``copy_thread=True``, the default since 2026-12-07: ``commit``
+  returns before the clone and the donation's fingerprint run) and on the caller's
+  (``*_on_caller``, as before); ``settled``: from the commit's start until ``synchronize()``
+  returns, the copy and fingerprint done (the work moved off the thread, not removed); the
+  worker's copies between plan and commit are not timed;
 - ``export_kv``: a publication's KV read out of host pages (``PagedKVCodec.export_kv``, on the
   thread that files the save: vLLM's scheduler's; the encoding and upload run on the tier's
   writer thread): ``ours`` into a fresh buffer each time, ``ours_reused`` into the buffer of the
@@ -253,11 +257,21 @@ def main() -> None:
     # a save's two calls on vLLM's scheduler thread (the worker's copies between them untimed):
     # plan_save (pages and a slot, evicting through the policy when the store is full) and
     # commit (the tree's clone of the staged state, copy-on-donate; with verification the
-    # donation's fingerprint and the new pages' too); a new prefix each time
-    times: dict[str, dict[str, list[float]]] = {k: {"plan": [], "commit": []} for k in ("verified", "unverified")}
+    # donation's fingerprint and the new pages' too); a new prefix each time; the stores with
+    # the copies on the caller's thread beside those with a copy thread
+    savers = {
+        **{("verified" if v else "unverified"): st for v, st in stores.items()},
+        **{
+            ("verified_on_caller" if v else "unverified_on_caller"): PagedHostStore(
+                layout, budget, snapshots_per_block=3 / store_pages, verify=v, copy_thread=False
+            )
+            for v in (False, True)
+        },
+    }
+    times: dict[str, dict[str, list[float]]] = {k: {"plan": [], "commit": [], "settled": []} for k in savers}
     fresh = itertools.count(1)
     for r in range(a.reps + 1):
-        for verify, st in stores.items():
+        for name, st in savers.items():
             base = 1_000_000 * next(fresh)
             new = [base + i for i in range(n * a.block)]
             t0 = time.perf_counter()
@@ -269,14 +283,25 @@ def main() -> None:
             t2 = time.perf_counter()
             assert st.commit(plan)
             t3 = time.perf_counter()
+            st.synchronize()
+            t4 = time.perf_counter()
             if r:  # the first of each is a warm-up
-                row = times["verified" if verify else "unverified"]
+                row = times[name]
                 row["plan"].append(t1 - t0)
                 row["commit"].append(t3 - t2)
+                row["settled"].append(t4 - t2)
     save = {k: {c: round(statistics.median(v) * 1e3, 3) for c, v in row.items()} for k, row in times.items()}
+    for st in savers.values():
+        st.check_invariants()
+        assert st.stats.corrupt_snapshots == 0
     out["save_ms"] = {
         **save,
-        "unverified_commit_over_state_copy": round(save["unverified"]["commit"] / ms["private_state_copy"], 2),
+        "unverified_on_caller_commit_over_state_copy": round(
+            save["unverified_on_caller"]["commit"] / ms["private_state_copy"], 2
+        ),
+        "commit_over_on_caller": {
+            k: round(save[k]["commit"] / save[f"{k}_on_caller"]["commit"], 3) for k in ("verified", "unverified")
+        },
     }
     # and the copies: a save and a hit of the same pages give the engine back its blocks
     pages, blocks = cases["scattered"]

@@ -10,7 +10,7 @@ from .fencecheck import FenceCheck, cuda_fence_check
 from .fingerprint import Fingerprint
 from .layout import StateLayout
 from .owners import NodeOwner, Owner, RequestOwner, SlotId
-from .pool import SLOT_VIEWS_KEPT, HostedStatePool, LinearStatePool, SlotLender, SlotWrite
+from .pool import SLOT_VIEWS_KEPT, FingerprintJob, HostedStatePool, LinearStatePool, SlotLender, SlotWrite
 from .stream import (
     COMPLETE,
     CudaStream,
@@ -32,6 +32,7 @@ __all__ = [
     "Fence",
     "FenceCheck",
     "Fingerprint",
+    "FingerprintJob",
     "ForeignSlot",
     "HostedStatePool",
     "ImmediateStream",

@@ -28,9 +28,17 @@ from .fingerprint import Fingerprint, SlotHasher
 from .layout import StateLayout
 from .native import MODULE as _NATIVE
 from .owners import NodeOwner, Owner, RequestOwner, SlotId
-from .stream import COMPLETE, Fence, ImmediateStream, Stream
+from .stream import COMPLETE, Fence, ImmediateStream, Stream, ThreadStream
 
-__all__ = ["PROBES_PER_ROW", "SLOT_VIEWS_KEPT", "HostedStatePool", "LinearStatePool", "SlotLender", "SlotWrite"]
+__all__ = [
+    "PROBES_PER_ROW",
+    "SLOT_VIEWS_KEPT",
+    "FingerprintJob",
+    "HostedStatePool",
+    "LinearStatePool",
+    "SlotLender",
+    "SlotWrite",
+]
 
 _POOL_IDS = itertools.count(1)  # process-unique pool identities; 0 marks a slot id built by hand
 PROBES_PER_ROW = 4
@@ -60,6 +68,24 @@ class SlotWrite(NamedTuple):
 
     slot: SlotId
     fence: Fence
+
+
+class FingerprintJob:
+    """A fingerprint submitted on a stream (:meth:`LinearStatePool.fingerprint_later`): ``fence``
+    completes when it was taken; :meth:`result` waits it and returns the value."""
+
+    __slots__ = ("fence", "value")
+
+    def __init__(self, fence: Fence) -> None:
+        self.fence = fence
+        self.value: Fingerprint | None = None
+
+    def result(self) -> Fingerprint:
+        """The fingerprint, once its fence completed (waited here). :raises StreamFailed: the
+        stream's work failed before it was taken."""
+        self.fence.wait()
+        assert self.value is not None
+        return self.value
 
 
 class LinearStatePool:
@@ -165,6 +191,7 @@ class LinearStatePool:
         self._last_use: _Default[Fence] = _Default(COMPLETE)
         self._owned_by: dict[Owner, set[SlotId]] = {}
         self._hasher_made: SlotHasher | None = None  # made at the first fingerprint (see _hasher)
+        self._thread_hashers: dict[ThreadStream, SlotHasher] = {}  # one per worker thread (scratch buffers)
         # Per-slot views ([L, ...] each), made once per slot: indexing a view per copy costs more
         # than the copy of a small slot. Hot path of clone/restore; see benchmarks/bench_tree.py.
         # NOTE: ``select`` makes a view in ~1.3 us against ~6.4 for ``t[:, i]`` (the indexing
@@ -698,6 +725,35 @@ class LinearStatePool:
         s = self._index(slot)
         self._last_use[s].wait()
         return self._hasher.fingerprint(s)
+
+    def fingerprint_later(
+        self, slot: int, *, stream: Stream | None = None, after: Iterable[Fence] = ()
+    ) -> FingerprintJob:
+        """Submit :meth:`fingerprint` of ``slot`` on ``stream`` (default: the pool's) behind the
+        pool's own work on the slot and ``after``: on a :class:`~linear_state.ThreadStream`, a
+        donation's fingerprint is taken off the calling thread, as its clone is. The same value
+        as :meth:`fingerprint` of the slot at that point of the stream. Becomes the slot's last
+        use (it reads the slot: a free waits it).
+
+        :raises IndexError: ``slot`` out of range. :raises TypeError: a bad stream or fence.
+            Nothing was queued.
+        """
+        s = self._index(slot)
+        after, stream = _fences(after), _check_stream(stream)
+        on = stream or self.stream
+        if isinstance(on, ThreadStream):  # a hasher's scratch buffers are its thread's alone
+            hasher = self._thread_hashers.get(on)
+            if hasher is None:
+                hasher = self._thread_hashers[on] = SlotHasher([self.conv, self.recurrent])
+        else:  # the work runs on a thread that waits it or submits it: the pool's own hasher
+            hasher = self._hasher
+        job = FingerprintJob(COMPLETE)
+
+        def work() -> None:
+            job.value = hasher.fingerprint(s)
+
+        job.fence = self._submit(work, (s,), stream, after, label=f"fingerprint {s}")
+        return job
 
     # -------------------------------------------------------------- invariants
     def check_invariants(self) -> None:

@@ -26,7 +26,9 @@ correctness never rests on it, only on fences.
 
 from __future__ import annotations
 
+import atexit
 import threading
+import weakref
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -302,17 +304,26 @@ class ThreadStream(Stream):
 
     Work that raises fails the stream, as a device error does: every fence at or behind it raises
     :class:`StreamFailed` when waited, and later work is not run (a copy queued behind a failed
-    copy would read what the failed one left). The thread starts at the first submission; it is a
-    daemon, so a process that exits without :meth:`close` does not hang on it.
+    copy would read what the failed one left).
 
-    Only the thread that submits is expected to read pool bookkeeping; the worker runs the work's
-    tensor operations and nothing else, so the work must capture what it touches when submitted.
+    The thread starts at a submission and ends once it has found nothing to run for ``idle_s``
+    seconds (or at :meth:`close`); the next submission starts another. At interpreter exit, every
+    stream's queued work runs and its thread ends before Python finalizes (a thread still inside
+    a torch kernel then aborts the process).
+
+    One thread submits (the pool's owner, a scheduler): the worker runs the work's tensor
+    operations and nothing else, so work captures what it touches when it is submitted.
 
     :param name: the thread's and the fences' name.
+    :param idle_s: how long the idle thread waits for work before it ends.
+    :raises ValueError: ``idle_s`` not a positive number.
     """
 
-    def __init__(self, name: str = "thread") -> None:
+    def __init__(self, name: str = "thread", *, idle_s: float = 5.0) -> None:
+        if isinstance(idle_s, bool) or not isinstance(idle_s, (int, float)) or not idle_s > 0:
+            raise ValueError(f"idle_s must be a positive number of seconds, got {idle_s!r}")
         self.name = str(name)
+        self.idle_s = float(idle_s)
         self.completed_seq = 0
         """The number of the last item run (items are numbered from 1)."""
         self._cv = threading.Condition()
@@ -320,14 +331,14 @@ class ThreadStream(Stream):
         self._next_seq = 1
         self._failed: StreamFailed | None = None
         self._thread: threading.Thread | None = None
-        self._closing = False
+        self._stop = False
 
     def submit(self, work: Work, *, after: Iterable[Fence] = (), label: str = "") -> Fence:
         """Queue ``work`` for the worker thread behind everything submitted before and behind
         ``after`` (complete fences and this stream's own are dropped: its order covers them).
 
         :raises TypeError: a fence of a :class:`DeferredStream` in ``after`` (its work would run on
-            the worker thread). :raises RuntimeError: the stream was closed. Nothing was queued.
+            the worker thread). Nothing was queued.
         """
         waits = []
         for fence in after:
@@ -336,14 +347,13 @@ class ThreadStream(Stream):
             if not (isinstance(fence, _ThreadFence) and fence.stream is self) and not fence.is_complete():
                 waits.append(fence)
         with self._cv:
-            if self._closing:
-                raise RuntimeError(f"stream {self.name!r} was closed")
             item = _Pending(self._next_seq, work, tuple(waits), label)
             self._next_seq += 1
             self._queue.append(item)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=f"linear-state-{self.name}", daemon=True)
                 self._thread.start()
+                _RUNNING.add(self)
             self._cv.notify_all()
         return _ThreadFence(self, item.seq)
 
@@ -355,6 +365,11 @@ class ThreadStream(Stream):
     def pending(self) -> int:
         """How many submitted items have not run yet."""
         return self._next_seq - 1 - self.completed_seq
+
+    @property
+    def running(self) -> bool:
+        """Whether the worker thread is alive now (it ends when idle)."""
+        return self._thread is not None
 
     def wait_seq(self, seq: int) -> None:
         """Block until item ``seq`` has run. :raises StreamFailed: it or an item before it raised."""
@@ -370,20 +385,24 @@ class ThreadStream(Stream):
         self.wait_seq(self._next_seq - 1)
 
     def close(self) -> None:
-        """Run what is queued, then stop the thread (idempotent; later submissions raise). Does not
-        raise for failed work: its fences do."""
+        """Run what is queued, then end the worker thread now rather than when idle (a later
+        submission starts another). Does not raise for failed work: its fences do."""
         with self._cv:
-            self._closing = True
+            self._stop = True
             self._cv.notify_all()
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join()
+        with self._cv:
+            self._stop = False
 
     def _run(self) -> None:
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: bool(self._queue) or self._closing)
                 if not self._queue:
+                    self._cv.wait_for(lambda: bool(self._queue) or self._stop, timeout=self.idle_s)
+                if not self._queue:  # idle for idle_s, or closed: a submission starts another thread
+                    self._thread = None
                     return
                 item = self._queue[0]
             if self._failed is None:
@@ -401,6 +420,16 @@ class ThreadStream(Stream):
 
     def __repr__(self) -> str:
         return f"<ThreadStream {self.name!r} run {self.completed_seq} of {self._next_seq - 1}>"
+
+
+_RUNNING: weakref.WeakSet[ThreadStream] = weakref.WeakSet()  # streams whose thread was started
+
+
+@atexit.register
+def _close_streams_at_exit() -> None:
+    """Run every stream's queued work and end its thread before the interpreter finalizes."""
+    for stream in list(_RUNNING):
+        stream.close()
 
 
 def device_synchronize(device: torch.device) -> None:

@@ -1,12 +1,13 @@
 import json
 import random
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from linear_state import COMPLETE, LinearStatePool, RequestOwner, StateLayout
+from linear_state import COMPLETE, LinearStatePool, NodeOwner, RequestOwner, StateLayout, ThreadStream
 from radixcache import CacheManager, Forensics, Ledger, SnapshotCorruption, read_ledger
 from radixcache.cli import main
 from radixcache.forensics import HOLDERS_KEPT, SAMPLED, key_digest
@@ -404,3 +405,54 @@ def test_forensics_warms_the_pools_fingerprint_when_it_is_built(monkeypatch: pyt
     mgr = CacheManager(h.cache.__class__(h.pool))  # the default sampled forensics too
     assert mgr.forensics is not None and warmed == [h.pool, h.pool]
     assert CacheManager(h.cache.__class__(h.pool), forensics=None).forensics is None and len(warmed) == 2
+
+
+def test_on_a_thread_stream_the_donation_fingerprint_runs_on_the_pools_thread() -> None:
+    """A donation on a pool whose stream is a ThreadStream: its fingerprint is taken on that
+    thread behind the clone (the donor's thread never fingerprints), pending until then; a
+    never-written one is reported once it ran, and ``flagged`` names it."""
+    stream = ThreadStream("copies")
+    pool = LinearStatePool(StateLayout(2, (4, 3), (2, 4, 4)), 4, "cpu", stream=stream)
+    fx = Forensics(pool, mode="record")
+    owner = RequestOwner("r")
+    live = pool.alloc(owner)
+    pool.recurrent[:, live].normal_()
+    zero = pool.alloc(owner)
+    pool.recurrent[:, zero].zero_()
+    pool.conv[:, zero].zero_()
+
+    def not_here(slot: int) -> int:
+        raise AssertionError("the donation's fingerprint was taken on the donor's thread")
+
+    gate = threading.Event()
+    stream.submit(lambda: gate.wait(10), label="busy")
+    snaps = [pool.clone(s, NodeOwner(n)) for n, s in ((1, live), (2, zero))]
+    real = pool.fingerprint
+    pool.fingerprint = not_here  # type: ignore[method-assign]
+    for n, w in ((1, snaps[0]), (2, snaps[1])):
+        fx.donated(n, 8 * n, b"k%d" % n, w.slot, "d", w.fence, None, 0)
+    assert fx.pending(1) and fx.pending(2) and fx.settle() == 2 and not fx.findings
+    gate.set()
+    stream.synchronize()
+    assert fx.settle() == 0 and not fx.pending(1) and not fx.pending(2)
+    assert [f.kind for f in fx.findings] == ["never-written"] and fx.flagged(2) and not fx.flagged(1)
+    pool.fingerprint = real  # type: ignore[method-assign]
+    fx.before_restore(1, "r2", None)  # verified against the fingerprint the thread took
+    assert len(fx.findings) == 1
+    fx.check_invariants()
+    stream.close()
+
+
+def test_settle_of_one_node_waits_its_fingerprint() -> None:
+    stream = ThreadStream("copies")
+    pool = LinearStatePool(StateLayout(2, (4, 3), (2, 4, 4)), 2, "cpu", stream=stream)
+    fx = Forensics(pool, mode="record")
+    live = pool.alloc(RequestOwner("r"))
+    pool.recurrent[:, live].normal_()
+    gate = threading.Event()
+    stream.submit(lambda: gate.wait(10), label="busy")
+    w = pool.clone(live, NodeOwner(1))
+    fx.donated(1, 8, b"k", w.slot, "d", w.fence, None, 0)
+    threading.Timer(0.05, gate.set).start()
+    assert fx.settle(1) == 0 and not fx.pending(1) and not fx.findings
+    stream.close()

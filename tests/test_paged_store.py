@@ -4,6 +4,7 @@ checked on the CPU in the main suite; tests/vllm proves it inside vLLM."""
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 
@@ -164,6 +165,7 @@ def test_a_changed_snapshot_is_a_finding_and_never_served() -> None:
     eng.compute(ids, [0, 1])
     assert _save(store, eng, "a", ids, [0, 1])
     node = store.manager.lookup(ids).node
+    store.synchronize()  # the change lands after the tree's copy (a write racing it is overwritten)
     store.pool.recurrent[0, node.snapshot, 0, 0, 0] += 1.0  # one element changed
     assert store.lookup("b", [*ids, 9]) is None
     assert store.stats.corrupt_snapshots == 1 and len(store.forensics.findings) == 1  # type: ignore[union-attr]
@@ -221,22 +223,81 @@ def test_without_verification_a_changed_snapshot_is_served() -> None:
     eng.compute(ids, [0, 1])
     assert _save(store, eng, "a", ids, [0, 1])
     node = store.manager.lookup(ids).node
+    store.synchronize()  # the change lands after the tree's copy (a write racing it is overwritten)
     store.pool.recurrent[0, node.snapshot, 0, 0, 0] += 1.0
     hit = store.lookup("b", [*ids, 9])
     assert hit is not None and not torch.equal(store.state_of(hit)[1], eng.rec[1])
     store.release(hit)
 
 
-def test_a_state_never_written_is_dropped_when_filed() -> None:
-    store, eng = _store(), Engine()
+@pytest.mark.parametrize("copy_thread", [False, True])
+def test_a_state_never_written_is_dropped_when_filed(copy_thread: bool) -> None:
+    """On the caller's thread the commit finds it and files nothing; on the copy thread the
+    finding comes once the clone and its fingerprint ran, and the next call (here
+    ``synchronize``) drops it: no lookup serves it either way."""
+    store, eng = _store(copy_thread=copy_thread), Engine()
     ids = list(range(1, 1 + 2 * B))
     plan = store.plan_save("a", ids)
     assert plan is not None
     store.copy_in_pages(plan.pages, eng.layers([0, 1]))
     store.pool.write(plan.slot, torch.zeros(2, 3, 8), torch.zeros(2, 2, 4, 4), owner=plan.owner)
-    assert not store.commit(plan)
-    assert store.stats.saves_skipped["corrupt"] == 1 and store.manager.cache.num_snapshots == 0
+    filed = store.commit(plan)
+    if not copy_thread:
+        assert not filed and store.manager.cache.num_snapshots == 0
+    store.synchronize()
+    assert store.stats.saves_skipped["corrupt"] == 1 and store.stats.corrupt_snapshots == 1
+    assert store.manager.cache.num_snapshots == 0 and store.lookup("b", [*ids, 9]) is None
     store.check_invariants()
+
+
+def test_a_state_never_written_is_not_served_while_its_fingerprint_is_pending() -> None:
+    """The lookup comes before anything swept the finding: it waits the donation's fingerprint
+    itself, finds the state never written, and serves nothing."""
+    store, eng = _store(), Engine()
+    ids = list(range(1, 1 + 2 * B))
+    plan = store.plan_save("a", ids)
+    assert plan is not None and store.copies is not None
+    store.copy_in_pages(plan.pages, eng.layers([0, 1]))
+    store.pool.write(plan.slot, torch.zeros(2, 3, 8), torch.zeros(2, 2, 4, 4), owner=plan.owner)
+    gate = threading.Event()
+    store.copies.submit(lambda: gate.wait(10), label="busy")  # the clone waits behind this
+    assert store.commit(plan), "filed: its fingerprint is not taken yet"
+    assert store.manager.cache.num_snapshots == 1
+    threading.Timer(0.05, gate.set).start()
+    assert store.lookup("b", [*ids, 9]) is None
+    assert store.stats.corrupt_snapshots == 1 and store.manager.cache.num_snapshots == 0
+    store.synchronize()
+    assert store.stats.corrupt_snapshots == 1  # counted once
+    store.check_invariants()
+
+
+def test_a_commit_returns_before_the_copy_and_a_lookup_waits_for_it() -> None:
+    """The clone of a saved state runs on the store's copy thread: the commit files it at once;
+    the plan's slot is free again (its next owner waits the clone); a lookup offers the snapshot
+    only once it was copied and verified, with the saved bytes."""
+    store, eng = _store(budget_pages=4), Engine()
+    assert store.num_slots == 2 and store.copies is not None
+    ids = list(range(1, 1 + 2 * B))
+    eng.compute(ids, [0, 1])
+    plan = store.plan_save("a", ids)
+    assert plan is not None
+    store.copy_in_pages(plan.pages, eng.layers([0, 1]))
+    store.copy_in_state(plan, eng.conv[1], eng.rec[1])
+    gate = threading.Event()
+    store.copies.submit(lambda: gate.wait(10), label="busy")  # the clone waits behind this
+    assert store.commit(plan)
+    node = store.manager.lookup(ids).node
+    assert node.snapshot is not None and not node.snapshot_fence.is_complete()
+    assert store.pool.num_free == 1  # the plan's slot: free, its clone still to read it
+    store.check_invariants()
+    threading.Timer(0.05, gate.set).start()
+    hit = store.lookup("b", [*ids, 9])
+    assert hit is not None and node.snapshot_fence.is_complete()
+    assert torch.equal(store.state_of(hit)[1], eng.rec[1]) and torch.equal(store.state_of(hit)[0], eng.conv[1])
+    store.release(hit, loaded=True)
+    store.check_invariants()
+    assert store.close()
+    assert not store.copies.running
 
 
 def test_the_budget_is_held_by_the_policy() -> None:
@@ -260,6 +321,8 @@ def test_bad_input_is_refused_and_changes_nothing() -> None:
         PagedHostStore(LAYOUT, 100)
     with pytest.raises(TypeError, match="PagedLayout"):
         PagedHostStore(STATE, 10**6)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="copy_thread must be a bool, got 1"):
+        PagedHostStore(LAYOUT, 10**6, copy_thread=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="kv_layers must be an int >= 1"):
         PagedLayout(4, 0, 64, STATE)
     plan = store.plan_save("a", list(range(B)))
@@ -321,6 +384,7 @@ def test_a_plan_whose_last_ids_never_came_is_given_back_and_counted() -> None:
 def test_options_refuse_unknown_keys_and_bad_values() -> None:
     assert ConnectorOptions.from_extra(None) == ConnectorOptions()
     assert ConnectorOptions.from_extra({"policy": "vllm-like", "verify": False}).verify is False
+    assert ConnectorOptions.from_extra({"copy_thread": False}).copy_thread is False
     assert ConnectorOptions.from_extra({"redis_url": "redis://127.0.0.1:1/0"}).redis_url == "redis://127.0.0.1:1/0"
     cases: list[tuple[dict[str, object], str]] = [
         ({"budget": 1}, r"unknown kv_connector_extra_config keys \['budget'\]"),
@@ -331,6 +395,7 @@ def test_options_refuse_unknown_keys_and_bad_values() -> None:
         ({"redis_url": "http://x"}, "redis_url must be a redis://"),
         ({"shared_namespace": "a:b"}, "shared_namespace must be a non-empty string without ':'"),
         ({"model_identity": ""}, "model_identity must be a non-empty string"),
+        ({"copy_thread": "yes"}, "copy_thread must be a bool"),
     ]
     for extra, match in cases:
         with pytest.raises(UnsupportedEngine, match=match):
@@ -423,6 +488,30 @@ def _published(first_id: int, n_blocks: int) -> tuple[MemoryStore, PagedHostStor
     eng.compute(ids, blocks)
     assert _save(a, eng, "a", ids, blocks) and a.flush_shared(5.0)
     return shared, a, b, eng, ids
+
+
+def test_a_state_never_written_is_never_published() -> None:
+    """Filed while its clone and fingerprint wait on the copy thread: the manager publishes a
+    donation only once forensics has its fingerprint, and not one a finding names."""
+    shared = MemoryStore()
+    store, eng = _store(shared=shared, model="m"), Engine()
+    good = list(range(900, 900 + 2 * B))
+    eng.compute(good, [0, 1])
+    ids = list(range(1, 1 + 2 * B))
+    plan = store.plan_save("a", ids)
+    assert plan is not None and store.copies is not None and store.shared is not None
+    store.copy_in_pages(plan.pages, eng.layers([0, 1]))
+    store.pool.write(plan.slot, torch.zeros(2, 3, 8), torch.zeros(2, 2, 4, 4), owner=plan.owner)
+    gate = threading.Event()
+    store.copies.submit(lambda: gate.wait(10), label="busy")
+    assert store.commit(plan)
+    threading.Timer(0.05, gate.set).start()
+    assert store.flush_shared(5.0)
+    assert not shared.blobs and store.shared.stats.publish_skipped == 1
+    assert _save(store, eng, "b", good, [0, 1]) and store.flush_shared(5.0)
+    assert len(shared.blobs) == 1 and store.shared.stats.published == 1  # the good one only
+    assert store.stats.corrupt_snapshots == 1 and store.manager.cache.num_snapshots == 1
+    store.check_invariants()
 
 
 def test_a_prefix_filed_by_one_store_is_fetched_verified_by_another() -> None:

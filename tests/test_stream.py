@@ -1,3 +1,5 @@
+import subprocess
+import sys
 import threading
 import time
 
@@ -15,6 +17,7 @@ from linear_state import (
     PoolExhausted,
     RequestOwner,
     StateLayout,
+    Stream,
     StreamFailed,
     ThreadStream,
     cuda_fence_check,
@@ -75,6 +78,11 @@ def test_complete_fence() -> None:
 
 def _tiny_pool(stream_device: str = "cpu") -> LinearStatePool:
     return LinearStatePool(StateLayout(2, (4, 3), (2, 4, 4)), 4, stream_device)
+
+
+def _pool_on(stream: Stream, slots: int) -> LinearStatePool:
+    """A small CPU pool whose work runs on ``stream``."""
+    return LinearStatePool(StateLayout(2, (4, 3), (2, 4, 4)), slots, "cpu", stream=stream)
 
 
 def test_clone_before_the_producers_fence_is_stale_after_is_fresh() -> None:
@@ -199,7 +207,12 @@ def test_thread_stream_runs_work_off_the_calling_thread_in_order() -> None:
     log: list[str] = []
     threads: list[str] = []
     gate, first = _gate(s, log, "first")
-    second = s.submit(lambda: (log.append("second"), threads.append(threading.current_thread().name)))
+
+    def second_work() -> None:
+        log.append("second")
+        threads.append(threading.current_thread().name)
+
+    second = s.submit(second_work)
     assert not first.is_complete() and not second.is_complete() and s.pending == 2
     assert log == []  # submit never runs the work: the calling thread went on
     gate.set()
@@ -221,7 +234,8 @@ def test_thread_stream_waits_other_streams_fences_before_running() -> None:
     gate.set()
     free_standing.wait()
     assert log == ["produce", "copy", "later"]
-    producer.close(), copies.close()
+    producer.close()
+    copies.close()
 
 
 def test_thread_stream_orders_a_pool_clone_behind_its_producer() -> None:
@@ -237,11 +251,13 @@ def test_thread_stream_orders_a_pool_clone_behind_its_producer() -> None:
 
     produced = forward.submit(produce)
     snap = pool.clone(live, NodeOwner(1), stream=copies, after=[produced])
+    time.sleep(0.05)  # the copy thread has had time to run the clone: it must still be waiting
     assert not snap.fence.is_complete()
     gate.set()
     snap.fence.wait()
     assert torch.all(pool.read(snap.slot)[1] == 3)
-    forward.close(), copies.close()
+    forward.close()
+    copies.close()
 
 
 def test_thread_stream_failure_reaches_every_later_waiter_and_stops_the_stream() -> None:
@@ -267,16 +283,33 @@ def test_thread_stream_failure_reaches_every_later_waiter_and_stops_the_stream()
     s.close()
 
 
-def test_thread_stream_refuses_deferred_fences_and_work_after_close() -> None:
+def test_thread_stream_refuses_deferred_fences() -> None:
     s, deferred = ThreadStream("s"), DeferredStream("d")
     pending = deferred.submit(lambda: None)
     with pytest.raises(TypeError, match="deferred"):
         s.submit(lambda: None, after=[pending])
-    assert s.pending == 0 and deferred.pending == 1  # nothing queued, nothing run
+    assert s.pending == 0 and deferred.pending == 1 and not s.running  # nothing queued, nothing run
+    with pytest.raises(ValueError, match="idle_s"):
+        ThreadStream(idle_s=0)
+
+
+def test_thread_stream_thread_ends_when_idle_and_starts_again_at_a_submission() -> None:
+    s = ThreadStream("s", idle_s=0.05)
+    s.submit(lambda: None).wait()
+    assert s.running
+    deadline = time.monotonic() + 5
+    while s.running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not s.running, "an idle worker thread must end"
+    ran: list[int] = []
+    s.submit(lambda: ran.append(1)).wait()
+    assert ran == [1]
     s.close()
+    assert not s.running
     s.close()  # idempotent
-    with pytest.raises(RuntimeError, match="closed"):
-        s.submit(lambda: None)
+    s.submit(lambda: ran.append(2)).wait()  # work after close starts a thread again
+    assert ran == [1, 2]
+    s.close()
 
 
 def test_thread_stream_close_runs_what_was_queued() -> None:
@@ -285,7 +318,7 @@ def test_thread_stream_close_runs_what_was_queued() -> None:
     gate, fence = _gate(s, log, "queued")
     threading.Timer(0.05, gate.set).start()
     s.close()
-    assert fence.is_complete() and log == ["queued"]
+    assert fence.is_complete() and log == ["queued"] and not s.running
 
 
 # --------------------------------------------------- free(wait=False): the wait moves to the alloc
@@ -293,7 +326,7 @@ def test_free_without_wait_leaves_a_reading_clone_running_and_the_slot_is_handed
     """A save's staging slot freed while the tree's clone of it still runs on a thread stream:
     the free returns at once, the slot is free, and only the alloc that hands it out again waits
     the clone, which copied what the staging slot held before its next owner wrote it."""
-    pool = LinearStatePool(StateLayout(2, (4, 3), (2, 4, 4)), 3, "cpu", stream=ThreadStream("copies"))
+    pool = _pool_on(ThreadStream("copies"), 3)
     stream = pool.stream
     assert isinstance(stream, ThreadStream)
     plan = RequestOwner("plan")
@@ -319,7 +352,7 @@ def test_free_without_wait_leaves_a_reading_clone_running_and_the_slot_is_handed
 
 def test_free_without_wait_on_a_deferred_stream_runs_the_work_at_the_alloc() -> None:
     stream = DeferredStream("copies")
-    pool = LinearStatePool(StateLayout(2, (4, 3), (2, 4, 4)), 2, "cpu", stream=stream)
+    pool = _pool_on(stream, 2)
     plan = RequestOwner("plan")
     staging = pool.alloc(plan)
     stream.submit(lambda: pool.recurrent[:, staging].fill_(4.0))  # the host's write into it
@@ -338,7 +371,7 @@ def test_free_without_wait_on_a_deferred_stream_runs_the_work_at_the_alloc() -> 
 
 def test_free_with_wait_still_waits_the_pools_own_work() -> None:
     stream = DeferredStream("copies")
-    pool = LinearStatePool(StateLayout(2, (4, 3), (2, 4, 4)), 2, "cpu", stream=stream)
+    pool = _pool_on(stream, 2)
     plan = RequestOwner("plan")
     staging = pool.alloc(plan)
     snap = pool.clone(staging, NodeOwner(1))
@@ -348,7 +381,7 @@ def test_free_with_wait_still_waits_the_pools_own_work() -> None:
 
 def test_an_alloc_behind_a_failed_stream_raises_and_keeps_the_slot_free() -> None:
     stream = ThreadStream("copies")
-    pool = LinearStatePool(StateLayout(2, (4, 3), (2, 4, 4)), 2, "cpu", stream=stream)
+    pool = _pool_on(stream, 2)
     plan = RequestOwner("plan")
     staging = pool.alloc(plan)
 
@@ -363,3 +396,56 @@ def test_an_alloc_behind_a_failed_stream_raises_and_keeps_the_slot_free() -> Non
     assert pool.owner_of(staging) is None and pool.num_free == 1
     pool.check_invariants()
     stream.close()
+
+
+def test_fingerprint_later_on_a_thread_stream_equals_the_fingerprint_and_follows_the_clone() -> None:
+    stream = ThreadStream("copies")
+    pool = _pool_on(stream, 3)
+    owner = RequestOwner("r")
+    live = pool.alloc(owner)
+    pool.recurrent[:, live].normal_()
+    pool.conv[:, live].normal_()
+    gate = threading.Event()
+    stream.submit(lambda: gate.wait(10), label="busy")
+    snap = pool.clone(live, NodeOwner(1))
+    job = pool.fingerprint_later(snap.slot)
+    assert not job.fence.is_complete() and pool.last_use(snap.slot) is job.fence
+    gate.set()
+    assert job.result() == pool.fingerprint(snap.slot) == pool.fingerprint(live)
+    stream.close()
+
+
+def test_fingerprint_later_on_the_calling_threads_streams_too() -> None:
+    deferred = DeferredStream("d")
+    pool = _pool_on(deferred, 2)
+    slot = pool.alloc(RequestOwner("r"))
+    deferred.submit(lambda: pool.recurrent[:, slot].fill_(2.0))
+    pool.recurrent[:, slot].fill_(2.0)
+    job = pool.fingerprint_later(slot, after=[deferred.record()])
+    assert deferred.pending == 2 and job.value is None
+    assert job.result() == pool.fingerprint(slot) and deferred.pending == 0
+    with pytest.raises(TypeError):
+        pool.fingerprint_later(slot, after=[object()])  # type: ignore[list-item]
+    assert deferred.pending == 0
+    now = LinearStatePool(StateLayout(2, (4, 3), (2, 4, 4)), 1, "cpu").fingerprint_later(0)
+    assert now.fence.is_complete() and now.value is not None
+
+
+def test_a_process_that_exits_with_copies_queued_runs_them_and_exits_cleanly() -> None:
+    """Python finalizing while the worker thread is inside a torch copy aborts the process
+    (``terminate called without an active exception``, exit status 134): the streams are closed
+    at exit first, so the queued copies run and the process exits normally."""
+    script = (
+        "import torch\n"
+        "from linear_state import ThreadStream\n"
+        "s = ThreadStream('x')\n"
+        "dst, src = torch.zeros(20_000_000), torch.ones(20_000_000)\n"
+        "def copies():\n"
+        "    for _ in range(100):\n"
+        "        dst.copy_(src)\n"
+        "s.submit(copies)\n"
+        "print('queued', s.pending > 0)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert "queued" in done.stdout

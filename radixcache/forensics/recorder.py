@@ -37,7 +37,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from linear_state import Fence, LinearStatePool
+from linear_state import Fence, FingerprintJob, LinearStatePool, ThreadStream
 
 from .ledger import Ledger
 
@@ -125,6 +125,7 @@ class _Snap:
     fp: int | None = None
     clean_step: int = 0
     host: LinearStatePool | None = None  # the host tier's pool once demoted (``slot`` is its slot)
+    job: FingerprintJob | None = None  # the donation's fingerprint, taken on the pool's worker thread
     _key: str | None = None
 
     @property
@@ -283,6 +284,10 @@ class Forensics:
             else bytes(memoryview(key))
         )
         snap = _Snap(node, depth, kept, slot, donor, fence, self.step, parent, parent_depth)
+        if isinstance(self.pool.stream, ThreadStream):
+            # the pool's work runs on a worker thread (the clone did): the fingerprint runs there
+            # too, behind the clone, and _settle takes its value; the donor's thread pays nothing
+            snap.job = self.pool.fingerprint_later(slot, after=(fence,))
         self._snaps[node] = snap
         self._by_slot.setdefault(slot, set()).add(node)
         self._pending.append(snap)
@@ -297,7 +302,7 @@ class Forensics:
         if snap is None:
             return
         if snap.fp is None:
-            snap.fence.wait()  # the restore waits this fence anyway
+            self._wait_donation(snap)  # the restore waits the clone anyway
             self._settle()
         found = self._verify(snap, "restore")
         if self.ledger is not None:  # NOTE: the event's fields are built only for a ledger
@@ -323,7 +328,7 @@ class Forensics:
         if snap is None:
             return
         if snap.fp is None:
-            snap.fence.wait()  # the demotion's copy waited this fence too
+            self._wait_donation(snap)  # the demotion's copy waited the clone too
             self._settle()
         self._unclaim(snap)
         if snap in self._pending:  # its device slot is gone: no donation fingerprint to take now
@@ -426,16 +431,49 @@ class Forensics:
             if not claim:
                 del self._by_slot[snap.slot]
 
+    @staticmethod
+    def _wait_donation(snap: _Snap) -> None:
+        (snap.job.fence if snap.job is not None else snap.fence).wait()
+
+    def settle(self, node: int | None = None) -> int:
+        """Take the donation fingerprint of every watched snapshot whose clone has completed (and
+        report those never written); every hook does this too. Waits for none but ``node``'s
+        (its clone and fingerprint), when given. Returns how many donations are still pending.
+        A host that files snapshots on a stream of its own calls it before it hands a snapshot on
+        (the manager does, before publishing one)."""
+        snap = self._snaps.get(node) if node is not None else None
+        if snap is not None and snap.fp is None and snap.host is None:
+            self._wait_donation(snap)
+        self._settle()
+        return len(self._pending)
+
+    def pending(self, node: int) -> bool:
+        """Whether ``node``'s donation fingerprint is still to be taken (its clone, or the
+        fingerprint itself, has not run yet). O(pending donations)."""
+        snap = self._snaps.get(node)
+        return snap is not None and snap.fp is None and snap.host is None
+
+    def flagged(self, node: int) -> bool:
+        """Whether a finding names ``node``. O(findings)."""
+        return any(f.node == node for f in self.findings)
+
     def _settle(self) -> None:
         """Take the donation fingerprint of every snapshot whose clone has completed."""
         if not self._pending:
             return
         still: list[_Snap] = []
         for snap in self._pending:
-            if not snap.fence.is_complete() or not self.pool.last_use(snap.slot).is_complete():
+            job = snap.job
+            if job is not None:
+                if not job.fence.is_complete():
+                    still.append(snap)
+                    continue
+                snap.fp = job.result()
+            elif not snap.fence.is_complete() or not self.pool.last_use(snap.slot).is_complete():
                 still.append(snap)
                 continue
-            snap.fp = self.pool.fingerprint(snap.slot)
+            else:
+                snap.fp = self.pool.fingerprint(snap.slot)
             snap.clean_step = self.step
             if self.ledger is not None:  # NOTE: the event's fields are built only for a ledger
                 self._log("donate", **self._where(snap), fp=snap.fp, owner=_jsonable(snap.donor))

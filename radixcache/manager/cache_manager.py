@@ -1034,6 +1034,9 @@ class CacheManager:
         assert shared is not None
         q, n = self._to_publish, 0
         keep: deque[tuple[TreeNode, np.ndarray, Hashable, Fence | None]] = deque()
+        fx = self.forensics
+        if fx is not None and q:
+            fx.settle()  # a donation is published only once forensics has its fingerprint
         while q:
             item = q.popleft()
             node, key, ns, kv_after = item
@@ -1045,10 +1048,17 @@ class CacheManager:
                 shared.stats.publish_skipped += 1
                 continue
             if not wait and not (
-                (fence is None or fence.is_complete()) and (kv_after is None or kv_after.is_complete())
+                (fence is None or fence.is_complete())
+                and (kv_after is None or kv_after.is_complete())
+                and (fx is None or not fx.pending(node.id))
             ):
                 keep.append(item)
                 continue
+            if fx is not None:
+                fx.settle(node.id)  # waited (``wait``): a state never written is found before it leaves
+                if fx.flagged(node.id):  # never written, or changed since: not for other engines
+                    shared.stats.publish_skipped += 1
+                    continue
             n += shared.publish(key, ns, pool, slot, self.cache.kv_indices(node), kv_after)
         self._to_publish = keep
         return n

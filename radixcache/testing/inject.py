@@ -235,11 +235,11 @@ class _OffByPageManager(CacheManager):
 
 
 class _SwallowingPool(LinearStatePool):
-    def free(self, slot: int, owner: Owner, *, after: Iterable[Fence] = ()) -> None:
+    def free(self, slot: int, owner: Owner, *, after: Iterable[Fence] = (), wait: bool = True) -> None:
         if self.owner_of(slot) is None:
             self._free.append(SlotId(int(slot)))  # BUG: a double free is swallowed (and listed twice)
             return
-        super().free(slot, owner, after=after)
+        super().free(slot, owner, after=after, wait=wait)
 
 
 class _DoubleFreeManager(CacheManager):

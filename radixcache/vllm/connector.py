@@ -223,6 +223,7 @@ def _store_for(
             shared=None if opts.redis_url is None else RedisStore(opts.redis_url),
             model=model,
             shared_namespace=opts.shared_namespace,
+            copy_thread=opts.copy_thread,
         )
         _STORES[engine_id] = store
         return store

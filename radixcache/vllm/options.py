@@ -37,6 +37,9 @@ class ConnectorOptions:
     :ivar shared_namespace: the deployment's key prefix on that server (default ``"radixcache"``).
     :ivar model_identity: what names the model in the shared tier's content address (default: the
         model path, revision and dtype vLLM loaded); engines share blobs only when it agrees.
+    :ivar copy_thread: the store's copies of saved states (and their fingerprints) on a thread of
+        its own rather than vLLM's scheduler thread (default ``True``; see
+        :class:`~radixcache.vllm.PagedHostStore`).
     """
 
     host_budget_bytes: int | None = None
@@ -47,6 +50,7 @@ class ConnectorOptions:
     redis_url: str | None = None
     shared_namespace: str = "radixcache"
     model_identity: str | None = None
+    copy_thread: bool = True
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorOptions:
@@ -69,6 +73,8 @@ class ConnectorOptions:
             raise UnsupportedEngine(f"unknown policy {opts.policy!r}; known: {sorted(POLICIES)}")
         if type(opts.verify) is not bool:
             raise UnsupportedEngine(f"verify must be a bool, got {opts.verify!r}")
+        if type(opts.copy_thread) is not bool:
+            raise UnsupportedEngine(f"copy_thread must be a bool, got {opts.copy_thread!r}")
         s = opts.snapshots_per_block
         if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 < s <= 4:
             raise UnsupportedEngine(f"snapshots_per_block must be a number in (0, 4], got {s!r}")

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from linear_state import Fence, LinearStatePool, RequestOwner, SlotId, StateLayout
+from linear_state import Fence, LinearStatePool, RequestOwner, SlotId, StateLayout, ThreadStream
 from linear_state.fingerprint import SlotHasher
 
 from ..core.kv import KVPageList
@@ -162,7 +162,7 @@ class StoreStats:
     hits: int = 0  # offers the engine loaded (released with ``loaded=True``)
     declined: int = 0  # hits the engine had no room for: turned down by lookup(fits=) or withdrawn (declined=True)
     hit_tokens: int = 0
-    saves: int = 0
+    saves: int = 0  # snapshots filed (one forensics then finds never written is dropped: corrupt_snapshots)
     saved_pages: int = 0
     saves_skipped: dict[str, int] = field(default_factory=dict)
     corrupt_snapshots: int = 0
@@ -284,10 +284,18 @@ class PagedHostStore:
         ``shared``.
     :param shared_namespace: the deployment's key prefix in the shared store.
     :param secret: keys the blobs' digest (see :class:`~radixcache.tiers.shared.SharedTier`).
+    :param copy_thread: run the slot pool's copies (the tree's clone of each saved state) and
+        forensics' donation fingerprints on a worker thread of the store's own
+        (:class:`~linear_state.ThreadStream`, :attr:`copies`) instead of the caller's (default on:
+        :meth:`commit` returns before a 77 MB state is copied). Every read of a slot waits its
+        fence: a lookup offers a snapshot only once its copy is done and verified, a plan's slot
+        freed at the commit is handed out again only once the copy read it, and a state found
+        never written is dropped at the next call (or :meth:`synchronize`), before any lookup
+        or publication can serve it.
     :raises ValueError: a budget that holds fewer than 1 page and 2 slots, a bad split, ``shared``
-        without ``model``, ``mapped`` with ``pin_memory``. :raises TypeError: ``shared`` not a
-        ``SharedStore``. :raises OSError: ``mapped``, and the shared memory lacks room for the
-        budget (the message gives the bytes).
+        without ``model``, ``mapped`` with ``pin_memory``, ``copy_thread`` not a bool.
+        :raises TypeError: ``shared`` not a ``SharedStore``. :raises OSError: ``mapped``, and the
+        shared memory lacks room for the budget (the message gives the bytes).
     """
 
     def __init__(
@@ -305,12 +313,15 @@ class PagedHostStore:
         model: str | None = None,
         shared_namespace: str = "radixcache",
         secret: bytes | None = None,
+        copy_thread: bool = True,
     ) -> None:
         if not isinstance(layout, PagedLayout):
             raise TypeError(f"layout must be a PagedLayout, got {type(layout).__name__}")
         budget = _positive_int("budget_bytes", budget_bytes)
         if type(verify) is not bool:
             raise ValueError(f"verify must be a bool, got {verify!r}")
+        if type(copy_thread) is not bool:
+            raise ValueError(f"copy_thread must be a bool, got {copy_thread!r}")
         if not isinstance(snapshots_per_block, (int, float)) or not 0 < snapshots_per_block <= 4:
             raise ValueError(f"snapshots_per_block must be in (0, 4], got {snapshots_per_block!r}")
         if type(mapped) is not bool or (mapped and pin_memory):
@@ -325,14 +336,18 @@ class PagedHostStore:
         kv_shape = (layout.kv_layers, n_pages, layout.kv_page_bytes)
         #: The shared mapping of :attr:`bytes` (``mapped=True``), else ``None``.
         self.mapping: StoreMapping | None = None
+        #: The worker thread's stream of the pool's copies (``copy_thread``), else ``None``.
+        self.copies: ThreadStream | None = ThreadStream("radixcache-store") if copy_thread else None
         if mapped:
             self.mapping, mem = StoreMapping.create(kv_shape, layout.state, n_slots)
-            self.pool = LinearStatePool(layout.state, n_slots, "cpu", storage=(mem.conv, mem.recurrent))
+            self.pool = LinearStatePool(
+                layout.state, n_slots, "cpu", storage=(mem.conv, mem.recurrent), stream=self.copies
+            )
         else:
             kv = torch.zeros(kv_shape, dtype=torch.uint8)
             if pin_memory:
                 kv = kv.pin_memory()
-            self.pool = LinearStatePool(layout.state, n_slots, "cpu", pin_memory=pin_memory)
+            self.pool = LinearStatePool(layout.state, n_slots, "cpu", pin_memory=pin_memory, stream=self.copies)
             mem = StoreBytes(kv, self.pool.conv, self.pool.recurrent)
         #: The pages and slots as tensors, with the copies an engine's worker makes.
         self.bytes = mem
@@ -370,6 +385,10 @@ class PagedHostStore:
         self._admitted: set[Hashable] = set()
         self._planned: dict[int, SavePlan] = {}  # by id(): plans not yet committed or abandoned
         self._held: dict[int, Hit] = {}  # by id(): hits not yet released (each holds a lock)
+        # by node id: snapshots filed whose donation fingerprint forensics may not have taken yet
+        # (copy_thread): a finding that one was never written drops it at the next sweep
+        self._settling: dict[int, TreeNode] = {}
+        self._swept = 0  # forensics findings the sweep has seen
 
     # ------------------------------------------------------------------ sizes
     @staticmethod
@@ -463,6 +482,7 @@ class PagedHostStore:
             raise TypeError(f"fits must be a callable of the hit's tokens or None, got {type(fits).__name__}")
         mgr = self.manager
         self.stats.lookups += 1
+        self._sweep()
         if self.shared is not None:  # a deeper prefix published by another engine is filed first
             mgr.fetch_shared(ids, namespace=namespace, rid=rid)
         while True:
@@ -493,7 +513,9 @@ class PagedHostStore:
             except BaseException:
                 mgr.unlock(node)
                 raise
-            if self._findings() > seen:  # forensics found the snapshot changed: never served
+            if self._findings() > seen and self.forensics is not None and self.forensics.flagged(node.id):
+                # forensics found the snapshot changed, or (its donation fingerprint taken just
+                # now, on the copy thread) never written: never served
                 mgr.unlock(node)
                 self.stats.corrupt_snapshots += 1
                 self._discard(node)
@@ -659,27 +681,62 @@ class PagedHostStore:
             return False
         self.record_pages(plan.pages)
         kv = torch.cat([held[: plan.start], plan.indices])
-        seen = self._findings()
         try:
             res = mgr.checkpoint(plan.ids, kv, state_slot=plan.slot, namespace=plan.namespace, donor=plan.rid)
         except BaseException:
             self.pages.free(plan.indices)
             self.pool.free(plan.slot, plan.owner)
             raise
-        self.pool.free(plan.slot, plan.owner)
-        if res.snapshot_created and self._findings() > seen:
-            # forensics called the donation bad (a state never written: all zeros): dropped at once
-            self.stats.corrupt_snapshots += 1
-            self._discard(res.node)
-            self.stats.skip("corrupt")
-            return False
+        # The tree's clone may still read the plan's slot (copy_thread): free now, handed out
+        # again only once the clone read it (the next owner is vLLM's worker, writing it blind).
+        self.pool.free(plan.slot, plan.owner, wait=False)
         if res.length < plan.end:  # filed without a snapshot: the tail stays ours
             self.pages.free(plan.indices[max(res.length, plan.start) - plan.start :])
-        self.stats.saves += res.snapshot_created
         self.stats.saved_pages += len(plan.pages)
-        if self.shared is not None and res.snapshot_created:
-            mgr.publish_pending()  # its copies are done: handed to the tier's writer now
-        return bool(res.snapshot_created)
+        if not res.snapshot_created:
+            return False
+        node = res.node
+        if self.forensics is not None:
+            self._settling[node.id] = node
+        # A state never written (all zeros) is a finding once forensics has the donation's
+        # fingerprint: at once with the copies on this thread (dropped here, not filed), after
+        # the copy thread took it otherwise (dropped at the next call).
+        self._sweep()
+        if node.snapshot is None:
+            return False
+        self.stats.saves += 1
+        if self.shared is not None:
+            mgr.publish_pending()  # the copies done by now are handed to the tier's writer
+        return True
+
+    def _sweep(self) -> None:
+        """Drop the snapshots forensics found never written since the last sweep (with
+        ``copy_thread`` their donation fingerprints are taken after their commit returned)."""
+        fx = self.forensics
+        if fx is None:
+            return
+        if self._settling:
+            fx.settle()
+        found = fx.findings
+        if len(found) > self._swept:
+            for f in found[self._swept :]:
+                node = self._settling.pop(f.node, None)
+                if f.kind == "never-written" and node is not None and node.snapshot is not None and not node.snap_lock:
+                    self.stats.corrupt_snapshots += 1
+                    self.stats.skip("corrupt")
+                    self.manager.discard(node)
+            self._swept = len(found)
+        if self._settling:
+            self._settling = {k: n for k, n in self._settling.items() if n.snapshot is not None and fx.pending(k)}
+
+    def synchronize(self) -> None:
+        """Wait until the store's copies (``copy_thread``) and forensics' fingerprints of them are
+        done, and drop what they found never written. A no-op otherwise.
+
+        :raises linear_state.StreamFailed: a copy failed."""
+        if self.copies is not None:
+            self.copies.synchronize()
+        self._sweep()
 
     @staticmethod
     def _whole(plan: SavePlan, ids: Sequence[int] | np.ndarray | None) -> np.ndarray:
@@ -725,8 +782,12 @@ class PagedHostStore:
         return self.shared.flush(timeout_s)
 
     def close(self, timeout_s: float | None = None) -> bool:
-        """Flush and stop the shared tier's writer, and remove the shared mapping's name if no
-        worker mapped it (idempotent; lookups keep working). True when nothing was left behind."""
+        """Finish the store's copies and end their thread (a later save starts it again), flush
+        and stop the shared tier's writer, and remove the shared mapping's name if no worker
+        mapped it (idempotent; lookups keep working). True when nothing was left behind."""
+        if self.copies is not None:
+            self.copies.close()
+            self._sweep()
         if self.mapping is not None:
             self.mapping.remove()
         if self.shared is None:

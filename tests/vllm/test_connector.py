@@ -62,6 +62,7 @@ def corrupt_snapshots(store: PagedHostStore) -> int:
     """Flip every snapshot the store holds to noise (what a bad DIMM or a stray write does)."""
     n = 0
     gen = torch.Generator().manual_seed(7)
+    store.synchronize()  # a stray write lands after the copies: one racing a clone is overwritten
     for node in store.manager.cache.iter_nodes():
         if node.snapshot is not None:
             rec = store.pool.recurrent[:, node.snapshot]
