@@ -490,6 +490,37 @@ def _published(first_id: int, n_blocks: int) -> tuple[MemoryStore, PagedHostStor
     return shared, a, b, eng, ids
 
 
+def test_a_lookup_verifies_pages_only_once_their_fingerprints_are_taken() -> None:
+    """A save's page fingerprints run on the copy thread: a lookup that came first would compare
+    the pages with no fingerprint at all (unverified); it waits them."""
+    store, eng = _store(), Engine()
+    ids = list(range(1, 1 + 2 * B))
+    eng.compute(ids, [0, 1])
+    plan = store.plan_save("a", ids)
+    assert plan is not None and store.copies is not None
+    store.copy_in_pages(plan.pages, eng.layers([0, 1]))
+    store.copy_in_state(plan, eng.conv[1], eng.rec[1])
+    gate = threading.Event()
+    store.copies.submit(lambda: gate.wait(10), label="busy")
+    assert store.commit(plan)
+    checker = store._kv_hasher  # the lookup's own hasher (the copy thread has another)
+    assert checker is not None
+    real = checker.fingerprint
+    early: list[int] = []
+
+    def checked(page: int) -> int:
+        if store._kv_fp[page] is None:
+            early.append(page)  # compared while the copy thread had not fingerprinted the page
+        return real(page)
+
+    checker.fingerprint = checked  # type: ignore[method-assign,assignment]
+    threading.Timer(0.05, gate.set).start()
+    hit = store.lookup("b", [*ids, 9])
+    assert hit is not None and not early and store.stats.verified_pages == 2
+    store.release(hit)
+    store.check_invariants()
+
+
 def test_a_state_never_written_is_never_published() -> None:
     """Filed while its clone and fingerprint wait on the copy thread: the manager publishes a
     donation only once forensics has its fingerprint, and not one a finding names."""

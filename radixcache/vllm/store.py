@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from linear_state import Fence, LinearStatePool, RequestOwner, SlotId, StateLayout, ThreadStream
+from linear_state import COMPLETE, Fence, LinearStatePool, RequestOwner, SlotId, StateLayout, ThreadStream
 from linear_state.fingerprint import SlotHasher
 
 from ..core.kv import KVPageList
@@ -284,14 +284,14 @@ class PagedHostStore:
         ``shared``.
     :param shared_namespace: the deployment's key prefix in the shared store.
     :param secret: keys the blobs' digest (see :class:`~radixcache.tiers.shared.SharedTier`).
-    :param copy_thread: run the slot pool's copies (the tree's clone of each saved state) and
-        forensics' donation fingerprints on a worker thread of the store's own
-        (:class:`~linear_state.ThreadStream`, :attr:`copies`) instead of the caller's (default on:
-        :meth:`commit` returns before a 77 MB state is copied). Every read of a slot waits its
-        fence: a lookup offers a snapshot only once its copy is done and verified, a plan's slot
-        freed at the commit is handed out again only once the copy read it, and a state found
-        never written is dropped at the next call (or :meth:`synchronize`), before any lookup
-        or publication can serve it.
+    :param copy_thread: run the slot pool's copies (the tree's clone of each saved state),
+        forensics' donation fingerprints and a save's page fingerprints on a worker thread of the
+        store's own (:class:`~linear_state.ThreadStream`, :attr:`copies`) instead of the
+        caller's (default on: :meth:`commit` returns before a 77 MB state is copied). Every read
+        waits its fence: a lookup verifies pages once their fingerprints are taken and offers a
+        snapshot only once its copy is done and verified, a plan's slot freed at the commit is
+        handed out again only once the copy read it, and a state found never written is dropped
+        at the next call (or :meth:`synchronize`), before any lookup or publication can serve it.
     :raises ValueError: a budget that holds fewer than 1 page and 2 slots, a bad split, ``shared``
         without ``model``, ``mapped`` with ``pin_memory``, ``copy_thread`` not a bool.
         :raises TypeError: ``shared`` not a ``SharedStore``. :raises OSError: ``mapped``, and the
@@ -379,6 +379,10 @@ class PagedHostStore:
             tier.start_prefetching()  # the connector prefetches at arrival: not on the first one's
         self.verify = verify
         self._kv_hasher = SlotHasher([self.kv]) if verify else None
+        # the copy thread's own (a hasher's scratch buffers are one thread's): a save's pages are
+        # fingerprinted there; a lookup waits the last such fence before it verifies pages
+        self._kv_thread_hasher = SlotHasher([self.kv]) if verify and copy_thread else None
+        self._pages_recorded: Fence = COMPLETE
         self._kv_fp: list[int | None] = [None] * n_pages
         self.page_findings: list[PageCorruption] = []
         self.stats = StoreStats()
@@ -583,10 +587,27 @@ class PagedHostStore:
             for p in pages:
                 self._kv_fp[p] = self._kv_hasher.fingerprint(p)
 
+    def _record_pages_later(self, pages: Sequence[int]) -> None:
+        """:meth:`record_pages` on the copy thread (``copy_thread``; at once otherwise): a save's
+        new pages, which nothing writes once the engine's worker copied them in."""
+        hasher, fps = self._kv_thread_hasher, self._kv_fp
+        if hasher is None or self.copies is None:
+            self.record_pages(pages)
+            return
+        pages = tuple(pages)
+
+        def work() -> None:
+            for p in pages:
+                fps[p] = hasher.fingerprint(p)
+
+        self._pages_recorded = self.copies.submit(work, label=f"fingerprint {len(pages)} pages")
+
     def _pages_intact(self, pages: Sequence[int], rid: Hashable, depth: int) -> bool:
         hasher = self._kv_hasher
         if hasher is None:
             return True
+        if not self._pages_recorded.is_complete():  # a save's page fingerprints, on the copy thread
+            self._pages_recorded.wait()
         ok = True
         for p in pages:
             want = self._kv_fp[p]
@@ -679,7 +700,7 @@ class PagedHostStore:
             self.pages.free(plan.indices)
             self.pool.free(plan.slot, plan.owner)
             return False
-        self.record_pages(plan.pages)
+        self._record_pages_later(plan.pages)
         kv = torch.cat([held[: plan.start], plan.indices])
         try:
             res = mgr.checkpoint(plan.ids, kv, state_slot=plan.slot, namespace=plan.namespace, donor=plan.rid)
