@@ -206,6 +206,7 @@ class Forensics:
         self.ledger = ledger
         self.mode: Mode = mode
         self.findings: list[SnapshotCorruption] = []
+        self._flagged: set[int] = set()  # the nodes a finding named
         self.step = 0
         self._snaps: dict[int, _Snap] = {}  # by node id
         self._by_slot: dict[int, set[int]] = {}  # slot -> node ids claiming it (one, unless aliased)
@@ -449,13 +450,14 @@ class Forensics:
 
     def pending(self, node: int) -> bool:
         """Whether ``node``'s donation fingerprint is still to be taken (its clone, or the
-        fingerprint itself, has not run yet). O(pending donations)."""
+        fingerprint itself, has not run yet). O(1)."""
         snap = self._snaps.get(node)
         return snap is not None and snap.fp is None and snap.host is None
 
     def flagged(self, node: int) -> bool:
-        """Whether a finding names ``node``. O(findings)."""
-        return any(f.node == node for f in self.findings)
+        """Whether a finding about its snapshot named ``node`` since this forensics was made
+        (``findings`` cleared or not). O(1)."""
+        return node in self._flagged
 
     def _settle(self) -> None:
         """Take the donation fingerprint of every snapshot whose clone has completed."""
@@ -535,6 +537,7 @@ class Forensics:
         )
         self._log("corruption", note=note, **finding.as_dict())
         self.findings.append(finding)
+        self._flagged.add(snap.node)
         if self.mode == "raise":
             self.flush()
             raise finding
