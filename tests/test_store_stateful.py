@@ -1,0 +1,121 @@
+"""The vLLM host store with its copy thread, driven by hypothesis: saves (some of a state never
+written), lookups and evictions in a small budget, while the copy thread is held back now and
+then so that clones, fingerprints and page fingerprints are still queued when the next call
+comes. Every hit must serve exactly the bytes of its prefix, no state never written is ever
+served, and the store's invariants (pages, slots, plans, held hits) hold after every step."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from radixcache.vllm import PagedHostStore
+
+from .test_paged_store import B, Engine, _store
+
+# three prompts of 3 blocks sharing prefixes: 0 and 1 share a block, 0 and 2 two blocks
+_BASE = list(range(1000, 1000 + 3 * B))
+DOCS = [_BASE, _BASE[:B] + list(range(2000, 2000 + 2 * B)), _BASE[: 2 * B] + list(range(3000, 3000 + B))]
+
+
+def _expected(ids: list[int]) -> Engine:
+    """The engine's blocks for ``ids`` (a whole number of blocks), in blocks 0, 1, ..."""
+    eng = Engine(len(ids) // B)
+    eng.compute(ids, list(range(len(ids) // B)))
+    return eng
+
+
+class StoreMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        # 6 pages and 3 slots: saves evict each other, and plans wait for slots freed behind clones
+        self.store: PagedHostStore = _store(budget_pages=6)
+        assert self.store.copies is not None
+        self.gate: threading.Event | None = None
+        self.never_written: set[tuple[int, ...]] = set()
+        self.served = 0
+        self.n = 0
+
+    def _release_copies_soon(self) -> None:
+        """Before a call into the store: the held copy thread runs again 10 ms from now (a
+        call that waits a queued copy blocks until then)."""
+        if self.gate is not None:
+            threading.Timer(0.01, self.gate.set).start()
+            self.gate = None
+
+    @rule()
+    def hold_copies(self) -> None:
+        if self.gate is None and self.store.copies is not None:
+            self.gate = threading.Event()
+            gate = self.gate
+            self.store.copies.submit(lambda: gate.wait(10), label="held")
+
+    @rule(doc=st.integers(0, len(DOCS) - 1), blocks=st.integers(1, 3), never_written=st.booleans())
+    def save(self, doc: int, blocks: int, never_written: bool) -> None:
+        ids = DOCS[doc][: blocks * B]
+        eng = _expected(ids)
+        self._release_copies_soon()
+        self.n += 1
+        plan = self.store.plan_save(f"s{self.n}", ids)
+        if plan is None:
+            return
+        first = plan.start // B
+        self.store.copy_in_pages(plan.pages, eng.layers(list(range(first, blocks))))
+        if never_written:
+            conv, rec = torch.zeros_like(eng.conv[0]), torch.zeros_like(eng.rec[0])
+        else:
+            conv, rec = eng.conv[blocks - 1], eng.rec[blocks - 1]
+        # as vLLM's worker does: straight into the slot's bytes, no fence (the plan's slot was
+        # handed out only once every queued copy that read it had run)
+        self.store.bytes.write_state(plan.slot, conv, rec)
+        if self.store.commit(plan):
+            if never_written:
+                self.never_written.add(tuple(ids))
+            else:
+                self.never_written.discard(tuple(ids))
+
+    @rule(doc=st.integers(0, len(DOCS) - 1))
+    def lookup(self, doc: int) -> None:
+        self._release_copies_soon()
+        self.n += 1
+        hit = self.store.lookup(f"r{self.n}", [*DOCS[doc], 7], computed=0)
+        if hit is None:
+            return
+        ids = DOCS[doc][: hit.end]
+        assert tuple(ids) not in self.never_written, f"a state never written was served at depth {hit.end}"
+        want = _expected(ids)
+        conv, rec = self.store.state_of(hit)
+        assert torch.equal(conv, want.conv[-1]) and torch.equal(rec, want.rec[-1]), f"wrong state at {hit.end}"
+        out = Engine(len(hit.pages))
+        self.store.copy_out_pages(hit.pages, out.layers(list(range(len(hit.pages)))))
+        for got, exp in zip(out.kv, want.kv, strict=True):
+            assert torch.equal(got, exp), f"wrong KV pages for the hit at {hit.end}"
+        self.store.release(hit, loaded=True)
+        self.served += 1
+
+    @rule()
+    def synchronize(self) -> None:
+        self._release_copies_soon()
+        self.store.synchronize()
+        self.never_written = {k for k in self.never_written if self._holds(k)}
+
+    def _holds(self, ids: tuple[int, ...]) -> bool:
+        m = self.store.manager.lookup(list(ids), touch=False, kv=False)
+        return m.cached_length == len(ids)
+
+    @invariant()
+    def consistent(self) -> None:
+        self.store.check_invariants()  # pages and slots conserved, plans and held hits accounted
+
+    def teardown(self) -> None:
+        self._release_copies_soon()
+        self.store.synchronize()
+        self.store.check_invariants()
+        assert self.store.pool.num_free == self.store.num_slots - self.store.manager.cache.num_snapshots
+        assert self.store.close()
+
+
+TestStoreMachine = StoreMachine.TestCase
