@@ -53,12 +53,14 @@ caller's thread: an admission needs their answer.
 
 from __future__ import annotations
 
+import atexit
 import enum
 import hashlib
 import hmac
 import threading
 import time
 import warnings
+import weakref
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -1228,6 +1230,7 @@ class _Fetcher:
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="radixcache-shared-fetcher", daemon=True)
         self._thread.start()
+        _THREADS.add(self)
 
     def submit(self, job: _Prefetch) -> None:
         with self._cv:
@@ -1272,6 +1275,10 @@ class _Fetcher:
             self._cv.notify_all()
         self._thread.join(timeout_s)
 
+    def stop_at_exit(self) -> None:
+        """The interpreter exits: the queued prefetches are dropped, the one in flight finishes."""
+        self.close(None)
+
     def check_invariants(self) -> None:
         assert self._stage.owner_of(self._slot) == self._owner, "the fetcher's staging slot changed owner"
 
@@ -1295,6 +1302,7 @@ class _Writer:
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="radixcache-shared-writer", daemon=True)
         self._thread.start()
+        _THREADS.add(self)
 
     @property
     def pending(self) -> int:
@@ -1349,6 +1357,16 @@ class _Writer:
         self._thread.join(timeout_s)
         return drained
 
+    def stop_at_exit(self) -> None:
+        """The interpreter exits without :meth:`SharedTier.close`: the queued uploads are dropped
+        (as the exit would drop them), the one in flight finishes."""
+        with self._cv:
+            self._closed = True
+            self._queue.clear()
+            self._queued_bytes = 0
+            self._cv.notify_all()
+        self._thread.join()
+
     def check_invariants(self) -> None:
         with self._cv:
             got = sum(job.nbytes for job in self._queue)
@@ -1357,3 +1375,16 @@ class _Writer:
                 f"writer queue holds {self._queued_bytes} bytes, cap {self.tier.max_queued_bytes}"
             )
             assert self._stage.owner_of(self._slot) == self._owner, "the writer's staging slot changed owner"
+
+
+# The tiers' threads run torch work (a blob's digest, fingerprint and copies): one still inside a
+# torch kernel when the interpreter finalizes aborts the process ("terminate called without an
+# active exception", exit status 134), which a CI smoke run of the SGLang shared benchmark hit
+# (2026-12-07). At exit, before finalization, each thread finishes its job in flight and ends.
+_THREADS: weakref.WeakSet[_Fetcher | _Writer] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_threads_at_exit() -> None:
+    for worker in list(_THREADS):
+        worker.stop_at_exit()
