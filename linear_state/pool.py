@@ -71,13 +71,14 @@ class SlotWrite(NamedTuple):
 
 
 class FingerprintJob:
-    """A fingerprint submitted on a stream (:meth:`LinearStatePool.fingerprint_later`): ``fence``
-    completes when it was taken; :meth:`result` waits it and returns the value."""
+    """A fingerprint submitted on a stream (:meth:`LinearStatePool.fingerprint_later`): of
+    ``slot`` of ``pool``; ``fence`` completes when it was taken; :meth:`result` waits it and
+    returns the value."""
 
-    __slots__ = ("fence", "value")
+    __slots__ = ("fence", "pool", "slot", "value")
 
-    def __init__(self, fence: Fence) -> None:
-        self.fence = fence
+    def __init__(self, pool: LinearStatePool, slot: SlotId, fence: Fence) -> None:
+        self.pool, self.slot, self.fence = pool, slot, fence
         self.value: Fingerprint | None = None
 
     def result(self) -> Fingerprint:
@@ -747,7 +748,7 @@ class LinearStatePool:
                 hasher = self._thread_hashers[on] = SlotHasher([self.conv, self.recurrent])
         else:  # the work runs on a thread that waits it or submits it: the pool's own hasher
             hasher = self._hasher
-        job = FingerprintJob(COMPLETE)
+        job = FingerprintJob(self, self._ids[s], COMPLETE)
 
         def work() -> None:
             job.value = hasher.fingerprint(s)

@@ -387,6 +387,33 @@ def test_serve_in_place_verifies_the_snapshot_first() -> None:
     mgr.check_invariants()
 
 
+def test_serve_in_place_compares_a_fingerprint_taken_on_the_pools_stream() -> None:
+    """The fingerprint the host took (``pool.fingerprint_later``) is what forensics compares: one
+    taken after a stray write is a finding; one of another slot, or not a job, is refused first."""
+    pool = LinearStatePool(FUZZ_LAYOUT, 8)
+    fx = Forensics(pool, mode="record")
+    mgr = CacheManager(HybridRadixCache(pool, page_size=1), FixedPoints(align=1), host_tier=None, forensics=fx)
+    file(mgr, [1, 2, 3])
+    file(mgr, [4, 5])
+    node, other = mgr.lookup([1, 2, 3]).node, mgr.lookup([4, 5]).node
+    assert node.snapshot is not None and other.snapshot is not None
+    info = mgr.request_info([1, 2, 3], 3)
+    mgr.lock(node)
+    good = pool.fingerprint_later(node.snapshot)
+    with pytest.raises(ValueError, match=f"fingerprint is of slot {other.snapshot}"):
+        mgr.serve_in_place(node, info=info, fingerprint=pool.fingerprint_later(other.snapshot))
+    with pytest.raises(TypeError, match="FingerprintJob"):
+        mgr.serve_in_place(node, info=info, fingerprint=good.result())  # type: ignore[arg-type]
+    assert mgr.metrics().hits == 0 and not fx.findings
+    mgr.serve_in_place(node, info=info, rid="r", fingerprint=good)
+    assert mgr.metrics().hits == 1 and not fx.findings
+    pool.recurrent[:, node.snapshot] += 1.0  # a stray write, then the host's fingerprint of it
+    mgr.serve_in_place(node, info=info, rid="r", fingerprint=pool.fingerprint_later(node.snapshot))
+    assert [f.kind for f in fx.findings] == ["changed"] and fx.flagged(node.id)
+    mgr.unlock(node)
+    mgr.check_invariants()
+
+
 def test_snapshot_slot_refuses_a_node_without_a_snapshot() -> None:
     # (a demoted one: tests/test_host_tier.py)
     cache = HybridRadixCache(LinearStatePool(FUZZ_LAYOUT, 4), page_size=1)

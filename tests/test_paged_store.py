@@ -4,6 +4,8 @@ checked on the CPU in the main suite; tests/vllm proves it inside vLLM."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -17,7 +19,7 @@ from radixcache import KVPageList
 from radixcache.manager import EvictionReason
 from radixcache.policies import make_policy
 from radixcache.tiers.store import MemoryStore, RedisStore, SharedStoreError
-from radixcache.vllm import ConnectorOptions, PagedHostStore, PagedLayout, UnsupportedEngine
+from radixcache.vllm import VERIFYING, ConnectorOptions, Hit, PagedHostStore, PagedLayout, UnsupportedEngine
 
 from .redis_server import RedisServer
 
@@ -764,3 +766,192 @@ def test_a_page_fetched_from_the_shared_store_is_fingerprinted_and_a_later_chang
     assert b.lookup("d", ids, computed=0) is None
     assert [f.page for f in b.page_findings] == [hit.pages[1]] and b.stats.corrupt_pages == 1
     b.check_invariants()
+
+
+# ------------------------------------------------- lookups verified on the copy thread
+def _saved_store(**kw: bool) -> tuple[PagedHostStore, Engine, list[int]]:
+    store, eng = _store(16, **kw), Engine()
+    ids = list(range(40, 40 + 2 * B))
+    eng.compute(ids, [0, 1])
+    assert _save(store, eng, "a", ids, [0, 1])
+    store.synchronize()
+    return store, eng, ids
+
+
+def _hold(store: PagedHostStore) -> threading.Event:
+    """Hold the store's copy thread back until the event is set."""
+    gate = threading.Event()
+    assert store.copies is not None
+    store.copies.submit(lambda: gate.wait(10), label="held")
+    return gate
+
+
+def test_a_lookup_in_the_background_answers_verifying_then_the_verified_hit() -> None:
+    store, eng, ids = _saved_store()
+    gate = _hold(store)
+    node = store.manager.lookup(ids).node
+    assert store.lookup_in_background("b", [*ids, 9]) is VERIFYING
+    assert node.snap_lock == 1 and store.stats.verified_pages == 0  # locked, nothing read on this thread
+    store.check_invariants()
+    assert store.lookup_in_background("b", [*ids, 9]) is VERIFYING  # asked again before it is done
+    gate.set()
+    assert store.copies is not None
+    store.copies.synchronize()
+    real = store.pool.fingerprint
+
+    def not_here(slot: int) -> int:
+        raise AssertionError("the hit's state was fingerprinted on the scheduler's thread")
+
+    store.pool.fingerprint = not_here  # type: ignore[method-assign]
+    hit = store.lookup_in_background("b", [*ids, 9])
+    store.pool.fingerprint = real  # type: ignore[method-assign]
+    assert isinstance(hit, Hit) and (hit.start, hit.end) == (0, 2 * B) and hit.slot == node.snapshot
+    assert torch.equal(store.state_of(hit)[1], eng.rec[1]) and store.stats.verified_pages == 2
+    assert (store.stats.lookups, store.stats.offers) == (1, 1) and node.snap_lock == 1
+    store.release(hit, loaded=True)
+    assert node.snap_lock == 0
+    store.check_invariants()
+
+
+def test_a_background_lookup_asked_otherwise_or_finished_lets_its_hit_go() -> None:
+    store, _, ids = _saved_store()
+    node = store.manager.lookup(ids).node
+    gate = _hold(store)
+    assert store.lookup_in_background("b", [*ids, 9]) is VERIFYING
+    # vLLM's own cache now holds the first block: the pending verification is given up, a new one begun
+    assert store.lookup_in_background("b", [*ids, 9], computed=B) is VERIFYING
+    assert node.snap_lock == 1  # one lock: the first one's went
+    store.finished("b")
+    assert node.snap_lock == 0
+    store.check_invariants()
+    gate.set()
+    store.synchronize()
+
+
+def test_a_background_lookup_finds_a_changed_snapshot_and_a_changed_page() -> None:
+    store, eng, ids = _saved_store()
+    node = store.manager.lookup(ids).node
+    store.pool.recurrent[0, node.snapshot, 0, 0, 0] += 1.0  # after its copy: a stray write
+    assert store.lookup_in_background("b", [*ids, 9]) is VERIFYING
+    store.synchronize()
+    # the snapshot changed: a finding, discarded; nothing else to look at
+    assert store.lookup_in_background("b", [*ids, 9]) is None
+    assert store.stats.corrupt_snapshots == 1 and store.manager.cache.num_snapshots == 0
+    assert store.forensics is not None and [f.kind for f in store.forensics.findings] == ["changed"]
+    store.check_invariants()
+    # a page changed under a good snapshot
+    assert _save(store, eng, "a2", ids, [0, 1])
+    hit_pages = store.manager.lookup(ids).kv_indices
+    page = int(store.pages.pages(hit_pages[:B])[0])
+    store.synchronize()
+    store.kv[0, page, 0] ^= 0xFF
+    assert store.lookup_in_background("c", [*ids, 9]) is VERIFYING
+    store.synchronize()
+    assert store.lookup_in_background("c", [*ids, 9]) is None
+    assert store.stats.corrupt_pages == 1 and [f.page for f in store.page_findings] == [page]
+    store.check_invariants()
+
+
+def test_a_background_hit_with_no_room_when_ready_is_declined_and_unlocked() -> None:
+    store, _, ids = _saved_store()
+    node = store.manager.lookup(ids).node
+    assert store.lookup_in_background("b", [*ids, 9], fits=lambda tokens: True) is VERIFYING
+    store.synchronize()
+    assert store.lookup_in_background("b", [*ids, 9], fits=lambda tokens: False) is None
+    assert store.stats.declined == 1 and node.snap_lock == 0 and store.stats.offers == 0
+    store.check_invariants()
+
+
+def test_without_a_copy_thread_a_background_lookup_is_a_lookup() -> None:
+    store, eng, ids = _saved_store(copy_thread=False)
+    hit = store.lookup_in_background("b", [*ids, 9])
+    assert isinstance(hit, Hit) and torch.equal(store.state_of(hit)[1], eng.rec[1])
+    store.release(hit)
+    with pytest.raises(ValueError, match="computed must be a multiple"):
+        store.lookup_in_background("b", ids, computed=1)
+    store2, _, ids2 = _saved_store()
+    with pytest.raises(TypeError, match="fits"):
+        store2.lookup_in_background("b", ids2, fits=3)  # type: ignore[arg-type]
+    assert store2.stats.lookups == 0
+    store2.check_invariants()
+
+
+@pytest.mark.parametrize("copy_thread", [False, True])
+def test_a_changed_page_is_not_served_by_a_shallower_snapshot_on_its_path(copy_thread: bool) -> None:
+    """Until 2026-12-07 a changed page was re-recorded when found ("reported once"): the lookup
+    then tried the next shallower snapshot on the same path, whose hit read the same page, and
+    served it. The page is now marked until it is written anew."""
+    store, eng = _store(copy_thread=copy_thread), Engine()
+    ids = list(range(60, 60 + 2 * B))
+    eng.compute(ids, [0, 1])
+    assert _save(store, eng, "a", ids[:B], [0]) and _save(store, eng, "a", ids, [0, 1])
+    store.synchronize()
+    page = int(store.pages.pages(store.manager.lookup(ids).kv_indices[:B])[0])
+    store.kv[0, page, 0] ^= 0xFF
+    assert store.lookup("b", [*ids, 9]) is None
+    assert store.stats.corrupt_pages == 1 and store.manager.cache.num_snapshots == 0
+    assert store.lookup("c", [*ids, 9]) is None and store.stats.corrupt_pages == 1  # reported once
+    store.check_invariants()
+
+
+def test_a_corrupt_snapshot_another_hit_holds_is_refused_then_dropped_when_let_go() -> None:
+    """Found changed while a hit of another request holds it: refused (not looked at again, no
+    endless search), and discarded once that hit is released."""
+    store, _, ids = _saved_store()
+    held = store.lookup("a", [*ids, 9])
+    assert held is not None
+    node = held.node
+    store.pool.recurrent[0, held.slot, 0, 0, 0] += 1.0
+    assert store.lookup("b", [*ids, 9]) is None
+    assert store.forensics is not None and len(store.forensics.findings) == 1
+    assert node.snapshot is not None and store.stats.corrupt_snapshots == 0  # held: not dropped yet
+    assert store.lookup("c", [*ids, 9]) is None and len(store.forensics.findings) == 1
+    store.check_invariants()
+    store.release(held)
+    assert store.lookup("d", [*ids, 9]) is None
+    assert node.snapshot is None and store.stats.corrupt_snapshots == 1
+    store.check_invariants()
+
+
+def test_a_changed_page_under_a_held_hit_is_refused_until_the_hit_lets_go() -> None:
+    store, _, ids = _saved_store()
+    held = store.lookup("a", [*ids, 9])
+    assert held is not None
+    store.kv[0, held.pages[0], 0] ^= 0xFF
+    assert store.lookup("b", [*ids, 9]) is None and store.stats.corrupt_pages == 1
+    assert store.lookup("c", [*ids, 9]) is None and store.stats.corrupt_pages == 1
+    assert store.manager.cache.num_snapshots == 1
+    store.release(held)
+    assert store.lookup("d", [*ids, 9]) is None and store.manager.cache.num_snapshots == 0
+    store.check_invariants()
+
+
+def test_a_process_that_exits_with_uploads_queued_exits_cleanly() -> None:
+    """The shared tier's writer encodes and fingerprints uploads with torch: a thread still inside
+    a torch kernel when Python finalizes aborts the process (exit status 134; a CI smoke run of
+    the SGLang shared benchmark hit it). At exit the tier's threads finish the job in flight and
+    end first. Without that, about one run in three of this script aborted."""
+    script = """
+import torch
+from linear_state import StateLayout
+from radixcache.tiers.store import MemoryStore
+from radixcache.vllm import PagedHostStore, PagedLayout
+B = 16
+state = StateLayout(num_layers=8, conv_shape=(3, 256), recurrent_shape=(8, 128, 128))
+layout = PagedLayout(block_tokens=B, kv_layers=2, kv_page_bytes=4096, state=state)
+st = PagedHostStore(
+    layout, 64 * layout.page_bytes + 40 * state.slot_bytes, shared=MemoryStore(), model="m", verify=False
+)
+conv = torch.randn(state.num_layers, *state.conv_shape).to(state.conv_dtype)
+rec = torch.randn(state.num_layers, *state.recurrent_shape).to(state.recurrent_dtype)
+for r in range(30):
+    plan = st.plan_save("a", list(range(1000 * r, 1000 * r + B)))
+    if plan is not None:
+        st.copy_in_state(plan, conv, rec)
+        st.commit(plan)
+print("exits with uploads queued")
+"""
+    for _ in range(3):
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+        assert "exits with uploads queued" in done.stdout

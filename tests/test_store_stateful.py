@@ -12,7 +12,7 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from radixcache.vllm import PagedHostStore
+from radixcache.vllm import VERIFYING, Hit, PagedHostStore
 
 from .test_paged_store import B, Engine, _store
 
@@ -81,12 +81,31 @@ class StoreMachine(RuleBasedStateMachine):
     def lookup(self, doc: int) -> None:
         self._release_copies_soon()
         self.n += 1
-        hit = self.store.lookup(f"r{self.n}", [*DOCS[doc], 7], computed=0)
+        self._check_hit(doc, self.store.lookup(f"r{self.n}", [*DOCS[doc], 7], computed=0))
+
+    @rule(doc=st.integers(0, len(DOCS) - 1), computed=st.sampled_from([0, B]))
+    def lookup_in_background(self, doc: int, computed: int) -> None:
+        """One request per prompt asking again and again, as vLLM's scheduler does each step:
+        verifying, then its hit (or nothing); asked with another ``computed`` it starts over."""
+        self._release_copies_soon()
+        got = self.store.lookup_in_background(f"bg{doc}", [*DOCS[doc], 7], computed=computed)
+        if got is VERIFYING:
+            return
+        self._check_hit(doc, got)
+        self.store.finished(f"bg{doc}")  # the next ask is a new request
+
+    @rule(doc=st.integers(0, len(DOCS) - 1))
+    def background_request_ends(self, doc: int) -> None:
+        self.store.finished(f"bg{doc}")
+
+    def _check_hit(self, doc: int, hit: Hit | None) -> None:
         if hit is None:
             return
         ids = DOCS[doc][: hit.end]
         assert tuple(ids) not in self.never_written, f"a state never written was served at depth {hit.end}"
         want = _expected(ids)
+        if hit.start:  # vLLM held the first blocks: the hit's pages are the rest
+            want.kv = [t[hit.start // B :] for t in want.kv]
         conv, rec = self.store.state_of(hit)
         assert torch.equal(conv, want.conv[-1]) and torch.equal(rec, want.rec[-1]), f"wrong state at {hit.end}"
         out = Engine(len(hit.pages))
@@ -112,6 +131,8 @@ class StoreMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         self._release_copies_soon()
+        for doc in range(len(DOCS)):
+            self.store.finished(f"bg{doc}")
         self.store.synchronize()
         self.store.check_invariants()
         assert self.store.pool.num_free == self.store.num_slots - self.store.manager.cache.num_snapshots

@@ -270,6 +270,7 @@ class Forensics:
         nine in ten not watched (session 35)."""
         self.step += 1
         self.donations_seen += 1
+        self._flagged.discard(node)  # a new snapshot there: what a finding said of the last one is past
         self._check_slot(slot)  # watched or not: a watched snapshot that still claims it was overwritten
         if self.sample < 1.0 and self._draw() >= self.sample:
             self._settle()
@@ -294,24 +295,35 @@ class Forensics:
         self._pending.append(snap)
         self._settle()
 
-    def before_restore(self, node: int, rid: Hashable, dst: int | None) -> None:
+    def before_restore(self, node: int, rid: Hashable, dst: int | None, *, taken: FingerprintJob | None = None) -> None:
         """Verify ``node``'s snapshot before it is restored into ``dst`` (``None``: the host copies
         it out of the snapshot's own slot, :meth:`CacheManager.serve_in_place
-        <radixcache.CacheManager.serve_in_place>`)."""
-        self.step += 1
+        <radixcache.CacheManager.serve_in_place>`). ``taken``: the snapshot slot's fingerprint,
+        submitted on the pool's stream behind the donation (``pool.fingerprint_later``) while the
+        host held the node locked, compared instead of one taken now (waited if not done).
+
+        :raises ValueError: ``taken`` is of another pool or slot than the snapshot's. Nothing
+            changed."""
         snap = self._snaps.get(node)
+        if taken is not None and snap is not None and (taken.pool is not self.pool or taken.slot != snap.slot):
+            raise ValueError(
+                f"the fingerprint given for node {node} is of slot {taken.slot} of pool {taken.pool.pool_id}, "
+                f"its snapshot is slot {snap.slot} of pool {self.pool.pool_id}"
+            )
+        self.step += 1
         if snap is None:
             return
         if snap.fp is None:
             self._wait_donation(snap)  # the restore waits the clone anyway
             self._settle()
-        found = self._verify(snap, "restore")
+        found = self._verify(snap, "restore", taken)
         if self.ledger is not None:  # NOTE: the event's fields are built only for a ledger
             self._log("restore", **self._where(snap), dst=dst, owner=_jsonable(rid), fp=found)
 
     def snapshot_freed(self, node: int, slot: int) -> None:
         """The tree dropped ``node``'s snapshot (from the device, or from the host tier)."""
         self.step += 1
+        self._flagged.discard(node)
         snap = self._snaps.pop(node, None)
         if snap is None:
             return
@@ -455,8 +467,8 @@ class Forensics:
         return snap is not None and snap.fp is None and snap.host is None
 
     def flagged(self, node: int) -> bool:
-        """Whether a finding about its snapshot named ``node`` since this forensics was made
-        (``findings`` cleared or not). O(1)."""
+        """Whether a finding named ``node``'s present snapshot (its donation was the last one
+        there; ``findings`` cleared or not). O(1)."""
         return node in self._flagged
 
     def _settle(self) -> None:
@@ -495,10 +507,12 @@ class Forensics:
             if snap is not None and snap.fp is not None and self.pool.last_use(slot).is_complete():
                 self._verify(snap, "slot-event")
 
-    def _verify(self, snap: _Snap, why: str) -> int:
+    def _verify(self, snap: _Snap, why: str, taken: FingerprintJob | None = None) -> int:
         assert snap.fp is not None
         pool = snap.host if snap.host is not None else self.pool
-        found = pool.fingerprint(snap.slot)  # waits the pool's own pending work on the slot
+        # the pool's fingerprint waits its own pending work on the slot; one taken on its stream
+        # ran behind that work
+        found = pool.fingerprint(snap.slot) if taken is None or snap.host is not None else taken.result()
         ok = found == snap.fp
         if self.ledger is not None:  # NOTE: the event's fields are built only for a ledger
             self._log("verify", **self._where(snap), fp=found, expected=snap.fp, ok=ok, why=why)

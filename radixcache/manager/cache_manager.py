@@ -46,6 +46,7 @@ import torch
 from linear_state import (
     COMPLETE,
     Fence,
+    FingerprintJob,
     HostedStatePool,
     PoolExhausted,
     RequestOwner,
@@ -1885,7 +1886,13 @@ class CacheManager:
 
     @_exclusive
     def serve_in_place(
-        self, node: TreeNode, *, info: RequestInfo, rid: Hashable = None, now: float | None = None
+        self,
+        node: TreeNode,
+        *,
+        info: RequestInfo,
+        rid: Hashable = None,
+        now: float | None = None,
+        fingerprint: FingerprintJob | None = None,
     ) -> tuple[SlotId, Fence]:
         """Serve a hit of a host that copies the state itself, straight out of the snapshot's own
         slot: no copy into a slot of the pool (:meth:`restore` makes one). For a host whose
@@ -1896,17 +1903,27 @@ class CacheManager:
         policy hears of the hit (``info``'s request). Returns the slot and the fence. O(1) plus
         the verification.
 
+        ``fingerprint``: the snapshot slot's fingerprint the host submitted on the pool's stream
+        (``pool.fingerprint_later(slot)``) after it locked ``node``, so that forensics compares
+        it rather than reading the slot on this thread (the vLLM store verifies a hit on its copy
+        thread while vLLM's scheduler goes on).
+
         :raises ValueError: ``node`` not locked, or its snapshot not on the device (demoted: use
-            :meth:`restore`). :raises TypeError: ``info`` not a ``RequestInfo``, ``node`` not a
-            ``TreeNode``. :raises ForeignObjectError: another tree's node. Nothing changed.
+            :meth:`restore`); ``fingerprint`` of another slot. :raises TypeError: ``info`` not a
+            ``RequestInfo``, ``node`` not a ``TreeNode``, ``fingerprint`` not a
+            ``FingerprintJob``. :raises ForeignObjectError: another tree's node. Nothing changed.
         :raises SnapshotCorruption: forensics in ``"raise"`` mode found the snapshot changed.
         """
         if not isinstance(info, RequestInfo):
             raise TypeError(f"info must be a RequestInfo (request_info builds one), got {type(info).__name__}")
+        if fingerprint is not None and not isinstance(fingerprint, FingerprintJob):
+            raise TypeError(f"fingerprint must be a FingerprintJob or None, got {type(fingerprint).__name__}")
         slot, fence = self.cache.snapshot_slot(node)
+        if fingerprint is not None and (fingerprint.pool is not self.pool or fingerprint.slot != slot):
+            raise ValueError(f"fingerprint is of slot {fingerprint.slot}, node {node.id}'s snapshot is slot {slot}")
         t = self._now(now)
         if self.forensics is not None:
-            self.forensics.before_restore(node.id, rid, None)
+            self.forensics.before_restore(node.id, rid, None, taken=fingerprint)
         self.policy.touched(node, info, t)
         c = self._counters
         c.hits += 1

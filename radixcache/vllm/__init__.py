@@ -13,14 +13,16 @@ from typing import TYPE_CHECKING, Any
 
 from .memory import StoreBytes, StoreMapping
 from .options import ConnectorOptions, UnsupportedEngine
-from .store import Hit, PageCorruption, PagedHostStore, PagedLayout, SavePlan, StoreStats
+from .store import VERIFYING, Hit, LookupState, PageCorruption, PagedHostStore, PagedLayout, SavePlan, StoreStats
 
 if TYPE_CHECKING:
     from .connector import RadixcacheConnector
 
 __all__ = [
+    "VERIFYING",
     "ConnectorOptions",
     "Hit",
+    "LookupState",
     "PageCorruption",
     "PagedHostStore",
     "PagedLayout",

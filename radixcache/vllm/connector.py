@@ -66,7 +66,7 @@ from ..tiers.host import physical_memory
 from ..tiers.store import RedisStore
 from .memory import StoreBytes, StoreMapping
 from .options import ConnectorOptions, UnsupportedEngine
-from .store import Hit, PagedHostStore, PagedLayout, SavePlan
+from .store import VERIFYING, Hit, PagedHostStore, PagedLayout, SavePlan
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -343,7 +343,9 @@ class RadixcacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens beyond ``num_computed_tokens`` the store serves: a verified snapshot's depth
         minus vLLM's own hit (0 when it has none deeper, when vLLM's hit is not block-aligned,
-        or for a request the connector does not key: prompt embeddings)."""
+        or for a request the connector does not key: prompt embeddings); ``None`` while the
+        shared tier's prefetch or the hit's verification (on the store's copy thread) runs:
+        vLLM asks again at its next step."""
         rid = request.request_id
         stale = self._pending.pop(rid, None)
         if stale is not None:
@@ -365,13 +367,16 @@ class RadixcacheConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc
                 return None, False
         # A hit vLLM has no room for is declined before its pages are verified and its state
         # copied (the request computes it; the snapshot stays): a waiting request asks every step.
-        hit = self.store.lookup(
+        # The verification runs on the store's copy thread: vLLM asks again at its next step.
+        hit = self.store.lookup_in_background(
             rid,
             ids[:limit],
             namespace=ns,
             computed=num_computed_tokens,
             fits=lambda tokens: self._room_for(request, num_computed_tokens, tokens),
         )
+        if hit is VERIFYING:
+            return None, False
         if hit is None:
             return 0, False
         self._pending[rid] = hit

@@ -26,15 +26,25 @@ Nothing here imports vLLM; the connector maps vLLM's blocks and layers onto thes
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
-from linear_state import COMPLETE, Fence, LinearStatePool, RequestOwner, SlotId, StateLayout, ThreadStream
+from linear_state import (
+    COMPLETE,
+    Fence,
+    FingerprintJob,
+    LinearStatePool,
+    RequestOwner,
+    SlotId,
+    StateLayout,
+    ThreadStream,
+)
 from linear_state.fingerprint import SlotHasher
 
 from ..core.kv import KVPageList
@@ -47,7 +57,17 @@ from ..tiers.shared import SharedTier
 from ..tiers.store import SharedStore
 from .memory import StoreBytes, StoreMapping
 
-__all__ = ["Hit", "PageCorruption", "PagedHostStore", "PagedKVCodec", "PagedLayout", "SavePlan", "StoreStats"]
+__all__ = [
+    "VERIFYING",
+    "Hit",
+    "LookupState",
+    "PageCorruption",
+    "PagedHostStore",
+    "PagedKVCodec",
+    "PagedLayout",
+    "SavePlan",
+    "StoreStats",
+]
 
 
 def _positive_int(name: str, v: object) -> int:
@@ -115,6 +135,30 @@ class Hit:
     end: int
     pages: tuple[int, ...]
     slot: SlotId
+
+
+class LookupState(enum.Enum):
+    """What :meth:`PagedHostStore.lookup_in_background` answers while it has no answer yet."""
+
+    VERIFYING = "verifying"
+    """A hit is locked and its verification runs on the store's copy thread: ask again."""
+
+
+VERIFYING = LookupState.VERIFYING
+
+
+@dataclass(eq=False, slots=True)
+class _Verification:  # a hit locked while the copy thread verifies it (lookup_in_background)
+    rid: Hashable
+    node: TreeNode
+    ids: np.ndarray  # the ids it was looked up with
+    namespace: Hashable
+    computed: int
+    end: int
+    pages: tuple[int, ...]
+    page_fps: list[int]  # filled on the copy thread
+    snapshot: FingerprintJob
+    done: Fence  # the pages' fingerprints, submitted after the snapshot's
 
 
 @dataclass(slots=True)
@@ -384,6 +428,7 @@ class PagedHostStore:
         self._kv_thread_hasher = SlotHasher([self.kv]) if verify and copy_thread else None
         self._pages_recorded: Fence = COMPLETE
         self._kv_fp: list[int | None] = [None] * n_pages
+        self._bad_pages: set[int] = set()  # pages found changed: refused until written anew
         self.page_findings: list[PageCorruption] = []
         self.stats = StoreStats()
         self._admitted: set[Hashable] = set()
@@ -393,6 +438,9 @@ class PagedHostStore:
         # (copy_thread): a finding that one was never written drops it at the next sweep
         self._settling: dict[int, TreeNode] = {}
         self._swept = 0  # forensics findings the sweep has seen
+        self._verifying: dict[Hashable, _Verification] = {}  # by request: hits verified on the copy thread
+        # by node id: snapshots a finding named that a hit held when found: dropped at a later sweep
+        self._condemned: dict[int, tuple[TreeNode, bool]] = {}
 
     # ------------------------------------------------------------------ sizes
     @staticmethod
@@ -480,15 +528,55 @@ class PagedHostStore:
         :raises ValueError: ``computed`` not a block multiple >= 0; bad ids. :raises TypeError:
             ``fits`` neither callable nor ``None``. Nothing changed.
         """
-        if isinstance(computed, bool) or not isinstance(computed, int) or computed < 0 or computed % self.block:
-            raise ValueError(f"computed must be a multiple of {self.block} >= 0, got {computed!r}")
-        if fits is not None and not callable(fits):
-            raise TypeError(f"fits must be a callable of the hit's tokens or None, got {type(fits).__name__}")
+        self._check_lookup(computed, fits)
         mgr = self.manager
         self.stats.lookups += 1
         self._sweep()
         if self.shared is not None:  # a deeper prefix published by another engine is filed first
             mgr.fetch_shared(ids, namespace=namespace, rid=rid)
+        while True:
+            found = self._candidate(rid, ids, namespace, computed, fits)
+            if found is None:
+                return None
+            node, d, pages = found
+            if not self._pages_intact(pages, rid, d):
+                mgr.unlock(node)
+                self._discard(node)  # or, held by another hit, refused by _candidate from now on
+                continue
+            # NOTE: the worker copies the state out of the snapshot's own slot (the node stays
+            # locked until the hit is released): no private copy on vLLM's scheduler thread,
+            # 8.8 ms for a 77 MB Qwen3-Next-80B-like state on a 2-core CPU, and no slot taken
+            try:
+                slot, fence = mgr.serve_in_place(node, info=mgr.request_info(ids, d), rid=("load", rid))
+                fence.wait()
+            except BaseException:
+                mgr.unlock(node)
+                raise
+            if self._flagged(node):
+                # forensics found the snapshot changed, or never written (its donation fingerprint
+                # taken on the copy thread, maybe while another hit held it): never served
+                mgr.unlock(node)
+                self._drop_corrupt(node)
+                continue
+            self.stats.offers += 1
+            self.stats.offered_tokens += d - computed
+            hit = Hit(rid, node, computed, d, pages, slot)
+            self._held[id(hit)] = hit
+            return hit
+
+    def _candidate(
+        self,
+        rid: Hashable,
+        ids: Sequence[int] | np.ndarray,
+        namespace: Hashable,
+        computed: int,
+        fits: Callable[[int], bool] | None,
+    ) -> tuple[TreeNode, int, tuple[int, ...]] | None:
+        """The deepest snapshot on the path of ``ids`` deeper than ``computed`` that no finding
+        names, locked, with its depth and the hit's pages; ``None``: none (or declined). One a
+        finding named (its snapshot, or a page it would read) is discarded and the search goes
+        on, or, held by another hit, ends it: a miss."""
+        mgr = self.manager
         while True:
             m = mgr.lookup(ids, namespace=namespace)
             if rid not in self._admitted:
@@ -497,38 +585,132 @@ class PagedHostStore:
             d = m.cached_length
             if d <= computed:
                 return None
+            node = m.node
+            pages = tuple(self.pages.pages(m.kv_indices[computed:d]).tolist())
+            if self._flagged(node) or (self._bad_pages and not self._bad_pages.isdisjoint(pages)):
+                if self._flagged(node):
+                    self._drop_corrupt(node)
+                else:
+                    self._discard(node)
+                if node.snapshot is None:  # gone: look shallower
+                    continue
+                return None  # another hit holds it: dropped once it lets go
             if fits is not None and not fits(d - computed):
                 self.stats.declined += 1
                 return None
-            node = m.node
             mgr.lock(node)
-            pages = tuple(self.pages.pages(m.kv_indices[computed:d]).tolist())
-            if not self._pages_intact(pages, rid, d):
-                mgr.unlock(node)
-                self._discard(node)
-                continue
-            # NOTE: the worker copies the state out of the snapshot's own slot (the node stays
-            # locked until the hit is released): no private copy on vLLM's scheduler thread,
-            # 8.8 ms for a 77 MB Qwen3-Next-80B-like state on a 2-core CPU, and no slot taken
-            seen = self._findings()
-            try:
-                slot, fence = mgr.serve_in_place(node, info=mgr.request_info(ids, d), rid=("load", rid))
-                fence.wait()
-            except BaseException:
-                mgr.unlock(node)
-                raise
-            if self._findings() > seen and self.forensics is not None and self.forensics.flagged(node.id):
-                # forensics found the snapshot changed, or (its donation fingerprint taken just
-                # now, on the copy thread) never written: never served
-                mgr.unlock(node)
-                self.stats.corrupt_snapshots += 1
-                self._discard(node)
-                continue
-            self.stats.offers += 1
-            self.stats.offered_tokens += d - computed
-            hit = Hit(rid, node, computed, d, pages, slot)
-            self._held[id(hit)] = hit
-            return hit
+            return node, d, pages
+
+    def _check_lookup(self, computed: object, fits: object) -> None:
+        if isinstance(computed, bool) or not isinstance(computed, int) or computed < 0 or computed % self.block:
+            raise ValueError(f"computed must be a multiple of {self.block} >= 0, got {computed!r}")
+        if fits is not None and not callable(fits):
+            raise TypeError(f"fits must be a callable of the hit's tokens or None, got {type(fits).__name__}")
+
+    def lookup_in_background(
+        self,
+        rid: Hashable,
+        ids: Sequence[int] | np.ndarray,
+        *,
+        namespace: Hashable = None,
+        computed: int = 0,
+        fits: Callable[[int], bool] | None = None,
+    ) -> Hit | Literal[LookupState.VERIFYING] | None:
+        """:meth:`lookup`, with the hit's verification on the store's copy thread instead of the
+        caller's: the first call finds the snapshot, locks it, submits the fingerprints of its
+        pages and its state there and answers :data:`VERIFYING`; a later call of the same request
+        (the same ``computed``, ``namespace`` and ids up to the hit) answers the hit once they are
+        taken and match (or looks further when they do not: each mismatch a finding, the snapshot
+        discarded, as :meth:`lookup` does). An engine whose scheduler may ask again at its next
+        step (vLLM's ``None`` from ``get_num_new_matched_tokens``) pays a dictionary look-up per
+        step instead of a read of every byte of the hit; the request waits a step for it.
+        ``fits`` is asked again when the hit is ready. A call with other arguments, or
+        :meth:`finished`, gives the pending verification up. Without ``copy_thread`` or
+        ``verify``: :meth:`lookup`.
+
+        :raises ValueError, TypeError: as :meth:`lookup`. Nothing changed.
+        """
+        if self.copies is None or self._kv_thread_hasher is None or self.forensics is None:
+            return self.lookup(rid, ids, namespace=namespace, computed=computed, fits=fits)
+        self._check_lookup(computed, fits)
+        arr = np.asarray(ids, dtype=np.int64).reshape(-1)
+        v = self._verifying.get(rid)
+        retried = False
+        if v is not None:
+            if (
+                v.computed != computed
+                or v.namespace != namespace
+                or arr.size < v.end
+                or not np.array_equal(arr[: v.end], v.ids[: v.end])
+            ):
+                self._give_up(rid)
+            elif not v.done.is_complete():
+                return VERIFYING
+            else:
+                del self._verifying[rid]
+                got = self._finish(v, fits)
+                if got == "declined":
+                    return None
+                if got != "retry":
+                    return got
+                retried = True  # a finding: the snapshot is gone; look further, in the background
+        mgr = self.manager
+        self.stats.lookups += not retried
+        self._sweep()
+        if self.shared is not None:  # a deeper prefix published by another engine is filed first
+            mgr.fetch_shared(arr, namespace=namespace, rid=rid)
+        found = self._candidate(rid, arr, namespace, computed, fits)
+        if found is None:
+            return None
+        node, d, pages = found
+        slot, _ = self.manager.cache.snapshot_slot(node)
+        snapshot = self.pool.fingerprint_later(slot)  # behind the clone and its donation fingerprint
+        hasher, fps = self._kv_thread_hasher, [0] * len(pages)
+
+        def work() -> None:
+            for i, p in enumerate(pages):
+                fps[i] = hasher.fingerprint(p)
+
+        done = self.copies.submit(work, label=f"verify {len(pages)} pages")  # behind the pages' records
+        self._verifying[rid] = _Verification(rid, node, arr, namespace, computed, d, pages, fps, snapshot, done)
+        return VERIFYING
+
+    def _finish(self, v: _Verification, fits: Callable[[int], bool] | None) -> Hit | Literal["declined", "retry"]:
+        """A background verification done: the hit, ``"declined"`` (no room for it now:
+        unlocked), or ``"retry"`` (a finding: unlocked and discarded)."""
+        mgr, node = self.manager, v.node
+        if fits is not None and not fits(v.end - v.computed):
+            mgr.unlock(node)
+            self.stats.declined += 1
+            return "declined"
+        v.done.wait()  # complete: raises if the copy thread failed
+        if not self._pages_intact(v.pages, v.rid, v.end, found=v.page_fps):
+            mgr.unlock(node)
+            self._discard(node)
+            return "retry"
+        try:
+            slot, fence = mgr.serve_in_place(
+                node, info=mgr.request_info(v.ids, v.end), rid=("load", v.rid), fingerprint=v.snapshot
+            )
+            fence.wait()
+        except BaseException:
+            mgr.unlock(node)
+            raise
+        if self._flagged(node):
+            mgr.unlock(node)
+            self._drop_corrupt(node)
+            return "retry"
+        self.stats.offers += 1
+        self.stats.offered_tokens += v.end - v.computed
+        hit = Hit(v.rid, node, v.computed, v.end, v.pages, slot)
+        self._held[id(hit)] = hit
+        return hit
+
+    def _give_up(self, rid: Hashable) -> None:
+        """Drop ``rid``'s background verification (its lock goes)."""
+        v = self._verifying.pop(rid, None)
+        if v is not None:
+            self.manager.unlock(v.node)
 
     def release(self, hit: Hit, *, loaded: bool = False, declined: bool = False) -> None:
         """Let go of ``hit`` once the engine's copies out of it are done: its node is unlocked.
@@ -555,6 +737,7 @@ class PagedHostStore:
         """``rid`` ended: the next request of that id is a new request to the policy (and an
         unread prefetch of it is dropped)."""
         self._admitted.discard(rid)
+        self._give_up(rid)
         if self.shared is not None:
             self.shared.cancel(rid)
 
@@ -573,17 +756,31 @@ class PagedHostStore:
         """Whether ``rid``'s :meth:`prefetch` is still unanswered."""
         return self.manager.shared_pending(rid)
 
-    def _findings(self) -> int:
-        return len(self.forensics.findings) if self.forensics is not None else 0
-
-    def _discard(self, node: TreeNode) -> None:
+    def _discard(self, node: TreeNode) -> bool:
         if node.snapshot is not None and not node.snap_lock:
             self.manager.discard(node)
+            return True
+        return False
+
+    def _flagged(self, node: TreeNode) -> bool:
+        """Whether forensics named ``node``'s snapshot in a finding (changed, never written)."""
+        return self.forensics is not None and self.forensics.flagged(node.id)
+
+    def _drop_corrupt(self, node: TreeNode, *, save: bool = False) -> None:
+        """Discard a snapshot forensics named (counted; ``save``: a save's state never written,
+        also counted as a skipped save), or, while another hit holds it, at a later sweep."""
+        if self._discard(node):
+            self.stats.corrupt_snapshots += 1
+            if save:
+                self.stats.skip("corrupt")
+        elif node.snapshot is not None:
+            self._condemned[node.id] = (node, save)
 
     def record_pages(self, pages: Sequence[int]) -> None:
         """Fingerprint ``pages`` as they are now (their bytes were just copied in): a later change
         is a finding before a hit reads them. A no-op without ``verify``."""
         if self._kv_hasher is not None:
+            self._bad_pages.difference_update(pages)  # written anew
             for p in pages:
                 self._kv_fp[p] = self._kv_hasher.fingerprint(p)
 
@@ -595,6 +792,7 @@ class PagedHostStore:
             self.record_pages(pages)
             return
         pages = tuple(pages)
+        self._bad_pages.difference_update(pages)  # written anew (a lookup waits the records)
 
         def work() -> None:
             for p in pages:
@@ -602,21 +800,30 @@ class PagedHostStore:
 
         self._pages_recorded = self.copies.submit(work, label=f"fingerprint {len(pages)} pages")
 
-    def _pages_intact(self, pages: Sequence[int], rid: Hashable, depth: int) -> bool:
+    def _pages_intact(
+        self, pages: Sequence[int], rid: Hashable, depth: int, *, found: Sequence[int] | None = None
+    ) -> bool:
+        """Whether ``pages`` match their recorded fingerprints (``found``: taken already, on the
+        copy thread, behind the records); each mismatch a finding."""
         hasher = self._kv_hasher
         if hasher is None:
             return True
         if not self._pages_recorded.is_complete():  # a save's page fingerprints, on the copy thread
             self._pages_recorded.wait()
-        ok = True
-        for p in pages:
-            want = self._kv_fp[p]
-            found = hasher.fingerprint(p)
+        ok, bad = True, self._bad_pages
+        for i, p in enumerate(pages):
             self.stats.verified_pages += 1
-            if want is not None and found != want:
-                self.page_findings.append(PageCorruption(p, want, found, rid, depth))
+            if p in bad:  # reported already
+                ok = False
+                continue
+            want = self._kv_fp[p]
+            now = hasher.fingerprint(p) if found is None else found[i]
+            if want is not None and now != want:
+                self.page_findings.append(PageCorruption(p, want, now, rid, depth))
                 self.stats.corrupt_pages += 1
-                self._kv_fp[p] = found  # reported once
+                # NOTE: marked, not re-recorded: a record of the changed bytes let the next
+                # shallower snapshot on the same path serve the page in the same lookup
+                bad.add(p)
                 ok = False
         return ok
 
@@ -742,11 +949,14 @@ class PagedHostStore:
         if len(found) > self._swept:
             for f in found[self._swept :]:
                 node = self._settling.pop(f.node, None)
-                if f.kind == "never-written" and node is not None and node.snapshot is not None and not node.snap_lock:
-                    self.stats.corrupt_snapshots += 1
-                    self.stats.skip("corrupt")
-                    self.manager.discard(node)
+                if f.kind == "never-written" and node is not None:
+                    self._condemned[f.node] = (node, True)
             self._swept = len(found)
+        if self._condemned:  # dropped once nobody holds them (a lookup of them serves nothing)
+            condemned, self._condemned = self._condemned, {}
+            for node, save in condemned.values():
+                if fx.flagged(node.id):  # still the snapshot a finding named
+                    self._drop_corrupt(node, save=save)
         if self._settling:
             self._settling = {k: n for k, n in self._settling.items() if n.snapshot is not None and fx.pending(k)}
 
@@ -849,6 +1059,8 @@ class PagedHostStore:
         self.manager.check_invariants(host_slots=len(self._planned))
         for hit in self._held.values():  # a held hit's snapshot is read in place: its lock keeps it
             assert hit.node.snap_lock > 0 and hit.node.snapshot == hit.slot, (hit, hit.node)
+        for v in self._verifying.values():  # a hit being verified holds its lock too
+            assert v.node.snap_lock > 0 and v.node.snapshot is not None, (v.rid, v.node)
         self.pages.check_invariants()
         self.pool.check_invariants()  # the codec's kept buffers: the manager's shared tier checks them
         planned = sum(len(p.pages) for p in self._planned.values())
