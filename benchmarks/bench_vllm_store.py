@@ -13,6 +13,11 @@ against torch's indexed copies (what the store did until 2026-12-06), side by si
   fingerprinted first, and the snapshot) and without, the snapshot read in place; beside them
   ``private_state_copy``, the copy of the snapshot into a slot of the store each hit made until
   2026-12-07 (``verified_with_private_copy_ms``: what a verified hit cost then);
+- ``lookup_hit_background``: the same verified hit with its verification on the store's copy
+  thread (``lookup_in_background``, the connector's call since 2026-12-07): the scheduler
+  thread's two calls (``background_scheduler``) and the copy thread's verification between them
+  (``background_verification``, the time vLLM's request waits, about a step), beside the
+  verified ``lookup`` in alternation;
 - ``save``: a save's calls on vLLM's scheduler thread, ``plan_save`` and ``commit`` (the
   tree's clone of the staged state: copy-on-donate; with verification the donation's
   fingerprint and the new pages'), a new prefix each time, verified and not, with the store's
@@ -56,7 +61,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from linear_state import RequestOwner, StateLayout
-from radixcache.vllm import PagedHostStore, PagedLayout
+from radixcache.vllm import VERIFYING, Hit, PagedHostStore, PagedLayout
 from radixcache.vllm.store import PagedKVCodec
 
 
@@ -253,6 +258,36 @@ def main() -> None:
         # per MiB read by verification: the hit's pages and its snapshot
         "verification_us_per_mib": round(1e3 * (ms["verified"] - ms["unverified"]) / verified_mib, 1),
         "verified_with_private_copy_ms": round(ms["verified"] + ms["private_state_copy"], 3),
+    }
+    # the same hit verified on the store's copy thread (lookup_in_background, what the connector
+    # calls since 2026-12-07): the scheduler thread's two calls timed (the first answers
+    # VERIFYING, the one a step later the hit), the copy thread's verification between them not;
+    # alternating with the verified lookup above
+    bg: dict[str, list[float]] = {"background_scheduler": [], "background_verification": [], "verified": []}
+    st = stores[True]
+    assert st.copies is not None
+    for r in range(a.reps + 1):
+        t0 = time.perf_counter()
+        assert st.lookup_in_background("bg", ids, computed=0) is VERIFYING
+        t1 = time.perf_counter()
+        st.copies.synchronize()
+        t2 = time.perf_counter()
+        hit = st.lookup_in_background("bg", ids, computed=0)
+        t3 = time.perf_counter()
+        assert isinstance(hit, Hit) and hit.end == len(ids), hit
+        st.release(hit)
+        st.finished("bg")
+        t4 = time.perf_counter()
+        lookups["verified"]()
+        t5 = time.perf_counter()
+        if r:
+            bg["background_scheduler"].append((t1 - t0) + (t3 - t2))
+            bg["background_verification"].append(t2 - t1)
+            bg["verified"].append(t5 - t4)
+    bgm = {k: round(statistics.median(v) * 1e3, 3) for k, v in bg.items()}
+    out["lookup_hit_background_ms"] = {
+        **bgm,
+        "background_scheduler_over_verified": round(bgm["background_scheduler"] / bgm["verified"], 3),
     }
     # a save's two calls on vLLM's scheduler thread (the worker's copies between them untimed):
     # plan_save (pages and a slot, evicting through the policy when the store is full) and
