@@ -539,30 +539,51 @@ class PagedHostStore:
             if found is None:
                 return None
             node, d, pages = found
-            if not self._pages_intact(pages, rid, d):
-                mgr.unlock(node)
-                self._discard(node)  # or, held by another hit, refused by _candidate from now on
-                continue
-            # NOTE: the worker copies the state out of the snapshot's own slot (the node stays
-            # locked until the hit is released): no private copy on vLLM's scheduler thread,
-            # 8.8 ms for a 77 MB Qwen3-Next-80B-like state on a 2-core CPU, and no slot taken
-            try:
-                slot, fence = mgr.serve_in_place(node, info=mgr.request_info(ids, d), rid=("load", rid))
-                fence.wait()
-            except BaseException:
-                mgr.unlock(node)
-                raise
-            if self._flagged(node):
-                # forensics found the snapshot changed, or never written (its donation fingerprint
-                # taken on the copy thread, maybe while another hit held it): never served
-                mgr.unlock(node)
-                self._drop_corrupt(node)
-                continue
-            self.stats.offers += 1
-            self.stats.offered_tokens += d - computed
-            hit = Hit(rid, node, computed, d, pages, slot)
-            self._held[id(hit)] = hit
-            return hit
+            hit = self._serve(rid, ids, node, computed, d, pages)
+            if hit is not None:
+                return hit
+
+    def _serve(
+        self,
+        rid: Hashable,
+        ids: Sequence[int] | np.ndarray,
+        node: TreeNode,
+        computed: int,
+        d: int,
+        pages: tuple[int, ...],
+        page_fps: Sequence[int] | None = None,
+        fingerprint: FingerprintJob | None = None,
+    ) -> Hit | None:
+        """Verify the locked candidate ``node`` (its pages against their records, its snapshot
+        through forensics; ``page_fps`` and ``fingerprint``: taken on the copy thread already)
+        and hold it as a hit; ``None``: a finding (unlocked; discarded, or refused from now on)."""
+        mgr = self.manager
+        if not self._pages_intact(pages, rid, d, found=page_fps):
+            mgr.unlock(node)
+            self._discard(node)  # or, held by another hit, refused by _candidate from now on
+            return None
+        # NOTE: the worker copies the state out of the snapshot's own slot (the node stays
+        # locked until the hit is released): no private copy on vLLM's scheduler thread,
+        # 8.8 ms for a 77 MB Qwen3-Next-80B-like state on a 2-core CPU, and no slot taken
+        try:
+            slot, fence = mgr.serve_in_place(
+                node, info=mgr.request_info(ids, d), rid=("load", rid), fingerprint=fingerprint
+            )
+            fence.wait()
+        except BaseException:
+            mgr.unlock(node)
+            raise
+        if self._flagged(node):
+            # forensics found the snapshot changed, or never written (its donation fingerprint
+            # taken on the copy thread, maybe while another hit held it): never served
+            mgr.unlock(node)
+            self._drop_corrupt(node)
+            return None
+        self.stats.offers += 1
+        self.stats.offered_tokens += d - computed
+        hit = Hit(rid, node, computed, d, pages, slot)
+        self._held[id(hit)] = hit
+        return hit
 
     def _candidate(
         self,
@@ -684,27 +705,8 @@ class PagedHostStore:
             self.stats.declined += 1
             return "declined"
         v.done.wait()  # complete: raises if the copy thread failed
-        if not self._pages_intact(v.pages, v.rid, v.end, found=v.page_fps):
-            mgr.unlock(node)
-            self._discard(node)
-            return "retry"
-        try:
-            slot, fence = mgr.serve_in_place(
-                node, info=mgr.request_info(v.ids, v.end), rid=("load", v.rid), fingerprint=v.snapshot
-            )
-            fence.wait()
-        except BaseException:
-            mgr.unlock(node)
-            raise
-        if self._flagged(node):
-            mgr.unlock(node)
-            self._drop_corrupt(node)
-            return "retry"
-        self.stats.offers += 1
-        self.stats.offered_tokens += v.end - v.computed
-        hit = Hit(v.rid, node, v.computed, v.end, v.pages, slot)
-        self._held[id(hit)] = hit
-        return hit
+        hit = self._serve(v.rid, v.ids, node, v.computed, v.end, v.pages, v.page_fps, v.snapshot)
+        return "retry" if hit is None else hit
 
     def _give_up(self, rid: Hashable) -> None:
         """Drop ``rid``'s background verification (its lock goes)."""
