@@ -1056,7 +1056,8 @@ class CacheManager:
                 keep.append(item)
                 continue
             if fx is not None:
-                fx.settle(node.id)  # waited (``wait``): a state never written is found before it leaves
+                if wait:  # its donation fingerprint waited: a state never written is found before it leaves
+                    fx.settle(node.id)
                 if fx.flagged(node.id):  # never written, or changed since: not for other engines
                     shared.stats.publish_skipped += 1
                     continue

@@ -529,11 +529,7 @@ class PagedHostStore:
             ``fits`` neither callable nor ``None``. Nothing changed.
         """
         self._check_lookup(computed, fits)
-        mgr = self.manager
-        self.stats.lookups += 1
-        self._sweep()
-        if self.shared is not None:  # a deeper prefix published by another engine is filed first
-            mgr.fetch_shared(ids, namespace=namespace, rid=rid)
+        self._begin(rid, ids, namespace)
         while True:
             found = self._candidate(rid, ids, namespace, computed, fits)
             if found is None:
@@ -608,8 +604,9 @@ class PagedHostStore:
                 return None
             node = m.node
             pages = tuple(self.pages.pages(m.kv_indices[computed:d]).tolist())
-            if self._flagged(node) or (self._bad_pages and not self._bad_pages.isdisjoint(pages)):
-                if self._flagged(node):
+            flagged = self._flagged(node)
+            if flagged or (self._bad_pages and not self._bad_pages.isdisjoint(pages)):
+                if flagged:
                     self._drop_corrupt(node)
                 else:
                     self._discard(node)
@@ -621,6 +618,14 @@ class PagedHostStore:
                 return None
             mgr.lock(node)
             return node, d, pages
+
+    def _begin(self, rid: Hashable, ids: Sequence[int] | np.ndarray, namespace: Hashable, count: bool = True) -> None:
+        """What a lookup does before its search: counted (``count``), the findings swept, and a
+        deeper prefix published by another engine filed first."""
+        self.stats.lookups += count
+        self._sweep()
+        if self.shared is not None:
+            self.manager.fetch_shared(ids, namespace=namespace, rid=rid)
 
     def _check_lookup(self, computed: object, fits: object) -> None:
         if isinstance(computed, bool) or not isinstance(computed, int) or computed < 0 or computed % self.block:
@@ -675,11 +680,7 @@ class PagedHostStore:
                 if got != "retry":
                     return got
                 retried = True  # a finding: the snapshot is gone; look further, in the background
-        mgr = self.manager
-        self.stats.lookups += not retried
-        self._sweep()
-        if self.shared is not None:  # a deeper prefix published by another engine is filed first
-            mgr.fetch_shared(arr, namespace=namespace, rid=rid)
+        self._begin(rid, arr, namespace, count=not retried)
         found = self._candidate(rid, arr, namespace, computed, fits)
         if found is None:
             return None
