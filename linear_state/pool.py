@@ -326,11 +326,14 @@ class LinearStatePool:
         pool whose free slots are the host's (:class:`HostedStatePool`) waits either way.
 
         :raises SlotMisuse: ``slot`` is already free (double free) or owned by someone else;
-            nothing changed. :raises TypeError: a bad slot, owner or fence; nothing changed.
+            nothing changed. :raises TypeError: a bad slot, owner, fence or ``wait``; nothing
+            changed.
         """
         # NOTE: the common cases inline (an id of this pool, a tuple of fences): eviction frees a slot
         # per evicted snapshot in about ten Python calls, two of them here (benchmarks/bench_tree.py).
         s = slot if type(slot) is self._id_type else self._index(slot)
+        if wait is not True and wait is not False:
+            raise TypeError(f"wait must be a bool, got {wait!r}")
         current = self._owner[s]
         if current is not owner and (current is None or type(owner) is not type(current) or current != owner):
             _check_owner(owner)  # a bad owner is a TypeError first, as everywhere

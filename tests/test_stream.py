@@ -369,6 +369,18 @@ def test_free_without_wait_on_a_deferred_stream_runs_the_work_at_the_alloc() -> 
     pool.check_invariants()
 
 
+def test_free_refuses_a_wait_that_is_not_a_bool_and_changes_nothing() -> None:
+    stream = DeferredStream("copies")
+    pool = _pool_on(stream, 2)
+    plan = RequestOwner("plan")
+    staging = pool.alloc(plan)
+    snap = pool.clone(staging, NodeOwner(1))
+    with pytest.raises(TypeError, match="wait must be a bool, got 'no'"):
+        pool.free(staging, plan, wait="no")  # type: ignore[arg-type]
+    assert pool.owner_of(staging) == plan and stream.pending == 1 and not snap.fence.is_complete()
+    pool.check_invariants()
+
+
 def test_free_with_wait_still_waits_the_pools_own_work() -> None:
     stream = DeferredStream("copies")
     pool = _pool_on(stream, 2)

@@ -222,6 +222,12 @@ class MisuseMachine(HostMachine):
             Misuse(
                 "serve_in_place: info not a RequestInfo", lambda: mgr.serve_in_place(self.foreign.node, info=_wrong(2))
             ),
+            Misuse(
+                "serve_in_place: fingerprint not a FingerprintJob",
+                lambda: mgr.serve_in_place(
+                    self.foreign.node, info=mgr.request_info([1, 2], 0), fingerprint=_wrong(0x1234)
+                ),
+            ),
             Misuse("tree touch: foreign node", lambda: cache.touch(self.foreign.node)),
             Misuse("tree lock: not a node", lambda: cache.lock(_wrong("root"))),
             Misuse("tree relock: not nodes", lambda: cache.relock(_wrong("root"), _wrong("leaf"))),
@@ -256,6 +262,8 @@ class MisuseMachine(HostMachine):
                 Misuse("tree insert: snapshot as donor", lambda: cache.insert([3, 1], [0, 1], state_slot=slot)),
                 Misuse("pool zero: a frozen snapshot", lambda: pool.zero(slot, owner=NodeOwner(node.id))),
                 Misuse("pool free: not the owner", lambda: pool.free(slot, RequestOwner(fresh))),
+                Misuse("pool free: wait not a bool", lambda: pool.free(slot, NodeOwner(node.id), wait=_wrong("no"))),
+                Misuse("pool fingerprint_later: bad fence", lambda: pool.fingerprint_later(slot, after=_wrong(["x"]))),
                 Misuse("tree restore: into the snapshot itself", lambda: cache.restore(node, slot)),
                 Misuse("tree restore: into another pool's slot", lambda: cache.restore(node, self.foreign.slot)),
                 Misuse("pool read: out not a pair", lambda: pool.read(slot, out=_wrong([pool.conv[:, 0]]))),
