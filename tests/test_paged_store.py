@@ -955,3 +955,18 @@ print("exits with uploads queued")
         done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
         assert "exits with uploads queued" in done.stdout
+
+
+def test_check_invariants_catches_a_verifying_hit_whose_lock_was_taken_away() -> None:
+    store, _, ids = _saved_store()
+    gate = _hold(store)
+    assert store.lookup_in_background("b", [*ids, 9]) is VERIFYING
+    node = store.manager.lookup(ids).node
+    store.manager.unlock(node)  # behind the store's back: the snapshot could be evicted mid-verification
+    with pytest.raises(AssertionError):
+        store.check_invariants()
+    store.manager.lock(node)
+    store.check_invariants()
+    gate.set()
+    store.finished("b")
+    store.synchronize()
