@@ -3,12 +3,13 @@ import random
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from linear_state import COMPLETE, LinearStatePool, NodeOwner, RequestOwner, StateLayout, ThreadStream
-from radixcache import CacheManager, Forensics, Ledger, SnapshotCorruption, read_ledger
+from radixcache import CacheManager, Forensics, Ledger, SnapshotCorruption, SnapshotRefused, TreeNode, read_ledger
 from radixcache.cli import main
 from radixcache.forensics import HOLDERS_KEPT, SAMPLED, key_digest
 from radixcache.testing.hammer import HammerConfig, run_hammer
@@ -456,3 +457,109 @@ def test_settle_of_one_node_waits_its_fingerprint() -> None:
     threading.Timer(0.05, gate.set).start()
     assert fx.settle(1) == 0 and not fx.pending(1) and not fx.findings
     stream.close()
+
+
+# ------------------------------------------- a snapshot a finding names is never served
+def _poisoned(tmp_path: Path, mode: str = "record") -> tuple[Host, list[int], TreeNode]:
+    """A host whose deepest snapshot of a 300-token prompt was written behind the tree's back."""
+    h = forensic_host(tmp_path, mode=mode)
+    p = tokens(300)
+    run(h, "donor", p)
+    node = h.cache.match(p[:-1]).node
+    assert node.depth == 299 and node.snapshot is not None
+    h.pool.recurrent[0, node.snapshot, 0, 0] += 1.0
+    return h, p, node
+
+
+def test_an_admission_whose_hit_is_found_changed_falls_back_up_the_path(tmp_path: Path) -> None:
+    """Until 2026-12-07, in ``"record"`` mode (the manager's default, sampled) a snapshot found
+    changed at its restore was recorded and restored anyway: the request computed on from a
+    wrong state. The admission now takes the next snapshot up its path, verified in turn."""
+    h, p, node = _poisoned(tmp_path)
+    r = h.admit("victim", p)
+    assert r is not None and r.adm.cached_length == 256 and r.restored_ok
+    fx = h.mgr.forensics
+    assert fx is not None and [f.kind for f in fx.findings] == ["changed"]
+    m = h.mgr.metrics()
+    assert (m.refused_hits, m.evictions["corrupt"], m.hits, m.hit_tokens) == (1, 1, 1, 256)
+    assert node.snapshot is None  # dropped: nobody else held it
+    h.mgr.check_invariants()
+    h.prefill("victim")
+    assert h.final_state_ok("victim")
+    h.finish("victim")
+    h.forward.synchronize()
+    h.copies.synchronize()
+    again = h.admit("again", p)
+    assert again is not None and again.adm.cached_length == 299 and again.restored_ok  # filed anew
+    h.mgr.check_invariants()
+
+
+def test_a_hit_a_finding_named_before_is_skipped_without_a_fingerprint(tmp_path: Path) -> None:
+    """Found by ``verify_all`` (or at any slot event) before any request asks for it: the
+    admission and ``can_admit`` take the next snapshot up at once."""
+    h, p, node = _poisoned(tmp_path)
+    assert h.mgr.verify_all() > 0
+    fx = h.mgr.forensics
+    assert fx is not None and fx.flagged(node.id) and fx.finding(node.id) is fx.findings[0]
+    assert h.mgr.can_admit(p).cached_length == 256 and node.snapshot is not None  # a dry run drops nothing
+    verified: list[int] = []
+    verify = fx.before_restore
+
+    def counted(n: int, *a: Any, **k: Any) -> None:
+        verified.append(n)
+        verify(n, *a, **k)
+
+    fx.before_restore = counted  # type: ignore[method-assign, assignment]
+    r = h.admit("victim", p)
+    assert r is not None and r.adm.cached_length == 256 and r.restored_ok
+    assert h.mgr.metrics().refused_hits == 1 and node.snapshot is None
+    assert verified == [h.cache.match(p[:256]).node.id]  # the 256-deep hit's alone: 299 not read again
+    h.mgr.check_invariants()
+
+
+def test_in_raise_mode_a_second_admission_is_not_served_the_snapshot_that_raised(tmp_path: Path) -> None:
+    """``"raise"`` mode raised at the first restore; the finding then recorded the changed
+    fingerprint ("reported once"), and a second admission of the prefix was served the changed
+    state before 2026-12-07 when the host had not discarded it."""
+    h, p, node = _poisoned(tmp_path, mode="raise")
+    with pytest.raises(SnapshotCorruption):
+        h.admit("first", p)
+    r = h.admit("second", p)
+    assert r is not None and r.adm.cached_length == 256 and r.restored_ok and node.snapshot is None
+    h.mgr.check_invariants()
+
+
+def test_a_changed_snapshot_another_request_holds_is_dropped_when_it_lets_go(tmp_path: Path) -> None:
+    h = forensic_host(tmp_path, mode="record")
+    p = tokens(300)
+    run(h, "donor", p)
+    holder = h.admit("holder", p)  # holds the 299-deep snapshot (its hit) until it finishes
+    assert holder is not None and holder.adm.cached_length == 299
+    node = h.cache.match(p[:-1]).node
+    h.pool.recurrent[0, node.snapshot, 0, 0] += 1.0
+    r = h.admit("victim", p)
+    assert r is not None and r.adm.cached_length == 256 and r.restored_ok
+    assert node.snapshot is not None and h.mgr.metrics().evictions["corrupt"] == 0  # held: not yet
+    h.mgr.check_invariants()
+    late = h.admit("late", p)  # refused again, without a new finding
+    assert late is not None and late.adm.cached_length == 256
+    fx = h.mgr.forensics
+    assert fx is not None and len(fx.findings) == 1 and h.mgr.metrics().refused_hits == 1
+    h.abort("late")
+    h.prefill("holder")
+    h.finish("holder")
+    assert node.snapshot is None and h.mgr.metrics().evictions["corrupt"] == 1
+    h.mgr.check_invariants()
+
+
+def test_a_restore_of_a_snapshot_a_finding_names_raises_snapshot_refused(tmp_path: Path) -> None:
+    h, p, node = _poisoned(tmp_path)
+    owner = RequestOwner("host")
+    dst = h.pool.alloc(owner)
+    info = h.mgr.request_info(p, 299)
+    with pytest.raises(SnapshotRefused, match="found it changed") as exc:
+        h.mgr.restore(node, dst, dst_owner=owner, info=info)
+    assert (exc.value.node, exc.value.depth, exc.value.kind) == (node.id, 299, "changed")
+    assert node.snapshot is None and h.mgr.metrics().hits == 0
+    h.pool.free(dst, owner)
+    h.mgr.check_invariants()

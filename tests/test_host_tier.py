@@ -15,7 +15,7 @@ from linear_state import (
     SlotMisuse,
     StateLayout,
 )
-from radixcache import Admission, CacheManager, EvictResult, HybridRadixCache, free_kv_to
+from radixcache import Admission, CacheManager, EvictResult, HybridRadixCache, LockError, free_kv_to
 from radixcache.forensics import Forensics
 from radixcache.policies import FixedPoints, HitDensity
 from radixcache.simulator import generate, host_tier_table, load_trace, report_markdown, run_grid
@@ -222,9 +222,38 @@ def test_the_manager_serves_a_hit_from_the_host_tier_and_forensics_verifies_it()
     node = mgr.cache.match(prompt).node
     assert node.host is not None
     hp.recurrent[:, node.host].add_(1.0)
-    mgr.admit("c", [*prompt, 98])
+    host_held = cache.num_host_snapshots
+    adm = mgr.admit("c", [*prompt, 98])
     assert [f.kind for f in fx.findings] == ["changed"]
+    # not served: the next snapshot up the path is (the capture at 7), the changed copy dropped
+    assert isinstance(adm, Admission) and adm.cached_length == 7
+    adm.ready.wait()
+    assert torch.all(pool.read(adm.live_slot)[1] == 7.0)
+    assert node.host is None and node.parent is None and cache.num_host_snapshots == host_held - 1
+    assert mgr.metrics().evictions["corrupt"] == 1 and mgr.metrics().refused_hits == 1
     mgr.check_invariants()
+
+
+def test_discard_drops_a_host_copy_and_its_leaf_and_refuses_a_locked_or_empty_node() -> None:
+    pool, hp = LinearStatePool(LAYOUT, 4), LinearStatePool(LAYOUT, 4)
+    cache = HybridRadixCache(pool, host_pool=hp)
+    owner = RequestOwner("r")
+    donate(cache, [1, 2, 3, 4], 0, owner)
+    donate(cache, [1, 2, 3, 4, 5, 6, 7, 8], 0, owner)
+    deep, mid = cache.match([1, 2, 3, 4, 5, 6, 7, 8]).node, cache.match([1, 2, 3, 4]).node
+    cache.evict(snapshots=2)
+    assert deep.host is not None and mid.host is not None and cache.num_snapshots == 0
+    cache.lock(deep)
+    with pytest.raises(LockError):
+        cache.discard(deep)
+    cache.unlock(deep)
+    free = hp.num_free
+    r = cache.discard(deep)
+    assert (r.snapshots, r.nodes_removed, r.kv_tokens) == (1, 1, 4) and deep.parent is None
+    assert hp.num_free == free + 1 and cache.num_host_snapshots == 1
+    with pytest.raises(ValueError, match="holds no snapshot"):
+        cache.discard(deep)
+    cache.check_invariants()
 
 
 def test_the_hammer_with_a_small_device_pool_hits_from_the_host_tier_and_stays_exact() -> None:

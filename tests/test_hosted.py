@@ -20,6 +20,7 @@ from radixcache import (
     HybridRadixCache,
     LockError,
     SnapshotCorruption,
+    SnapshotRefused,
 )
 from radixcache.core.keys import key_bytes
 from radixcache.core.kv import KVFreeList
@@ -302,7 +303,8 @@ def test_a_checkpoints_snapshot_is_known_to_forensics_by_its_own_prefix() -> Non
     pool.recurrent[:, res.node.snapshot] += 1.0  # the snapshot changes behind the tree's back
     dst_owner = RequestOwner("reader")
     dst = pool.alloc(dst_owner)
-    mgr.restore(res.node, dst, dst_owner=dst_owner, info=mgr.request_info(ids, 4)).wait()
+    with pytest.raises(SnapshotRefused, match="found it changed"):
+        mgr.restore(res.node, dst, dst_owner=dst_owner, info=mgr.request_info(ids, 4))
     assert [(f.kind, f.key) for f in fx.findings] == [("changed", key_digest(key_bytes(ids[:4])))]
 
 
@@ -408,9 +410,12 @@ def test_serve_in_place_compares_a_fingerprint_taken_on_the_pools_stream() -> No
     mgr.serve_in_place(node, info=info, rid="r", fingerprint=good)
     assert mgr.metrics().hits == 1 and not fx.findings
     pool.recurrent[:, node.snapshot] += 1.0  # a stray write, then the host's fingerprint of it
-    mgr.serve_in_place(node, info=info, rid="r", fingerprint=pool.fingerprint_later(node.snapshot))
+    with pytest.raises(SnapshotRefused):
+        mgr.serve_in_place(node, info=info, rid="r", fingerprint=pool.fingerprint_later(node.snapshot))
     assert [f.kind for f in fx.findings] == ["changed"] and fx.flagged(node.id)
+    assert mgr.metrics().hits == 1 and node.snapshot is not None  # not served; held, so not dropped yet
     mgr.unlock(node)
+    assert node.snapshot is None and mgr.metrics().evictions["corrupt"] == 1  # dropped at the last unlock
     mgr.check_invariants()
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from linear_state import COMPLETE, Fence, ImmediateStream, LinearStatePool
-from radixcache import Admission, CacheManager, HybridRadixCache, Refusal, RefusalCause, free_kv_to
+from radixcache import Admission, CacheManager, Forensics, HybridRadixCache, Refusal, RefusalCause, free_kv_to
 from radixcache.core.kv import KVAllocator, KVExhausted, KVFreeList
 from radixcache.manager.cache_manager import WindowPlan
 from radixcache.policies import FixedPoints
@@ -361,3 +361,29 @@ def test_a_refused_free_names_the_first_bad_index_and_takes_nothing_back() -> No
     big.free(torch.tensor(run).reshape(4, 5))  # any shape: its indices
     assert big.num_free == 54
     big.check_invariants()
+
+
+def test_a_hit_refused_for_a_finding_that_leaves_too_little_kv_is_a_kv_refusal() -> None:
+    """The admission counted KV for its hit; refused for a finding (the snapshot changed), the
+    shallower hit needs more. With the path locked by another request nothing can be evicted:
+    a KV refusal, everything given back; the changed snapshot goes once its holder lets go."""
+    mgr, kv = make(kv_tokens=64)
+    fx = Forensics(mgr.pool, mode="record")
+    mgr.forensics = fx
+    a = list(range(1, 49))
+    serve(mgr, "a", a, [])
+    mgr.finish("a")
+    holder = mgr.admit("x", [*a, 7], max_new_tokens=14)  # locks the 48-deep hit; 1 KV index left
+    assert isinstance(holder, Admission) and holder.cached_length == 48 and kv.num_free == 1
+    node = mgr.cache.match(a).node
+    assert node.snapshot is not None
+    mgr.pool.recurrent[:, node.snapshot] += 1.0
+    before = (kv.num_free, mgr.pool.num_free, mgr.cache.total_kv_tokens)
+    ref = mgr.admit("b", [*a, 8])
+    assert isinstance(ref, Refusal) and ref.cause is RefusalCause.KV and "refused for a finding" in ref.reason
+    assert [f.kind for f in fx.findings] == ["changed"] and "b" not in mgr
+    assert (kv.num_free, mgr.pool.num_free, mgr.cache.total_kv_tokens) == before
+    conserved(mgr, kv)
+    mgr.abort("x")
+    assert node.snapshot is None and mgr.metrics().refused_hits == 1
+    conserved(mgr, kv)

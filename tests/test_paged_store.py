@@ -895,8 +895,8 @@ def test_a_changed_page_is_not_served_by_a_shallower_snapshot_on_its_path(copy_t
 
 
 def test_a_corrupt_snapshot_another_hit_holds_is_refused_then_dropped_when_let_go() -> None:
-    """Found changed while a hit of another request holds it: refused (not looked at again, no
-    endless search), and discarded once that hit is released."""
+    """Found changed while a hit of another request holds it: refused (counted then; not looked
+    at again, no endless search), and discarded once that hit is released."""
     store, _, ids = _saved_store()
     held = store.lookup("a", [*ids, 9])
     assert held is not None
@@ -904,7 +904,7 @@ def test_a_corrupt_snapshot_another_hit_holds_is_refused_then_dropped_when_let_g
     store.pool.recurrent[0, held.slot, 0, 0, 0] += 1.0
     assert store.lookup("b", [*ids, 9]) is None
     assert store.forensics is not None and len(store.forensics.findings) == 1
-    assert node.snapshot is not None and store.stats.corrupt_snapshots == 0  # held: not dropped yet
+    assert node.snapshot is not None and store.stats.corrupt_snapshots == 1  # held: refused, not dropped yet
     assert store.lookup("c", [*ids, 9]) is None and len(store.forensics.findings) == 1
     store.check_invariants()
     store.release(held)

@@ -8,6 +8,7 @@ from .errors import (
     LockError,
     ProtocolError,
     RadixCacheError,
+    SnapshotRefused,
     UnknownRequest,
 )
 from .events import TreeEvent, TreeEventKind, TreeListener, free_kv_to
@@ -37,6 +38,7 @@ __all__ = [
     "MatchResult",
     "ProtocolError",
     "RadixCacheError",
+    "SnapshotRefused",
     "TreeEvent",
     "TreeEventKind",
     "TreeListener",

@@ -14,6 +14,7 @@ __all__ = [
     "LockError",
     "ProtocolError",
     "RadixCacheError",
+    "SnapshotRefused",
     "UnknownRequest",
 ]
 
@@ -58,3 +59,25 @@ class AdmissionFailed(RadixCacheError, RuntimeError):
     tree's locks and the manager are as they were; the cause is chained (``__cause__``). A
     snapshot verified and inserted from the shared tier before the failure stays in the tree,
     unlocked (it is valid), and snapshots evicted to make room stay evicted."""
+
+
+class SnapshotRefused(RadixCacheError, RuntimeError):
+    """A hit the manager would not serve: forensics named its snapshot in a finding (changed
+    since its donation, or never written), found at this restore or before it. Nothing was
+    copied and the policy heard of no hit; the snapshot is dropped, at once or, while another
+    request holds it, when its last lock goes (the one change such a call makes), so that no
+    later lookup returns it. Take the request as a miss, or look up again: the lookup returns
+    the next shallower snapshot.
+
+    :ivar node: the refused node's id; :ivar depth: its depth in tokens; :ivar kind: the
+        finding's kind (``"changed"``, ``"never-written"``).
+    """
+
+    def __init__(self, node: int, depth: int, kind: str) -> None:
+        super().__init__(
+            f"node {node}'s snapshot at depth {depth} is not served: forensics found it {kind} "
+            "(it is dropped; look up again for a shallower hit)"
+        )
+        self.node = node
+        self.depth = depth
+        self.kind = kind

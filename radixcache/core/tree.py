@@ -1191,6 +1191,28 @@ class HybridRadixCache:
             raise LockError(f"node {node.id} is locked; its snapshot cannot be evicted")
         return self._evict_device_snapshot(node, demote=demote)
 
+    def discard(self, node: TreeNode) -> EvictResult:
+        """Drop ``node``'s snapshot wherever it is, on the device or in the host tier, never
+        demoting it: a snapshot found corrupt. A leaf then goes with its KV (cascading), an inner
+        node stays a tombstone, as in any eviction. Returns what was freed (``snapshots``: 1, the
+        device or the host slot). O(depth of the cascade).
+
+        :raises ValueError: ``node`` was removed or holds no snapshot. :raises LockError: ``node``
+            is locked. :raises ForeignObjectError: another cache's node. Nothing changed.
+        """
+        self._own(node)
+        if node.parent is None or (node.snapshot is None and node.host is None):
+            raise ValueError(f"node {node.id} holds no snapshot to discard")
+        if node.snap_lock:
+            raise LockError(f"node {node.id} is locked; its snapshot cannot be discarded")
+        if node.snapshot is not None:
+            return self._evict_device_snapshot(node, demote=False)
+        self._drop_host(node, remove=False)
+        if node.children or node.kv_lock:
+            return _ONE_SNAPSHOT
+        freed = self._remove_leaf(node)
+        return EvictResult(freed.kv_tokens, 1, freed.nodes_removed)
+
     def _evict_device_snapshot(self, n: TreeNode, *, demote: bool) -> EvictResult:
         """Unlocked ``n``'s device snapshot goes: to the host tier (``demote``, when it has room),
         else dropped; a leaf then goes whole (its KV too, cascading), an inner node stays a

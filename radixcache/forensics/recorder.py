@@ -206,7 +206,7 @@ class Forensics:
         self.ledger = ledger
         self.mode: Mode = mode
         self.findings: list[SnapshotCorruption] = []
-        self._flagged: set[int] = set()  # the nodes a finding named
+        self._flagged: dict[int, SnapshotCorruption] = {}  # node -> the finding that named its snapshot
         self.step = 0
         self._snaps: dict[int, _Snap] = {}  # by node id
         self._by_slot: dict[int, set[int]] = {}  # slot -> node ids claiming it (one, unless aliased)
@@ -270,7 +270,7 @@ class Forensics:
         nine in ten not watched (session 35)."""
         self.step += 1
         self.donations_seen += 1
-        self._flagged.discard(node)  # a new snapshot there: what a finding said of the last one is past
+        self._flagged.pop(node, None)  # a new snapshot there: what a finding said of the last one is past
         self._check_slot(slot)  # watched or not: a watched snapshot that still claims it was overwritten
         if self.sample < 1.0 and self._draw() >= self.sample:
             self._settle()
@@ -323,7 +323,7 @@ class Forensics:
     def snapshot_freed(self, node: int, slot: int) -> None:
         """The tree dropped ``node``'s snapshot (from the device, or from the host tier)."""
         self.step += 1
-        self._flagged.discard(node)
+        self._flagged.pop(node, None)
         snap = self._snaps.pop(node, None)
         if snap is None:
             return
@@ -471,6 +471,11 @@ class Forensics:
         there; ``findings`` cleared or not). O(1)."""
         return node in self._flagged
 
+    def finding(self, node: int) -> SnapshotCorruption | None:
+        """The latest finding that named ``node``'s present snapshot, or ``None`` (what
+        :meth:`flagged` asks; ``findings`` cleared or not). O(1)."""
+        return self._flagged.get(node)
+
     def _settle(self) -> None:
         """Take the donation fingerprint of every snapshot whose clone has completed."""
         if not self._pending:
@@ -551,7 +556,7 @@ class Forensics:
         )
         self._log("corruption", note=note, **finding.as_dict())
         self.findings.append(finding)
-        self._flagged.add(snap.node)
+        self._flagged[snap.node] = finding
         if self.mode == "raise":
             self.flush()
             raise finding

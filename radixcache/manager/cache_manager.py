@@ -62,6 +62,7 @@ from ..core.errors import (
     ForeignObjectError,
     ProtocolError,
     RadixCacheError,
+    SnapshotRefused,
     UnknownRequest,
 )
 from ..core.events import TreeEvent, TreeEventKind
@@ -300,6 +301,15 @@ class _SharedHit(NamedTuple):
     ready: Fence
 
 
+class _KVShort(Exception):
+    """Inside an admission: its hit was refused for a finding, and the shallower one needs more
+    KV than the allocator has even after evictions (turned into a ``Refusal``)."""
+
+    def __init__(self, need: int, free: int) -> None:
+        super().__init__(need, free)
+        self.need, self.free = need, free
+
+
 class _Ended(NamedTuple):
     """What the end of a request released: state slots freed, KV for the host to free (empty when
     the manager owns the KV), and the donations the write checks found unwritten."""
@@ -525,6 +535,8 @@ class CacheManager:
         # Snapshots to publish once their fences completed: (node, ids, namespace, KV writer fence).
         self._to_publish: deque[tuple[TreeNode, np.ndarray, Hashable, Fence | None]] = deque()
         self._requests: dict[Hashable, _Request] = {}
+        # Snapshots a finding named, refused while a lock held them: dropped once none does.
+        self._condemned: dict[int, TreeNode] = {}
         self._guard = threading.Lock()
         self._counters = MetricsCounters()
 
@@ -627,6 +639,8 @@ class CacheManager:
         :raises ValueError: bad or empty ids.
         """
         m = self._match(_request_key("(dry run)", cache_ids), namespace)
+        if self.forensics is not None:
+            m = self._skip_flagged(m, refuse=False)
         need = 1 + self.track_slots
         avail = self._available(m.node, m.cached_length)
         return AdmissionCheck(avail >= need, m.cached_length, m.token_length, need, avail)
@@ -683,6 +697,12 @@ class CacheManager:
             self._publish_ready(False)
         need = 1 + self.track_slots
         m = self._match(ck, namespace)
+        fx = self.forensics
+        if fx is not None:
+            if self._condemned:
+                self._sweep_condemned()
+            if m.cached_length and fx.flagged(m.node.id):
+                m = self._skip_flagged(m, refuse=True)
         node = m.node
         avail = self._available(node, m.cached_length)
         if avail < need:
@@ -712,6 +732,7 @@ class CacheManager:
         # code outside the manager can still raise (the policy, the stream, a store or codec
         # outside its protocol); then everything taken is given back (AdmissionFailed).
         owner = RequestOwner(rid)
+        hit = m  # the hit the KV was counted for
         slots: list[SlotId] = []
         ready: Fence = COMPLETE
         locked: TreeNode | None = None
@@ -726,7 +747,6 @@ class CacheManager:
                 self._evict_snapshots(short, t, EvictionReason.ADMISSION)
             slots = self.pool.alloc_many(owner, need)
             live, tracks = slots[0], tuple(slots[1:])
-            fx = self.forensics
             if fx is not None:
                 fx.request_slots(rid, slots)
             stream = self.stream or self.cache.stream
@@ -738,8 +758,17 @@ class CacheManager:
                     node = locked = m.node
             elif self.shared is not None:
                 self.shared.cancel(rid)  # the tree had it all: a prefetch's answer is not needed
+            if fetched is None and m.cached_length and fx is not None:
+                # verified before anything is counted or told: a hit a finding names now falls
+                # back to the next snapshot up its path (or a miss), never served
+                m = self._verified_hit(m, rid, live)
+                node = locked = m.node
             if kv is not None:  # after the fetch: its hit imported KV of its own
                 n_kv = int(ids.size) - m.cached_length + max_new_tokens
+                if kv.num_free < n_kv and m is not hit:  # a refused hit: the shallower one needs more
+                    self._evict_kv(n_kv - kv.num_free, t, node if m.cached_length else None)
+                    if kv.num_free < n_kv:
+                        raise _KVShort(n_kv, kv.num_free)
                 fresh = kv.alloc(n_kv)
                 if fresh is None:
                     raise RuntimeError(f"the KV allocator refused {n_kv} indices that its num_free promised")
@@ -752,8 +781,6 @@ class CacheManager:
             if m.cached_length:
                 self.policy.touched(node, info, t)
             if fetched is None and m.cached_length:
-                if fx is not None:
-                    fx.before_restore(node.id, rid, live)
                 ready = self.cache.restore(node, live, stream=stream, dst_owner=owner)
             elif fetched is None:
                 ready = self.pool.zero(live, owner=owner, stream=stream)
@@ -766,6 +793,16 @@ class CacheManager:
             if fresh is not None:
                 assert kv is not None
                 kv.free(fresh)
+            if isinstance(e, _KVShort):
+                self._counters.refusals += 1
+                return Refusal(
+                    rid,
+                    RefusalCause.KV,
+                    f"{e.need} KV indices needed once a hit was refused for a finding, {e.free} free after "
+                    "evicting the tree's unlocked KV",
+                    need,
+                    avail,
+                )
             if isinstance(e, Exception) and not isinstance(e, (RadixCacheError, SnapshotCorruption)):
                 raise AdmissionFailed(
                     f"admission of request {rid!r} failed in code the manager called ({type(e).__name__}: {e}); "
@@ -1730,6 +1767,9 @@ class CacheManager:
         ``kv_into`` of ``result.node``). Locks nothing: :meth:`lock` the node before an eviction
         could remove it. O(match).
 
+        The result may be a snapshot a finding of forensics names (``forensics.flagged``):
+        :meth:`restore` and :meth:`serve_in_place` refuse it (:class:`SnapshotRefused`).
+
         :raises TypeError, ValueError: bad ids or an unhashable namespace. Nothing changed.
         """
         return self.cache.match(cache_ids, namespace=namespace, touch=touch, kv=kv)
@@ -1752,6 +1792,8 @@ class CacheManager:
             Nothing changed.
         """
         self.cache.unlock(node)
+        if self._condemned:
+            self._sweep_condemned()
 
     @_exclusive
     def relock(self, old: TreeNode, new: TreeNode) -> None:
@@ -1763,6 +1805,8 @@ class CacheManager:
             not locked. :raises ForeignObjectError: another tree's node. Nothing changed.
         """
         self.cache.relock(old, new)
+        if self._condemned:
+            self._sweep_condemned()
 
     @_exclusive
     def kv_prefix(self, cache_ids: KeyLike, *, namespace: Hashable = None) -> torch.Tensor:
@@ -1789,10 +1833,94 @@ class CacheManager:
         """
         if not isinstance(node, TreeNode):
             raise TypeError(f"node must be a TreeNode (lookup returns one), got {type(node).__name__}")
-        r = self.cache.evict_snapshot(node, demote=False)
+        return self._discard(node)
+
+    def _discard(self, node: TreeNode) -> EvictResult:
+        r = self.cache.discard(node)
         self._counters.evictions[EvictionReason.CORRUPT.value] += r.snapshots
         self._counters.evicted_kv_tokens += r.kv_tokens
+        self._condemned.pop(node.id, None)
         return r
+
+    # ------------------------------------------------- snapshots a finding named
+    # NOTE: forensics in "record" mode (the default, sampled) reports a snapshot it finds changed
+    # or never written and goes on; until 2026-12-07 the manager then restored it anyway, and a
+    # later hit of it passed (its fingerprint "reported once"). A snapshot a finding names is now
+    # never served: an admission falls back up the path, restore and serve_in_place raise
+    # SnapshotRefused, and the snapshot is dropped (at once, or when its last lock goes).
+
+    @staticmethod
+    def _shallower(m: MatchResult) -> MatchResult:
+        """``m``'s hit moved to the next snapshot up its path (device or host tier), or to its
+        root (a miss). Changes nothing."""
+        anc = m.node.parent
+        while anc is not None and anc.depth > 0 and anc.snapshot is None and anc.host is None:
+            anc = anc.parent
+        assert anc is not None, f"{m.node!r} is not in the tree"
+        d = anc.depth
+        return MatchResult(d, m.token_length, m.kv_indices[:d], anc, anc.snapshot)
+
+    def _skip_flagged(self, m: MatchResult, *, refuse: bool) -> MatchResult:
+        """``m`` moved up its path past every snapshot a finding names (each refused: dropped, or
+        condemned while locked, when ``refuse``)."""
+        fx = self.forensics
+        assert fx is not None
+        while m.cached_length and fx.flagged(m.node.id):
+            up = self._shallower(m)
+            if refuse:
+                self._refuse(m.node)
+            m = up
+        return m
+
+    def _verified_hit(self, m: MatchResult, rid: Hashable, live: SlotId) -> MatchResult:
+        """Forensics' verification of the admission's hit ``m`` (locked) before its restore into
+        ``live``; while a finding names the hit, the next snapshot up the path, the lock moved
+        to it (verified in turn), the refused one dropped or condemned. Raises as forensics does
+        in ``"raise"`` mode."""
+        fx = self.forensics
+        assert fx is not None
+        while m.cached_length:
+            node = m.node
+            fx.before_restore(node.id, rid, live)
+            if not fx.flagged(node.id):
+                return m
+            up = self._skip_flagged(self._shallower(m), refuse=True)
+            self.cache.relock(node, up.node)
+            self._refuse(node)
+            m = up
+            if m.cached_length:
+                self.cache.touch(m.node)
+        return m
+
+    def _refuse(self, node: TreeNode) -> None:
+        """``node``'s snapshot, named by a finding, was not served: dropped now, or condemned
+        until its last lock goes (:meth:`_sweep_condemned`). Counted once per snapshot."""
+        if node.id in self._condemned:
+            return
+        self._counters.refused_hits += 1
+        if node.snap_lock:
+            self._condemned[node.id] = node
+        else:
+            self._discard(node)
+
+    def _refused(self, node: TreeNode) -> SnapshotRefused:
+        """The error a host's restore of ``node`` gets, once the snapshot is refused."""
+        fx = self.forensics
+        finding = fx.finding(node.id) if fx is not None else None
+        depth = node.depth
+        self._refuse(node)
+        return SnapshotRefused(node.id, depth, finding.kind if finding is not None else "corrupt")
+
+    def _sweep_condemned(self) -> None:
+        """Drop the condemned snapshots no lock holds any more (one gone already, or replaced by
+        a new donation no finding names, is forgotten)."""
+        fx = self.forensics
+        for nid, node in list(self._condemned.items()):
+            gone = node.parent is None or (node.snapshot is None and node.host is None)
+            if gone or fx is None or not fx.flagged(nid):
+                del self._condemned[nid]
+            elif not node.snap_lock:
+                self._discard(node)
 
     @_exclusive
     def make_room(self, *, keep: TreeNode | None = None, now: float | None = None) -> bool:
@@ -1865,6 +1993,10 @@ class CacheManager:
         :raises ValueError: ``node`` holds no snapshot. :raises TypeError: ``info`` not a
             ``RequestInfo``, ``node`` not a ``TreeNode``. :raises linear_state.SlotMisuse:
             ``dst_slot`` not ``dst_owner``'s. Nothing changed.
+        :raises SnapshotRefused: a finding names the snapshot (forensics in ``"record"`` mode
+            found it changed now, or any finding before): nothing copied, no hit counted; the
+            snapshot is dropped (now, or when its last lock goes). A miss, or look up again.
+        :raises SnapshotCorruption: forensics in ``"raise"`` mode found it changed now.
         """
         if not isinstance(info, RequestInfo):
             raise TypeError(f"info must be a RequestInfo (request_info builds one), got {type(info).__name__}")
@@ -1874,8 +2006,13 @@ class CacheManager:
             raise ValueError(f"node {node.id} at depth {node.depth} holds no snapshot to restore")
         t = self._now(now)
         host_hit = node.snapshot is None
-        if self.forensics is not None:
-            self.forensics.before_restore(node.id, dst_owner.rid, dst_slot)
+        fx = self.forensics
+        if fx is not None:
+            if fx.flagged(node.id):
+                raise self._refused(node)
+            fx.before_restore(node.id, dst_owner.rid, dst_slot)
+            if fx.flagged(node.id):
+                raise self._refused(node)
         ready = self.cache.restore(node, dst_slot, stream=self.stream or self.cache.stream, dst_owner=dst_owner)
         self.policy.touched(node, info, t)
         c = self._counters
@@ -1913,6 +2050,9 @@ class CacheManager:
             :meth:`restore`); ``fingerprint`` of another slot. :raises TypeError: ``info`` not a
             ``RequestInfo``, ``node`` not a ``TreeNode``, ``fingerprint`` not a
             ``FingerprintJob``. :raises ForeignObjectError: another tree's node. Nothing changed.
+        :raises SnapshotRefused: a finding names the snapshot (found now in ``"record"`` mode, or
+            before): not served, no hit counted; it is dropped once the host's lock (and every
+            other) goes. Unlock ``node`` and take a miss, or look up again.
         :raises SnapshotCorruption: forensics in ``"raise"`` mode found the snapshot changed.
         """
         if not isinstance(info, RequestInfo):
@@ -1923,8 +2063,13 @@ class CacheManager:
         if fingerprint is not None and (fingerprint.pool is not self.pool or fingerprint.slot != slot):
             raise ValueError(f"fingerprint is of slot {fingerprint.slot}, node {node.id}'s snapshot is slot {slot}")
         t = self._now(now)
-        if self.forensics is not None:
-            self.forensics.before_restore(node.id, rid, None, taken=fingerprint)
+        fx = self.forensics
+        if fx is not None:
+            if fx.flagged(node.id):
+                raise self._refused(node)
+            fx.before_restore(node.id, rid, None, taken=fingerprint)
+            if fx.flagged(node.id):
+                raise self._refused(node)
         self.policy.touched(node, info, t)
         c = self._counters
         c.hits += 1
@@ -2081,6 +2226,7 @@ class CacheManager:
         if self._requests:
             raise RuntimeError(f"reset() with {len(self._requests)} requests admitted")
         self.cache.reset()
+        self._condemned.clear()  # every snapshot went with the tree's reset
 
     # --------------------------------------------------------- finish / abort
     @_exclusive
@@ -2269,6 +2415,8 @@ class CacheManager:
         if self.forensics is not None:
             self.forensics.request_freed(rec.rid, slots)
         self.cache.unlock(rec.lock)
+        if self._condemned:
+            self._sweep_condemned()
         del self._requests[rec.rid]
         return len(slots)
 
@@ -2289,6 +2437,8 @@ class CacheManager:
         tree with the key of its depth); the manager still the tree's client and its listener.
         """
         self.cache.check_invariants()
+        for nid, node in self._condemned.items():
+            assert node.id == nid and node.cache is self.cache, f"condemned {node!r} filed as {nid}, or of another tree"
         assert self.cache.client is self, "the tree is served by another client"
         assert self.cache.on_event == self._tree_event, "the tree's events no longer reach this manager"
         self.policy.check_invariants()

@@ -73,7 +73,11 @@ class ManagerMetrics:
     :ivar shared_errors: shared-store calls that failed (server down);
     :ivar unwritten_snapshots: snapshots donated from a slot the host never wrote (a capture slot
         still carrying the manager's mark, or a live slot still holding its admission state at
-        finish), found when their request ended and evicted (see ``CacheManager(write_checks=)``).
+        finish), found when their request ended and evicted (see ``CacheManager(write_checks=)``);
+    :ivar refused_hits: snapshots a finding of forensics named that a hit would have served and
+        the manager refused (the admission fell back up the path, or ``restore`` /
+        ``serve_in_place`` raised ``SnapshotRefused``), each counted once; dropped, they are
+        counted under ``evictions["corrupt"]`` too.
     """
 
     admissions: int
@@ -99,6 +103,7 @@ class ManagerMetrics:
     shared_rejected: int = 0
     shared_errors: int = 0
     unwritten_snapshots: int = 0
+    refused_hits: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -132,6 +137,7 @@ class MetricsCounters:
     restores: int = 0
     host_hits: int = 0
     unwritten_snapshots: int = 0
+    refused_hits: int = 0
 
     def snapshot(
         self,
@@ -163,6 +169,7 @@ class MetricsCounters:
             demotions=demotions,
             host_snapshots_held=host_snapshots_held,
             unwritten_snapshots=self.unwritten_snapshots,
+            refused_hits=self.refused_hits,
             **{f"shared_{k}": v for k, v in (shared or {}).items()},
         )
 
@@ -177,6 +184,7 @@ _COUNTERS = (
     "restores",
     "host_hits",
     "unwritten_snapshots",
+    "refused_hits",
     "demotions",
     "shared_hits",
     "shared_foreign_hits",

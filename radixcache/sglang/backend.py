@@ -72,6 +72,7 @@ from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
 
 from linear_state import HostedStatePool, RequestOwner, StateLayout, Stream
 
+from ..core.errors import SnapshotRefused
 from ..core.events import free_kv_to
 from ..core.keys import CacheKey
 from ..core.policy import DonationReason, Policy
@@ -659,7 +660,9 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
     ) -> bool:
         """Copy ``node``'s snapshot into the request's slot (allocated if it has none); the policy
         hears of the hit of ``full`` (the request's ids) at depth ``hit`` (``info``: the
-        admission's request info of that hit, when the caller has it)."""
+        admission's request info of that hit, when the caller has it). False: a miss (no slot
+        to be had, or the manager refused the snapshot for a finding of forensics; then the
+        request's slot is cleared by SGLang before its forward)."""
         kv = req.kv
         mgr = self.manager
         if not kv.holds_mamba:
@@ -672,18 +675,26 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
             if got is None:
                 return False
             kv.mamba_pool_idx = self._slot_index(got[0])
-        if node.snapshot is None:
-            self.stats["host_restores"] += 1
-            if self.metrics_collector is not None:  # a hit of `hit` tokens served from host memory
-                self.metrics_collector.increment_load_back_num_tokens(hit, "mamba")
+        from_host = node.snapshot is None
         if info is None:
             info = mgr.request_info(full, hit, session=_session(req))
         owner = self._owner(req)
         slot = self.state_pool.lend(int(kv.mamba_pool_idx), owner)
         try:
             mgr.restore(node, slot, dst_owner=owner, info=info)
+        except SnapshotRefused:
+            # forensics names the snapshot (changed, or never written): not served, and dropped
+            # by the manager; the request computes its prompt from the zero state, which SGLang
+            # writes into its slot before the forward
+            kv.mamba_cow_src_index = None
+            kv.mamba_needs_clear = True
+            return False
         finally:  # SGLang's slot again, whatever happened
             self.state_pool.reclaim(slot, owner)
+        if from_host:
+            self.stats["host_restores"] += 1
+            if self.metrics_collector is not None:  # a hit of `hit` tokens served from host memory
+                self.metrics_collector.increment_load_back_num_tokens(hit, "mamba")
         kv.mamba_cow_src_index = None
         kv.mamba_needs_clear = False
         self.stats["restores"] += 1

@@ -47,6 +47,7 @@ from linear_state import (
 )
 from linear_state.fingerprint import SlotHasher
 
+from ..core.errors import SnapshotRefused
 from ..core.kv import KVPageList
 from ..core.policy import Policy
 from ..core.tree import HybridRadixCache, TreeNode
@@ -209,7 +210,7 @@ class StoreStats:
     saves: int = 0  # snapshots filed (one forensics then finds never written is dropped: corrupt_snapshots)
     saved_pages: int = 0
     saves_skipped: dict[str, int] = field(default_factory=dict)
-    corrupt_snapshots: int = 0
+    corrupt_snapshots: int = 0  # snapshots a finding named, refused (dropped now, or once no hit holds them)
     corrupt_pages: int = 0
     verified_pages: int = 0  # KV pages read to verify hits (each lookup reads every page of its hit)
 
@@ -566,15 +567,16 @@ class PagedHostStore:
                 node, info=mgr.request_info(ids, d), rid=("load", rid), fingerprint=fingerprint
             )
             fence.wait()
+        except SnapshotRefused:
+            # forensics found the snapshot changed, or never written (its donation fingerprint
+            # taken on the copy thread, maybe while another hit held it): never served; the
+            # manager drops it once the last hit holding it lets go
+            mgr.unlock(node)
+            self.stats.corrupt_snapshots += 1
+            return None
         except BaseException:
             mgr.unlock(node)
             raise
-        if self._flagged(node):
-            # forensics found the snapshot changed, or never written (its donation fingerprint
-            # taken on the copy thread, maybe while another hit held it): never served
-            mgr.unlock(node)
-            self._drop_corrupt(node)
-            return None
         self.stats.offers += 1
         self.stats.offered_tokens += d - computed
         hit = Hit(rid, node, computed, d, pages, slot)

@@ -841,3 +841,34 @@ def test_a_checkpoint_moves_the_requests_own_lock_and_hits_share_a_slots_index_t
         r.req.kv.mamba_pool_idx = None
     assert seen[0][0] == seen[1][0] and seen[0][1] is seen[1][1]  # one slot: one tensor
     cache.sanity_check()
+
+
+def test_a_hit_forensics_finds_changed_is_a_miss_computed_from_the_zero_state() -> None:
+    """Until 2026-12-07 the manager restored a snapshot forensics (``"record"`` mode, the
+    backend's default) had just found changed: the request computed on from a wrong state. The
+    restore is now refused (``SnapshotRefused``): the admission is a miss, SGLang clears the
+    request's slot before its forward, and the changed snapshot is dropped."""
+    from radixcache import Forensics
+
+    env = H.make_env("radixcache")
+    cache = env.cache
+    mgr = cache.manager
+    mgr.forensics = Forensics(mgr.pool, mode="record")  # every donation watched
+    rng = random.Random(3)
+    prompt = [rng.randrange(1, 30000) for _ in range(100)]
+    _finished(env, rng, "a", prompt)
+    b = H.new_request("b", [*prompt, 4], 2, False, rng)
+    node = mgr.lookup(b.tokens[:100]).node
+    assert node.depth > 0 and node.snapshot is not None
+    env.temporal[:, node.snapshot] += 1.0  # a stray write into the tree's snapshot
+    assert H.admit(env, b) and b.done == 0 and cache.stats["restores"] == 0
+    assert [f.kind for f in mgr.forensics.findings] == ["changed"] and node.snapshot is None
+    assert mgr.metrics().refused_hits == 1 and mgr.metrics().hits == 0
+    while H.step(env, b, 48):
+        pass
+    c = H.new_request("c", [*prompt, 5], 2, False, rng)  # b filed the prefix again
+    assert H.admit(env, c) and c.done > 0
+    while H.step(env, c, 48):
+        pass
+    assert env.mismatches == []
+    env.idle_check()
