@@ -1821,14 +1821,15 @@ class CacheManager:
 
     @_exclusive
     def discard(self, node: TreeNode) -> EvictResult:
-        """Drop ``node``'s snapshot now, never demoting it: the host found it corrupt (its own
-        check of the bytes failed, or forensics raised at :meth:`restore`), so no later lookup
-        serves it. A leaf goes with its KV (cascading), an inner node stays a tombstone, as any
-        eviction; the policy and forensics hear of it through the tree's events. Counted as
+        """Drop ``node``'s snapshot now, on the device or in the host tier, never demoting it:
+        the host's own check of the bytes failed, so no later lookup serves it (a snapshot a
+        finding of forensics names needs no call: the manager refuses and drops it itself). A
+        leaf goes with its KV (cascading), an inner node stays a tombstone, as any eviction; the
+        policy and forensics hear of it through the tree's events. Counted as
         :attr:`EvictionReason.CORRUPT`.
 
         :raises TypeError: ``node`` not a ``TreeNode``. :raises ForeignObjectError: another
-            tree's node. :raises ValueError: ``node`` holds no snapshot on the device pool.
+            tree's node. :raises ValueError: ``node`` holds no snapshot.
             :raises LockError: ``node`` is locked (unlock it first). Nothing changed.
         """
         if not isinstance(node, TreeNode):
