@@ -529,7 +529,7 @@ def test_in_raise_mode_a_second_admission_is_not_served_the_snapshot_that_raised
     h.mgr.check_invariants()
 
 
-def test_a_changed_snapshot_another_request_holds_is_dropped_when_it_lets_go(tmp_path: Path) -> None:
+def test_a_changed_snapshot_another_request_holds_is_dropped_after_it_ends(tmp_path: Path) -> None:
     h = forensic_host(tmp_path, mode="record")
     p = tokens(300)
     run(h, "donor", p)
@@ -548,6 +548,10 @@ def test_a_changed_snapshot_another_request_holds_is_dropped_when_it_lets_go(tmp
     h.abort("late")
     h.prefill("holder")
     h.finish("holder")
+    h.mgr.check_invariants()
+    assert node.snapshot is not None  # not while the host ends the request (its KV goes with it)
+    after = h.admit("after", p)  # the next admission drops it first
+    assert after is not None and after.adm.cached_length == 256 and after.restored_ok
     assert node.snapshot is None and h.mgr.metrics().evictions["corrupt"] == 1
     h.mgr.check_invariants()
 
@@ -563,3 +567,20 @@ def test_a_restore_of_a_snapshot_a_finding_names_raises_snapshot_refused(tmp_pat
     assert node.snapshot is None and h.mgr.metrics().hits == 0
     h.pool.free(dst, owner)
     h.mgr.check_invariants()
+
+
+def test_verify_reads_a_watched_snapshot_and_says_whether_a_finding_names_it() -> None:
+    seed = next(s for s in range(1000) if _first_two_draws_below(s, 0.5) == [True, False])
+    pool = LinearStatePool(StateLayout(1, (2, 2), (2,)), 4)
+    a, b = pool.alloc(RequestOwner("x")), pool.alloc(RequestOwner("x"))
+    pool.recurrent[:, a] = 1.0
+    pool.recurrent[:, b] = 2.0
+    fx = Forensics(pool, mode="record", sample=0.5, seed=seed)
+    fx.donated(1, 10, b"a", a, "first", COMPLETE, None, 0)  # watched
+    fx.donated(2, 10, b"b", b, "second", COMPLETE, None, 0)  # not watched
+    assert fx.verify(1) and fx.verify(2) and not fx.findings
+    pool.recurrent[:, a] = 3.0
+    pool.recurrent[:, b] = 3.0
+    assert not fx.verify(1, "publish") and [(f.kind, f.node) for f in fx.findings] == [("changed", 1)]
+    assert not fx.verify(1) and len(fx.findings) == 1  # named before: not read again
+    assert fx.verify(2) and fx.verify(99)  # not watched (not read), no snapshot at all

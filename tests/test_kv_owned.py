@@ -366,7 +366,7 @@ def test_a_refused_free_names_the_first_bad_index_and_takes_nothing_back() -> No
 def test_a_hit_refused_for_a_finding_that_leaves_too_little_kv_is_a_kv_refusal() -> None:
     """The admission counted KV for its hit; refused for a finding (the snapshot changed), the
     shallower hit needs more. With the path locked by another request nothing can be evicted:
-    a KV refusal, everything given back; the changed snapshot goes once its holder lets go."""
+    a KV refusal, everything given back; the changed snapshot goes once its holder ended."""
     mgr, kv = make(kv_tokens=64)
     fx = Forensics(mgr.pool, mode="record")
     mgr.forensics = fx
@@ -385,5 +385,8 @@ def test_a_hit_refused_for_a_finding_that_leaves_too_little_kv_is_a_kv_refusal()
     assert (kv.num_free, mgr.pool.num_free, mgr.cache.total_kv_tokens) == before
     conserved(mgr, kv)
     mgr.abort("x")
+    conserved(mgr, kv)
+    again = mgr.admit("c", [*a, 9])  # x is gone: the changed snapshot is dropped first, c hits above it
+    assert isinstance(again, Admission) and 0 < again.cached_length < 48
     assert node.snapshot is None and mgr.metrics().refused_hits == 1
     conserved(mgr, kv)

@@ -210,6 +210,32 @@ def test_a_bad_blob_is_a_miss_and_a_forensics_finding_never_a_restore(
     b.close()  # its ledger's file
 
 
+def test_a_snapshot_changed_after_its_donation_is_never_published(model: HybridModel, tmp_path: Path) -> None:
+    """A watched snapshot written behind the tree's back after its donation fingerprint was
+    taken: until 2026-12-07 it was published with a fingerprint of the changed bytes, which every
+    replica's checks then passed (found by tests/test_corruption_stateful.py). The manager now
+    verifies a watched snapshot before its bytes leave: a finding, and no blob."""
+    store = MemoryStore()
+    a = ReferenceEngine(model, shared_store=store, publisher="A", forensics_ledger=str(tmp_path / "a.jsonl"))
+    prompts = _prompts(1)
+    _serve(a, prompts, "a")  # one request: its donations wait in the queue for the next admission
+    fx, mgr = a.forensics, a.manager
+    assert fx is not None and fx.settle() == 0 and mgr.metrics().shared_published == 0
+    changed = 0
+    for node in mgr.cache.iter_nodes():
+        if node.snapshot is not None:
+            mgr.pool.recurrent[:, node.snapshot] += 1.0
+            changed += 1
+    assert changed and mgr.publish_pending(wait=True) == 0
+    assert mgr.metrics().shared_published == 0 and a.shared is not None and a.shared.stats.publish_skipped >= 1
+    assert {f.kind for f in fx.findings} == {"changed"}
+    b = ReferenceEngine(model, shared_store=store, publisher="B")
+    finished = _serve(b, prompts, "b")
+    _assert_exact(model, finished)
+    assert b.manager.metrics().shared_hits == 0
+    a.close()
+
+
 def _publish_under(store: MemoryStore, tier: SharedTier, blob: bytes, ids: Sequence[int], namespace: object) -> str:
     key = tier.key(np.asarray(ids, dtype=np.int64), namespace)
     store.blobs[key] = blob

@@ -64,10 +64,11 @@ class AdmissionFailed(RadixCacheError, RuntimeError):
 class SnapshotRefused(RadixCacheError, RuntimeError):
     """A hit the manager would not serve: forensics named its snapshot in a finding (changed
     since its donation, or never written), found at this restore or before it. Nothing was
-    copied and the policy heard of no hit; the snapshot is dropped, at once or, while another
-    request holds it, when its last lock goes (the one change such a call makes), so that no
-    later lookup returns it. Take the request as a miss, or look up again: the lookup returns
-    the next shallower snapshot.
+    copied and the policy heard of no hit; the snapshot is dropped (the one change such a call
+    makes), at once or, while a lock holds it, at the unlock that lets it go or at the next
+    admission after the request holding it ended. Take the request as a miss, or look up again:
+    once it is dropped the lookup returns the next shallower snapshot (until then the same node,
+    which ``forensics.flagged(node.id)`` names).
 
     :ivar node: the refused node's id; :ivar depth: its depth in tokens; :ivar kind: the
         finding's kind (``"changed"``, ``"never-written"``).

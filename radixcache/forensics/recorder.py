@@ -391,6 +391,22 @@ class Forensics:
                 n += 1
         return n
 
+    def verify(self, node: int, why: str = "verify") -> bool:
+        """Verify ``node``'s snapshot now, when it is watched (its donation fingerprint waited if
+        still pending): before its bytes leave the engine (the manager calls this before it
+        publishes a snapshot to the shared tier). Returns whether no finding names it (found now,
+        or before); an unwatched snapshot is not read. Raises as any detection does in
+        ``"raise"`` mode."""
+        self.step += 1
+        snap = self._snaps.get(node)
+        if snap is not None:
+            if snap.fp is None and snap.host is None:
+                self._wait_donation(snap)
+                self._settle()
+            if snap.fp is not None and node not in self._flagged:
+                self._verify(snap, why)
+        return node not in self._flagged
+
     def check_invariants(
         self, live_snapshots: Mapping[int, int] | None = None, live_host: Mapping[int, int] | None = None
     ) -> None:

@@ -696,13 +696,12 @@ class CacheManager:
         if self._to_publish:
             self._publish_ready(False)
         need = 1 + self.track_slots
-        m = self._match(ck, namespace)
         fx = self.forensics
-        if fx is not None:
-            if self._condemned:
-                self._sweep_condemned()
-            if m.cached_length and fx.flagged(m.node.id):
-                m = self._skip_flagged(m, refuse=True)
+        if self._condemned:  # before the match: a snapshot dropped now is not its hit
+            self._sweep_condemned()
+        m = self._match(ck, namespace)
+        if fx is not None and m.cached_length and fx.flagged(m.node.id):
+            m = self._skip_flagged(m, refuse=True)
         node = m.node
         avail = self._available(node, m.cached_length)
         if avail < need:
@@ -1092,12 +1091,13 @@ class CacheManager:
             ):
                 keep.append(item)
                 continue
-            if fx is not None:
-                if wait:  # its donation fingerprint waited: a state never written is found before it leaves
-                    fx.settle(node.id)
-                if fx.flagged(node.id):  # never written, or changed since: not for other engines
-                    shared.stats.publish_skipped += 1
-                    continue
+            # never written, or changed since its donation (verified now, before its bytes are
+            # read: a watched snapshot written behind the tree's back after its fingerprint was
+            # taken was published with a fingerprint of the changed bytes, and other engines
+            # served it): not for other engines
+            if fx is not None and not fx.verify(node.id, "publish"):
+                shared.stats.publish_skipped += 1
+                continue
             n += shared.publish(key, ns, pool, slot, self.cache.kv_indices(node), kv_after)
         self._to_publish = keep
         return n
@@ -1848,7 +1848,7 @@ class CacheManager:
     # or never written and goes on; until 2026-12-07 the manager then restored it anyway, and a
     # later hit of it passed (its fingerprint "reported once"). A snapshot a finding names is now
     # never served: an admission falls back up the path, restore and serve_in_place raise
-    # SnapshotRefused, and the snapshot is dropped (at once, or when its last lock goes).
+    # SnapshotRefused, and the snapshot is dropped (at once, or once no lock holds it).
 
     @staticmethod
     def _shallower(m: MatchResult) -> MatchResult:
@@ -1895,7 +1895,8 @@ class CacheManager:
 
     def _refuse(self, node: TreeNode) -> None:
         """``node``'s snapshot, named by a finding, was not served: dropped now, or condemned
-        until its last lock goes (:meth:`_sweep_condemned`). Counted once per snapshot."""
+        until no lock holds it (:meth:`_sweep_condemned`, at :meth:`unlock`, :meth:`relock` and
+        each admission). Counted once per snapshot."""
         if node.id in self._condemned:
             return
         self._counters.refused_hits += 1
@@ -1996,7 +1997,7 @@ class CacheManager:
             ``dst_slot`` not ``dst_owner``'s. Nothing changed.
         :raises SnapshotRefused: a finding names the snapshot (forensics in ``"record"`` mode
             found it changed now, or any finding before): nothing copied, no hit counted; the
-            snapshot is dropped (now, or when its last lock goes). A miss, or look up again.
+            snapshot is dropped (now, or once no lock holds it). A miss, or look up again.
         :raises SnapshotCorruption: forensics in ``"raise"`` mode found it changed now.
         """
         if not isinstance(info, RequestInfo):
@@ -2415,9 +2416,9 @@ class CacheManager:
             self.pool.free(s, rec.owner)
         if self.forensics is not None:
             self.forensics.request_freed(rec.rid, slots)
+        # NOTE: a condemned snapshot this request held is dropped at the next admission (or
+        # unlock), not here: its KV would be freed to the host while the host still ends the request
         self.cache.unlock(rec.lock)
-        if self._condemned:
-            self._sweep_condemned()
         del self._requests[rec.rid]
         return len(slots)
 

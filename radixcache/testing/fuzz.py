@@ -18,6 +18,8 @@ makes into the tree itself through a KV buffer it reuses at once; and checks aft
   indices never change under a host's later writes into the buffer it handed them over in.
 
 Run it with :func:`run_fuzz` (``radixcache fuzz``) or as a test: ``TestHost = make_machine(factory).TestCase``.
+:class:`StrayWriteMachine` (``make_machine(factory, stray_writes=True)``) adds writes into
+snapshots at rest behind the tree's back: what every hit restores must still be the ground truth.
 """
 
 from __future__ import annotations
@@ -36,12 +38,14 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from linear_state import RequestOwner
 
+from ..core.tree import TreeNode
+from ..forensics import Forensics
 from .adapter import PLACEHOLDER, HostAdapter, ManagerAdapter, default_bridge, ns_salt, prefix_state
 from .inject import injected
 from .reproducible import seed_only_constants
 from .strategies import FUZZ_IMAGES, FuzzRequest, requests, token_keys
 
-__all__ = ["HostMachine", "fuzz_hosts", "make_machine", "run_fuzz", "run_machine"]
+__all__ = ["HostMachine", "StrayWriteMachine", "fuzz_hosts", "make_machine", "run_fuzz", "run_machine"]
 
 AdapterFactory = Callable[[], HostAdapter]
 
@@ -61,6 +65,9 @@ class HostMachine(RuleBasedStateMachine):
         self.active: list[int] = []
         self.next_rid = 0
         self.fingerprints: dict[int, int] = {}  # node id -> fingerprint of its snapshot
+        # nodes whose snapshot a subclass changed on purpose (a stray write it injects): the
+        # invariant below no longer compares them (what they serve is still checked)
+        self.unwatched: set[int] = set()
         self.salts: dict[int, int] = {}
         self.sent: list[FuzzRequest] = []
 
@@ -210,7 +217,7 @@ class HostMachine(RuleBasedStateMachine):
                 pool, slot, fence = cache.host_pool, node.host, node.host_fence
             else:
                 continue
-            if not fence.is_complete() or not pool.last_use(slot).is_complete():
+            if not fence.is_complete() or not pool.last_use(slot).is_complete() or node.id in self.unwatched:
                 continue
             live.add(node.id)
             fp = pool.fingerprint(slot)
@@ -233,9 +240,59 @@ class HostMachine(RuleBasedStateMachine):
                 raise
 
 
-def make_machine(factory: AdapterFactory, *, name: str = "FuzzedHost") -> type[HostMachine]:
-    """A :class:`HostMachine` subclass driving adapters from ``factory``."""
-    return type(name, (HostMachine,), {"adapter_factory": staticmethod(factory)})
+class StrayWriteMachine(HostMachine):
+    """:class:`HostMachine` with one more rule: a stray write into one snapshot at rest (on the
+    device or in the host tier), behind the tree's back. The machine gives the manager a
+    :class:`~radixcache.forensics.Forensics` of its own watching every donation in ``"record"``
+    mode (the mode the manager runs by default, sampled), so every such write is found at the
+    snapshot's next use; the manager must never serve it (an admission falls back up its path,
+    a publication is dropped), so every restored and final state must still be the ground truth.
+    The written node joins :attr:`HostMachine.unwatched`: the fingerprint invariant no longer
+    compares it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        mgr = self.host.manager
+        mgr.forensics = Forensics(mgr.pool, mode="record")
+        self.stray_writes = 0
+
+    @rule(data=st.data())
+    def stray_write(self, data: st.DataObject) -> None:
+        """The device work drained first (a write racing a copy out of the slot is beyond any
+        check made before the copy) and every donation fingerprint taken (the manager's calls
+        take them as they complete); then one element of one snapshot changed."""
+        host = self.host
+        while host.run_pending():
+            pass
+        mgr = host.manager
+        fx = mgr.forensics
+        if fx is None:  # the host turned it off: nothing would find the write
+            return
+        fx.settle()
+        cache = mgr.cache
+        held = sorted((n for n in cache.iter_nodes() if n.snapshot is not None or n.host is not None), key=_node_id)
+        if not held:
+            return
+        node = data.draw(st.sampled_from(held), label="snapshot of node")
+        if node.snapshot is not None:
+            pool, slot = mgr.pool, node.snapshot
+        else:
+            assert cache.host_pool is not None and node.host is not None
+            pool, slot = cache.host_pool, node.host
+        pool.recurrent[:, slot] += 1.0
+        self.stray_writes += 1
+        self.unwatched.add(node.id)
+
+
+def _node_id(node: TreeNode) -> int:
+    return node.id
+
+
+def make_machine(factory: AdapterFactory, *, name: str = "FuzzedHost", stray_writes: bool = False) -> type[HostMachine]:
+    """A :class:`HostMachine` subclass driving adapters from ``factory``; with ``stray_writes``,
+    a :class:`StrayWriteMachine` one."""
+    base = StrayWriteMachine if stray_writes else HostMachine
+    return type(name, (base,), {"adapter_factory": staticmethod(factory)})
 
 
 def run_fuzz(
