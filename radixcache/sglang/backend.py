@@ -77,6 +77,7 @@ from ..core.events import free_kv_to
 from ..core.keys import CacheKey
 from ..core.policy import DonationReason, Policy
 from ..core.tree import HybridRadixCache, TreeNode
+from ..forensics import Forensics
 from ..manager.cache_manager import CacheManager
 from ..manager.metrics import SkipReason
 from ..policies import HitDensity, RequestInfo
@@ -376,8 +377,10 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         asked (the factory reads ``RADIXCACHE_HOST_TIER_BYTES``).
     :param forensics: ``"sampled"`` (default: one donation in ten fingerprinted and its restores
         verified, findings in ``manager.forensics``; :class:`~radixcache.CacheManager`'s
-        ``forensics``) or ``None`` (off; on the CPU harness a sampled fingerprint costs about 2 us
-        in C, docs/sglang.md). The factory reads ``RADIXCACHE_FORENSICS`` (``sampled`` or ``off``).
+        ``forensics``), ``"all"`` (every donation watched and every hit verified: to chase a
+        wrong-answer report; a snapshot a finding names is never served either way) or ``None``
+        (off; on the CPU harness a sampled fingerprint costs about 2 us in C, docs/sglang.md).
+        The factory reads ``RADIXCACHE_FORENSICS`` (``sampled``, ``all`` or ``off``).
     :param shared: a store other replicas reach too (a :class:`~radixcache.tiers.store.RedisStore`,
         docs/host_tier.md): every snapshot the tree files is published there with its prefix's KV
         rows (:class:`~radixcache.sglang.kv.SGLangKVCodec`) by the tier's writer thread, and an
@@ -396,7 +399,7 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
     :raises NotImplementedError: a configuration listed in the module's docstring, each named; with
         ``shared``, a KV pool the codec cannot read (MLA, per-row scales, head-major layout).
     :raises ValueError: a negative ``host_budget_bytes``; a ``forensics`` other than
-        ``"sampled"`` or ``None``; ``shared`` without a ``model_identity``.
+        ``"sampled"``, ``"all"`` or ``None``; ``shared`` without a ``model_identity``.
     :raises TypeError: ``shared`` not a :class:`~radixcache.tiers.store.SharedStore`.
     """
 
@@ -408,14 +411,14 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         stream: Stream | None = None,
         clock: Any = time.monotonic,
         host_budget_bytes: int | None = None,
-        forensics: Literal["sampled"] | None = "sampled",
+        forensics: Literal["sampled", "all"] | None = "sampled",
         shared: SharedStore | None = None,
         model_identity: str | None = None,
         shared_namespace: str = "radixcache",
         secret: bytes | None = None,
     ) -> None:
-        if forensics not in ("sampled", None):
-            raise ValueError(f"forensics must be 'sampled' or None, got {forensics!r}")
+        if forensics not in ("sampled", "all", None):
+            raise ValueError(f"forensics must be 'sampled', 'all' or None, got {forensics!r}")
         if shared is not None and not isinstance(shared, SharedStore):
             raise TypeError(f"shared must be a SharedStore, got {type(shared).__name__}")
         if shared is not None and (not isinstance(model_identity, str) or not model_identity):
@@ -464,7 +467,7 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
             host_tier=None if host_budget_bytes is None else "auto",
             host_budget_bytes=host_budget_bytes,
             clock=clock,
-            forensics=forensics,
+            forensics=Forensics(self.state_pool, mode="record", warn=True) if forensics == "all" else forensics,
             shared=tier,
         )
         self.shared = tier
@@ -491,7 +494,7 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         :raises NotImplementedError: a hierarchical cache, a disabled radix cache, a model that is
             not hybrid, or a configuration listed in the module's docstring.
         :raises ValueError: ``RADIXCACHE_HOST_TIER_BYTES`` not a byte count, or
-            ``RADIXCACHE_FORENSICS`` not ``sampled`` or ``off``.
+            ``RADIXCACHE_FORENSICS`` not ``sampled``, ``all`` or ``off``.
         """
         refused = []
         if not ctx.is_hybrid_ssm:
@@ -521,13 +524,13 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         except ValueError:
             raise ValueError(f"RADIXCACHE_HOST_TIER_BYTES must be a byte count, got {host!r}") from None
         fx = os.environ.get("RADIXCACHE_FORENSICS", "sampled")
-        if fx not in ("sampled", "off"):
-            raise ValueError(f"RADIXCACHE_FORENSICS must be 'sampled' or 'off', got {fx!r}")
+        if fx not in ("sampled", "all", "off"):
+            raise ValueError(f"RADIXCACHE_FORENSICS must be 'sampled', 'all' or 'off', got {fx!r}")
         return cls(
             ctx.params,
             stream=stream,
             host_budget_bytes=host_bytes,
-            forensics="sampled" if fx == "sampled" else None,
+            forensics="all" if fx == "all" else "sampled" if fx == "sampled" else None,
             **_shared_from_env(sa),
         )
 

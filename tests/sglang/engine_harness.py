@@ -263,10 +263,13 @@ def serve_env(
     noise_log: Path | None = None,
     inject: str | None = None,
     shared_url: str | None = None,
+    stray: bool = False,
+    forensics: str | None = None,
 ) -> dict[str, str]:
     """The environment of a serve process: SGLang's CPU engine, the stand-ins first on the path,
-    the tests' noise and injected bug switched on as asked (see ``standin/radixcache_test_hooks.py``),
-    and with ``shared_url`` the backend's shared tier on that Redis server."""
+    the tests' noise, stray writes and injected bug switched on as asked (see
+    ``standin/radixcache_test_hooks.py``), with ``shared_url`` the backend's shared tier on that
+    Redis server, and ``forensics`` as the backend's ``RADIXCACHE_FORENSICS`` (default: its own)."""
     env = dict(os.environ)
     env["SGLANG_USE_CPU_ENGINE"] = "1"
     # SGLang keeps conv windows in bf16 by default: a prefix served from cache then reads its
@@ -275,7 +278,13 @@ def serve_env(
     # servers' arithmetic the same up to float32 rounding.
     env["SGLANG_MAMBA_CONV_DTYPE"] = "float32"
     env["PYTHONPATH"] = os.pathsep.join([str(STANDIN), str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    for key in ("RADIXCACHE_SGLANG_NOISE", "RADIXCACHE_SGLANG_NOISE_LOG", "RADIXCACHE_SGLANG_INJECT"):
+    for key in (
+        "RADIXCACHE_SGLANG_NOISE",
+        "RADIXCACHE_SGLANG_NOISE_LOG",
+        "RADIXCACHE_SGLANG_INJECT",
+        "RADIXCACHE_SGLANG_STRAY",
+        "RADIXCACHE_FORENSICS",
+    ):
         env.pop(key, None)
     for key in [k for k in env if k.startswith(("RADIXCACHE_SHARED_", "RADIXCACHE_MODEL_IDENTITY"))]:
         env.pop(key)
@@ -287,4 +296,8 @@ def serve_env(
         env["RADIXCACHE_SGLANG_NOISE_LOG"] = str(noise_log)
     if inject is not None:
         env["RADIXCACHE_SGLANG_INJECT"] = inject
+    if stray:
+        env["RADIXCACHE_SGLANG_STRAY"] = "1"
+    if forensics is not None:
+        env["RADIXCACHE_FORENSICS"] = forensics
     return env

@@ -16,6 +16,7 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache, EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
+from radixcache.forensics import SAMPLED
 from radixcache.sglang import BACKEND_NAME
 from radixcache.sglang import plugin as rc_plugin
 from radixcache.sglang.backend import RadixcacheHybridCache
@@ -534,8 +535,8 @@ def test_register_refuses_a_foreign_factory_under_our_name_and_bad_constructor_a
     env = H.make_env("radixcache")
     with pytest.raises(ValueError, match="host_budget_bytes must be an int >= 0, got -1"):
         RadixcacheHybridCache(env.cache_params, host_budget_bytes=-1)
-    with pytest.raises(ValueError, match="forensics must be 'sampled' or None, got 'all'"):
-        RadixcacheHybridCache(env.cache_params, forensics="all")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="forensics must be 'sampled', 'all' or None, got 'every'"):
+        RadixcacheHybridCache(env.cache_params, forensics="every")  # type: ignore[arg-type]
     env.cache.sanity_check()
 
 
@@ -543,7 +544,7 @@ def test_register_refuses_a_foreign_factory_under_our_name_and_bad_constructor_a
     ("var", "value", "message"),
     [
         ("RADIXCACHE_HOST_TIER_BYTES", "lots", "RADIXCACHE_HOST_TIER_BYTES must be a byte count, got 'lots'"),
-        ("RADIXCACHE_FORENSICS", "Off", "RADIXCACHE_FORENSICS must be 'sampled' or 'off', got 'Off'"),
+        ("RADIXCACHE_FORENSICS", "Off", "RADIXCACHE_FORENSICS must be 'sampled', 'all' or 'off', got 'Off'"),
     ],
 )
 def test_the_factory_refuses_bad_environment_values_by_name(
@@ -556,7 +557,7 @@ def test_the_factory_refuses_bad_environment_values_by_name(
     env.cache.sanity_check()
 
 
-@pytest.mark.parametrize(("env_value", "watched"), [(None, True), ("sampled", True), ("off", False)])
+@pytest.mark.parametrize(("env_value", "watched"), [(None, True), ("sampled", True), ("all", True), ("off", False)])
 def test_forensics_is_sampled_by_default_and_off_when_asked(
     monkeypatch: pytest.MonkeyPatch, env_value: str | None, watched: bool
 ) -> None:
@@ -574,6 +575,8 @@ def test_forensics_is_sampled_by_default_and_off_when_asked(
     fx = cache.manager.forensics
     if watched:
         assert fx.donations_seen == cache.stats["donations"] > 0
+        assert fx.sample == (1.0 if env_value == "all" else SAMPLED) and fx.mode == "record"
+        assert (fx.donations_watched == fx.donations_seen) is (env_value == "all")
     cache.sanity_check()
 
 

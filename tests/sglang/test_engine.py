@@ -58,6 +58,9 @@ class Run:
     log: str
     shared: dict[str, Any] | None = None
     """With the shared tier: its counters at the last idle fill (``SharedStats`` as a dict)."""
+    stray: dict[str, Any] | None = None
+    """With stray writes: the snapshots written, forensics' findings and the manager's refused hits
+    at the last idle fill."""
 
 
 @pytest.fixture(scope="module")
@@ -89,13 +92,17 @@ def serve(
     inject: str | None = None,
     shared: tuple[str, str] | None = None,
     chunk: int | None = None,
+    stray_forensics: str | None = None,
 ) -> Run:
     """Run the workload on one server (cached per module: the ground truth serves several tests;
     with the radix cache disabled the strategy does not matter, so one truth serves both).
-    ``shared``: the backend's shared tier on a Redis server, as ``(url, name of this run)``."""
+    ``shared``: the backend's shared tier on a Redis server, as ``(url, name of this run)``.
+    ``stray_forensics``: stray writes into the tree's snapshots at each idle fill, with
+    ``RADIXCACHE_FORENSICS`` set to this."""
     if cache == "none":
         strategy = "no_buffer"
-    key = (cache, mode, strategy, inject or "", "" if shared is None else shared[1], str(chunk or ""))
+    stray = "" if stray_forensics is None else f"stray-{stray_forensics}"
+    key = (cache, mode, strategy, inject or "", "" if shared is None else shared[1], str(chunk or ""), stray)
     if key in _RUNS:
         return _RUNS[key]
     name = "-".join(k for k in key if k)
@@ -104,7 +111,14 @@ def serve(
     try:
         p = subprocess.run(
             serve_command(model, out, cache=cache, mode=mode, strategy=flag, page_size=page, chunk=chunk),
-            env=serve_env(noise_seed=0, noise_log=log, inject=inject, shared_url=None if shared is None else shared[0]),
+            env=serve_env(
+                noise_seed=0,
+                noise_log=log,
+                inject=inject,
+                shared_url=None if shared is None else shared[0],
+                stray=stray_forensics is not None,
+                forensics=stray_forensics,
+            ),
             cwd=ROOT,
             capture_output=True,
             text=True,
@@ -118,13 +132,22 @@ def serve(
     noise = [tuple(int(x) for x in line.split()) for line in log.read_text().splitlines()] if log.exists() else []
     counters = log.with_name(log.name + ".shared")
     last = counters.read_text().splitlines()[-1] if counters.exists() else None
-    _RUNS[key] = Run(rc, served, noise, err[-4000:], None if last is None else json.loads(last))  # type: ignore[arg-type]
+    strayed = log.with_name(log.name + ".stray")
+    last_stray = strayed.read_text().splitlines()[-1] if strayed.exists() else None
+    _RUNS[key] = Run(
+        rc,
+        served,
+        noise,  # type: ignore[arg-type]
+        err[-4000:],
+        None if last is None else json.loads(last),
+        None if last_stray is None else json.loads(last_stray),
+    )
     return _RUNS[key]
 
 
 def _key(name: str, strategy: str, chunk: int | None) -> tuple[str, ...]:
     """The :data:`_RUNS` key of a radixcache engine run with the shared tier named ``name``."""
-    return ("radixcache", "engine", strategy, "", name, str(chunk or ""))
+    return ("radixcache", "engine", strategy, "", name, str(chunk or ""), "")
 
 
 def _ok(run: Run) -> Served:
@@ -194,6 +217,29 @@ def test_a_backend_bug_is_caught_by_the_same_oracle(
         assert compare(truth, run.served)[0] != [], f"{inject}: every answer matched the cold server"
     else:
         assert "Traceback" in run.log, run.log  # the server failed loudly, it did not serve
+
+
+@pytest.mark.parametrize("forensics", ["all", "off"])
+def test_stray_writes_into_the_trees_snapshots_are_never_served_with_forensics_watching(
+    model: Path, tmp_path_factory: pytest.TempPathFactory, forensics: str
+) -> None:
+    """Between rounds every snapshot of the tree is written behind its back (noise added inside
+    the scheduler), the bug class forensics exists for. With ``RADIXCACHE_FORENSICS=all`` every
+    hit is verified and a snapshot found changed is refused (a miss, the request's slot cleared
+    by SGLang): every answer is the cold server's. ``off``, the negative control: the writes
+    reach the answers."""
+    tmp = tmp_path_factory.mktemp(f"stray-{forensics}")
+    truth = _ok(serve(model, tmp, cache="none"))
+    run = serve(model, tmp, cache="radixcache", stray_forensics=forensics)
+    served = _ok(run)
+    assert run.stray is not None and run.stray["stray"] > 0, run.stray
+    wrong = compare(truth, served)[0]
+    if forensics == "all":
+        assert wrong == [], wrong[:3]
+        assert run.stray["findings"] > 0 and run.stray["refused_hits"] > 0, run.stray
+    else:
+        assert wrong != [], "the stray writes never reached an answer: the test would not see a refusal missing"
+        assert run.stray["findings"] is None
 
 
 @pytest.mark.parametrize("strategy", ["no_buffer", "default"])

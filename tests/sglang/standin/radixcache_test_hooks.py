@@ -22,6 +22,12 @@ When the variables below are set:
     ``RADIXCACHE_SGLANG_NOISE_LOG`` (if set), so a test can check that it happened, and, with
     radixcache's shared tier on, the tier's counters as a JSON line to that name plus ``.shared``.
 
+``RADIXCACHE_SGLANG_STRAY=1``
+    With the noise: at each fill, also a stray write into every snapshot slot of radixcache's tree
+    (every donation fingerprint taken first), the bug class forensics exists for. Each fill
+    appends a JSON line to ``RADIXCACHE_SGLANG_NOISE_LOG`` plus ``.stray``: the snapshots written
+    so far, forensics' findings and the manager's refused hits.
+
 ``RADIXCACHE_SGLANG_INJECT=<bug>``
     A bug committed in the radixcache backend on purpose, for negative controls:
     ``skip-restore`` (a hit's state is never copied into the request's slot) or ``alias``
@@ -52,6 +58,7 @@ from track_copy import track_mamba_states  # type: ignore[import-not-found]
 NOISE = os.environ.get("RADIXCACHE_SGLANG_NOISE")
 NOISE_LOG = os.environ.get("RADIXCACHE_SGLANG_NOISE_LOG")
 INJECT = os.environ.get("RADIXCACHE_SGLANG_INJECT")
+STRAY = os.environ.get("RADIXCACHE_SGLANG_STRAY") == "1"
 INJECTS = ("skip-restore", "alias", "working-slot", "shared-kv")
 
 
@@ -83,6 +90,21 @@ def fill_free_with_noise(scheduler: Any, gen: torch.Generator) -> tuple[int, int
     return len(slots), len(rows)
 
 
+def stray_writes(scheduler: Any, gen: torch.Generator) -> int:
+    """Noise added into every device snapshot slot of radixcache's tree (``scheduler.tree_cache``),
+    once forensics took every donation fingerprint. Returns how many slots."""
+    cache = scheduler.tree_cache
+    fx = cache.manager.forensics
+    if fx is not None:
+        fx.settle()
+    slots = [int(n.snapshot) for n in cache.tree.iter_nodes() if n.snapshot is not None]
+    if slots:
+        t = scheduler.req_to_token_pool.mamba_pool.mamba_cache.temporal
+        idx = torch.tensor(slots)
+        t[:, idx] += torch.randn((t.shape[0], len(slots), *t.shape[2:]), generator=gen).to(t.dtype)
+    return len(slots)
+
+
 def _patch_scheduler(mod: types.ModuleType) -> None:
     cls = mod.Scheduler
     real_on_idle: Callable[[Any], Any] = cls.on_idle
@@ -94,6 +116,21 @@ def _patch_scheduler(mod: types.ModuleType) -> None:
         if not getattr(self, "_radixcache_noised", False) and self.is_fully_idle():
             n = fill_free_with_noise(self, gen)
             self._radixcache_noised = True
+            if STRAY:
+                self._radixcache_stray = getattr(self, "_radixcache_stray", 0) + stray_writes(self, gen)
+                if NOISE_LOG:
+                    mgr = self.tree_cache.manager
+                    with open(NOISE_LOG + ".stray", "a") as f:
+                        f.write(
+                            json.dumps(
+                                {
+                                    "stray": self._radixcache_stray,
+                                    "findings": None if mgr.forensics is None else len(mgr.forensics.findings),
+                                    "refused_hits": mgr.metrics().refused_hits,
+                                }
+                            )
+                            + "\n"
+                        )
             if NOISE_LOG:
                 with open(NOISE_LOG, "a") as f:
                     f.write(f"{n[0]} {n[1]} {getattr(self, '_radixcache_max_batch', 0)}\n")
