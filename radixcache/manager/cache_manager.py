@@ -675,7 +675,8 @@ class CacheManager:
             only).
         :returns: an :class:`Admission`, or a :class:`Refusal` when slots (or KV) cannot be found;
             then tree, pool and policy are exactly as they were, except that a KV refusal keeps
-            the evictions made for it.
+            the evictions made for it, and snapshots a finding of forensics names are dropped
+            (never served: the hit falls back up the path, docs/forensics.md).
         :raises ValueError: ``rid`` already admitted, bad or empty ids, ``max_new_tokens`` not an
             int >= 0 (or given without ``kv=``). :raises TypeError: an unhashable ``rid`` or
             ``session``, ids of the wrong type. Nothing changed.
@@ -731,7 +732,7 @@ class CacheManager:
         # code outside the manager can still raise (the policy, the stream, a store or codec
         # outside its protocol); then everything taken is given back (AdmissionFailed).
         owner = RequestOwner(rid)
-        hit = m  # the hit the KV was counted for
+        refused = False  # the hit the KV was counted for was refused for a finding
         slots: list[SlotId] = []
         ready: Fence = COMPLETE
         locked: TreeNode | None = None
@@ -760,11 +761,12 @@ class CacheManager:
             if fetched is None and m.cached_length and fx is not None:
                 # verified before anything is counted or told: a hit a finding names now falls
                 # back to the next snapshot up its path (or a miss), never served
-                m = self._verified_hit(m, rid, live)
+                verified = self._verified_hit(m, rid, live)
+                refused, m = verified is not m, verified
                 node = locked = m.node
             if kv is not None:  # after the fetch: its hit imported KV of its own
                 n_kv = int(ids.size) - m.cached_length + max_new_tokens
-                if kv.num_free < n_kv and m is not hit:  # a refused hit: the shallower one needs more
+                if kv.num_free < n_kv and refused:  # the shallower hit needs more than was counted
                     self._evict_kv(n_kv - kv.num_free, t, node if m.cached_length else None)
                     if kv.num_free < n_kv:
                         raise _KVShort(n_kv, kv.num_free)
