@@ -101,8 +101,15 @@ def serve(
     ``RADIXCACHE_FORENSICS`` set to this."""
     if cache == "none":
         strategy = "no_buffer"
-    stray = "" if stray_forensics is None else f"stray-{stray_forensics}"
-    key = (cache, mode, strategy, inject or "", "" if shared is None else shared[1], str(chunk or ""), stray)
+    key = _run_key(
+        cache,
+        mode,
+        strategy,
+        inject=inject,
+        shared="" if shared is None else shared[1],
+        chunk=chunk,
+        stray="" if stray_forensics is None else f"stray-{stray_forensics}",
+    )
     if key in _RUNS:
         return _RUNS[key]
     name = "-".join(k for k in key if k)
@@ -145,9 +152,23 @@ def serve(
     return _RUNS[key]
 
 
+def _run_key(
+    cache: str,
+    mode: str,
+    strategy: str,
+    *,
+    inject: str | None = None,
+    shared: str = "",
+    chunk: int | None = None,
+    stray: str = "",
+) -> tuple[str, ...]:
+    """The :data:`_RUNS` key of one server's run (:func:`serve`'s arguments)."""
+    return (cache, mode, strategy, inject or "", shared, str(chunk or ""), stray)
+
+
 def _key(name: str, strategy: str, chunk: int | None) -> tuple[str, ...]:
     """The :data:`_RUNS` key of a radixcache engine run with the shared tier named ``name``."""
-    return ("radixcache", "engine", strategy, "", name, str(chunk or ""), "")
+    return _run_key("radixcache", "engine", strategy, shared=name, chunk=chunk)
 
 
 def _ok(run: Run) -> Served:
@@ -193,7 +214,7 @@ def test_three_servers_answer_alike_with_noise_in_every_free_slot(
         f"\n{mode}, {strategy}: near ties {ties}; cached tokens built-in {sum(builtin.cached)}, ours {sum(ours.cached)}"
     )
     for cache in ("none", "builtin", "radixcache"):
-        noise = _RUNS[(cache, mode, "no_buffer" if cache == "none" else strategy, "", "", "")].noise
+        noise = _RUNS[_run_key(cache, mode, "no_buffer" if cache == "none" else strategy)].noise
         assert len(noise) >= 6 and all(s > 0 and r > 0 for s, r, _ in noise[1:]), noise  # every round
         assert max(b for _, _, b in noise) >= MIN_IN_FLIGHT, noise
 
