@@ -578,7 +578,20 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
             return self._miss(ns)
         node = m.node
         if admission:
-            if not self._restore_into(req, node, full, m.cached_length, info):
+            while True:
+                try:
+                    restored = self._restore_into(req, node, full, m.cached_length, info)
+                except SnapshotRefused:
+                    # forensics names the snapshot: the manager dropped it (or, while another
+                    # request holds it, will); the next snapshot up the path, when the lookup
+                    # finds another, else a miss
+                    again = mgr.lookup(ids, namespace=ns, kv=False)
+                    if again.cached_length == 0 or again.node is node:
+                        return self._miss(ns)
+                    m, node, info = again, again.node, None
+                    continue
+                break
+            if not restored:
                 return self._miss(ns)
             self.stats["hit_tokens"] += m.cached_length
         n = m.cached_length
@@ -663,9 +676,12 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
     ) -> bool:
         """Copy ``node``'s snapshot into the request's slot (allocated if it has none); the policy
         hears of the hit of ``full`` (the request's ids) at depth ``hit`` (``info``: the
-        admission's request info of that hit, when the caller has it). False: a miss (no slot
-        to be had, or the manager refused the snapshot for a finding of forensics; then the
-        request's slot is cleared by SGLang before its forward)."""
+        admission's request info of that hit, when the caller has it). False: no slot to be
+        had (a miss).
+
+        :raises SnapshotRefused: the manager refused the snapshot for a finding of forensics;
+            the request's slot is then marked for SGLang to clear before its forward (a miss,
+            unless the caller finds another hit)."""
         kv = req.kv
         mgr = self.manager
         if not kv.holds_mamba:
@@ -686,12 +702,12 @@ class RadixcacheHybridCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is
         try:
             mgr.restore(node, slot, dst_owner=owner, info=info)
         except SnapshotRefused:
-            # forensics names the snapshot (changed, or never written): not served, and dropped
-            # by the manager; the request computes its prompt from the zero state, which SGLang
-            # writes into its slot before the forward
+            # forensics names the snapshot (changed, or never written): not served; unless the
+            # caller restores another hit, the request computes its prompt from the zero state,
+            # which SGLang writes into its slot before the forward
             kv.mamba_cow_src_index = None
             kv.mamba_needs_clear = True
-            return False
+            raise
         finally:  # SGLang's slot again, whatever happened
             self.state_pool.reclaim(slot, owner)
         if from_host:

@@ -846,11 +846,11 @@ def test_a_checkpoint_moves_the_requests_own_lock_and_hits_share_a_slots_index_t
     cache.sanity_check()
 
 
-def test_a_hit_forensics_finds_changed_is_a_miss_computed_from_the_zero_state() -> None:
+def test_a_hit_forensics_finds_changed_falls_back_to_the_next_snapshot_up_its_path() -> None:
     """Until 2026-12-07 the manager restored a snapshot forensics (``"record"`` mode, the
     backend's default) had just found changed: the request computed on from a wrong state. The
-    restore is now refused (``SnapshotRefused``): the admission is a miss, SGLang clears the
-    request's slot before its forward, and the changed snapshot is dropped."""
+    restore is now refused (``SnapshotRefused``), the changed snapshot dropped, and the admission
+    takes the next snapshot up its path (one of the request's earlier checkpoints)."""
     from radixcache import Forensics
 
     env = H.make_env("radixcache")
@@ -862,11 +862,37 @@ def test_a_hit_forensics_finds_changed_is_a_miss_computed_from_the_zero_state() 
     _finished(env, rng, "a", prompt)
     b = H.new_request("b", [*prompt, 4], 2, False, rng)
     node = mgr.lookup(b.tokens[:100]).node
-    assert node.depth > 0 and node.snapshot is not None
+    up = next(mgr.cache.snapshot_ancestors(node))
+    assert node.snapshot is not None and 0 < up.depth < node.depth
     env.temporal[:, node.snapshot] += 1.0  # a stray write into the tree's snapshot
-    assert H.admit(env, b) and b.done == 0 and cache.stats["restores"] == 0
+    assert H.admit(env, b) and b.done == up.depth and cache.stats["restores"] == 1
     assert [f.kind for f in mgr.forensics.findings] == ["changed"] and node.snapshot is None
-    assert mgr.metrics().refused_hits == 1 and mgr.metrics().hits == 0
+    assert mgr.metrics().refused_hits == 1 and mgr.metrics().hits == 1
+    while H.step(env, b, 48):
+        pass
+    assert env.mismatches == []
+    env.idle_check()
+
+
+def test_a_refused_hit_with_nothing_above_it_is_a_miss_computed_from_the_zero_state() -> None:
+    """Every snapshot on the path changed: each refused in turn, then a miss; SGLang clears the
+    request's slot before its forward (without that mark the slot keeps what it held)."""
+    from radixcache import Forensics
+
+    env = H.make_env("radixcache")
+    cache = env.cache
+    mgr = cache.manager
+    mgr.forensics = Forensics(mgr.pool, mode="record")
+    rng = random.Random(3)
+    prompt = [rng.randrange(1, 30000) for _ in range(100)]
+    _finished(env, rng, "a", prompt)
+    b = H.new_request("b", [*prompt, 4], 2, False, rng)
+    node = mgr.lookup(b.tokens[:100]).node
+    path = [node, *mgr.cache.snapshot_ancestors(node)]
+    for n in path:
+        env.temporal[:, n.snapshot] += 1.0
+    assert H.admit(env, b) and b.done == 0 and cache.stats["restores"] == 0
+    assert len(mgr.forensics.findings) == len(path) == mgr.metrics().refused_hits and mgr.metrics().hits == 0
     while H.step(env, b, 48):
         pass
     c = H.new_request("c", [*prompt, 5], 2, False, rng)  # b filed the prefix again
