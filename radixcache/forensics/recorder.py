@@ -398,13 +398,10 @@ class Forensics:
         or before); an unwatched snapshot is not read. Raises as any detection does in
         ``"raise"`` mode."""
         self.step += 1
+        self.settle(node)  # its donation fingerprint, waited if still pending
         snap = self._snaps.get(node)
-        if snap is not None:
-            if snap.fp is None and snap.host is None:
-                self._wait_donation(snap)
-                self._settle()
-            if snap.fp is not None and node not in self._flagged:
-                self._verify(snap, why)
+        if snap is not None and snap.fp is not None and node not in self._flagged:
+            self._verify(snap, why)
         return node not in self._flagged
 
     def check_invariants(
