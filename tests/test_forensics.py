@@ -584,3 +584,12 @@ def test_verify_reads_a_watched_snapshot_and_says_whether_a_finding_names_it() -
     assert not fx.verify(1, "publish") and [(f.kind, f.node) for f in fx.findings] == [("changed", 1)]
     assert not fx.verify(1) and len(fx.findings) == 1  # named before: not read again
     assert fx.verify(2) and fx.verify(99)  # not watched (not read), no snapshot at all
+    step = fx.step
+    for bad in ("1", 1.0, True, None):
+        with pytest.raises(TypeError, match="node id"):
+            fx.verify(bad)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="node id"):
+            fx.finding(bad)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="why"):
+        fx.verify(1, why=3)  # type: ignore[arg-type]
+    assert fx.step == step and len(fx.findings) == 1  # nothing changed

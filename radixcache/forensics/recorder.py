@@ -396,7 +396,12 @@ class Forensics:
         still pending): before its bytes leave the engine (the manager calls this before it
         publishes a snapshot to the shared tier). Returns whether no finding names it (found now,
         or before); an unwatched snapshot is not read. Raises as any detection does in
-        ``"raise"`` mode."""
+        ``"raise"`` mode.
+
+        :raises TypeError: ``node`` not an int node id, ``why`` not a string. Nothing changed."""
+        _check_node_id(node)
+        if not isinstance(why, str):
+            raise TypeError(f"why must be a string, got {type(why).__name__}")
         self.step += 1
         self.settle(node)  # its donation fingerprint, waited if still pending
         snap = self._snaps.get(node)
@@ -486,7 +491,10 @@ class Forensics:
 
     def finding(self, node: int) -> SnapshotCorruption | None:
         """The latest finding that named ``node``'s present snapshot, or ``None`` (what
-        :meth:`flagged` asks; ``findings`` cleared or not). O(1)."""
+        :meth:`flagged` asks; ``findings`` cleared or not). O(1).
+
+        :raises TypeError: ``node`` not an int node id."""
+        _check_node_id(node)
         return self._flagged.get(node)
 
     def _settle(self) -> None:
@@ -581,3 +589,9 @@ class Forensics:
                 RuntimeWarning,
                 stacklevel=2,
             )
+
+
+def _check_node_id(node: object) -> None:
+    """:raises TypeError: ``node`` is not a node id (an int; a ``TreeNode``'s ``id``)."""
+    if isinstance(node, bool) or not isinstance(node, int):
+        raise TypeError(f"node must be a node id (an int: TreeNode.id), got {type(node).__name__}")
