@@ -9,6 +9,10 @@ the upload), then the tier is flushed and every blob is checked to be in the sto
 ``inline``, ``background`` (published back to back: the writer falls behind), and
 ``background_spaced`` (the writer stores each before the next is published: the tier's host copies
 of an encoded publication are reused, so the first call pays fresh pages and the later ones do not).
+Two more modes time a watched snapshot's verification on the way out (forensics watching every
+donation): ``background_spaced_verify_first`` (``Forensics.verify`` on the calling thread, then
+``publish``: what the manager did until 2026-12-07) and ``background_spaced_expect``
+(``publish(expect=)``: the writer compares the fingerprint it takes anyway; what it does now).
 Modes alternate ``--reps`` times, each on a fresh key space; medians over reps. Prints one JSON
 object.
 
@@ -32,7 +36,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from linear_state import LinearStatePool, RequestOwner, StateLayout
+from linear_state import COMPLETE, LinearStatePool, RequestOwner, StateLayout
+from radixcache.forensics import Forensics
 from radixcache.simulator.replay import PRESETS
 from radixcache.tiers.shared import SharedTier
 from radixcache.tiers.store import RedisStore
@@ -78,21 +83,33 @@ def run_mode(
     blobs: int,
     tag: str,
     spaced: bool = False,
+    check: str = "none",
 ) -> dict[str, float]:
     """Publish ``blobs`` snapshots; caller-thread seconds per publish (median, max, the first,
     the median of the others) and wall to stored. ``spaced``: the writer stores each before the
-    next is published (untimed), as with publications rarer than its pace."""
+    next is published (untimed), as with publications rarer than its pace. ``check``: ``none``;
+    ``verify`` (forensics verifies the slot on the calling thread first, timed with the call);
+    ``expect`` (the donation fingerprint handed to ``publish``)."""
     store = RedisStore(url, timeout_s=30.0)
     tier = SharedTier(store, model=f"bench-{tag}", kv=kv, background=background, max_queued_bytes=1 << 40)
     tier.bind(layout)
     pool, slot = random_slot(layout)
+    fx = Forensics(pool, mode="record", sample=1.0)
+    fx.donated(1, tokens, b"bench", slot, "bench", COMPLETE, None)
+    assert fx.settle() == 0
     kv_idx = torch.arange(tokens)
     calls: list[float] = []
     t0 = time.perf_counter()
     for i in range(blobs):
         ids = np.arange(i * tokens, (i + 1) * tokens, dtype=np.int64)
         t = time.perf_counter()
-        ok = tier.publish(ids, None, pool, slot, kv_idx, None)
+        if check == "verify":
+            assert fx.verify(1, "publish")
+            ok = tier.publish(ids, None, pool, slot, kv_idx, None)
+        elif check == "expect":
+            ok = tier.publish(ids, None, pool, slot, kv_idx, None, expect=fx.expected(1), token=1)
+        else:
+            ok = tier.publish(ids, None, pool, slot, kv_idx, None)
         calls.append(time.perf_counter() - t)
         assert ok, f"publication {i} was not taken ({tier.stats.as_dict()})"
         if spaced:
@@ -100,6 +117,8 @@ def run_mode(
     assert tier.close(timeout_s=600), "the writer did not finish"
     wall = time.perf_counter() - t0
     assert tier.stats.published == blobs and tier.stats.errors == 0, tier.stats.as_dict()
+    checks = tier.checks()
+    assert len(checks) == (blobs if check == "expect" else 0) and all(c.ok for c in checks)
     keys = [tier.key(np.arange(i * tokens, (i + 1) * tokens, dtype=np.int64), None) for i in range(blobs)]
     assert all(store.exists(keys)), "a published blob is missing from the store"
     for k in keys:
@@ -158,13 +177,22 @@ def main() -> None:
     from tests.redis_server import redis_url
 
     with redis_url(args.redis_url) as url:
-        modes = ["inline", "background", "background_spaced"]
+        checks = {"background_spaced_verify_first": "verify", "background_spaced_expect": "expect"}
+        modes = ["inline", "background", "background_spaced", *checks]
         runs: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
         for r in range(reps):
             for mode in modes if r % 2 == 0 else modes[::-1]:
                 runs[mode].append(
                     run_mode(
-                        url, mode != "inline", layout, kv, tokens, blobs, f"{mode}{r}", spaced=mode.endswith("spaced")
+                        url,
+                        mode != "inline",
+                        layout,
+                        kv,
+                        tokens,
+                        blobs,
+                        f"{mode}{r}",
+                        spaced="spaced" in mode,
+                        check=checks.get(mode, "none"),
                     )
                 )
     out: dict[str, Any] = {
@@ -181,6 +209,11 @@ def main() -> None:
         }
     out["caller_thread_inline_over_background"] = round(
         out["inline"]["call_median_ms"] / max(out["background"]["call_median_ms"], 1e-9), 2
+    )
+    out["caller_thread_verify_first_over_expect"] = round(
+        out["background_spaced_verify_first"]["call_median_ms"]
+        / max(out["background_spaced_expect"]["call_median_ms"], 1e-9),
+        2,
     )
     print(json.dumps(out, indent=2))
 

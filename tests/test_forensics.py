@@ -569,7 +569,9 @@ def test_a_restore_of_a_snapshot_a_finding_names_raises_snapshot_refused(tmp_pat
     h.mgr.check_invariants()
 
 
-def test_verify_reads_a_watched_snapshot_and_says_whether_a_finding_names_it() -> None:
+def _one_watched_one_not() -> tuple[Forensics, LinearStatePool, int, int]:
+    """Forensics sampling half the donations, and two snapshots: node 1 (slot ``a``, watched)
+    and node 2 (slot ``b``, not watched)."""
     seed = next(s for s in range(1000) if _first_two_draws_below(s, 0.5) == [True, False])
     pool = LinearStatePool(StateLayout(1, (2, 2), (2,)), 4)
     a, b = pool.alloc(RequestOwner("x")), pool.alloc(RequestOwner("x"))
@@ -578,6 +580,40 @@ def test_verify_reads_a_watched_snapshot_and_says_whether_a_finding_names_it() -
     fx = Forensics(pool, mode="record", sample=0.5, seed=seed)
     fx.donated(1, 10, b"a", a, "first", COMPLETE, None, 0)  # watched
     fx.donated(2, 10, b"b", b, "second", COMPLETE, None, 0)  # not watched
+    return fx, pool, a, b
+
+
+def test_a_comparison_made_elsewhere_is_a_finding_only_for_the_same_donation() -> None:
+    """``expected`` names the fingerprint a watched snapshot must have (nothing for one not
+    watched); ``compared`` records what another thread's fingerprint of a copy found: a finding
+    when it differs and the snapshot still carries that donation fingerprint, nothing otherwise."""
+    fx, pool, a, _ = _one_watched_one_not()
+    fp = fx.expected(1)
+    assert fp == pool.fingerprint(a) and fx.expected(2) is None and fx.expected(99) is None
+    assert fx.compared(1, fp, fp) and fx.compared(2, 5, 6) and fx.compared(99, 5, 6) and not fx.findings
+    assert fx.compared(1, fp ^ 1, 7) and not fx.findings  # not the fingerprint it carries: stale
+    assert not fx.compared(1, fp, fp ^ 1)
+    assert [(f.kind, f.node, f.expected, f.found) for f in fx.findings] == [("changed", 1, fp, fp ^ 1)]
+    assert fx.flagged(1) and fx.expected(1) is None
+    assert not fx.compared(1, fp, 3) and len(fx.findings) == 1  # named already: once
+    step = fx.step
+    for bad in ("1", 1.0, True, None):
+        with pytest.raises(TypeError, match="node id"):
+            fx.expected(bad)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="node id"):
+            fx.compared(bad, 1, 2)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="expected must be an int"):
+        fx.compared(1, "1", 2)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="found must be an int"):
+        fx.compared(1, 1, True)
+    with pytest.raises(TypeError, match="why"):
+        fx.compared(1, 1, 2, why=3)  # type: ignore[arg-type]
+    assert fx.step == step and len(fx.findings) == 1  # nothing changed
+    fx.check_invariants()
+
+
+def test_verify_reads_a_watched_snapshot_and_says_whether_a_finding_names_it() -> None:
+    fx, pool, a, b = _one_watched_one_not()
     assert fx.verify(1) and fx.verify(2) and not fx.findings
     pool.recurrent[:, a] = 3.0
     pool.recurrent[:, b] = 3.0

@@ -210,13 +210,29 @@ def test_a_bad_blob_is_a_miss_and_a_forensics_finding_never_a_restore(
     b.close()  # its ledger's file
 
 
-def test_a_snapshot_changed_after_its_donation_is_never_published(model: HybridModel, tmp_path: Path) -> None:
+def _watched_publisher(model: HybridModel, store: MemoryStore, tmp_path: Path, background: bool) -> ReferenceEngine:
+    """A reference engine publishing to ``store``, forensics watching every donation."""
+    return ReferenceEngine(
+        model,
+        shared_store=store,
+        publisher="A",
+        shared_background=background,
+        forensics_ledger=str(tmp_path / "a.jsonl"),
+    )
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_snapshot_changed_after_its_donation_is_never_published(
+    model: HybridModel, tmp_path: Path, background: bool
+) -> None:
     """A watched snapshot written behind the tree's back after its donation fingerprint was
     taken: until 2026-12-07 it was published with a fingerprint of the changed bytes, which every
     replica's checks then passed (found by tests/test_corruption_stateful.py). The manager now
-    verifies a watched snapshot before its bytes leave: a finding, and no blob."""
+    hands the tier each watched snapshot's donation fingerprint: the tier compares the fingerprint
+    it takes of its copy (on the writer thread with a background tier), stores nothing that
+    differs, and forensics records a finding."""
     store = MemoryStore()
-    a = ReferenceEngine(model, shared_store=store, publisher="A", forensics_ledger=str(tmp_path / "a.jsonl"))
+    a = _watched_publisher(model, store, tmp_path, background)
     prompts = _prompts(1)
     _serve(a, prompts, "a")  # one request: its donations wait in the queue for the next admission
     fx, mgr = a.forensics, a.manager
@@ -226,13 +242,46 @@ def test_a_snapshot_changed_after_its_donation_is_never_published(model: HybridM
         if node.snapshot is not None:
             mgr.pool.recurrent[:, node.snapshot] += 1.0
             changed += 1
-    assert changed and mgr.publish_pending(wait=True) == 0
-    assert mgr.metrics().shared_published == 0 and a.shared is not None and a.shared.stats.publish_skipped >= 1
-    assert {f.kind for f in fx.findings} == {"changed"}
+    # handed to the writer (background), or refused at once (inline): none stored either way
+    assert changed and mgr.publish_pending(wait=True) == (changed if background else 0)
+    assert mgr.metrics().shared_published == 0 and a.shared is not None
+    assert a.shared.stats.publish_changed == changed and a.shared.stats.publish_skipped == 0
+    assert [f.kind for f in fx.findings] == ["changed"] * changed
+    assert all(fx.flagged(node.id) for node in mgr.cache.iter_nodes() if node.snapshot is not None)
     b = ReferenceEngine(model, shared_store=store, publisher="B")
     finished = _serve(b, prompts, "b")
     _assert_exact(model, finished)
     assert b.manager.metrics().shared_hits == 0
+    a.close()
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_watched_publication_is_verified_without_a_second_read_on_the_scheduler_thread(
+    model: HybridModel, tmp_path: Path, background: bool
+) -> None:
+    """The check above costs the publishing thread no read of its own: the tier fingerprints what
+    it publishes anyway (the writer thread, with a background tier; inline, the slot, once per
+    blob), so the manager hands it the donation's fingerprint instead of fingerprinting the slot
+    itself first (it did until 2026-12-07: two reads inline, one with a background tier)."""
+    store = MemoryStore()
+    a = _watched_publisher(model, store, tmp_path, background)
+    _serve(a, _prompts(1), "a")
+    fx, mgr = a.forensics, a.manager
+    assert fx is not None and fx.settle() == 0 and a.shared is not None
+    caller, reads = threading.get_ident(), []
+    fingerprint = mgr.pool.fingerprint
+
+    def counted(slot: int) -> int:
+        if threading.get_ident() == caller:
+            reads.append(slot)
+        return fingerprint(slot)
+
+    mgr.pool.fingerprint = counted  # type: ignore[method-assign]
+    published = mgr.publish_pending(wait=True)
+    assert published == mgr.metrics().shared_published >= 1
+    assert len(reads) == (0 if background else published) and len(set(reads)) == len(reads)
+    assert not fx.findings and a.shared.stats.publish_changed == 0
+    mgr.check_invariants()
     a.close()
 
 
@@ -809,6 +858,21 @@ def test_bad_publish_fetch_and_flush_arguments_raise_typed_errors_and_change_not
         (TypeError, "integer tensor, got Tensor of torch.float32", lambda: pub(np.arange(7), k=torch.zeros(7))),
         (ValueError, r"one index per id: shape \(3,\) for 7 ids", lambda: pub(np.arange(7), k=torch.arange(3))),
         (TypeError, "kv_after must be a Fence or None, got str", lambda: pub(np.arange(7), after="x")),
+        (
+            TypeError,
+            "expect must be an int fingerprint or None, got str",
+            lambda: tier.publish(np.arange(7), None, pool, slot, torch.arange(7), None, expect=w("1")),
+        ),
+        (
+            TypeError,
+            "expect must be an int fingerprint or None, got bool",
+            lambda: tier.publish(np.arange(7), None, pool, slot, torch.arange(7), None, expect=w(True)),
+        ),
+        (
+            TypeError,
+            "token must be hashable, got list",
+            lambda: tier.publish(np.arange(7), None, pool, slot, torch.arange(7), None, expect=1, token=w([1])),
+        ),
         (TypeError, "namespaces that are None, str, int or bytes", lambda: pub(np.arange(7), ns=[1])),
         (TypeError, "namespaces that are None, str, int or bytes", lambda: tier.fetch(np.arange(9), w([1]), 0)),
         (ValueError, "local must be >= 0, got -1", lambda: tier.fetch(np.arange(9), None, -1)),
@@ -828,6 +892,37 @@ def test_bad_publish_fetch_and_flush_arguments_raise_typed_errors_and_change_not
         pool.check_invariants()
     got = tier.fetch(np.arange(9), None, 0)  # still serves: the good blob at depth 6
     assert got is not None and got.depth == 6
+    assert tier.close()
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_copy_without_the_expected_fingerprint_is_not_stored_and_its_check_says_so(background: bool) -> None:
+    """``publish(expect=)``: the tier compares the fingerprint it takes of its copy (on the writer
+    thread with ``background``) with the one the publisher expected; a copy that differs is not
+    stored, and each comparison comes back once from ``checks()`` with its token."""
+    layout = StateLayout(2, (4, 3), (2, 4, 4))
+    store = MemoryStore()
+    pool, slot = _written_slot(layout)
+    tier = SharedTier(store, model="m", kv=_NoKV(), background=background)
+    tier.bind(layout)
+    fp = pool.fingerprint(slot)
+    assert not tier.has_checks and tier.checks() == []
+    assert tier.publish(np.arange(5), None, pool, slot, torch.arange(5), None)  # no expect: no check
+    assert tier.publish(np.arange(6), None, pool, slot, torch.arange(6), None, expect=fp, token="good")
+    bad = tier.publish(np.arange(7), None, pool, slot, torch.arange(7), None, expect=fp ^ 1, token=("bad", 7))
+    assert bad is background  # inline: known at once (nothing stored); background: the writer knows
+    tier.flush()
+    assert tier.has_checks
+    got = tier.checks()
+    assert [(c.token, c.depth, c.expected, c.found, c.ok) for c in got] == [
+        ("good", 6, fp, fp, True),
+        (("bad", 7), 7, fp ^ 1, fp, False),
+    ]
+    assert not tier.has_checks and tier.checks() == []  # each comes back once
+    assert tier.stats.publish_changed == 1 and tier.stats.published == 2 and len(store.blobs) == 2
+    got_back = tier.fetch(np.arange(9), None, 0)
+    assert got_back is not None and got_back.depth == 6  # never the refused 7
+    tier.check_invariants()
     assert tier.close()
 
 

@@ -409,6 +409,46 @@ class Forensics:
             self._verify(snap, why)
         return node not in self._flagged
 
+    def expected(self, node: int) -> int | None:
+        """The fingerprint ``node``'s snapshot must have now: its donation fingerprint (waited if
+        still pending) for a watched snapshot no finding names; ``None`` for one not watched or
+        already named (:meth:`flagged`). Reads nothing. The manager hands it to the shared tier
+        with a publication (``SharedTier.publish(expect=)``): the tier fingerprints its copy of
+        the slot anyway, so comparing there verifies the snapshot before its bytes leave the
+        engine without a second read on the scheduler's thread (:meth:`compared` records the
+        outcome).
+
+        :raises TypeError: ``node`` not an int node id."""
+        _check_node_id(node)
+        self.settle(node)
+        snap = self._snaps.get(node)
+        if snap is None or node in self._flagged:
+            return None
+        return snap.fp
+
+    def compared(self, node: int, expected: int, found: int, why: str = "publish") -> bool:
+        """Record a verification made elsewhere: ``found`` is the fingerprint of a copy of
+        ``node``'s snapshot read while :meth:`expected` said ``expected`` (the shared tier's
+        :class:`~radixcache.tiers.shared.PublishCheck`). When they differ and the snapshot still
+        carries that donation fingerprint, it is a ``changed`` finding (raised in ``"raise"`` mode,
+        as any detection); a snapshot dropped since, re-donated, or already named is left as it
+        is. Returns whether no finding names ``node``.
+
+        :raises TypeError: ``node`` not an int node id, ``expected`` or ``found`` not an int,
+            ``why`` not a string. Nothing changed."""
+        _check_node_id(node)
+        for what, v in (("expected", expected), ("found", found)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{what} must be an int fingerprint, got {type(v).__name__}")
+        if not isinstance(why, str):
+            raise TypeError(f"why must be a string, got {type(why).__name__}")
+        self.step += 1
+        snap = self._snaps.get(node)
+        if snap is not None and snap.fp == expected and node not in self._flagged:
+            # a clean copy says nothing of the steps since it was read: clean_step stays
+            self._compare(snap, found, why, clean=False)
+        return node not in self._flagged
+
     def check_invariants(
         self, live_snapshots: Mapping[int, int] | None = None, live_host: Mapping[int, int] | None = None
     ) -> None:
@@ -539,16 +579,23 @@ class Forensics:
         # the pool's fingerprint waits its own pending work on the slot; one taken on its stream
         # ran behind that work
         found = pool.fingerprint(snap.slot) if taken is None or snap.host is not None else taken.result()
+        self._compare(snap, found, why)
+        return found
+
+    def _compare(self, snap: _Snap, found: int, why: str, clean: bool = True) -> None:
+        """``found`` is ``snap``'s fingerprint now (read at this step, with ``clean``): log it, and
+        report a change."""
+        assert snap.fp is not None
         ok = found == snap.fp
         if self.ledger is not None:  # NOTE: the event's fields are built only for a ledger
             self._log("verify", **self._where(snap), fp=found, expected=snap.fp, ok=ok, why=why)
         if ok:
-            snap.clean_step = self.step
+            if clean:
+                snap.clean_step = self.step
         else:
             self._report(snap, "changed", expected=snap.fp, found=found, note=why)
             snap.fp = found  # report each change once
             snap.clean_step = self.step
-        return found
 
     def _suspects(self, snap: _Snap, kind: str) -> list[Hashable]:
         spans = self._holds.get(snap.slot, _Holds()).spans if snap.host is None else []

@@ -694,7 +694,7 @@ class CacheManager:
             raise ValueError("max_new_tokens reserves KV: it needs CacheManager(kv=...)")
         ck, ids = self._ids(rid, cache_ids)
         t = self._now(now)
-        if self._to_publish:
+        if self._to_publish or (self.shared is not None and self.shared.has_checks):
             self._publish_ready(False)
         need = 1 + self.track_slots
         fx = self.forensics
@@ -989,7 +989,7 @@ class CacheManager:
             if shared is not None:
                 shared.cancel(rid)  # the tree has it all: a prefetch's answer is not needed
             return self.cache.match(key, namespace=namespace)
-        if self._to_publish:
+        if self._to_publish or shared.has_checks:
             self._publish_ready(False)
         t = self._now(now)
         blob = self._shared_blob(ids, namespace, m.cached_length, int(key.size), 2, t, m.node, True, rid)
@@ -1068,12 +1068,14 @@ class CacheManager:
             shared.stats.publish_skipped += 1
 
     def _publish_ready(self, wait: bool) -> int:
-        """Publish the queued snapshots whose fences completed (all of them with ``wait``)."""
+        """Publish the queued snapshots whose fences completed (all of them with ``wait``), once
+        forensics heard what the tier's checks of earlier ones found."""
         shared = self.shared
         assert shared is not None
         q, n = self._to_publish, 0
         keep: deque[tuple[TreeNode, np.ndarray, Hashable, Fence | None]] = deque()
         fx = self.forensics
+        self._take_checks()
         if fx is not None and q:
             fx.settle()  # a donation is published only once forensics has its fingerprint
         while q:
@@ -1093,16 +1095,40 @@ class CacheManager:
             ):
                 keep.append(item)
                 continue
-            # never written, or changed since its donation (verified now, before its bytes are
-            # read: a watched snapshot written behind the tree's back after its fingerprint was
-            # taken was published with a fingerprint of the changed bytes, and other engines
-            # served it): not for other engines
-            if fx is not None and not fx.verify(node.id, "publish"):
-                shared.stats.publish_skipped += 1
-                continue
-            n += shared.publish(key, ns, pool, slot, self.cache.kv_indices(node), kv_after)
+            # Never written, or changed since its donation: not for other engines (a watched
+            # snapshot written behind the tree's back after its fingerprint was taken was once
+            # published with a fingerprint of the changed bytes, and other engines served it).
+            # A finding already named: skipped here. Otherwise the tier compares the fingerprint
+            # it takes of its copy (on its writer thread) with the donation's, and stores nothing
+            # that differs; _take_checks hands the outcome to forensics. One read of the slot.
+            expect = None
+            if fx is not None:
+                expect = fx.expected(node.id)  # waits its donation fingerprint: a finding first
+                if fx.flagged(node.id):
+                    shared.stats.publish_skipped += 1
+                    continue
+            n += shared.publish(
+                key, ns, pool, slot, self.cache.kv_indices(node), kv_after, expect=expect, token=node.id
+            )
         self._to_publish = keep
         return n
+
+    def _take_checks(self) -> None:
+        """Hand forensics what the shared tier's fingerprints of published copies found (a copy
+        that differs from its donation's fingerprint was not stored: a ``changed`` finding)."""
+        shared, fx = self.shared, self.forensics
+        assert shared is not None
+        if not shared.has_checks:
+            return
+        raised: SnapshotCorruption | None = None
+        for check in shared.checks():
+            if fx is not None and isinstance(check.token, int):
+                try:
+                    fx.compared(check.token, check.expected, check.found, "publish")
+                except SnapshotCorruption as e:  # "raise" mode: every check recorded, the first raised
+                    raised = raised or e
+        if raised is not None:
+            raise raised
 
     @_exclusive
     def publish_pending(self, *, wait: bool = False) -> int:
@@ -1115,6 +1141,7 @@ class CacheManager:
         n = self._publish_ready(wait)
         if wait:
             self.shared.flush()
+            self._take_checks()
         return n
 
     def _shared_rejected(self, rej: Rejection) -> None:

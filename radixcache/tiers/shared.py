@@ -79,6 +79,7 @@ from .store import SharedStore, SharedStoreError, deepest_of, finite_seconds
 __all__ = [
     "Fetched",
     "KVCodec",
+    "PublishCheck",
     "RejectReason",
     "Rejection",
     "SharedStats",
@@ -88,6 +89,7 @@ __all__ = [
 _FIRST_BATCH = 64  # candidate depths checked in a probe's first round trip (deepest first)
 _SPARES = 2  # host state copies kept for reuse by publications (see SharedTier._spares)
 _DONE_CAP = 65536  # keys published or fetched here, remembered (oldest forgotten first)
+_CHECKS_CAP = 4096  # publication checks kept for SharedTier.checks (oldest dropped first)
 
 
 class KVCodec(Protocol):
@@ -148,7 +150,10 @@ class SharedStats:
         prefetch was answered (served locally); :ivar prefetch_dropped: prefetches not issued or
         dropped unread (too many outstanding, answered beyond ``max_prefetch_bytes``, or
         cancelled);
-    :ivar trimmed: depths removed from the depth index because every blob at them had expired.
+    :ivar trimmed: depths removed from the depth index because every blob at them had expired;
+    :ivar publish_changed: publications not stored because the copy read out of the slot did not
+        have the fingerprint the publisher expected (``publish(expect=)``: the snapshot changed
+        after its donation); each is also a :class:`PublishCheck` in :meth:`SharedTier.checks`.
     """
 
     published: int = 0
@@ -166,10 +171,35 @@ class SharedStats:
     prefetch_late: int = 0
     prefetch_dropped: int = 0
     trimmed: int = 0
+    publish_changed: int = 0
 
     def as_dict(self) -> dict[str, object]:
         """JSON-ready fields."""
         return {k: dict(v) if isinstance(v, dict) else v for k, v in self.__dict__.items()}
+
+
+@dataclass(frozen=True)
+class PublishCheck:
+    """A publication compared with the fingerprint its publisher expected
+    (:meth:`SharedTier.publish` with ``expect=``), on whichever thread fingerprinted its copy (the
+    writer's, with ``background``): collected by :meth:`SharedTier.checks`.
+
+    :ivar token: what the publisher passed with it (the manager: the node's id);
+    :ivar key: the blob's store key; :ivar depth: its depth in tokens;
+    :ivar expected: the fingerprint the publisher expected; :ivar found: the copy's.
+    A check whose ``found`` differs from ``expected`` was not stored.
+    """
+
+    token: Hashable
+    key: str
+    depth: int
+    expected: int
+    found: int
+
+    @property
+    def ok(self) -> bool:
+        """Whether the copy had the expected fingerprint (and was stored, unless the store failed)."""
+        return self.found == self.expected
 
 
 class RejectReason(enum.Enum):
@@ -399,6 +429,8 @@ class SharedTier:
         # What lookups on the fetcher thread learnt, for the scheduler's thread: rejections
         # (reason, key, depth, publisher, details) and keys fetched. Under _lock.
         self._deferred: list[tuple[RejectReason, str, int, str, dict[str, object]] | str] = []
+        # publications compared with their expect=, under _lock (the oldest dropped beyond the cap)
+        self._checks: deque[PublishCheck] = deque(maxlen=_CHECKS_CAP)
         self._trimmed_at: dict[str, float] = {}
         # (model digest, namespace) -> index name: a hash per admission saved on the scheduler's thread
         self._indexes: dict[tuple[str, type, Hashable], str] = {}
@@ -555,6 +587,9 @@ class SharedTier:
         slot: int,
         kv_indices: torch.Tensor,
         kv_after: Fence | None,
+        *,
+        expect: int | None = None,
+        token: Hashable = None,
     ) -> bool:
         """Publish the state in ``pool``'s ``slot`` (the state after all of ``ids``) with the KV of
         ``kv_indices``; the caller made sure the slot's and the KV's writers completed or passes
@@ -562,11 +597,18 @@ class SharedTier:
         (with ``background``: handed to the writer, which stores it unless the store fails).
         A key this tier published or fetched before is not published again.
 
+        With ``expect`` (the fingerprint the state must have: forensics' donation fingerprint), the
+        fingerprint the tier takes of its copy anyway (on the writer thread, with ``background``)
+        is compared with it: a copy that differs is not stored (``stats.publish_changed``), and
+        every compared publication becomes a :class:`PublishCheck` carrying ``token`` (any
+        hashable), collected by :meth:`checks`. The slot is read once either way: the check costs
+        the calling thread nothing more.
+
         :raises ProtocolError: (a ``RuntimeError``) the tier was never bound. :raises TypeError:
             ``ids`` not an integer numpy array, ``pool`` not a pool, ``kv_indices`` not an integer
-            tensor, ``kv_after`` not a fence, a namespace the tier cannot address. :raises
-            ValueError: ``ids`` not 1-D, or ``kv_indices`` not one index per id. Nothing changes
-            when it raises.
+            tensor, ``kv_after`` not a fence, ``expect`` not an int (or None), ``token``
+            unhashable, a namespace the tier cannot address. :raises ValueError: ``ids`` not 1-D,
+            or ``kv_indices`` not one index per id. Nothing changes when it raises.
         """
         if self._layout is None:
             raise ProtocolError("SharedTier.publish before bind (give the tier to a CacheManager)")
@@ -582,6 +624,12 @@ class SharedTier:
             )
         if kv_after is not None and not isinstance(kv_after, Fence):
             raise TypeError(f"kv_after must be a Fence or None, got {type(kv_after).__name__}")
+        if expect is not None and (isinstance(expect, bool) or not isinstance(expect, (int, np.integer))):
+            raise TypeError(f"expect must be an int fingerprint or None, got {type(expect).__name__}")
+        try:
+            hash(token)
+        except TypeError:
+            raise TypeError(f"token must be hashable, got {type(token).__name__}") from None
         depth = int(ids.size)
         key = self._keys(ids, namespace, [depth])[0]  # ids checked above
         if key in self._done or self.down:
@@ -602,7 +650,7 @@ class SharedTier:
             self.codec_failed("export_kv", e)
             self._spare((conv, rec))
             return False
-        job = _Upload(key, self.index(namespace), depth, conv, rec, kv)
+        job = _Upload(key, self.index(namespace), depth, conv, rec, kv, None if expect is None else int(expect), token)
         if self.background:
             # The fingerprint, the encoding and the upload run on the writer thread, from the copies.
             if self._writer is None and not self._closed:
@@ -620,6 +668,21 @@ class SharedTier:
             return False
         self._remember(key)
         return True
+
+    def checks(self) -> list[PublishCheck]:
+        """The publications compared with their ``expect`` fingerprint since the last call, oldest
+        first (and forgets them; at most the last 4,096 are kept between calls). Thread-safe.
+        With ``background``, a check comes once the writer fingerprinted the copy (:meth:`flush`
+        waits for every one queued)."""
+        with self._lock:
+            got = list(self._checks)
+            self._checks.clear()
+        return got
+
+    @property
+    def has_checks(self) -> bool:
+        """Whether :meth:`checks` has something to return (a read of a list's length: O(1))."""
+        return bool(self._checks)
 
     def _spare(self, state: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Keep a publication's host copies, encoded and no longer read, for a later one's copy."""
@@ -670,7 +733,17 @@ class SharedTier:
         """Encode one publication and upload it, recording its depth (the caller's thread or the
         writer's): whether the store answered, and whether the blob was stored (not there
         already). The state copies are kept for reuse once encoded (``fingerprint`` was taken
-        before)."""
+        before). A copy whose fingerprint is not the one ``job.expect`` names is not stored:
+        (False, False), as for a store that did not answer."""
+        if job.expect is not None:
+            check = PublishCheck(job.token, job.key, job.depth, job.expect, fingerprint)
+            with self._lock:
+                self._checks.append(check)
+                self.stats.publish_changed += not check.ok
+            if not check.ok:
+                self._spare((job.conv, job.rec))
+                self._reuse_kv(job.kv)
+                return False, False
         header = {
             "identity": self._identity,
             "depth": job.depth,
@@ -1190,6 +1263,8 @@ class _Upload:
     conv: torch.Tensor  # host copies of the slot's state
     rec: torch.Tensor
     kv: bytes | memoryview
+    expect: int | None = None  # the fingerprint the copy must have (publish(expect=)), else unchecked
+    token: Hashable = None  # the publisher's, returned in the PublishCheck
 
     @property
     def nbytes(self) -> int:
