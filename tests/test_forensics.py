@@ -517,6 +517,34 @@ def test_a_hit_a_finding_named_before_is_skipped_without_a_fingerprint(tmp_path:
     h.mgr.check_invariants()
 
 
+def test_a_lookup_never_returns_a_snapshot_a_finding_names(tmp_path: Path) -> None:
+    """Until 2026-12-07 ``lookup`` returned it (hosts that keep their own slots then met
+    ``SnapshotRefused`` at the restore): it now takes the next snapshot up the path and refuses
+    the named one as an admission does (dropped, or once no lock holds it)."""
+    h = forensic_host(tmp_path, mode="record")
+    p = tokens(300)
+    run(h, "donor", p)
+    holder = h.admit("holder", p)  # holds the 299-deep snapshot until it ends
+    assert holder is not None and holder.adm.cached_length == 299
+    q = p[:-1]  # the prompt's 299-deep snapshot (the donor also filed its 300-deep final state)
+    node = h.cache.match(q).node
+    h.pool.recurrent[0, node.snapshot, 0, 0] += 1.0
+    assert h.mgr.verify_all() > 0
+    fx = h.mgr.forensics
+    assert fx is not None and fx.flagged(node.id)
+    m = h.mgr.lookup(q)
+    assert (m.cached_length, m.node.depth) == (256, 256) and m.kv_indices.numel() == 256
+    assert node.snapshot is not None and h.mgr.metrics().refused_hits == 1  # held: condemned, not dropped
+    assert h.mgr.lookup(q, kv=False, touch=False).cached_length == 256 and h.mgr.metrics().refused_hits == 1
+    h.mgr.check_invariants()
+    h.prefill("holder")
+    h.finish("holder")
+    assert node.snapshot is not None  # not while the host ends the request
+    assert h.mgr.lookup(q).cached_length == 256 and node.snapshot is None  # the next lookup drops it
+    assert h.mgr.metrics().evictions["corrupt"] == 1 and len(fx.findings) == 1
+    h.mgr.check_invariants()
+
+
 def test_in_raise_mode_a_second_admission_is_not_served_the_snapshot_that_raised(tmp_path: Path) -> None:
     """``"raise"`` mode raised at the first restore; the finding then recorded the changed
     fingerprint ("reported once"), and a second admission of the prefix was served the changed

@@ -285,6 +285,35 @@ def test_a_watched_publication_is_verified_without_a_second_read_on_the_schedule
     a.close()
 
 
+def test_fetch_shared_asks_the_store_past_a_local_snapshot_a_finding_names(model: HybridModel, tmp_path: Path) -> None:
+    """Until 2026-12-07 ``fetch_shared`` took the tree's match as it was: a local snapshot a
+    finding named was the match (so the store was asked only past it) and was returned. It now
+    goes past it as ``lookup`` does, and the store's clean copy of that prefix replaces it."""
+    store = MemoryStore()
+    a = _watched_publisher(model, store, tmp_path, background=False)
+    b = ReferenceEngine(model, shared_store=store, publisher="B", forensics_ledger=str(tmp_path / "b.jsonl"))
+    prompts = _prompts(1)
+    _publish(a, prompts)
+    _serve(b, prompts, "b")  # b's hit comes from the store: its deepest snapshot is a's state
+    mgr, fx = b.manager, b.forensics
+    assert fx is not None
+    ids = prompts[0]
+    deep = mgr.lookup(ids, touch=False, kv=False).node
+    assert deep.snapshot is not None and deep.depth > 0
+    mgr.pool.recurrent[:, deep.snapshot] += 1.0
+    assert mgr.verify_all() > 0 and fx.flagged(deep.id)
+    fetched = mgr.metrics().shared_hits
+    m = mgr.fetch_shared(ids)
+    assert m.cached_length == deep.depth and not fx.flagged(m.node.id) and m.node.snapshot is not None
+    assert mgr.metrics().shared_hits == fetched + 1 and mgr.metrics().refused_hits == 1
+    theirs = a.manager.lookup(ids[: deep.depth], touch=False, kv=False).node
+    assert theirs.depth == deep.depth and theirs.snapshot is not None
+    assert mgr.pool.fingerprint(m.node.snapshot) == a.manager.pool.fingerprint(theirs.snapshot)
+    mgr.check_invariants()
+    a.close()
+    b.close()
+
+
 def _publish_under(store: MemoryStore, tier: SharedTier, blob: bytes, ids: Sequence[int], namespace: object) -> str:
     key = tier.key(np.asarray(ids, dtype=np.int64), namespace)
     store.blobs[key] = blob

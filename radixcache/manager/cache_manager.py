@@ -972,7 +972,8 @@ class CacheManager:
         match is taken. Room is made for it through the policy, never on the local match's path:
         snapshots for its two slots, and the tree's KV when the manager owns the allocator or the
         codec says what the host's has free (``KVCodec``'s ``free_tokens``). Returns the match,
-        as :meth:`lookup` (not locked, recency refreshed). No shared tier, a namespace the tier
+        as :meth:`lookup` (not locked, recency refreshed, never a snapshot a finding names: the
+        store is asked past the one below it). No shared tier, a namespace the tier
         cannot address, a miss, or no room: the local match.
         Publications whose fences completed go out first. With ``rid`` and a :meth:`prefetch` of
         it, its answer is taken instead of asking the store now (not answered yet: the local
@@ -983,18 +984,18 @@ class CacheManager:
         """
         ck, ids = self._ids("(fetch_shared)", cache_ids)
         key = ids[: _depth_limit(ids, limit, ids.size)]
-        m = self.cache.match(key, namespace=namespace, touch=False, kv=False)
+        m = self._served_match(key, namespace, touch=False, kv=False)  # a named snapshot: fetch past it
         shared = self.shared
         if shared is None or m.cached_length >= key.size or not shared.addressable(namespace):
             if shared is not None:
                 shared.cancel(rid)  # the tree has it all: a prefetch's answer is not needed
-            return self.cache.match(key, namespace=namespace)
+            return self._served_match(key, namespace)
         if self._to_publish or shared.has_checks:
             self._publish_ready(False)
         t = self._now(now)
         blob = self._shared_blob(ids, namespace, m.cached_length, int(key.size), 2, t, m.node, True, rid)
         if blob is None:
-            return self.cache.match(key, namespace=namespace)
+            return self._served_match(key, namespace)
         got, kv = blob
         d = got.depth
         owner = RequestOwner(("shared-fetch", got.publisher))
@@ -1012,7 +1013,7 @@ class CacheManager:
             # the policy hears of it as of a capture (the admission path's fetched hit does too)
             self.policy.donated(res.node, _request_info(ck, 0, 0, None, t), DonationReason.CAPTURE, t)
         shared.counted_hit(got, d - m.cached_length)
-        return self.cache.match(key, namespace=namespace)
+        return self._served_match(key, namespace)
 
     def _write_fetched(self, got: Fetched, slot: SlotId, owner: RequestOwner, stream: Stream | None) -> Fence:
         """A verified blob's state into ``slot``: from the prefetch's host copy, or the staging slot."""
@@ -1796,12 +1797,26 @@ class CacheManager:
         ``kv_into`` of ``result.node``). Locks nothing: :meth:`lock` the node before an eviction
         could remove it. O(match).
 
-        The result may be a snapshot a finding of forensics names (``forensics.flagged``):
-        :meth:`restore` and :meth:`serve_in_place` refuse it (:class:`SnapshotRefused`).
+        A snapshot a finding of forensics names (``forensics.flagged``) is never the result: the
+        lookup takes the next snapshot up its path (or the root), and the named one is dropped
+        (or, while a lock holds it, dropped once none does), counted in
+        ``metrics().refused_hits``, as :meth:`admit` does. One found changed only by the
+        :meth:`restore` that reads it is refused there (:class:`SnapshotRefused`): look up again.
 
         :raises TypeError, ValueError: bad ids or an unhashable namespace. Nothing changed.
         """
-        return self.cache.match(cache_ids, namespace=namespace, touch=touch, kv=kv)
+        return self._served_match(cache_ids, namespace, touch=touch, kv=kv)
+
+    def _served_match(self, key: KeyLike, namespace: Hashable, *, touch: bool = True, kv: bool = True) -> MatchResult:
+        """The tree's match of ``key``, moved past the snapshots findings name (each refused:
+        dropped, or condemned while locked), as :meth:`lookup` and :meth:`fetch_shared` return it."""
+        m = self.cache.match(key, namespace=namespace, touch=touch, kv=kv)
+        fx = self.forensics
+        if fx is not None and m.cached_length and fx.flagged(m.node.id):
+            m = self._skip_flagged(m, refuse=True)
+            if self._condemned:
+                self._sweep_condemned()
+        return m
 
     @_exclusive
     def lock(self, node: TreeNode) -> None:
