@@ -5,6 +5,7 @@ hits, never answers."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import subprocess
@@ -953,6 +954,60 @@ def test_a_copy_without_the_expected_fingerprint_is_not_stored_and_its_check_say
     assert got_back is not None and got_back.depth == 6  # never the refused 7
     tier.check_invariants()
     assert tier.close()
+
+
+_EXIT_SCRIPT = """
+import sys, time
+import numpy as np, torch
+from linear_state import LinearStatePool, RequestOwner, StateLayout
+from radixcache.tiers.shared import SharedTier
+from radixcache.tiers.store import MemoryStore
+
+class Slow(MemoryStore):
+    def put(self, key, blob):
+        time.sleep(0.1)
+        stored = super().put(key, blob)
+        print("stored", flush=True)
+        return stored
+
+class NoKV:
+    identity = "none"
+    def export_kv(self, kv_indices, after):
+        return b""
+    def import_kv(self, data, num_tokens):
+        return None
+
+layout = StateLayout(2, (4, 3), (2, 4, 4))
+tier = SharedTier(Slow(), model="m", kv=NoKV(), background=True, exit_flush_s=float(sys.argv[1]))
+tier.bind(layout)
+pool = LinearStatePool(layout, 1)
+slot = pool.alloc(RequestOwner("r"))
+for i in range(8):
+    assert tier.publish(np.arange(4 * i, 4 * i + 4), None, pool, slot, torch.arange(4), None)
+print("queued", tier.pending_writes, flush=True)
+"""
+
+
+@pytest.mark.parametrize("exit_flush_s", [5.0, 0.0])
+def test_a_process_that_exits_without_close_stores_its_queued_uploads_first(exit_flush_s: float) -> None:
+    """Until 2026-12-07 the writer's queue was dropped at exit: a replica that exited without
+    ``close()`` took its last publications with it. It now stores them for up to
+    ``exit_flush_s`` (0: dropped at once, the one in flight finishing)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _EXIT_SCRIPT, str(exit_flush_s)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    lines = done.stdout.split()
+    queued = int(lines[lines.index("queued") + 1])
+    assert queued >= 6, done.stdout  # the script published faster than the store takes them
+    stored = lines.count("stored")
+    assert stored == 8 if exit_flush_s else stored < 8, done.stdout
+
+
+def test_exit_flush_s_must_be_finite_seconds() -> None:
+    for bad in (-1.0, math.inf, math.nan, "5", True):
+        with pytest.raises(ValueError, match="exit_flush_s must be a finite number of seconds >= 0"):
+            SharedTier(MemoryStore(), model="m", kv=_NoKV(), background=True, exit_flush_s=bad)  # type: ignore[arg-type]
 
 
 def _probe_tier(store: SharedStore) -> tuple[SharedTier, LinearStatePool, int]:

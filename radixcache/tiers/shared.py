@@ -322,6 +322,9 @@ class SharedTier:
         stops it. Recommended with a remote store: an upload never stalls the scheduler.
     :param max_queued_bytes: with ``background``, the blob bytes that may wait for the writer; a
         publication that would pass it is dropped (``stats.publish_skipped``).
+    :param exit_flush_s: with ``background``, when the interpreter exits without :meth:`close`,
+        how long the writer may go on storing what was queued (default 5 s); what is still
+        queued then is dropped, the upload in flight finishes. ``0``: drop the queue at once.
     :param max_prefetches: prefetches (:meth:`prefetch`) outstanding at most; the oldest goes
         beyond it.
     :param max_prefetch_bytes: what the answered prefetches waiting for their admissions may hold
@@ -356,6 +359,7 @@ class SharedTier:
         secret: bytes | None = None,
         max_prefetches: int = 1024,
         max_prefetch_bytes: int = 1 << 30,
+        exit_flush_s: float = 5.0,
     ) -> None:
         if not isinstance(store, SharedStore):
             raise TypeError(f"store must implement SharedStore, got {type(store).__name__}")
@@ -370,6 +374,8 @@ class SharedTier:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         if not (finite_seconds(retry_s) and retry_s >= 0):
             raise ValueError(f"retry_s must be a finite number of seconds >= 0, got {retry_s!r}")
+        if not (finite_seconds(exit_flush_s) and exit_flush_s >= 0):
+            raise ValueError(f"exit_flush_s must be a finite number of seconds >= 0, got {exit_flush_s!r}")
         if not callable(clock):
             raise TypeError(f"clock must be a callable returning seconds, got {clock!r}")
         if publisher is not None and (not isinstance(publisher, str) or not publisher):
@@ -411,6 +417,7 @@ class SharedTier:
         self._done: OrderedDict[str, None] = OrderedDict()  # keys published or fetched here (bounded)
         self.background = background
         self.max_queued_bytes = max_queued_bytes
+        self.exit_flush_s = float(exit_flush_s)
         # Counters and the down state are written by the writer thread too: under this lock.
         self._lock = threading.Lock()
         self._writer: _Writer | None = None
@@ -1433,8 +1440,12 @@ class _Writer:
         return drained
 
     def stop_at_exit(self) -> None:
-        """The interpreter exits without :meth:`SharedTier.close`: the queued uploads are dropped
-        (as the exit would drop them), the one in flight finishes."""
+        """The interpreter exits without :meth:`SharedTier.close`: the queued uploads are stored
+        for up to ``exit_flush_s`` seconds (they were dropped at once until 2026-12-07: a replica
+        that exits took its last publications with it), the rest dropped, the one in flight
+        finishes."""
+        if self.tier.exit_flush_s > 0:
+            self.flush(self.tier.exit_flush_s)
         with self._cv:
             self._closed = True
             self._queue.clear()
