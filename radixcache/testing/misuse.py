@@ -249,7 +249,7 @@ class MisuseMachine(HostMachine):
                     lambda: CacheManager(cache, host_budget_bytes=1 << 62),
                 )
             )
-        out += self._shared_catalogue() + _hf_catalogue()
+        out += self._shared_catalogue() + self._forensics_catalogue() + _hf_catalogue()
         stale = getattr(self.host, "last_plan", None)
         if isinstance(stale, WindowPlan):
             out.append(Misuse("commit: a plan committed already", lambda: mgr.commit(stale, None, kv_indices=[0])))
@@ -318,6 +318,26 @@ class MisuseMachine(HostMachine):
                 ]
         return out
 
+    def _forensics_catalogue(self) -> list[Misuse]:
+        """Wrong calls of the manager's forensics (none without it): a node passed where its id
+        goes, fingerprints that are not ints, a reason that is not a string."""
+        fx = self.host.manager.forensics
+        if fx is None:
+            return []
+        snaps = [n for n in self.host.manager.cache.iter_nodes() if n.snapshot is not None]
+        node: object = snaps[0] if snaps else self.foreign.node  # a TreeNode, not its id
+        nid = snaps[0].id if snaps else 0
+        return [
+            Misuse("forensics verify: a node, not its id", lambda: fx.verify(_wrong(node))),
+            Misuse("forensics verify: why not a string", lambda: fx.verify(nid, why=_wrong(3))),
+            Misuse("forensics finding: a node, not its id", lambda: fx.finding(_wrong(node))),
+            Misuse("forensics expected: a node, not its id", lambda: fx.expected(_wrong(node))),
+            Misuse("forensics compared: a node, not its id", lambda: fx.compared(_wrong(node), 1, 2)),
+            Misuse("forensics compared: expected a string", lambda: fx.compared(nid, _wrong("1"), 2)),
+            Misuse("forensics compared: found a bool", lambda: fx.compared(nid, 1, _wrong(True))),
+            Misuse("forensics compared: why not a string", lambda: fx.compared(nid, 1, 2, why=_wrong(None))),
+        ]
+
     def _shared_catalogue(self) -> list[Misuse]:
         """Wrong calls of the shared tier, its stores and its options."""
         sh = self.shared
@@ -336,6 +356,14 @@ class MisuseMachine(HostMachine):
             Misuse("tier publish: KV of the wrong length", lambda: tier.publish(ids, None, pool, slot, kv[:3], None)),
             Misuse("tier publish: not a pool", lambda: tier.publish(ids, None, _wrong("pool"), slot, kv, None)),
             Misuse("tier publish: not a fence", lambda: tier.publish(ids, None, pool, slot, kv, _wrong("x"))),
+            Misuse(
+                "tier publish: expect a float",
+                lambda: tier.publish(ids[:7], None, pool, slot, kv[:7], None, expect=_wrong(1.0)),
+            ),
+            Misuse(
+                "tier publish: token unhashable",
+                lambda: tier.publish(ids[:7], None, pool, slot, kv[:7], None, expect=1, token=_wrong({})),
+            ),
             Misuse("tier flush: negative timeout", lambda: tier.flush(-1)),
             Misuse("tier bind: not a layout", lambda: tier.bind(_wrong("layout"))),
             Misuse("tier bind: another layout", lambda: tier.bind(_OTHER_LAYOUT)),
@@ -349,6 +377,10 @@ class MisuseMachine(HostMachine):
             Misuse("tier: an empty model", lambda: SharedTier(sh.store, model="", kv=_NoKV())),
             Misuse("tier: retry_s a string", lambda: SharedTier(sh.store, model="m", kv=_NoKV(), retry_s=_wrong("1"))),
             Misuse("tier: an empty secret", lambda: SharedTier(sh.store, model="m", kv=_NoKV(), secret=b"")),
+            Misuse(
+                "tier: exit_flush_s negative",
+                lambda: SharedTier(sh.store, model="m", kv=_NoKV(), background=True, exit_flush_s=-1.0),
+            ),
             Misuse(
                 "tier: max_prefetch_bytes 0",
                 lambda: SharedTier(sh.store, model="m", kv=_NoKV(), max_prefetch_bytes=0),
@@ -377,6 +409,10 @@ class MisuseMachine(HostMachine):
         mgr = self.host.manager
         before = state_digest(mgr)
         tier_before = self.shared.digest()
+        fx = mgr.forensics
+        # its findings; its step too for its own calls (an admission may verify its hit first)
+        own = case.label.startswith("forensics")
+        fx_before = None if fx is None else (fx.step if own else None, len(fx.findings))
         try:
             case.call()
         except MISUSE_ERRORS:
@@ -388,6 +424,9 @@ class MisuseMachine(HostMachine):
         after = state_digest(mgr)
         assert after == before, f"{case.label}: raised, but changed the state of pool, tree, manager or policy"
         assert self.shared.digest() == tier_before, f"{case.label}: raised, but changed the shared tier or its store"
+        if fx is not None:
+            got = (fx.step if own else None, len(fx.findings))
+            assert got == fx_before, f"{case.label}: raised, but moved the forensics record"
         mgr.check_invariants()
         self.shared.tier.check_invariants()
         self.misuses += 1
