@@ -2,6 +2,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import TypeVar
 
 import pytest
 import torch
@@ -83,6 +84,16 @@ def _tiny_pool(stream_device: str = "cpu") -> LinearStatePool:
 def _pool_on(stream: Stream, slots: int) -> LinearStatePool:
     """A small CPU pool whose work runs on ``stream``."""
     return LinearStatePool(StateLayout(2, (4, 3), (2, 4, 4)), slots, "cpu", stream=stream)
+
+
+S = TypeVar("S", bound=Stream)
+
+
+def _staged(stream: S) -> tuple[S, LinearStatePool, RequestOwner, int]:
+    """``stream``, a two-slot pool on it, and a request (a plan) holding one slot: its staging."""
+    pool = _pool_on(stream, 2)
+    plan = RequestOwner("plan")
+    return stream, pool, plan, pool.alloc(plan)
 
 
 def test_clone_before_the_producers_fence_is_stale_after_is_fresh() -> None:
@@ -351,10 +362,7 @@ def test_free_without_wait_leaves_a_reading_clone_running_and_the_slot_is_handed
 
 
 def test_free_without_wait_on_a_deferred_stream_runs_the_work_at_the_alloc() -> None:
-    stream = DeferredStream("copies")
-    pool = _pool_on(stream, 2)
-    plan = RequestOwner("plan")
-    staging = pool.alloc(plan)
+    stream, pool, plan, staging = _staged(DeferredStream("copies"))
     stream.submit(lambda: pool.recurrent[:, staging].fill_(4.0))  # the host's write into it
     pool.recurrent[:, staging].fill_(4.0)
     snap = pool.clone(staging, NodeOwner(1))
@@ -370,10 +378,7 @@ def test_free_without_wait_on_a_deferred_stream_runs_the_work_at_the_alloc() -> 
 
 
 def test_free_refuses_a_wait_that_is_not_a_bool_and_changes_nothing() -> None:
-    stream = DeferredStream("copies")
-    pool = _pool_on(stream, 2)
-    plan = RequestOwner("plan")
-    staging = pool.alloc(plan)
+    stream, pool, plan, staging = _staged(DeferredStream("copies"))
     snap = pool.clone(staging, NodeOwner(1))
     with pytest.raises(TypeError, match="wait must be a bool, got 'no'"):
         pool.free(staging, plan, wait="no")  # type: ignore[arg-type]
@@ -382,20 +387,14 @@ def test_free_refuses_a_wait_that_is_not_a_bool_and_changes_nothing() -> None:
 
 
 def test_free_with_wait_still_waits_the_pools_own_work() -> None:
-    stream = DeferredStream("copies")
-    pool = _pool_on(stream, 2)
-    plan = RequestOwner("plan")
-    staging = pool.alloc(plan)
+    stream, pool, plan, staging = _staged(DeferredStream("copies"))
     snap = pool.clone(staging, NodeOwner(1))
     pool.free(staging, plan)
     assert snap.fence.is_complete() and stream.pending == 0
 
 
 def test_an_alloc_behind_a_failed_stream_raises_and_keeps_the_slot_free() -> None:
-    stream = ThreadStream("copies")
-    pool = _pool_on(stream, 2)
-    plan = RequestOwner("plan")
-    staging = pool.alloc(plan)
+    stream, pool, plan, staging = _staged(ThreadStream("copies"))
 
     def fail() -> None:
         raise ValueError("copy fault")
