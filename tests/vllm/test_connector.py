@@ -7,6 +7,7 @@ oracle; a corrupted store must be caught by verification (outputs right, finding
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -627,11 +628,18 @@ def test_vllms_openai_server_serves_completions_through_the_connector(tiny_model
         server.wait(120)
         log.close()
     hits = [line for line in metrics.splitlines() if line.startswith("vllm:external_prefix_cache_hits_total")]
-    print("openai server:", hits, "rounds", rounds)
+    # The hit granularity is the attention block vLLM chose for this hybrid model, which depends on
+    # the machine: the shared prefix served is the system prompt's whole blocks (the test assumed
+    # 1,280 tokens until 2026-12-07, wrong where vLLM chose 384-token blocks: 1,152).
+    chosen = re.search(r"kv lcm block sizes (\d+)", (tmp_path / "server.log").read_text())
+    assert chosen is not None, "vLLM's log no longer names its block size"
+    block = int(chosen.group(1))
+    share = len(system) // block * block
+    print("openai server:", hits, "block", block, "rounds", rounds)
     for answers in rounds:
         wrong, _ = compare(truth, Served(list(prompts), answers, [], []))
         assert not wrong, f"the server answered {wrong} unlike the ground truth: {answers} vs {truth.answers}"
-    assert hits and float(hits[0].split()[-1]) >= 1280, hits  # the shared 1,280 tokens, from the store
+    assert share > 0 and hits and float(hits[0].split()[-1]) >= share, (hits, block)  # from the store
 
 
 def test_a_worker_on_another_machine_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
