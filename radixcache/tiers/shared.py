@@ -688,7 +688,7 @@ class SharedTier:
 
     @property
     def has_checks(self) -> bool:
-        """Whether :meth:`checks` has something to return (a read of a list's length: O(1))."""
+        """Whether :meth:`checks` has something to return (one read of a deque's length: O(1))."""
         return bool(self._checks)
 
     def _spare(self, state: tuple[torch.Tensor, torch.Tensor]) -> None:
