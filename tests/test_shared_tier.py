@@ -952,6 +952,14 @@ def test_a_copy_without_the_expected_fingerprint_is_not_stored_and_its_check_say
     assert tier.stats.publish_changed == 1 and tier.stats.published == 2 and len(store.blobs) == 2
     got_back = tier.fetch(np.arange(9), None, 0)
     assert got_back is not None and got_back.depth == 6  # never the refused 7
+    # the refused prefix is not remembered as published: a clean copy of it is stored later
+    assert tier.publish(np.arange(7), None, pool, slot, torch.arange(7), None, expect=fp, token="again")
+    assert not tier.publish(np.arange(6), None, pool, slot, torch.arange(6), None, expect=fp)  # stored once
+    tier.flush()
+    assert [(c.token, c.ok) for c in tier.checks()] == [("again", True)]
+    assert tier.stats.published == 3 and len(store.blobs) == 3
+    got_back = tier.fetch(np.arange(9), None, 0)
+    assert got_back is not None and got_back.depth == 7
     tier.check_invariants()
     assert tier.close()
 

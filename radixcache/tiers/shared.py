@@ -602,7 +602,8 @@ class SharedTier:
         ``kv_indices``; the caller made sure the slot's and the KV's writers completed or passes
         their fence (``kv_after``; the pool orders its own reads). True when a blob was stored
         (with ``background``: handed to the writer, which stores it unless the store fails).
-        A key this tier published or fetched before is not published again.
+        A key this tier published or fetched before is not published again (one whose copy was
+        refused for its fingerprint, see ``expect``, is).
 
         With ``expect`` (the fingerprint the state must have: forensics' donation fingerprint), the
         fingerprint the tier takes of its copy anyway (on the writer thread, with ``background``)
@@ -747,6 +748,8 @@ class SharedTier:
             with self._lock:
                 self._checks.append(check)
                 self.stats.publish_changed += not check.ok
+                if not check.ok:  # a later publication of this prefix (a clean copy) is stored
+                    self._done.pop(job.key, None)
             if not check.ok:
                 self._spare((job.conv, job.rec))
                 self._reuse_kv(job.kv)
@@ -808,9 +811,10 @@ class SharedTier:
         return True if self._writer is None else self._writer.close(timeout_s)
 
     def _remember(self, key: str) -> None:
-        self._done[key] = None
-        if len(self._done) > _DONE_CAP:
-            self._done.popitem(last=False)
+        with self._lock:  # the writer thread forgets a key whose copy it refused
+            self._done[key] = None
+            if len(self._done) > _DONE_CAP:
+                self._done.popitem(last=False)
 
     # --------------------------------------------------------------- fetch
     def _fetch_args(
