@@ -399,9 +399,7 @@ class Forensics:
         ``"raise"`` mode.
 
         :raises TypeError: ``node`` not an int node id, ``why`` not a string. Nothing changed."""
-        _check_node_id(node)
-        if not isinstance(why, str):
-            raise TypeError(f"why must be a string, got {type(why).__name__}")
+        _check_node_id(node, why)
         self.step += 1
         self.settle(node)  # its donation fingerprint, waited if still pending
         snap = self._snaps.get(node)
@@ -436,12 +434,10 @@ class Forensics:
 
         :raises TypeError: ``node`` not an int node id, ``expected`` or ``found`` not an int,
             ``why`` not a string. Nothing changed."""
-        _check_node_id(node)
+        _check_node_id(node, why)
         for what, v in (("expected", expected), ("found", found)):
             if isinstance(v, bool) or not isinstance(v, int):
                 raise TypeError(f"{what} must be an int fingerprint, got {type(v).__name__}")
-        if not isinstance(why, str):
-            raise TypeError(f"why must be a string, got {type(why).__name__}")
         self.step += 1
         snap = self._snaps.get(node)
         if snap is not None and snap.fp == expected and node not in self._flagged:
@@ -638,7 +634,10 @@ class Forensics:
             )
 
 
-def _check_node_id(node: object) -> None:
-    """:raises TypeError: ``node`` is not a node id (an int; a ``TreeNode``'s ``id``)."""
+def _check_node_id(node: object, why: object = "") -> None:
+    """:raises TypeError: ``node`` is not a node id (an int; a ``TreeNode``'s ``id``), or ``why``
+    (the reason a caller gives for a check) is not a string."""
     if isinstance(node, bool) or not isinstance(node, int):
         raise TypeError(f"node must be a node id (an int: TreeNode.id), got {type(node).__name__}")
+    if not isinstance(why, str):
+        raise TypeError(f"why must be a string, got {type(why).__name__}")
