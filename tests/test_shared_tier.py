@@ -22,7 +22,7 @@ import torch
 
 from linear_state import LinearStatePool, RequestOwner, SlotMisuse, StateLayout
 from radixcache import Admission, CacheManager, HybridRadixCache, ProtocolError
-from radixcache.forensics import analyze, format_forensics
+from radixcache.forensics import SnapshotCorruption, analyze, format_forensics
 from radixcache.testing.engine import EngineRequest, ReferenceEngine, generate_cold
 from radixcache.testing.model import HybridConfig, HybridModel
 from radixcache.tiers.blob import BLOB_MAGIC, encode_blob
@@ -253,6 +253,39 @@ def test_a_snapshot_changed_after_its_donation_is_never_published(
     finished = _serve(b, prompts, "b")
     _assert_exact(model, finished)
     assert b.manager.metrics().shared_hits == 0
+    a.close()
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_in_raise_mode_a_refused_publication_raises_once_and_serving_goes_on(
+    model: HybridModel, tmp_path: Path, background: bool
+) -> None:
+    """Forensics in ``"raise"`` mode (its default): the checks of publications the tier refused
+    for their fingerprint raise :class:`SnapshotCorruption` at the manager call that hears of them
+    (here ``publish_pending(wait=True)``; else the next admission, before it changes anything),
+    every one recorded first; the next call does not raise again, and the changed snapshots are
+    neither published nor served."""
+    store = MemoryStore()
+    a = _watched_publisher(model, store, tmp_path, background)
+    prompts = _prompts(1)
+    _serve(a, prompts, "a")
+    fx, mgr = a.forensics, a.manager
+    assert fx is not None and fx.settle() == 0 and a.shared is not None
+    fx.mode = "raise"
+    changed = 0
+    for node in mgr.cache.iter_nodes():
+        if node.snapshot is not None:
+            mgr.pool.recurrent[:, node.snapshot] += 1.0
+            changed += 1
+    with pytest.raises(SnapshotCorruption):
+        mgr.publish_pending(wait=True)
+    assert changed and [f.kind for f in fx.findings] == ["changed"] * changed  # all recorded, one raised
+    assert mgr.publish_pending(wait=True) == 0 and not a.shared.has_checks  # heard once
+    assert mgr.metrics().shared_published == 0 and a.shared.stats.publish_changed == changed
+    mgr.check_invariants()
+    finished = _serve(a, prompts, "again")  # no admission raises: the findings were heard
+    _assert_exact(model, finished)
+    assert mgr.metrics().refused_hits >= 1 and len(fx.findings) == changed
     a.close()
 
 

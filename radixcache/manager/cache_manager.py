@@ -679,7 +679,11 @@ class CacheManager:
             (never served: the hit falls back up the path, docs/forensics.md).
         :raises ValueError: ``rid`` already admitted, bad or empty ids, ``max_new_tokens`` not an
             int >= 0 (or given without ``kv=``). :raises TypeError: an unhashable ``rid`` or
-            ``session``, ids of the wrong type. Nothing changed.
+            ``session``, ids of the wrong type. Nothing changed. :raises SnapshotCorruption:
+            forensics in ``"raise"`` mode found a snapshot changed: the hit's, at its restore, or,
+            before anything of this request changed, one the shared tier refused to publish since
+            the last call (every such check recorded, the first raised; the request is not
+            admitted and the next call does not raise for them).
         """
         for what, v in (("request id", rid), ("session", session)):
             try:
@@ -1136,7 +1140,11 @@ class CacheManager:
         """Publish the snapshots queued for the shared tier whose fences completed (every one with
         ``wait``, waiting their fences, and, with a background tier, until its writer stored
         them). The manager also does this at each admission. Returns the blobs stored (handed to
-        the writer, with a background tier; 0 without a shared tier)."""
+        the writer, with a background tier; 0 without a shared tier).
+
+        :raises SnapshotCorruption: forensics in ``"raise"`` mode and the tier refused a
+            publication whose copy differed from its donation's fingerprint (every check recorded,
+            the first raised, once)."""
         if self.shared is None:
             return 0
         n = self._publish_ready(wait)
