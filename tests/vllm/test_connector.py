@@ -35,6 +35,7 @@ from .harness import (
     noise_every_block,
     serve,
     serve_aborting,
+    tie_bound,
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -124,7 +125,7 @@ def test_the_connector_serves_the_ground_truth_from_its_store(tiny_model: Path, 
     wrong, ties = compare(truth, got)
     print("wrong", wrong, "ties", ties, "cached", sum(got.cached))
     assert not wrong, f"the connector served {len(wrong)} wrong answers: {wrong}"
-    assert len(ties) <= 12, ties
+    assert len(ties) <= tie_bound(got), ties
     assert facts["external"] >= 8 * 1280, f"vLLM counted {facts['external']} external hit tokens"
     assert facts["store"]["stats"]["hit_tokens"] == facts["external"]
     assert facts["findings"] == 0 and facts["page_findings"] == 0
@@ -182,7 +183,7 @@ def test_vllms_default_asynchronous_scheduling_is_served_saves_after_a_sampled_t
     truth, got, facts, block = _decode_boundary_run(tiny_model)
     wrong, ties = compare(truth, got)
     assert not wrong, f"the connector served {len(wrong)} wrong answers under asynchronous scheduling: {wrong}"
-    assert len(ties) <= 12, ties
+    assert len(ties) <= tie_bound(got), ties
     next_turns = got.cached[-8:]
     assert next_turns == [block] * 7 + [0], f"saves after a sampled token were not served as made: {next_turns}"
     assert "ids-unknown" not in facts["store"]["stats"]["saves_skipped"], facts
@@ -202,7 +203,7 @@ def test_a_pool_under_pressure_gets_only_the_hits_it_has_room_for(
     truth, got, facts, _block = _decode_boundary_run(tiny_model, num_gpu_blocks_override=40)
     wrong, ties = compare(truth, got)
     assert not wrong, f"the connector served {len(wrong)} wrong answers under pressure: {wrong}"
-    assert len(ties) <= 12, ties
+    assert len(ties) <= tie_bound(got), ties
     stats = facts["store"]["stats"]
     assert stats["declined"] > 0, f"no offer was declined: the pool was not under pressure ({stats})"
     assert facts["external"] > 0 and stats["hit_tokens"] == facts["external"], facts
@@ -495,7 +496,7 @@ def test_vllms_own_process_layout_on_the_cpu_a_worker_in_a_process_of_its_own_is
     wrong, ties = compare(truth, got)
     print("worker in a process of its own: ties", ties, "external", external, "cached", got.cached)
     assert not wrong, f"{len(wrong)} wrong answers with the worker in a process of its own: {wrong}"
-    assert len(ties) <= 12, ties
+    assert len(ties) <= tie_bound(got), ties
     assert got.cached[-8:] == [block] * 7 + [0], f"saves the worker copied were not served: {got.cached[-8:]}"
     assert external >= 8 * 1280, f"vLLM counted {external} external hit tokens"
 
@@ -541,7 +542,7 @@ def test_engines_in_vllms_own_process_layout_share_prefixes_through_one_redis_se
             f"engine {name}: first round external {first_round[-1]}, in all {external}; blobs {len(blobs)}; ties {ties}"
         )
         assert not wrong, f"engine {name} served {len(wrong)} wrong answers: {wrong}"
-        assert len(ties) <= 12, ties
+        assert len(ties) <= tie_bound(served[-1]), ties
     assert len(blobs) >= 4, f"engine A left {len(blobs)} snapshots in Redis"
     assert first_round[0] == 0, f"engine A was served {first_round[0]} tokens with nothing in Redis"
     assert first_round[1] >= 2 * block, f"engine B's first round was served {first_round[1]} tokens from Redis"
@@ -697,7 +698,7 @@ def test_two_engine_processes_share_prefixes_through_one_redis_server(
     shared = facts["store"]["shared"]
     print("engine A published", published, "engine B shared", shared, "external", facts["external"], "ties", ties)
     assert not wrong, f"engine B served {len(wrong)} wrong answers: {wrong}"
-    assert len(ties) <= 12, ties
+    assert len(ties) <= tie_bound(got), ties
     assert shared["foreign_hits"] >= 2 and shared["hit_tokens"] >= 2 * 1280, shared
     assert shared["prefetches"] >= shared["hits"] and shared["prefetch_late"] == 0, shared  # probed off the thread
     assert shared["rejected"] == {} and facts["findings"] == 0, facts

@@ -13,7 +13,17 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here (make test-vllm runs these in .venv-vllm)")
 
-from .harness import Served, Workload, close, compare, fill_free_blocks_with_noise, kv_pages, make_llm, serve
+from .harness import (
+    Served,
+    Workload,
+    close,
+    compare,
+    fill_free_blocks_with_noise,
+    kv_pages,
+    make_llm,
+    serve,
+    tie_bound,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -40,7 +50,7 @@ def test_vllm_prefix_caching_serves_the_ground_truth_and_noise_in_free_blocks_ch
     own = _run(tiny_model, prefix_caching=True)
     wrong, ties = compare(cold, own)
     assert not wrong, f"vLLM's own prefix cache changed {len(wrong)} answers: {wrong[:8]}"
-    assert len(ties) <= 12, f"{len(ties)} requests parted at a near tie: the model's margins are too thin"
+    assert len(ties) <= tie_bound(own), f"{len(ties)} requests parted at a near tie: the model's margins are too thin"
     assert sum(own.cached) >= 10 * 640, f"vLLM's prefix cache hit only {sum(own.cached)} tokens"
     noisy = _run(tiny_model, prefix_caching=True, between=_reset_and_noise)
     wrong, ties = compare(cold, noisy)
