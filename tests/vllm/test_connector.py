@@ -224,9 +224,9 @@ def test_aborted_requests_leave_nothing_held_and_what_they_saved_serves_right(
     keep_async_scheduling(monkeypatch)
     # the ground truth first: one engine with a connector per process at a time (vLLM's KV
     # transfer group is process-wide)
-    block = 640
     cold = make_llm(tiny_model, prefix_caching=False)
     try:
+        block = cold.llm_engine.vllm_config.cache_config.block_size  # vLLM picks it per CPU
         rng = random.Random(3)
         first = generate(cold, [[rng.randrange(3, 1024) for _ in range(block - 3)] for _ in range(8)], 8)
         turns = [p + a + [7, 8, 9] for p, a in zip(first.prompts, first.answers, strict=True)]
@@ -235,8 +235,7 @@ def test_aborted_requests_leave_nothing_held_and_what_they_saved_serves_right(
         close(cold)
     llm = make_llm(tiny_model, prefix_caching=True, kv_transfer_config=_kv_transfer(), async_scheduling=True)
     try:
-        if connector_of(llm).block != block:
-            pytest.skip(f"vLLM picked {connector_of(llm).block}-token blocks on this CPU; the prompts are cut for 640")
+        assert connector_of(llm).block == block, (connector_of(llm).block, block)
         partial = serve_aborting(llm, first.prompts, 8, {i: 1 + i for i in range(8)})
         assert llm.reset_prefix_cache() and fill_free_blocks_with_noise(llm, seed=1) > 0
         got = generate(llm, turns, 8)
