@@ -222,6 +222,16 @@ def _watched_publisher(model: HybridModel, store: MemoryStore, tmp_path: Path, b
     )
 
 
+def _change_every_snapshot(mgr: CacheManager) -> int:
+    """Write into every snapshot the tree holds, behind its back; how many were changed."""
+    changed = 0
+    for node in mgr.cache.iter_nodes():
+        if node.snapshot is not None:
+            mgr.pool.recurrent[:, node.snapshot] += 1.0
+            changed += 1
+    return changed
+
+
 @pytest.mark.parametrize("background", [False, True])
 def test_a_snapshot_changed_after_its_donation_is_never_published(
     model: HybridModel, tmp_path: Path, background: bool
@@ -238,11 +248,7 @@ def test_a_snapshot_changed_after_its_donation_is_never_published(
     _serve(a, prompts, "a")  # one request: its donations wait in the queue for the next admission
     fx, mgr = a.forensics, a.manager
     assert fx is not None and fx.settle() == 0 and mgr.metrics().shared_published == 0
-    changed = 0
-    for node in mgr.cache.iter_nodes():
-        if node.snapshot is not None:
-            mgr.pool.recurrent[:, node.snapshot] += 1.0
-            changed += 1
+    changed = _change_every_snapshot(mgr)
     # handed to the writer (background), or refused at once (inline): none stored either way
     assert changed and mgr.publish_pending(wait=True) == (changed if background else 0)
     assert mgr.metrics().shared_published == 0 and a.shared is not None
@@ -272,11 +278,7 @@ def test_in_raise_mode_a_refused_publication_raises_once_and_serving_goes_on(
     fx, mgr = a.forensics, a.manager
     assert fx is not None and fx.settle() == 0 and a.shared is not None
     fx.mode = "raise"
-    changed = 0
-    for node in mgr.cache.iter_nodes():
-        if node.snapshot is not None:
-            mgr.pool.recurrent[:, node.snapshot] += 1.0
-            changed += 1
+    changed = _change_every_snapshot(mgr)
     with pytest.raises(SnapshotCorruption):
         mgr.publish_pending(wait=True)
     assert changed and [f.kind for f in fx.findings] == ["changed"] * changed  # all recorded, one raised
