@@ -439,6 +439,34 @@ def test_a_plan_whose_prefix_was_evicted_meanwhile_is_not_filed() -> None:
     assert store.pages.free_pages == store.num_pages and store.pool.num_free == store.num_slots
 
 
+@pytest.mark.parametrize("order", ["shorter-first", "longer-first"])
+def test_blocks_another_plan_filed_first_go_back_to_the_free_pages(order: str) -> None:
+    """Two requests with one prompt, planned in the same step before either committed, copy the
+    same blocks: the second commit finds the first's pages in the tree and gives its own copies of
+    them back (they leaked once: the tree hands duplicates back to the caller)."""
+    store, eng = _store(), Engine()
+    ids = list(range(1, 1 + 3 * B))
+    eng.compute(ids, [0, 1, 2])
+    shorter, longer = store.plan_save("a", ids[: 2 * B]), store.plan_save("b", ids)
+    assert shorter is not None and longer is not None and shorter.start == longer.start == 0
+    for plan in (shorter, longer):
+        n = plan.end // B
+        store.copy_in_pages(plan.pages, eng.layers(list(range(n))))
+        store.copy_in_state(plan, eng.conv[n - 1], eng.rec[n - 1])
+    first, second = (shorter, longer) if order == "shorter-first" else (longer, shorter)
+    assert store.commit(first) and store.commit(second)  # a snapshot at each depth
+    store.synchronize()
+    store.check_invariants()
+    assert store.manager.cache.total_kv_tokens == 3 * B
+    assert store.pages.free_pages == store.num_pages - 3, "the second plan's copies of filed blocks were kept"
+    for end in (2 * B, 3 * B):
+        hit = store.lookup(f"r{end}", [*ids[:end], 7], computed=0)
+        assert hit is not None and hit.end == end
+        assert torch.equal(store.state_of(hit)[1], eng.rec[end // B - 1])
+        store.release(hit, loaded=True)
+    store.check_invariants()
+
+
 def test_the_clone_slot_is_made_before_the_prefix_is_read() -> None:
     """A commit on a full pool: the slot its clone needs is evicted for before the tree's KV of the
     prefix is read, so an eviction of that very prefix cannot hand the tree indices it freed."""

@@ -1,8 +1,9 @@
 """The vLLM host store with its copy thread, driven by hypothesis: saves (some of a state never
-written), lookups and evictions in a small budget, while the copy thread is held back now and
-then so that clones, fingerprints and page fingerprints are still queued when the next call
-comes. Every hit must serve exactly the bytes of its prefix, no state never written is ever
-served, and the store's invariants (pages, slots, plans, held hits) hold after every step."""
+written, some planned a step ahead so that plans of one prefix overlap), lookups and evictions in
+a small budget, while the copy thread is held back now and then so that clones, fingerprints and
+page fingerprints are still queued when the next call comes. Every hit must serve exactly the
+bytes of its prefix, no state never written is ever served, and the store's invariants (pages,
+slots, plans, held hits) hold after every step."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from radixcache.vllm import VERIFYING, Hit, PagedHostStore
+from radixcache.vllm import VERIFYING, Hit, PagedHostStore, SavePlan
 
 from .test_paged_store import B, Engine, _store
 
@@ -38,6 +39,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.never_written: set[tuple[int, ...]] = set()
         self.served = 0
         self.n = 0
+        self.pending: list[tuple[SavePlan, tuple[int, ...], bool]] = []  # plans not yet committed
 
     def _release_copies_soon(self) -> None:
         """Before a call into the store: the held copy thread runs again 10 ms from now (a
@@ -53,15 +55,15 @@ class StoreMachine(RuleBasedStateMachine):
             gate = self.gate
             self.store.copies.submit(lambda: gate.wait(10), label="held")
 
-    @rule(doc=st.integers(0, len(DOCS) - 1), blocks=st.integers(1, 3), never_written=st.booleans())
-    def save(self, doc: int, blocks: int, never_written: bool) -> None:
+    def _plan(self, doc: int, blocks: int, never_written: bool) -> tuple[SavePlan, tuple[int, ...], bool] | None:
+        """A plan for the first ``blocks`` of ``doc`` with the engine's bytes copied in."""
         ids = DOCS[doc][: blocks * B]
         eng = _expected(ids)
         self._release_copies_soon()
         self.n += 1
         plan = self.store.plan_save(f"s{self.n}", ids)
         if plan is None:
-            return
+            return None
         first = plan.start // B
         self.store.copy_in_pages(plan.pages, eng.layers(list(range(first, blocks))))
         if never_written:
@@ -71,11 +73,36 @@ class StoreMachine(RuleBasedStateMachine):
         # as vLLM's worker does: straight into the slot's bytes, no fence (the plan's slot was
         # handed out only once every queued copy that read it had run)
         self.store.bytes.write_state(plan.slot, conv, rec)
+        return plan, tuple(ids), never_written
+
+    def _commit(self, planned: tuple[SavePlan, tuple[int, ...], bool]) -> None:
+        plan, ids, never_written = planned
+        self._release_copies_soon()
         if self.store.commit(plan):
             if never_written:
-                self.never_written.add(tuple(ids))
+                self.never_written.add(ids)
             else:
-                self.never_written.discard(tuple(ids))
+                self.never_written.discard(ids)
+
+    @rule(doc=st.integers(0, len(DOCS) - 1), blocks=st.integers(1, 3), never_written=st.booleans())
+    def save(self, doc: int, blocks: int, never_written: bool) -> None:
+        planned = self._plan(doc, blocks, never_written)
+        if planned is not None:
+            self._commit(planned)
+
+    @rule(doc=st.integers(0, len(DOCS) - 1), blocks=st.integers(1, 3), never_written=st.booleans())
+    def plan_ahead(self, doc: int, blocks: int, never_written: bool) -> None:
+        """A save planned now and committed by a later step (vLLM plans every request a step
+        schedules before it commits any): plans of one prefix overlap."""
+        if len(self.pending) < 2:
+            planned = self._plan(doc, blocks, never_written)
+            if planned is not None:
+                self.pending.append(planned)
+
+    @rule()
+    def commit_planned(self) -> None:
+        if self.pending:
+            self._commit(self.pending.pop(0))
 
     @rule(doc=st.integers(0, len(DOCS) - 1))
     def lookup(self, doc: int) -> None:
@@ -131,6 +158,8 @@ class StoreMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         self._release_copies_soon()
+        for plan, _, _ in self.pending:
+            self.store.abandon(plan)
         for doc in range(len(DOCS)):
             self.store.finished(f"bg{doc}")
         self.store.synchronize()
