@@ -1,9 +1,9 @@
 """The vLLM host store with its copy thread, driven by hypothesis: saves (some of a state never
-written, some planned a step ahead so that plans of one prefix overlap), lookups and evictions in
-a small budget, while the copy thread is held back now and then so that clones, fingerprints and
-page fingerprints are still queued when the next call comes. Every hit must serve exactly the
-bytes of its prefix, no state never written is ever served, and the store's invariants (pages,
-slots, plans, held hits) hold after every step."""
+written, some planned a step ahead so that plans of one prefix overlap), lookups (some hits held
+over later steps) and evictions in a small budget, while the copy thread is held back now and
+then so that clones, fingerprints and page fingerprints are still queued when the next call
+comes. Every hit must serve exactly the bytes of its prefix, no state never written is ever
+served, and the store's invariants (pages, slots, plans, held hits) hold after every step."""
 
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.served = 0
         self.n = 0
         self.pending: list[tuple[SavePlan, tuple[int, ...], bool]] = []  # plans not yet committed
+        self.held: list[tuple[int, Hit]] = []  # hits not yet let go, with their prompt
 
     def _release_copies_soon(self) -> None:
         """Before a call into the store: the held copy thread runs again 10 ms from now (a
@@ -125,9 +126,34 @@ class StoreMachine(RuleBasedStateMachine):
     def background_request_ends(self, doc: int) -> None:
         self.store.finished(f"bg{doc}")
 
+    @rule(doc=st.integers(0, len(DOCS) - 1))
+    def lookup_and_hold(self, doc: int) -> None:
+        """A hit the engine reads over later steps (vLLM loads it while other requests save and
+        evict): its lock must keep its snapshot and pages as they were until it is let go."""
+        if len(self.held) < 2:
+            self._release_copies_soon()
+            self.n += 1
+            hit = self.store.lookup(f"h{self.n}", [*DOCS[doc], 7], computed=0)
+            if hit is not None:
+                self._check_bytes(doc, hit)
+                self.held.append((doc, hit))
+
+    @rule(loaded=st.booleans())
+    def release_held(self, loaded: bool) -> None:
+        if self.held:
+            doc, hit = self.held.pop(0)
+            self._check_bytes(doc, hit)  # unchanged while it was held
+            self.store.release(hit, loaded=loaded)
+
     def _check_hit(self, doc: int, hit: Hit | None) -> None:
         if hit is None:
             return
+        self._check_bytes(doc, hit)
+        self.store.release(hit, loaded=True)
+        self.served += 1
+
+    def _check_bytes(self, doc: int, hit: Hit) -> None:
+        """``hit`` serves exactly the bytes of its prefix, and not a state never written."""
         ids = DOCS[doc][: hit.end]
         assert tuple(ids) not in self.never_written, f"a state never written was served at depth {hit.end}"
         want = _expected(ids)
@@ -139,8 +165,6 @@ class StoreMachine(RuleBasedStateMachine):
         self.store.copy_out_pages(hit.pages, out.layers(list(range(len(hit.pages)))))
         for got, exp in zip(out.kv, want.kv, strict=True):
             assert torch.equal(got, exp), f"wrong KV pages for the hit at {hit.end}"
-        self.store.release(hit, loaded=True)
-        self.served += 1
 
     @rule()
     def synchronize(self) -> None:
@@ -160,6 +184,8 @@ class StoreMachine(RuleBasedStateMachine):
         self._release_copies_soon()
         for plan, _, _ in self.pending:
             self.store.abandon(plan)
+        for _, hit in self.held:
+            self.store.release(hit)
         for doc in range(len(DOCS)):
             self.store.finished(f"bg{doc}")
         self.store.synchronize()
