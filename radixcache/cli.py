@@ -186,7 +186,7 @@ def cmd_hammer(args: argparse.Namespace) -> int:
         raise _BadInput(str(e)) from None
     if args.record_hit_rate is not None and (cfg.inject is not None or not args.record_hit_rate.strip()):
         raise _BadInput("--record-hit-rate records a clean run (no --inject) and needs a reason")
-    update, close = progress_callback(cfg.requests, "hammer")
+    update, close = progress_callback(cfg.requests, "hammer", "request")
     try:
         hammered = run_hammer(cfg, progress=update, bars=_after(close))
     finally:
@@ -270,7 +270,7 @@ def _run_machine(
     progress bar; print PASS, or each failure's shrunk program."""
     from .progress import progress_callback
 
-    update, close = progress_callback(args.examples * hosts, name)
+    update, close = progress_callback(args.examples * hosts, name, "example")
     t0 = time.perf_counter()
     try:
         run(update)

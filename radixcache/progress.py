@@ -12,9 +12,9 @@ from collections.abc import Callable
 __all__ = ["progress_callback"]
 
 
-def progress_callback(total: int, desc: str) -> tuple[Callable[[int], None], Callable[[], None]]:
-    """Return ``(update(step), close())`` for a run of ``total`` steps (both do nothing under
-    ``RADIXCACHE_NO_PROGRESS``)."""
+def progress_callback(total: int, desc: str, unit: str = "step") -> tuple[Callable[[int], None], Callable[[], None]]:
+    """Return ``(update(step), close())`` for a run of ``total`` steps, each one ``unit`` (shown
+    in its plural: ``steps``, ``examples``); both do nothing under ``RADIXCACHE_NO_PROGRESS``."""
     if os.environ.get("RADIXCACHE_NO_PROGRESS", "") not in ("", "0"):
 
         def nothing(step: int = 0) -> None:
@@ -34,7 +34,8 @@ def progress_callback(total: int, desc: str) -> tuple[Callable[[int], None], Cal
                 last[0] = now
                 done, spent = step + 1, now - start
                 left = f", ~{spent / done * (total - done):.0f}s left" if done < total else ""
-                print(f"\r{desc}: {done}/{total} ({spent:.0f}s{left})", end="", file=sys.stderr, flush=True)
+                line = f"\r{desc}: {done}/{total} {unit}s ({spent:.0f}s{left})"
+                print(line, end="", file=sys.stderr, flush=True)
 
         def close() -> None:
             if not closed[0]:  # once: a second close prints nothing
@@ -42,7 +43,7 @@ def progress_callback(total: int, desc: str) -> tuple[Callable[[int], None], Cal
                 print(file=sys.stderr)
 
         return update, close
-    bar = tqdm(total=total, desc=desc, unit="step", mininterval=0.5)
+    bar = tqdm(total=total, desc=desc, unit=unit, mininterval=0.5)
 
     def update_bar(step: int) -> None:
         bar.update(1)

@@ -270,7 +270,11 @@ def test_no_progress_in_the_environment_silences_the_bars(
     update, close = progress_callback(3, "loud")
     update(2)
     close()
-    assert "loud: 3/3" in capsys.readouterr().err
+    assert "loud: 3/3 steps" in capsys.readouterr().err
+    update, close = progress_callback(2, "fuzz", "example")
+    update(1)
+    close()
+    assert "fuzz: 2/2 examples" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -388,11 +388,14 @@ def run_machine(
     and count run the same programs in any process, whatever else it imported: see
     :func:`~radixcache.testing.reproducible.seed_only_constants`); raise on the first failure
     after shrinking it (hypothesis attaches the shrunk program; with ``shrink=False``, the program
-    as found)."""
+    as found). ``progress(n)`` is called as example ``n`` starts, once for each of ``0`` to
+    ``examples - 1`` (the machines hypothesis discards beyond them are not counted)."""
     count = [0]
 
     def tick() -> None:
-        if progress is not None:
+        # hypothesis makes more machines than ``examples`` (those it discards do not count): the
+        # ticks past the last example would run a progress bar past its total
+        if progress is not None and count[0] < examples:
             progress(count[0])
         count[0] += 1
 
