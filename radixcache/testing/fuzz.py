@@ -388,13 +388,13 @@ def run_machine(
     and count run the same programs in any process, whatever else it imported: see
     :func:`~radixcache.testing.reproducible.seed_only_constants`); raise on the first failure
     after shrinking it (hypothesis attaches the shrunk program; with ``shrink=False``, the program
-    as found). ``progress(n)`` is called as example ``n`` starts, once for each of ``0`` to
-    ``examples - 1`` (the machines hypothesis discards beyond them are not counted)."""
+    as found). ``progress(n)`` is called as each machine starts, ``n`` counting from 0, at most
+    ``examples`` times (hypothesis also makes machines it discards: a few more than ``examples``)."""
     count = [0]
 
     def tick() -> None:
-        # hypothesis makes more machines than ``examples`` (those it discards do not count): the
-        # ticks past the last example would run a progress bar past its total
+        # hypothesis makes more machines than ``examples`` (those it discards do not count): more
+        # ticks would run a progress bar past its total
         if progress is not None and count[0] < examples:
             progress(count[0])
         count[0] += 1

@@ -923,7 +923,7 @@ class PagedHostStore:
         # The tree's clone may still read the plan's slot (copy_thread): free now, handed out
         # again only once the clone read it (the next owner is vLLM's worker, writing it blind).
         self.pool.free(plan.slot, plan.owner, wait=False)
-        if res.released.numel():  # another plan filed some of these blocks first: its pages stay
+        if res.released.numel():  # another plan filed some of these blocks first: the tree keeps its pages
             self.pages.free(res.released)
         if res.length < plan.end:  # filed without a snapshot: the tail stays ours
             self.pages.free(plan.indices[max(res.length, plan.start) - plan.start :])
