@@ -19,7 +19,7 @@ from radixcache import KVPageList
 from radixcache.manager import EvictionReason
 from radixcache.policies import make_policy
 from radixcache.tiers.store import MemoryStore, RedisStore, SharedStoreError
-from radixcache.vllm import VERIFYING, ConnectorOptions, Hit, PagedHostStore, PagedLayout, UnsupportedEngine
+from radixcache.vllm import VERIFYING, ConnectorOptions, Hit, PagedHostStore, PagedLayout, SavePlan, UnsupportedEngine
 
 from .redis_server import RedisServer
 
@@ -56,14 +56,18 @@ class Engine:
         return [(t, blocks) for t in self.kv]
 
 
+def _copy_in(store: PagedHostStore, eng: Engine, plan: SavePlan, blocks: list[int]) -> None:
+    """What vLLM's worker does for ``plan``: the engine's ``blocks`` into its pages, the state
+    of the last of them into its slot."""
+    store.copy_in_pages(plan.pages, eng.layers(blocks))
+    store.copy_in_state(plan, eng.conv[blocks[-1]], eng.rec[blocks[-1]])
+
+
 def _save(store: PagedHostStore, eng: Engine, rid: str, ids: list[int], blocks: list[int]) -> bool:
     plan = store.plan_save(rid, ids)
     if plan is None:
         return False
-    first = plan.start // B
-    store.copy_in_pages(plan.pages, eng.layers(blocks[first:]))
-    last = blocks[len(ids) // B - 1]
-    store.copy_in_state(plan, eng.conv[last], eng.rec[last])
+    _copy_in(store, eng, plan, blocks[plan.start // B : len(ids) // B])
     return store.commit(plan)
 
 
@@ -283,8 +287,7 @@ def test_a_commit_returns_before_the_copy_and_a_lookup_waits_for_it() -> None:
     eng.compute(ids, [0, 1])
     plan = store.plan_save("a", ids)
     assert plan is not None
-    store.copy_in_pages(plan.pages, eng.layers([0, 1]))
-    store.copy_in_state(plan, eng.conv[1], eng.rec[1])
+    _copy_in(store, eng, plan, [0, 1])
     gate = threading.Event()
     store.copies.submit(lambda: gate.wait(10), label="busy")  # the clone waits behind this
     assert store.commit(plan)
@@ -348,8 +351,7 @@ def test_a_plan_made_before_its_last_ids_were_known_is_filed_under_the_whole_pre
     eng.compute(ids, [0, 1])
     plan = store.plan_save("a", ids[:-1], end=2 * B)
     assert plan is not None and plan.ids.size == 2 * B - 1 and (plan.start, plan.end) == (0, 2 * B)
-    store.copy_in_pages(plan.pages, eng.layers([0, 1]))
-    store.copy_in_state(plan, eng.conv[1], eng.rec[1])
+    _copy_in(store, eng, plan, [0, 1])
     with pytest.raises(ValueError, match="knows 7 of its ids: commit needs all of them"):
         store.commit(plan)
     with pytest.raises(ValueError, match="got 7 ids"):
@@ -431,8 +433,7 @@ def test_a_plan_whose_prefix_was_evicted_meanwhile_is_not_filed() -> None:
     assert plan is not None and plan.start == 2 * B
     store.manager.evict(kv_tokens=2 * B)
     assert store.manager.cache.total_kv_tokens == 0
-    store.copy_in_pages(plan.pages, eng.layers([2]))
-    store.copy_in_state(plan, eng.conv[2], eng.rec[2])
+    _copy_in(store, eng, plan, [2])
     assert not store.commit(plan) and store.stats.saves_skipped["prefix-evicted"] == 1
     assert store.lookup("b", [*ids, 1]) is None
     store.check_invariants()
@@ -451,8 +452,7 @@ def test_blocks_another_plan_filed_first_go_back_to_the_free_pages(order: str) -
     assert shorter is not None and longer is not None and shorter.start == longer.start == 0
     for plan in (shorter, longer):
         n = plan.end // B
-        store.copy_in_pages(plan.pages, eng.layers(list(range(n))))
-        store.copy_in_state(plan, eng.conv[n - 1], eng.rec[n - 1])
+        _copy_in(store, eng, plan, list(range(n)))
     first, second = (shorter, longer) if order == "shorter-first" else (longer, shorter)
     assert store.commit(first) and store.commit(second)  # a snapshot at each depth
     store.synchronize()
@@ -480,8 +480,7 @@ def test_the_clone_slot_is_made_before_the_prefix_is_read() -> None:
     assert _save(store, eng, "c", c, [10])
     plan = store.plan_save("a", longer)  # the third slot: the pool is full
     assert plan is not None and plan.start == 2 * B and store.pool.num_free == 0
-    store.copy_in_pages(plan.pages, eng.layers([2]))
-    store.copy_in_state(plan, eng.conv[2], eng.rec[2])
+    _copy_in(store, eng, plan, [2])
     store.check_invariants()
     store.commit(plan)
     store.check_invariants()
@@ -528,8 +527,7 @@ def test_a_lookup_verifies_pages_only_once_their_fingerprints_are_taken() -> Non
     eng.compute(ids, [0, 1])
     plan = store.plan_save("a", ids)
     assert plan is not None and store.copies is not None
-    store.copy_in_pages(plan.pages, eng.layers([0, 1]))
-    store.copy_in_state(plan, eng.conv[1], eng.rec[1])
+    _copy_in(store, eng, plan, [0, 1])
     gate = threading.Event()
     store.copies.submit(lambda: gate.wait(10), label="busy")
     assert store.commit(plan)
