@@ -14,7 +14,13 @@ __all__ = ["progress_callback"]
 
 def progress_callback(total: int, desc: str, unit: str = "step") -> tuple[Callable[[int], None], Callable[[], None]]:
     """Return ``(update(step), close())`` for a run of ``total`` steps, each one ``unit`` (shown
-    in its plural: ``steps``, ``examples``); both do nothing under ``RADIXCACHE_NO_PROGRESS``."""
+    in its plural: ``steps``, ``examples``); both do nothing under ``RADIXCACHE_NO_PROGRESS``.
+
+    :raises TypeError: ``unit`` not a str. :raises ValueError: ``unit`` empty."""
+    if not isinstance(unit, str):
+        raise TypeError(f"unit must be a str, got {type(unit).__name__} {unit!r}")
+    if not unit:
+        raise ValueError("unit must name what a step counts, got ''")
     if os.environ.get("RADIXCACHE_NO_PROGRESS", "") not in ("", "0"):
 
         def nothing(step: int = 0) -> None:

@@ -275,6 +275,10 @@ def test_no_progress_in_the_environment_silences_the_bars(
     update(1)
     close()
     assert "fuzz: 2/2 examples" in capsys.readouterr().err
+    with pytest.raises(TypeError, match="unit must be a str, got int 3"):
+        progress_callback(2, "fuzz", 3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unit must name"):
+        progress_callback(2, "fuzz", "")
 
 
 @pytest.mark.parametrize(
