@@ -1,5 +1,6 @@
 """The vLLM host store with its copy thread, driven by hypothesis: saves (some of a state never
-written, some planned a step ahead so that plans of one prefix overlap), lookups (some hits held
+written, some planned a step ahead so that plans of one prefix overlap, some planned before their
+last ids are known, as vLLM's asynchronous scheduling does, some abandoned), lookups (some hits held
 over later steps) and evictions in a small budget, while the copy thread is held back now and
 then so that clones, fingerprints and page fingerprints are still queued when the next call
 comes. Every hit must serve exactly the bytes of its prefix, no state never written is ever
@@ -56,13 +57,16 @@ class StoreMachine(RuleBasedStateMachine):
             gate = self.gate
             self.store.copies.submit(lambda: gate.wait(10), label="held")
 
-    def _plan(self, doc: int, blocks: int, never_written: bool) -> tuple[SavePlan, tuple[int, ...], bool] | None:
-        """A plan for the first ``blocks`` of ``doc`` with the engine's bytes copied in."""
+    def _plan(
+        self, doc: int, blocks: int, never_written: bool, unknown: int = 0
+    ) -> tuple[SavePlan, tuple[int, ...], bool] | None:
+        """A plan for the first ``blocks`` of ``doc`` with the engine's bytes copied in; its last
+        ``unknown`` ids not known when it is planned (given at the commit)."""
         ids = DOCS[doc][: blocks * B]
         eng = _expected(ids)
         self._release_copies_soon()
         self.n += 1
-        plan = self.store.plan_save(f"s{self.n}", ids)
+        plan = self.store.plan_save(f"s{self.n}", ids[: len(ids) - unknown], end=len(ids))
         if plan is None:
             return None
         first = plan.start // B
@@ -79,7 +83,7 @@ class StoreMachine(RuleBasedStateMachine):
     def _commit(self, planned: tuple[SavePlan, tuple[int, ...], bool]) -> None:
         plan, ids, never_written = planned
         self._release_copies_soon()
-        if self.store.commit(plan):
+        if self.store.commit(plan, list(ids)):
             if never_written:
                 self.never_written.add(ids)
             else:
@@ -91,12 +95,19 @@ class StoreMachine(RuleBasedStateMachine):
         if planned is not None:
             self._commit(planned)
 
-    @rule(doc=st.integers(0, len(DOCS) - 1), blocks=st.integers(1, 3), never_written=st.booleans())
-    def plan_ahead(self, doc: int, blocks: int, never_written: bool) -> None:
+    @rule(
+        doc=st.integers(0, len(DOCS) - 1),
+        blocks=st.integers(1, 3),
+        never_written=st.booleans(),
+        unknown=st.sampled_from([0, 1, B // 2, B]),
+    )
+    def plan_ahead(self, doc: int, blocks: int, never_written: bool, unknown: int) -> None:
         """A save planned now and committed by a later step (vLLM plans every request a step
-        schedules before it commits any): plans of one prefix overlap."""
+        schedules before it commits any): plans of one prefix overlap. With ``unknown`` its
+        last ids are not known yet (asynchronous scheduling: the step's sampled token comes
+        later), so the pages it reserves are counted from fewer ids than it files."""
         if len(self.pending) < 2:
-            planned = self._plan(doc, blocks, never_written)
+            planned = self._plan(doc, blocks, never_written, unknown)
             if planned is not None:
                 self.pending.append(planned)
 
@@ -104,6 +115,15 @@ class StoreMachine(RuleBasedStateMachine):
     def commit_planned(self) -> None:
         if self.pending:
             self._commit(self.pending.pop(0))
+
+    @rule()
+    def abandon_planned(self) -> None:
+        """A planned save the engine never files (its request aborted before the step ran): its
+        pages and slot go back, whatever the copy thread and the other plans did meanwhile."""
+        if self.pending:
+            self._release_copies_soon()
+            plan, _, _ = self.pending.pop()
+            self.store.abandon(plan, why="aborted")
 
     @rule(doc=st.integers(0, len(DOCS) - 1))
     def lookup(self, doc: int) -> None:

@@ -240,6 +240,12 @@ class Workload:
     def answered(self, outs: Sequence[Sequence[int]]) -> None:
         self._answers = [list(o) for o in outs]
 
+    def system_hit_floor(self, requests: int, block: int) -> int:
+        """Hit tokens ``requests`` requests over a shared system prompt at least get from a cache
+        that filed it: its whole ``block``-token blocks each (the floor the tests assert is this,
+        not a figure of one CPU's block: 1,280 a request on 640-token blocks, 1,152 on 384)."""
+        return requests * (self.system_len // block * block)
+
 
 #: Two greedy runs may part at a near tie: a prefix served from cache is computed in other chunks
 #: than a cold prefill, and bf16 rounding differs. A token is wrong only where the ground truth's
