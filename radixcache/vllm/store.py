@@ -171,8 +171,12 @@ class SavePlan:
     :ivar ids: the prefix's ids known when planned: all ``end`` of them, or its first ones (the
         rest are the step's input tokens not sampled yet; :meth:`PagedHostStore.commit` takes
         the whole prefix then).
-    :ivar start: tokens whose KV the tree held when planned (a block multiple).
+    :ivar start: tokens whose KV the tree held when planned, or an earlier plan still pending
+        copies (a block multiple): the plan's pages are the blocks after them.
     :ivar indices: the token indices of ``pages`` (the tree's KV indices once filed).
+    :ivar after: the earlier plan whose blocks this one relies on (it was pending when this one
+        was planned, and its prefix begins this one's), or None: commit that one first. Cleared
+        once this plan is committed or abandoned.
     """
 
     rid: Hashable
@@ -184,6 +188,7 @@ class SavePlan:
     pages: tuple[int, ...]
     slot: SlotId
     owner: RequestOwner
+    after: SavePlan | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -848,6 +853,15 @@ class PagedHostStore:
         tree lacks are counted from the known ids (at worst a block the tree turns out to hold
         is copied and given back at the commit).
 
+        Plans of one prefix made before either is committed (requests with one system prompt
+        scheduled in one step) copy its blocks once: a plan's pages start where the tree's KV, or
+        an earlier plan still pending (``plan.after``) whose known ids begin with its own, ends,
+        and a plan for the very prefix of a pending one is not made (``None``, counted as
+        ``planned``). Commit plans in the order they were made (vLLM's connector does): one
+        committed while the plan it relies on is pending files nothing (counted as
+        ``prefix-pending``), as one whose prefix was evicted, or whose plan it relied on was
+        abandoned or filed nothing (``prefix-evicted``).
+
         :raises ValueError: ``end`` (``len(ids)`` by default) not a positive whole number of
             blocks, or fewer than ``len(ids)``. Nothing changed.
         """
@@ -865,6 +879,10 @@ class PagedHostStore:
             self.stats.skip("held")
             return None
         start = m.token_length // self.block * self.block
+        start, after = self._pending_cover(arr, namespace, start, end)
+        if start == end and arr.size == end and self._pending_same(arr, namespace):
+            self.stats.skip("planned")  # a pending plan files this very snapshot
+            return None
         need = end - start
         idx = self.pages.alloc(need)
         if idx is None:
@@ -879,9 +897,35 @@ class PagedHostStore:
             return None
         owner = RequestOwner(("save", rid, end))
         slot = self.pool.alloc(owner)
-        plan = SavePlan(rid, arr, namespace, start, end, idx, tuple(self.pages.pages(idx).tolist()), slot, owner)
+        plan = SavePlan(rid, arr, namespace, start, end, idx, tuple(self.pages.pages(idx).tolist()), slot, owner, after)
         self._planned[id(plan)] = plan
         return plan
+
+    def _pending_same(self, ids: np.ndarray, namespace: Hashable) -> bool:
+        """Whether a pending plan of ``namespace`` files the snapshot of exactly ``ids``."""
+        return any(
+            p.end == ids.size == p.ids.size and p.namespace == namespace and np.array_equal(p.ids, ids)
+            for p in self._planned.values()
+        )
+
+    def _pending_cover(self, ids: np.ndarray, namespace: Hashable, start: int, end: int) -> tuple[int, SavePlan | None]:
+        """How far the KV of ``ids`` (the tree's up to ``start``) reaches with the plans still
+        pending, up to ``end``: a pending plan of ``namespace`` extends it when its pages begin
+        within it and its known ids agree with ``ids`` beyond it (whole blocks); the last plan
+        that extended it. O(pending plans x ids)."""
+        after: SavePlan | None = None
+        grew = True
+        while grew and start < end:
+            grew = False
+            for p in self._planned.values():
+                if p.start > start or p.end <= start or p.ids.size <= start or p.namespace != namespace:
+                    continue
+                n = min(p.end, p.ids.size, ids.size, end)
+                diff = np.flatnonzero(p.ids[:n] != ids[:n])
+                reach = (int(diff[0]) if diff.size else n) // self.block * self.block
+                if reach > start:
+                    start, after, grew = reach, p, True
+        return start, after
 
     def commit(self, plan: SavePlan, ids: Sequence[int] | np.ndarray | None = None) -> bool:
         """File ``plan`` once its pages and slot hold the engine's bytes: the tree takes the new
@@ -896,6 +940,7 @@ class PagedHostStore:
             plan that lacks some, or not ``plan.end`` ids that begin with ``plan.ids``. Nothing
             changed (the plan stays planned but for the first)."""
         whole = self._whole(plan, ids)
+        after = plan.after
         self._take(plan)
         plan.ids = whole
         mgr = self.manager
@@ -908,7 +953,10 @@ class PagedHostStore:
             return False
         held = mgr.kv_prefix(plan.ids, namespace=plan.namespace)
         if held.numel() < plan.start:
-            self.stats.skip("prefix-evicted")
+            # the blocks before its pages are gone, or never came: the plan it relied on is still
+            # pending (committed out of order; "prefix-pending"), or was abandoned or filed nothing
+            pending = after is not None and self._planned.get(id(after)) is after
+            self.stats.skip("prefix-pending" if pending else "prefix-evicted")
             self.pages.free(plan.indices)
             self.pool.free(plan.slot, plan.owner)
             return False
@@ -998,6 +1046,7 @@ class PagedHostStore:
         if self._planned.get(id(plan)) is not plan:
             raise ValueError(f"the plan for {plan.end} tokens of {plan.rid!r} was committed or abandoned already")
         del self._planned[id(plan)]
+        plan.after = None  # a chain of plans is not kept alive by the ones relying on it
 
     def abandon(self, plan: SavePlan, *, why: str | None = None) -> None:
         """Give ``plan``'s pages and slot back unfiled (the engine did not copy into it, or the
