@@ -213,7 +213,13 @@ class StoreStats:
     declined: int = 0  # hits the engine had no room for: turned down by lookup(fits=) or withdrawn (declined=True)
     hit_tokens: int = 0
     saves: int = 0  # snapshots filed (one forensics then finds never written is dropped: corrupt_snapshots)
-    saved_pages: int = 0
+    saved_pages: int = 0  # pages of the saves handed to the tree (a duplicate it gave back included)
+    #: saves not filed, by why: ``held`` (the tree has that snapshot), ``planned`` (a pending plan
+    #: files it), ``no-pages``, ``no-slot`` (no room, even after evicting), ``prefix-evicted``
+    #: (the blocks before the plan's pages left the tree, or the plan it relied on was abandoned
+    #: or filed nothing), ``prefix-pending`` (committed before the plan it relies on), ``corrupt``
+    #: (its state never written), and the ``why`` of :meth:`PagedHostStore.abandon`
+    #: (the connector's: ``ids-unknown``)
     saves_skipped: dict[str, int] = field(default_factory=dict)
     corrupt_snapshots: int = 0  # snapshots a finding named, refused (dropped now, or once no hit holds them)
     corrupt_pages: int = 0
