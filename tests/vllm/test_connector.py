@@ -133,6 +133,52 @@ def test_the_connector_serves_the_ground_truth_from_its_store(tiny_model: Path, 
     assert facts["findings"] == 0 and facts["page_findings"] == 0
 
 
+def test_a_burst_over_one_system_prompt_copies_its_blocks_once_and_serves_the_ground_truth(tiny_model: Path) -> None:
+    """Four requests over one system prompt that ends mid-block, scheduled in one step: vLLM's
+    own cache shares the prompt's whole blocks among them, and each plans the save of the block
+    boundary past the prompt. The later plans rely on the first's copies of the shared blocks, so
+    every page copied is one the tree keeps (measured 2026-12-08, 640-token blocks: 6 pages
+    copied, 6 kept; 8 copied before, 2 of them given back). Then vLLM's cache is reset and noised,
+    and the prompts again are served from the store, every answer the cold engine's."""
+    import random
+
+    cold = make_llm(tiny_model, prefix_caching=False)
+    try:
+        block = cold.llm_engine.vllm_config.cache_config.block_size  # vLLM picks it per CPU
+        rng = random.Random(5)
+        system = [rng.randrange(3, 1024) for _ in range(5 * block // 2)]
+        prompts = [system + [rng.randrange(3, 1024) for _ in range(block + 7 * i)] for i in range(4)]
+        truth = generate(cold, prompts, 4)
+        generate(cold, prompts, 4, truth)
+    finally:
+        close(cold)
+    # a step's budget that takes the four prefills together
+    llm = make_llm(
+        tiny_model,
+        prefix_caching=True,
+        kv_transfer_config=_kv_transfer(),
+        max_num_batched_tokens=8192,
+        disable_log_stats=False,
+    )
+    try:
+        got = generate(llm, prompts, 4)
+        store = connector_of(llm).store
+        store.synchronize()
+        store.check_invariants()
+        kept = store.num_pages - store.pages.free_pages
+        stats = store.stats
+        assert stats.saves >= 4 and stats.saved_pages == kept, (stats, kept)  # at least each tail's boundary
+        assert llm.reset_prefix_cache() and fill_free_blocks_with_noise(llm, seed=1) > 0
+        generate(llm, prompts, 4, got)
+        external = external_hits(llm)
+    finally:
+        close(llm)
+    wrong, ties = compare(truth, got)
+    assert not wrong, f"{len(wrong)} wrong answers: {wrong}"
+    assert len(ties) <= tie_bound(got), ties
+    assert external >= 4 * (3 * block), f"vLLM counted {external} external hit tokens"  # each prompt's 3 blocks
+
+
 def test_a_tiny_host_budget_is_held_by_the_policy_and_still_serves_the_ground_truth(
     tiny_model: Path, truth: Served
 ) -> None:
