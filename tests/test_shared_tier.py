@@ -30,6 +30,7 @@ from radixcache.tiers.host import HOST_TIER_FACTOR, auto_host_pool
 from radixcache.tiers.shared import SharedTier
 from radixcache.tiers.store import MemoryStore, RedisStore, SharedStore, SharedStoreError, deepest_of
 
+from .exit_check import run_exiting
 from .redis_server import RedisServer
 from .tree_helpers import scribble
 
@@ -1036,10 +1037,7 @@ def test_a_process_that_exits_without_close_stores_its_queued_uploads_first(exit
     """Until 2026-12-07 the writer's queue was dropped at exit: a replica that exited without
     ``close()`` took its last publications with it. It now stores them for up to
     ``exit_flush_s`` (0: dropped at once, the one in flight finishing)."""
-    done = subprocess.run(
-        [sys.executable, "-c", _EXIT_SCRIPT, str(exit_flush_s)], capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    done = run_exiting(_EXIT_SCRIPT, str(exit_flush_s))  # the writer ended by the tier's own exit hook
     lines = done.stdout.split()
     queued = int(lines[lines.index("queued") + 1])
     assert queued >= 6, done.stdout  # the script published faster than the store takes them

@@ -1,5 +1,3 @@
-import subprocess
-import sys
 import threading
 import time
 from typing import TypeVar
@@ -23,6 +21,8 @@ from linear_state import (
     ThreadStream,
     cuda_fence_check,
 )
+
+from .exit_check import run_exiting
 
 
 def test_immediate_runs_at_submit() -> None:
@@ -457,6 +457,5 @@ def test_a_process_that_exits_with_copies_queued_runs_them_and_exits_cleanly() -
         "s.submit(copies)\n"
         "print('queued', s.pending > 0)\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
-    assert "queued" in done.stdout
+    done = run_exiting(script)  # the stream's thread ended by the library's exit hook
+    assert "queued True" in done.stdout
