@@ -1139,19 +1139,29 @@ class CacheManager:
     def publish_pending(self, *, wait: bool = False) -> int:
         """Publish the snapshots queued for the shared tier whose fences completed (every one with
         ``wait``, waiting their fences, and, with a background tier, until its writer stored
-        them). The manager also does this at each admission. Returns the blobs stored (handed to
-        the writer, with a background tier; 0 without a shared tier).
+        them). The manager also does this at each admission. Returns the blobs stored: with
+        ``wait``, those this call's publications added to the store (a copy refused for its
+        fingerprint, an upload the store failed, a blob already there: not counted); without,
+        with a background tier, those handed to its writer, which may still refuse or fail them
+        (``stats`` of the tier say). 0 without a shared tier.
 
         :raises SnapshotCorruption: forensics in ``"raise"`` mode and the tier refused a
             publication whose copy differed from its donation's fingerprint (every check recorded,
             the first raised, once)."""
-        if self.shared is None:
+        shared = self.shared
+        if shared is None:
             return 0
-        n = self._publish_ready(wait)
-        if wait:
-            self.shared.flush()
-            self._take_checks()
-        return n
+        if not wait:
+            return self._publish_ready(False)
+        # NOTE: until 2026-12-08 this counted the blobs handed to a background writer, those it
+        # then refused included. The writer is drained first, so that what it stores from here
+        # on is this call's.
+        shared.flush()
+        before = shared.stats.published
+        self._publish_ready(True)
+        shared.flush()
+        self._take_checks()
+        return shared.stats.published - before
 
     def _shared_rejected(self, rej: Rejection) -> None:
         if self.forensics is not None:
