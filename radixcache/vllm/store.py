@@ -918,19 +918,26 @@ class PagedHostStore:
         """How far the KV of ``ids`` (the tree's up to ``start``) reaches with the plans still
         pending, up to ``end``: a pending plan of ``namespace`` extends it when its pages begin
         within it and its known ids agree with ``ids`` beyond it (whole blocks); the last plan
-        that extended it. O(pending plans x ids)."""
+        that extended it. O(pending plans) scalar tests, and a comparison of the ids of each plan
+        that agrees on the next block's last id."""
         after: SavePlan | None = None
         grew = True
         while grew and start < end:
             grew = False
+            last = start + self.block - 1  # a plan that extends the reach agrees on the next block's last id
+            if ids.size <= last:
+                break
             for p in self._planned.values():
-                if p.start > start or p.end <= start or p.ids.size <= start or p.namespace != namespace:
+                if p.start > start or p.end <= last or p.ids.size <= last or p.ids[last] != ids[last]:
+                    continue  # one scalar test rules out a plan of another prompt
+                if p.namespace != namespace:
                     continue
                 n = min(p.end, p.ids.size, ids.size, end)
                 diff = np.flatnonzero(p.ids[:n] != ids[:n])
                 reach = (int(diff[0]) if diff.size else n) // self.block * self.block
                 if reach > start:
                     start, after, grew = reach, p, True
+                    break  # the next pass tests the block after the new reach
         return start, after
 
     def commit(self, plan: SavePlan, ids: Sequence[int] | np.ndarray | None = None) -> bool:
