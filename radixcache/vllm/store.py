@@ -944,7 +944,8 @@ class PagedHostStore:
         """File ``plan`` once its pages and slot hold the engine's bytes: the tree takes the new
         pages and a clone of the slot (the manager's ``checkpoint``), the rest goes back. Returns
         whether a snapshot was filed (``False``: the tree lost the prefix the plan relied on
-        meanwhile, or held a snapshot there already).
+        meanwhile, the plan it relies on, ``plan.after``, is still pending or was abandoned, or
+        the tree held a snapshot there already; the plan's pages and slot go back).
 
         ``ids``: the whole prefix (``plan.end`` ids beginning with ``plan.ids``); needed when the
         plan was made with fewer (``plan_save(..., end=)``), checked when given.
