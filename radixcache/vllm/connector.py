@@ -23,7 +23,8 @@ Per step (vLLM runs them in this order):
    attention pages into the attention groups' blocks of the hit, the state into each linear
    group's block that holds the state after the hit (``end / block - 1``);
 3. scheduler, ``build_connector_meta``: each request whose step ends on a block boundary gets a
-   save plan (host pages for the blocks the tree lacks, a slot for the state);
+   save plan (host pages for the blocks neither the tree nor an earlier plan still pending
+   holds, a slot for the state; plans are filed in the order they were made, step by step);
 4. worker, ``start_load_kv`` (before the forward): the planned loads are copied into vLLM's blocks;
 5. worker, ``wait_for_save`` (after the forward): the planned saves are copied out of vLLM's
    blocks, in the step that wrote them (a later step may have moved the state block on);
