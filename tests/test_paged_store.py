@@ -7,7 +7,6 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from collections.abc import Sequence
 
 import numpy as np
 import pytest
@@ -67,6 +66,20 @@ def _copy_in(store: PagedHostStore, eng: Engine, plan: SavePlan, blocks: list[in
         state = blocks[-1]
     store.copy_in_pages(plan.pages, eng.layers(blocks))
     store.copy_in_state(plan, eng.conv[state], eng.rec[state])
+
+
+def _hit_equals(store: PagedHostStore, eng: Engine, ids: list[int], blocks: list[int], rid: str) -> None:
+    """A lookup of ``ids`` + one token hits all of ``ids`` with the engine's bytes."""
+    hit = store.lookup(rid, ids, computed=0)
+    assert hit is not None and hit.end == len(ids), hit
+    out = Engine()
+    store.copy_out_pages(hit.pages, out.layers(list(range(len(hit.pages)))))
+    for t_out, t_in in zip(out.kv, eng.kv, strict=True):
+        assert torch.equal(t_out[: len(blocks)], t_in[blocks])
+    conv, rec = store.state_of(hit)
+    assert torch.equal(conv, eng.conv[blocks[-1]]) and torch.equal(rec, eng.rec[blocks[-1]])
+    store.release(hit)
+    store.check_invariants()
 
 
 def _save(store: PagedHostStore, eng: Engine, rid: str, ids: list[int], blocks: list[int]) -> bool:
@@ -447,20 +460,6 @@ def test_a_plan_whose_prefix_was_evicted_meanwhile_is_not_filed() -> None:
     assert store.pages.free_pages == store.num_pages and store.pool.num_free == store.num_slots
 
 
-def _serves(store: PagedHostStore, eng: Engine, ids: list[int], ends: Sequence[int]) -> None:
-    """A hit at each of ``ends`` serves the state and pages the engine computed there."""
-    for end in ends:
-        hit = store.lookup(f"r{end}", [*ids[:end], 7], computed=0)
-        assert hit is not None and hit.end == end
-        assert torch.equal(store.state_of(hit)[1], eng.rec[end // B - 1])
-        out = Engine(len(hit.pages))
-        store.copy_out_pages(hit.pages, out.layers(list(range(len(hit.pages)))))
-        for got, want in zip(out.kv, eng.kv, strict=True):
-            assert torch.equal(got, want[: len(hit.pages)]), f"wrong pages for the hit at {end}"
-        store.release(hit, loaded=True)
-    store.check_invariants()
-
-
 @pytest.mark.parametrize("order", ["shorter-first", "longer-first"])
 def test_plans_of_one_prefix_pending_together_copy_its_blocks_once(order: str) -> None:
     """Requests with one prompt planned in the same step, before either committed (a system
@@ -486,7 +485,8 @@ def test_plans_of_one_prefix_pending_together_copy_its_blocks_once(order: str) -
     store.check_invariants()
     assert store.manager.cache.total_kv_tokens == 3 * B
     assert store.pages.free_pages == store.num_pages - 3 and store.stats.saved_pages == 3
-    _serves(store, eng, ids, (2 * B, 3 * B))
+    for end in (2 * B, 3 * B):
+        _hit_equals(store, eng, ids[:end], list(range(end // B)), f"r{end}")
 
 
 @pytest.mark.parametrize("fate", ["committed-after", "abandoned", "other-namespace"])
@@ -521,7 +521,7 @@ def test_a_plan_filed_before_the_plan_it_relies_on_files_nothing_and_gives_all_b
     if fate == "committed-after":
         assert store.commit(first)
         store.synchronize()
-        _serves(store, eng, ids, (B,))
+        _hit_equals(store, eng, ids[:B], [0], "r")
 
 
 @pytest.mark.parametrize("order", ["shorter-first", "longer-first"])
@@ -545,7 +545,8 @@ def test_blocks_another_plan_filed_first_go_back_to_the_free_pages(order: str) -
     store.check_invariants()
     assert store.manager.cache.total_kv_tokens == 3 * B
     assert store.pages.free_pages == store.num_pages - 3, "the second plan's copies of filed blocks were kept"
-    _serves(store, eng, ids, (2 * B, 3 * B))
+    for end in (2 * B, 3 * B):
+        _hit_equals(store, eng, ids[:end], list(range(end // B)), f"r{end}")
 
 
 def test_the_clone_slot_is_made_before_the_prefix_is_read() -> None:
@@ -573,20 +574,6 @@ def test_the_clone_slot_is_made_before_the_prefix_is_read() -> None:
 
 
 # ----------------------------------------------------------------------------- the shared tier
-def _hit_equals(store: PagedHostStore, eng: Engine, ids: list[int], blocks: list[int], rid: str) -> None:
-    """A lookup of ``ids`` + one token hits all of ``ids`` with the engine's bytes."""
-    hit = store.lookup(rid, ids, computed=0)
-    assert hit is not None and hit.end == len(ids), hit
-    out = Engine()
-    store.copy_out_pages(hit.pages, out.layers(list(range(len(hit.pages)))))
-    for t_out, t_in in zip(out.kv, eng.kv, strict=True):
-        assert torch.equal(t_out[: len(blocks)], t_in[blocks])
-    conv, rec = store.state_of(hit)
-    assert torch.equal(conv, eng.conv[blocks[-1]]) and torch.equal(rec, eng.rec[blocks[-1]])
-    store.release(hit)
-    store.check_invariants()
-
-
 def _published(first_id: int, n_blocks: int) -> tuple[MemoryStore, PagedHostStore, PagedHostStore, Engine, list[int]]:
     """Two stores on one in-memory shared store, ``a`` having computed, saved and published the
     ``n_blocks``-block prompt starting at ``first_id`` (blocks 0, 1, ... of its engine)."""
