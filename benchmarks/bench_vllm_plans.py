@@ -31,11 +31,12 @@ from linear_state import StateLayout
 from radixcache.vllm import PagedHostStore, PagedLayout, SavePlan
 
 STATE = StateLayout(num_layers=2, conv_shape=(3, 8), recurrent_shape=(2, 4, 4))  # the state's size is not timed here
+SHARED_BLOCKS = 2  # the system prompt's whole blocks (it ends half a block further)
 
 
 def _prompts(n: int, block: int, blocks: int, shared: bool, seed: int) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
-    system = rng.integers(3, 150_000, 5 * block // 2)
+    system = rng.integers(3, 150_000, SHARED_BLOCKS * block + block // 2)
     out = []
     for _ in range(n):
         own = rng.integers(3, 150_000, blocks * block)
@@ -71,7 +72,7 @@ def _burst(layout: PagedLayout, n: int, blocks: int, shared: bool, reps: int) ->
         st.abandon(last)
         st.check_invariants()
     st.close()
-    needed = n * blocks - (n - 1) * 2 if shared else n * blocks  # the two shared blocks once
+    needed = n * blocks - (n - 1) * SHARED_BLOCKS if shared else n * blocks  # the shared blocks once
     p, a = statistics.median(with_pending) * 1e6, statistics.median(alone) * 1e6
     return {
         "plan_us": round(p, 1),
